@@ -1,0 +1,1 @@
+"""mpitrain: a declarative experiment runner for distributed data-parallel training over MPI."""

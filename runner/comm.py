@@ -1,0 +1,214 @@
+"""The communication layer: the only module of mpitrain that imports mpi4py.
+
+Everything here works on torch tensors through zero-copy numpy views of contiguous CPU tensors and uses
+mpi4py's buffer API (upper-case methods); the pickle API is kept for small Python objects (metrics,
+configuration). CUDA tensors are staged through host memory. Every call accounts the bytes it sent and
+the seconds it spent, so the training loop can split a step into compute and communication.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+
+
+def _view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing memory with the contiguous CPU tensor ``t``."""
+    assert t.is_contiguous() and t.device.type == "cpu", "comm buffers must be contiguous CPU tensors"
+    return t.detach().numpy()
+
+
+class _Staged:
+    """Host staging for a tensor that MPI cannot read directly (CUDA): copy in, and back out when done."""
+
+    def __init__(self, t: torch.Tensor, copy_in: bool = True):
+        self.tensor = t
+        self.host = (
+            t.detach().to("cpu", copy=True).contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+        )
+
+    def finish(self) -> None:
+        self.tensor.copy_(self.host)
+
+
+def _host(t: torch.Tensor, copy_in: bool = True) -> tuple[torch.Tensor, _Staged | None]:
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t, None
+    staged = _Staged(t, copy_in)
+    return staged.host, staged
+
+
+class Request:
+    """A pending non-blocking operation; ``wait`` completes it (and copies staged data back)."""
+
+    def __init__(self, comm: Comm, req: MPI.Request, staged: _Staged | None):
+        self._comm, self._req, self._staged = comm, req, staged
+
+    def test(self) -> bool:
+        t0 = time.perf_counter()
+        done = self._req.Test()
+        self._comm.seconds += time.perf_counter() - t0
+        if done and self._staged is not None:
+            self._staged.finish()
+            self._staged = None
+        return done
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        self._req.Wait()
+        if self._staged is not None:
+            self._staged.finish()
+            self._staged = None
+        self._comm.seconds += time.perf_counter() - t0
+
+
+class Comm:
+    """A thin wrapper over one MPI communicator, with byte and time accounting.
+
+    ``Comm()`` wraps ``MPI.COMM_WORLD``; with a single process every collective is the identity.
+    """
+
+    def __init__(self, mpi_comm: Any = None):
+        self._c = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+        self.rank: int = self._c.Get_rank()
+        self.size: int = self._c.Get_size()
+        self.bytes_sent = 0
+        self.seconds = 0.0
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _sent(self, t: torch.Tensor, factor: float = 1.0) -> None:
+        self.bytes_sent += int(t.numel() * t.element_size() * factor)
+
+    def _allreduce_bytes(self, t: torch.Tensor) -> None:
+        """Bytes a bandwidth-optimal allreduce sends per rank: 2(N-1)/N of the buffer."""
+        if self.size > 1:
+            self._sent(t, 2 * (self.size - 1) / self.size)
+
+    # -- collectives ------------------------------------------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``."""
+        t0 = time.perf_counter()
+        buf, staged = _host(t)
+        self._c.Allreduce(MPI.IN_PLACE, _view(buf), op=_OPS[op])
+        if staged is not None:
+            staged.finish()
+        self._allreduce_bytes(t)
+        self.seconds += time.perf_counter() - t0
+        return t
+
+    def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
+        """Start an in-place allreduce of ``t``; the result is valid after ``Request.wait``."""
+        t0 = time.perf_counter()
+        buf, staged = _host(t)
+        req = self._c.Iallreduce(MPI.IN_PLACE, _view(buf), op=_OPS[op])
+        self._allreduce_bytes(t)
+        self.seconds += time.perf_counter() - t0
+        return Request(self, req, staged)
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """In-place broadcast of ``t`` from ``root``; returns ``t``."""
+        t0 = time.perf_counter()
+        buf, staged = _host(t)
+        self._c.Bcast(_view(buf), root=root)
+        if staged is not None:
+            staged.finish()
+        if self.rank == root:
+            self._sent(t, self.size - 1)
+        self.seconds += time.perf_counter() - t0
+        return t
+
+    def barrier(self) -> None:
+        self._c.Barrier()
+
+    # -- point to point ---------------------------------------------------------------------------
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
+        t0 = time.perf_counter()
+        buf, _ = _host(t)
+        self._c.Send(_view(buf), dest=dest, tag=tag)
+        self._sent(t)
+        self.seconds += time.perf_counter() - t0
+
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
+        """Start sending ``t``; ``t`` must not change until the request completes."""
+        t0 = time.perf_counter()
+        buf, _ = _host(t)
+        req = self._c.Isend(_view(buf), dest=dest, tag=tag)
+        self._sent(t)
+        self.seconds += time.perf_counter() - t0
+        return Request(self, req, None)
+
+    def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
+        """Receive into ``t``; returns ``(source, tag)`` of the message."""
+        t0 = time.perf_counter()
+        buf, staged = _host(t, copy_in=False)
+        status = MPI.Status()
+        self._c.Recv(_view(buf), source=source, tag=tag, status=status)
+        if staged is not None:
+            staged.finish()
+        self.seconds += time.perf_counter() - t0
+        return status.Get_source(), status.Get_tag()
+
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int] | None:
+        """Non-blocking probe: ``(source, tag)`` of a waiting message, or None."""
+        t0 = time.perf_counter()
+        status = MPI.Status()
+        found = self._c.Iprobe(source=source, tag=tag, status=status)
+        self.seconds += time.perf_counter() - t0
+        return (status.Get_source(), status.Get_tag()) if found else None
+
+    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
+        """Blocking probe: ``(source, tag)`` of the next matching message."""
+        t0 = time.perf_counter()
+        status = MPI.Status()
+        self._c.Probe(source=source, tag=tag, status=status)
+        self.seconds += time.perf_counter() - t0
+        return status.Get_source(), status.Get_tag()
+
+    # -- small Python objects (pickled; not for tensors) --------------------------------------------
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self._c.allgather(obj)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self._c.bcast(obj, root=root)
+
+    def allreduce_values(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """Allreduce a short list of floats (metrics) in float64."""
+        arr = np.asarray(values, dtype=np.float64)
+        self._c.Allreduce(MPI.IN_PLACE, arr, op=_OPS[op])
+        return arr.tolist()
+
+    # -- structure --------------------------------------------------------------------------------
+    def split(self, color: int, key: int | None = None) -> Comm:
+        """A sub-communicator of the ranks that pass the same ``color``."""
+        return Comm(self._c.Split(color, self.rank if key is None else key))
+
+    def local_size(self) -> int:
+        """Number of ranks of this communicator on this node."""
+        return self._c.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+
+    def abort(self, code: int = 1) -> None:
+        self._c.Abort(code)
+
+
+def mpi_library_version() -> str:
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def wait_all(requests: Sequence[Request]) -> None:
+    for r in requests:
+        r.wait()
+
+
+def progress(requests: Sequence[Request]) -> None:
+    """Drive pending non-blocking operations forward (MPI progresses only inside MPI calls)."""
+    for r in requests:
+        r.test()

@@ -1,0 +1,56 @@
+"""Flat parameter storage: one contiguous buffer per (dtype, device) that the model's tensors are views of.
+
+A rule that exchanges whole parameter vectors (model averaging, EASGD, gossip, parameter servers) then
+sends one message per buffer, with no packing or unpacking copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class FlatTensors:
+    """Re-points ``tensors`` into contiguous buffers (one per dtype and device) without changing values.
+
+    After construction ``t.data`` of every tensor is a view into ``self.buffers``; writing a buffer writes
+    the tensors and the other way round. Optimizers keep working: they hold the same Parameter objects.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        self.tensors = [t for t in tensors]
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in self.tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        self.buffers: list[torch.Tensor] = []
+        for (dtype, device), ts in groups.items():
+            flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=device)
+            offset = 0
+            for t in ts:
+                n = t.numel()
+                view = flat[offset : offset + n].view_as(t)
+                view.copy_(t.data)
+                t.data = view
+                offset += n
+            self.buffers.append(flat)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def clone(self) -> list[torch.Tensor]:
+        return [b.clone() for b in self.buffers]
+
+    def copy_from(self, others: list[torch.Tensor]) -> None:
+        for b, o in zip(self.buffers, others, strict=True):
+            b.copy_(o)
+
+
+def float_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The floating-point buffers of ``module`` (BatchNorm running statistics and the like)."""
+    return [b for b in module.buffers() if b.is_floating_point()]

@@ -1,0 +1,186 @@
+"""BSP: bulk-synchronous parallel SGD over MPI allreduce.
+
+``mode: grads`` (synchronous data parallelism, as in Goyal et al. 2017, arXiv 1706.02677): every step each of
+the N ranks computes its gradient g_i on its own batch of b samples and all ranks step with the mean
+
+    g = (1/N) Σ_i g_i,
+
+which is the gradient of the mean loss over the global batch of N·b samples: N ranks with batch b follow
+exactly the trajectory of one process with batch N·b. Gradients are all-reduced in buckets of ``bucket_mb``
+megabytes, each started (non-blocking) as soon as the backward pass has produced all of its gradients, so
+communication overlaps the rest of the backward pass.
+
+``mode: params`` (model averaging / local SGD, Zinkevich et al. 2010; Lin et al. 2020, arXiv 1808.07217):
+each rank steps on its own gradient and every ``avg_freq`` steps all ranks replace their parameters with the
+mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode: grads``.
+
+``lr_scaling: linear`` multiplies the learning rate by N (the global batch is N times larger), reached by a
+linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017). In both modes the
+BatchNorm running statistics are averaged before each validation, so every rank validates the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.checks import one_of, require
+from runner.comm import Comm, Request, progress
+from runner.flat import FlatTensors, float_buffers
+from runner.rules.base import Rule
+
+
+@dataclass
+class BSPConfig:
+    _target_: str = "runner.rules.bsp.BSP"
+    mode: str = "grads"
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    avg_freq: int = 1
+    lr_scaling: str = "none"
+    warmup_epochs: float = 0.0
+
+    def __post_init__(self) -> None:
+        one_of("mode", self.mode, ("grads", "params"))
+        one_of("lr_scaling", self.lr_scaling, ("none", "linear"))
+        require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "bucket size in MB must be > 0 (e.g. 25)")
+        require(self.avg_freq >= 1, "avg_freq", self.avg_freq, "average every N >= 1 steps")
+        require(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "must be >= 0")
+
+
+SCHEMA = BSPConfig
+
+
+class _Bucket:
+    """Gradients of a few parameters packed into one flat buffer, all-reduced as one message."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.buffer = torch.zeros(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready = 0
+        self.request: Request | None = None
+
+
+class BSP(Rule):
+    """Synchronous data parallelism: mean of gradients each step, or of parameters every ``avg_freq``."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        mode: str = "grads",
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        avg_freq: int = 1,
+        lr_scaling: str = "none",
+        warmup_epochs: float = 0.0,
+    ):
+        super().__init__(comm)
+        self.mode, self.bucket_bytes, self.overlap = mode, int(bucket_mb * 2**20), overlap
+        self.avg_freq, self.lr_scaling, self.warmup_epochs = avg_freq, lr_scaling, warmup_epochs
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
+        super().setup(model, optimizer, steps_per_epoch)
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.mode == "params":
+            self.flat = FlatTensors(params)
+            return
+        self.buckets = self._make_buckets(params)
+        self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.next_launch = 0
+        if self.overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+        """Buckets in reverse registration order, the order in which backward produces gradients."""
+        buckets: list[_Bucket] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            if current and (
+                size + p.numel() * p.element_size() > self.bucket_bytes
+                or (p.dtype, p.device) != (current[0].dtype, current[0].device)
+            ):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
+
+    # -- learning-rate scaling -------------------------------------------------------------------------
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the base learning rate at ``step``: 1, or N after a linear warm-up."""
+        if self.lr_scaling == "none" or self.comm.size == 1:
+            return 1.0
+        n = self.comm.size
+        epoch = step / max(1, self.steps_per_epoch)
+        if self.warmup_epochs > 0 and epoch < self.warmup_epochs:
+            return 1.0 + (n - 1) * epoch / self.warmup_epochs
+        return float(n)
+
+    def before_step(self, step: int) -> None:
+        factor = self.lr_factor(step)
+        for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = lr * factor
+
+    # -- mode: grads -----------------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        bucket, i = self.slot[id(p)]
+        if p.grad.data_ptr() != bucket.views[i].data_ptr():
+            bucket.views[i].copy_(p.grad)
+        bucket.ready += 1
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].ready == len(
+            self.buckets[self.next_launch].params
+        ):
+            self._launch(self.buckets[self.next_launch])
+        progress([b.request for b in self.buckets[: self.next_launch] if b.request is not None])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.request = self.comm.iallreduce(bucket.buffer)
+        self.next_launch += 1
+
+    def after_backward(self, step: int) -> None:
+        if self.mode != "grads":
+            return
+        for bucket in self.buckets[self.next_launch :]:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+            self._launch(bucket)
+        scale = 1.0 / self.comm.size
+        for bucket in self.buckets:
+            bucket.request.wait()
+            bucket.request, bucket.ready = None, 0
+            bucket.buffer.mul_(scale)
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+        self.next_launch = 0
+
+    # -- mode: params ----------------------------------------------------------------------------------
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self.comm.allreduce(t).mul_(1.0 / self.comm.size)
+
+    def after_step(self, step: int) -> None:
+        if self.mode == "params" and (step + 1) % self.avg_freq == 0:
+            self._average(self.flat.buffers)
+
+    def eval_models(self) -> dict[str, torch.nn.Module]:
+        if self.mode == "params":
+            self._average(self.flat.buffers)
+        self._average(float_buffers(self.model))
+        return {"": self.model}
