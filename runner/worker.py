@@ -158,10 +158,10 @@ def run(
         result = trainer.fit()
     finally:
         log.close()
+    if cfg.train.save_model != "none" and comm.rank == 0:
+        torch.save(model.state_dict(), run_dir / "model.pt")
     if cfg.train.save_model == "all":
         torch.save(model.state_dict(), run_dir / f"model.rank{comm.rank}.pt")
-    elif cfg.train.save_model == "rank0" and comm.rank == 0:
-        torch.save(model.state_dict(), run_dir / "model.pt")
     if comm.rank != 0:
         return None
     summary = {

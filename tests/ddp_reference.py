@@ -1,0 +1,47 @@
+"""Reference run with torch DistributedDataParallel (gloo), started by mpirun, fed our data shards.
+
+Usage: mpirun -n N python tests/ddp_reference.py OUT.pt PORT STEPS BATCH OVERRIDES...
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import runner.config  # noqa: E402, F401
+from tests.conftest import CONF  # noqa: E402
+
+
+def main() -> None:
+    out, port, steps, batch, *overrides = sys.argv[1:]
+    rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    torch.manual_seed(cfg.train.seed)
+    model = DistributedDataParallel(instantiate(cfg.model))
+    data = instantiate(cfg.data)
+    optimizer = instantiate(cfg.optim, params=model.parameters())
+    loader = data.train_loader(rank, world, int(batch), cfg.train.seed)
+    loader.sampler.set_epoch(0)
+    for _, (x, y) in zip(range(int(steps)), loader, strict=False):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    if rank == 0:
+        torch.save(model.module.state_dict(), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

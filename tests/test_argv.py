@@ -1,0 +1,76 @@
+"""The mpirun command line built from the hardware group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.config import HardwareConfig
+from runner.launch import build_argv, threads_per_rank
+
+
+def argv(ranks=2, cores=2, as_root=False, flavor="openmpi", **hw):
+    return build_argv(
+        HardwareConfig(**hw), ranks, Path("/run"), mpirun="mpirun", flavor=flavor, cores=cores, as_root=as_root,
+        python="python",
+    )
+
+
+def flag_value(args, flag):
+    return args[args.index(flag) + 1]
+
+
+def test_core_binding_one_rank_per_core():
+    a = argv(ranks=2, cores=2)
+    assert a[:3] == ["mpirun", "-n", "2"]
+    assert flag_value(a, "--map-by") == "core" and flag_value(a, "--bind-to") == "core"
+    assert "--report-bindings" in a and "--oversubscribe" not in a
+    assert a[-6:] == ["python", "-m", "mpi4py", "-m", "runner.worker", "/run"]
+    assert "OMP_NUM_THREADS=1" in a
+
+
+def test_several_cores_per_rank():
+    a = argv(ranks=2, cores=8)
+    assert flag_value(a, "--map-by") == "slot:PE=4" and flag_value(a, "--bind-to") == "core"
+    assert "OMP_NUM_THREADS=4" in a
+    assert threads_per_rank(HardwareConfig(threads_per_rank=3), 2, 8) == 3
+
+
+@pytest.mark.parametrize("bind,domain", [("numa", "numa"), ("socket", "package")])
+def test_numa_and_socket_binding(bind, domain):
+    a = argv(ranks=2, cores=8, bind=bind)
+    assert flag_value(a, "--map-by") == domain and flag_value(a, "--bind-to") == domain
+
+
+def test_more_ranks_than_cores_oversubscribes_without_binding():
+    a = argv(ranks=4, cores=2)
+    assert "--oversubscribe" in a
+    assert flag_value(a, "--bind-to") == "none" and "--map-by" not in a and "--report-bindings" not in a
+
+
+def test_bind_none():
+    a = argv(bind="none")
+    assert flag_value(a, "--bind-to") == "none" and "--map-by" not in a
+
+
+def test_root_flag_only_as_root():
+    assert "--allow-run-as-root" in argv(as_root=True)
+    assert "--allow-run-as-root" not in argv(as_root=False)
+
+
+def test_mca_env_and_extra_args():
+    a = argv(mca={"coll_tuned_use_dynamic_rules": "1"}, env={"FOO": "bar"}, extra_args=["--tag-output"])
+    i = a.index("--mca")
+    assert a[i : i + 3] == ["--mca", "coll_tuned_use_dynamic_rules", "1"]
+    assert "FOO=bar" in a and "--tag-output" in a
+    assert a.index("--tag-output") < a.index("python")
+
+
+def test_mpich_flags():
+    a = argv(ranks=4, cores=2, flavor="mpich", as_root=True)
+    assert "--oversubscribe" not in a and "--allow-run-as-root" not in a
+    assert flag_value(a, "-bind-to") == "none"
+    b = argv(ranks=2, cores=4, flavor="mpich")
+    assert flag_value(b, "-bind-to") == "core:2" and flag_value(b, "-map-by") == "core"
+    assert b[b.index("-genv") : b.index("-genv") + 3] == ["-genv", "OMP_NUM_THREADS", "2"]

@@ -1,0 +1,112 @@
+"""BSP's math: N ranks with batch b equal one process with batch N·b, equal torch DDP, and params mode
+with avg_freq 1 equals grads mode. Each test runs real mpirun jobs through the command line."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import runner.config  # noqa: F401
+from runner.rules.bsp import BSP
+from tests.conftest import CONF, ROOT, mpirun_argv
+
+STEPS, BATCH = 6, 8
+COMMON = ["train.epochs=1", f"train.max_steps={STEPS}", "optim.lr=0.1", "optim.momentum=0.9"]
+
+
+def reference_params(global_batch: int, overrides: list[str]) -> dict[str, torch.Tensor]:
+    """One process, no MPI, plain PyTorch: STEPS steps with batch ``global_batch`` on the same samples."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    torch.manual_seed(cfg.train.seed)
+    model = instantiate(cfg.model)
+    data = instantiate(cfg.data)
+    optimizer = instantiate(cfg.optim, params=model.parameters())
+    loader = data.train_loader(0, 1, global_batch, cfg.train.seed)
+    loader.sampler.set_epoch(0)
+    for _, (x, y) in zip(range(STEPS), loader, strict=False):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return dict(model.named_parameters())
+
+
+def params_of(path) -> dict[str, torch.Tensor]:
+    state = torch.load(path)
+    return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
+
+
+def assert_close(ours: dict, ref: dict, atol: float = 1e-5) -> None:
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        diff = (ours[k] - ref[k].detach()).abs().max().item()
+        assert diff <= atol, f"{k}: max |diff| {diff:.3g} > {atol}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks):
+    overrides = ["model=mlp", *COMMON]
+    run = cli(f"devices={ranks}", f"train.batch_size={BATCH}", "train.save_model=all", *overrides)
+    assert run.returncode == 0, run.output
+    ref = reference_params(ranks * BATCH, overrides)
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.values(), reference_params(1, overrides).values()))
+    assert moved > 1e-3, "the reference did not train: the comparison would prove nothing"
+    for r in range(ranks):
+        assert_close(params_of(run.dir / f"model.rank{r}.pt"), ref)
+    assert run.summary["steps"] == STEPS
+
+
+def test_grads_mode_matches_torch_ddp(cli, tmp_path):
+    overrides = ["model=cnn", *COMMON]
+    run = cli("devices=2", f"train.batch_size={BATCH}", *overrides)
+    assert run.returncode == 0, run.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp.pt"
+    argv = mpirun_argv(2, sys.executable, str(ROOT / "tests" / "ddp_reference.py"), str(out), str(port),
+                       str(STEPS), str(BATCH), *overrides)
+    ddp = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
+    assert_close(params_of(run.dir / "model.pt"), params_of(out))
+
+
+def test_params_mode_with_avg_freq_1_equals_grads_mode(cli):
+    overrides = ["model=cnn", "devices=2", f"train.batch_size={BATCH}", *COMMON, "optim.momentum=0"]
+    grads = cli(*overrides)
+    params = cli(*overrides, "rule.mode=params", "rule.avg_freq=1")
+    assert grads.returncode == 0 and params.returncode == 0, grads.output + params.output
+    assert_close(params_of(params.dir / "model.pt"), params_of(grads.dir / "model.pt"))
+
+
+def test_params_mode_with_rare_averaging_differs(cli):
+    """The test above can fail: without averaging every step the two modes part ways."""
+    overrides = ["model=mlp", "devices=2", f"train.batch_size={BATCH}", *COMMON, "optim.momentum=0"]
+    grads = cli(*overrides)
+    params = cli(*overrides, "rule.mode=params", "rule.avg_freq=4", "train.save_model=all")
+    a, b = params_of(params.dir / "model.pt"), params_of(grads.dir / "model.pt")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) > 1e-4
+    assert_close(params_of(params.dir / "model.rank1.pt"), a, atol=0)
+
+
+class _FakeComm:
+    def __init__(self, size):
+        self.size, self.rank = size, 0
+
+
+@pytest.mark.parametrize("scaling,warmup,step,expected", [
+    ("none", 0, 50, 1.0), ("linear", 0, 0, 4.0), ("linear", 2, 0, 1.0), ("linear", 2, 10, 2.5),
+    ("linear", 2, 20, 4.0), ("linear", 2, 99, 4.0),
+])
+def test_linear_lr_scaling_with_warmup(scaling, warmup, step, expected):
+    rule = BSP(_FakeComm(4), lr_scaling=scaling, warmup_epochs=warmup)
+    model = torch.nn.Linear(2, 2)
+    rule.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=10)
+    rule.before_step(step)
+    assert rule.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * expected)
