@@ -48,26 +48,31 @@ def _host(t: torch.Tensor, copy_in: bool = True) -> tuple[torch.Tensor, _Staged 
 
 
 class Request:
-    """A pending non-blocking operation; ``wait`` completes it (and copies staged data back)."""
+    """A pending non-blocking operation; ``wait`` completes it (and copies staged data back).
 
-    def __init__(self, comm: Comm, req: MPI.Request, staged: _Staged | None):
-        self._comm, self._req, self._staged = comm, req, staged
+    It holds the buffer until then, so a temporary tensor cannot be freed while MPI still uses it.
+    """
+
+    def __init__(self, comm: Comm, req: MPI.Request, staged: _Staged | None, buffer: np.ndarray):
+        self._comm, self._req, self._staged, self._buffer = comm, req, staged, buffer
 
     def test(self) -> bool:
         t0 = time.perf_counter()
         done = self._req.Test()
         self._comm.seconds += time.perf_counter() - t0
-        if done and self._staged is not None:
-            self._staged.finish()
-            self._staged = None
+        if done:
+            self._complete()
         return done
+
+    def _complete(self) -> None:
+        if self._staged is not None:
+            self._staged.finish()
+        self._staged = self._buffer = None
 
     def wait(self) -> None:
         t0 = time.perf_counter()
         self._req.Wait()
-        if self._staged is not None:
-            self._staged.finish()
-            self._staged = None
+        self._complete()
         self._comm.seconds += time.perf_counter() - t0
 
 
@@ -109,10 +114,11 @@ class Comm:
         """Start an in-place allreduce of ``t``; the result is valid after ``Request.wait``."""
         t0 = time.perf_counter()
         buf, staged = _host(t)
-        req = self._c.Iallreduce(MPI.IN_PLACE, _view(buf), op=_OPS[op])
+        view = _view(buf)
+        req = self._c.Iallreduce(MPI.IN_PLACE, view, op=_OPS[op])
         self._allreduce_bytes(t)
         self.seconds += time.perf_counter() - t0
-        return Request(self, req, staged)
+        return Request(self, req, staged, view)
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
@@ -141,10 +147,11 @@ class Comm:
         """Start sending ``t``; ``t`` must not change until the request completes."""
         t0 = time.perf_counter()
         buf, _ = _host(t)
-        req = self._c.Isend(_view(buf), dest=dest, tag=tag)
+        view = _view(buf)
+        req = self._c.Isend(view, dest=dest, tag=tag)
         self._sent(t)
         self.seconds += time.perf_counter() - t0
-        return Request(self, req, None)
+        return Request(self, req, None, view)
 
     def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
         """Receive into ``t``; returns ``(source, tag)`` of the message."""

@@ -31,8 +31,15 @@ class Run:
 def run_cli(run_dir: Path, *overrides: str, timeout: float = 180, multirun: bool = False) -> Run:
     """``python -m runner OVERRIDES`` with the run folder at ``run_dir``; a hang fails after ``timeout``."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    argv = [sys.executable, "-m", "runner", *(["-m"] if multirun else []), f"{key}={run_dir}",
-            "train.progress=false", *overrides]
+    argv = [
+        sys.executable,
+        "-m",
+        "runner",
+        *(["-m"] if multirun else []),
+        f"{key}={run_dir}",
+        "train.progress=false",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return Run(proc, run_dir)

@@ -12,7 +12,13 @@ from runner.launch import build_argv, threads_per_rank
 
 def argv(ranks=2, cores=2, as_root=False, flavor="openmpi", **hw):
     return build_argv(
-        HardwareConfig(**hw), ranks, Path("/run"), mpirun="mpirun", flavor=flavor, cores=cores, as_root=as_root,
+        HardwareConfig(**hw),
+        ranks,
+        Path("/run"),
+        mpirun="mpirun",
+        flavor=flavor,
+        cores=cores,
+        as_root=as_root,
         python="python",
     )
 

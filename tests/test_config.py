@@ -63,7 +63,9 @@ def test_misspelt_key_fails_at_compose():
 
 def test_misspelt_key_in_a_yaml_fails_at_compose(tmp_path):
     (tmp_path / "rule").mkdir()
-    (tmp_path / "rule" / "typo.yaml").write_text("defaults:\n  - /schema/rule/bsp@_here_\n  - _self_\nmdoe: x\n")
+    (tmp_path / "rule" / "typo.yaml").write_text(
+        "defaults:\n  - /schema/rule/bsp@_here_\n  - _self_\nmdoe: x\n"
+    )
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         with pytest.raises((ConfigCompositionException, ConfigKeyError), match="mdoe"):
             compose(config_name="config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "rule=typo"])
