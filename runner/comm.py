@@ -8,6 +8,8 @@ the seconds it spent, so the training loop can split a step into compute and com
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +78,23 @@ class Request:
         self._comm.seconds += time.perf_counter() - t0
 
 
+class BackgroundRequest:
+    """An all-reduce run by the communicator's background thread; ``wait`` blocks until it is done."""
+
+    def __init__(self, comm: Comm):
+        self._comm, self._done, self.error = comm, threading.Event(), None
+
+    def test(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        self._done.wait()
+        self._comm.seconds += time.perf_counter() - t0
+        if self.error is not None:
+            raise self.error
+
+
 class Comm:
     """A thin wrapper over one MPI communicator, with byte and time accounting.
 
@@ -88,6 +107,7 @@ class Comm:
         self.size: int = self._c.Get_size()
         self.bytes_sent = 0
         self.seconds = 0.0
+        self._thread: threading.Thread | None = None
 
     # -- accounting -------------------------------------------------------------------------------
     def _sent(self, t: torch.Tensor, factor: float = 1.0) -> None:
@@ -119,6 +139,35 @@ class Comm:
         self._allreduce_bytes(t)
         self.seconds += time.perf_counter() - t0
         return Request(self, req, staged, view)
+
+    def allreduce_background(self, t: torch.Tensor, op: str = "sum") -> BackgroundRequest:
+        """Queue a blocking in-place allreduce of ``t`` on this communicator's background thread.
+
+        Open MPI's non-blocking collectives progress only inside MPI calls and use slower algorithms; a
+        thread running the blocking call overlaps truly (MPI_THREAD_MULTIPLE). Requests complete in order,
+        and every rank must queue the same tensors in the same order. Only the time spent in ``wait`` is
+        counted as communication time.
+        """
+        if self._thread is None:
+            self._queue: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, name="mpitrain-comm", daemon=True)
+            self._thread.start()
+        request = BackgroundRequest(self)
+        self._queue.put((t, op, request))
+        self._allreduce_bytes(t)
+        return request
+
+    def _serve(self) -> None:
+        while True:
+            t, op, request = self._queue.get()
+            try:
+                buf, staged = _host(t)
+                self._c.Allreduce(MPI.IN_PLACE, _view(buf), op=_OPS[op])
+                if staged is not None:
+                    staged.finish()
+            except BaseException as err:  # handed to the waiting thread
+                request.error = err
+            request._done.set()
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""

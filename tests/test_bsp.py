@@ -49,10 +49,18 @@ def assert_close(ours: dict, ref: dict, atol: float = 1e-5) -> None:
         assert diff <= atol, f"{k}: max |diff| {diff:.3g} > {atol}"
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks):
+@pytest.mark.parametrize("ranks,overlap", [(2, "thread"), (2, "nonblocking"), (4, "none"), (4, "thread")])
+def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks, overlap):
+    """Small buckets (10 kB) so that the MLP's gradients travel in several all-reduces."""
     overrides = ["model=mlp", *COMMON]
-    run = cli(f"devices={ranks}", f"train.batch_size={BATCH}", "train.save_model=all", *overrides)
+    run = cli(
+        f"devices={ranks}",
+        f"train.batch_size={BATCH}",
+        "train.save_model=all",
+        f"rule.overlap={overlap}",
+        "rule.bucket_mb=0.01",
+        *overrides,
+    )
     assert run.returncode == 0, run.output
     ref = reference_params(ranks * BATCH, overrides)
     initial = reference_params(ranks * BATCH, overrides, steps=0)
