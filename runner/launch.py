@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import validate
@@ -137,6 +138,11 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     """
     checked = validate(cfg)
     hw = checked.hardware
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "hardware.device='cuda' (hardware=gpu) but torch sees no CUDA device on this machine; "
+            "use hardware=cpu, or install a CUDA build of torch"
+        )
     mpirun = find_mpirun(hw.mpirun)
     flavor = mpi_flavor(mpirun) if hw.flavor == "auto" else hw.flavor
     ranks, cores = world_size(checked), usable_cores()

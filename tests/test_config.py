@@ -102,6 +102,13 @@ def test_bad_values_name_their_key(override, key):
         ("devices=0", "devices=0 is invalid"),
         ("rule.mdoe=params", "rule.mdoe"),
         ("optim.lr=-0.1", "optim.lr=-0.1 is invalid"),
+        pytest.param(
+            "hardware=gpu",
+            "hardware.device='cuda'",
+            marks=pytest.mark.skipif(
+                __import__("torch").cuda.is_available(), reason="this machine has a GPU"
+            ),
+        ),
     ],
 )
 def test_bad_input_on_the_command_line_starts_no_process(cli, override, message):
