@@ -219,12 +219,14 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     try:
         _stream(proc, run_dir / "mpirun.log")
         status = proc.wait()
-    except BaseException:
+    except BaseException as err:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"launcher error: {err!r}"
+        write_failure_summary(cfg, run_dir, proc.returncode or 130, reason, time.time() - start)
         raise
     wall = time.time() - start
     summary_path = run_dir / "summary.json"
