@@ -34,6 +34,7 @@ class TrainConfig:
     max_steps: int | None = None
     save_model: str = "rank0"
     progress: bool = True
+    same_init: bool = True
 
     def __post_init__(self) -> None:
         require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
@@ -137,14 +138,22 @@ def register_schemas() -> None:
 def validate(cfg: DictConfig) -> Config:
     """Check every value (the schemas' ``__post_init__``); a ValueError names the full key.
 
-    Returns the config as schema objects (dataclass instances), interpolations resolved.
+    Returns the config as schema objects (dataclass instances), interpolations resolved. A rule schema may
+    define ``check_devices(devices)`` for checks that involve the number of workers.
     """
     for key in ("train", "hardware", "model", "data", "rule", "optim"):
         try:
             OmegaConf.to_object(cfg[key])
         except ValueError as err:
             raise ValueError(f"{key}.{err}") from None
-    return OmegaConf.to_object(cfg)
+    checked = OmegaConf.to_object(cfg)
+    check_devices = getattr(checked.rule, "check_devices", None)
+    if check_devices is not None:
+        try:
+            check_devices(checked.devices)
+        except ValueError as err:
+            raise ValueError(f"rule.{err}") from None
+    return checked
 
 
 register_schemas()

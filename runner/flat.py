@@ -6,6 +6,7 @@ sends one message per buffer, with no packing or unpacking copies.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -54,3 +55,9 @@ class FlatTensors:
 def float_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     """The floating-point buffers of ``module`` (BatchNorm running statistics and the like)."""
     return [b for b in module.buffers() if b.is_floating_point()]
+
+
+def flat_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FlatTensors]:
+    """A deep copy of ``model`` whose parameters live in flat buffers (for center or consensus models)."""
+    clone = copy.deepcopy(model)
+    return clone, FlatTensors(clone.parameters())

@@ -81,6 +81,11 @@ def threads_per_rank(hw: Any, ranks: int, cores: int) -> int:
     return hw.threads_per_rank or max(1, cores // ranks)
 
 
+def effective_bind(hw: Any, ranks: int, cores: int) -> str:
+    """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them)."""
+    return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
+
+
 def build_argv(
     hw: Any,
     ranks: int,
@@ -99,7 +104,7 @@ def build_argv(
     """
     threads = threads_per_rank(hw, ranks, cores)
     oversubscribed = ranks * threads > cores
-    bind = "none" if oversubscribed else hw.bind
+    bind = effective_bind(hw, ranks, cores)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **hw.env}
     argv = [mpirun, "-n", str(ranks)]
     if flavor == "openmpi":
@@ -148,6 +153,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     ranks, cores = world_size(checked), usable_cores()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["hardware"]["threads_per_rank"] = threads_per_rank(hw, ranks, cores)
+    resolved["hardware"]["bind"] = effective_bind(hw, ranks, cores)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     argv = build_argv(
@@ -203,18 +209,34 @@ def write_failure_summary(cfg: DictConfig, run_dir: Path, status: int, reason: s
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
+def _die_with_parent() -> None:
+    """In the mpirun child: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no job is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run one training job; returns summary.json's content, or raises JobFailed (ValueError on bad input)."""
     argv = prepare(cfg, run_dir)
     log.info("run folder: %s", run_dir)
     log.info("starting: %s", shlex.join(argv))
     start = time.time()
+    previous = signal.signal(signal.SIGTERM, _terminate)
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     try:
         _stream(proc, run_dir / "mpirun.log")
@@ -225,9 +247,13 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"launcher error: {err!r}"
+        reason = (
+            "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else f"launcher error: {err!r}"
+        )
         write_failure_summary(cfg, run_dir, proc.returncode or 130, reason, time.time() - start)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     wall = time.time() - start
     summary_path = run_dir / "summary.json"
     if status != 0 or not summary_path.exists():

@@ -16,6 +16,13 @@ from runner.metrics import MetricsLog
 from runner.rules.base import Rule
 
 
+def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
+    """Give every rank ``root``'s parameters and buffers."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, root=root)
+
+
 @dataclass
 class Timing:
     """Seconds of a span of steps, split into data wait, compute and (exposed) communication."""
@@ -66,12 +73,6 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.total = Timing()
 
-    def broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers."""
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                self.rule.comm.broadcast(t.data)
-
     def _comm_seconds(self) -> float:
         return self.rule.comm.seconds
 
@@ -81,7 +82,6 @@ class Trainer:
         loader = self.data.train_loader(rank, world, cfg.batch_size, cfg.seed)
         val_loader = self.data.val_loader(rank, world, cfg.val_batch_size)
         steps_per_epoch = len(loader)
-        self.broadcast_initial_state()
         self.rule.setup(self.model, self.optimizer, steps_per_epoch)
         max_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
         epochs = min(cfg.epochs, -(-max_steps // steps_per_epoch))
@@ -143,6 +143,8 @@ class Trainer:
                     break
             self.rule.on_epoch_end(epoch)
             self.total.add(span)
+            if (epoch + 1) % cfg.val_every == 0 or epoch == epochs - 1:
+                self.validate(val_loader, epoch, step)
             loss_mean = workers.allreduce_values([loss_sum / max(1, span.steps)])[0] / world
             self.log.write(
                 "epoch",
@@ -152,9 +154,6 @@ class Trainer:
                 **self._rates(span, world),
                 **self.rule.metrics(),
             )
-            last = epoch == epochs - 1
-            if (epoch + 1) % cfg.val_every == 0 or last:
-                self.validate(val_loader, epoch, step)
         bar.close()
         self.rule.finish()
         wall = time.perf_counter() - start
@@ -199,7 +198,9 @@ class Trainer:
 
     def validate(self, val_loader: torch.utils.data.DataLoader, epoch: int, step: int) -> None:
         record: dict[str, float] = {}
-        for name, model in self.rule.eval_models().items():
+        models = self.rule.eval_models()
+        self.reported_model = next(iter(models.values()))
+        for name, model in models.items():
             prefix = f"{name}_" if name else ""
             record[f"{prefix}val_loss"], record[f"{prefix}val_acc"] = self.evaluate(model, val_loader)
         self.history.append(record)
@@ -224,6 +225,6 @@ class Trainer:
             "comm_fraction": rates["comm_frac"],
             "data_wait_fraction": rates["data_frac"],
             "compute_fraction": rates["compute_frac"],
-            "bytes_sent_rank0": self.rule.comm.bytes_sent,
+            "bytes_sent": self.workers.allreduce_values([self.rule.comm.bytes_sent])[0],
             "validations": self.history,
         }

@@ -28,9 +28,8 @@ class MetricsLog:
             return
         record = {"kind": kind, "step": step, "time": round(time.time() - self.start, 4), **values}
         self.file.write(json.dumps(record) + "\n")
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self.tb.add_scalar(f"{kind}/{key}", value, step)
+        for key, value in _scalars(values):
+            self.tb.add_scalar(f"{kind}/{key}", value, step)
 
     def flush(self) -> None:
         if self.enabled:
@@ -41,6 +40,17 @@ class MetricsLog:
         if self.enabled:
             self.file.close()
             self.tb.close()
+
+
+def _scalars(values: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    """The finite numbers among ``values``; nested dicts (histograms) become ``key/subkey``."""
+    out = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out += _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out.append((f"{prefix}{key}", float(value)))
+    return out
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

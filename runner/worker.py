@@ -23,6 +23,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.comm import Comm, mpi_library_version
+from runner.loop import Trainer, broadcast_state
+from runner.metrics import MetricsLog
 
 
 class Tee:
@@ -121,27 +123,29 @@ def select_device(cfg: DictConfig, comm: Comm) -> torch.device:
 def run(
     cfg: DictConfig, run_dir: Path, comm: Comm, log_file: TextIO, terminal: TextIO
 ) -> dict[str, Any] | None:
-    from runner.loop import Trainer
-    from runner.metrics import MetricsLog
-
     start = time.time()
     binding = bind_threads(cfg, comm)
     bindings = comm.allgather_object(binding)
-    print(
-        f"rank {comm.rank}/{comm.size} on {binding['host']} cores {binding['cores']} "
-        f"threads {binding['threads']}"
-    )
+    where = f"{binding['host']}, cores {binding['cores']}, {binding['threads']} threads"
+    print(f"rank {comm.rank}/{comm.size} on {where}")
     if comm.rank == 0:
         (run_dir / "bindings.json").write_text(json.dumps(bindings, indent=1))
         for problem in check_bindings(bindings, cfg.hardware.bind):
             print(f"warning: {problem}", file=sys.stderr)
     device = select_device(cfg, comm)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed + (0 if cfg.train.same_init else comm.rank))
     model = instantiate(cfg.model).to(device)
+    if cfg.train.same_init:
+        broadcast_state(model, comm)
     torch.manual_seed(cfg.train.seed + 1000 * comm.rank + 1)
+    rule = instantiate(cfg.rule, comm=comm)
+    if rule.is_server:
+        print(f"rank {comm.rank}: server of {type(rule).__name__}")
+        rule.serve(model)
+        rule.final_metrics()
+        return None
     data = instantiate(cfg.data)
     optimizer = instantiate(cfg.optim, params=model.parameters())
-    rule = instantiate(cfg.rule, comm=comm)
     log = MetricsLog(run_dir, enabled=comm.rank == 0)
     try:
         trainer = Trainer(
@@ -156,10 +160,13 @@ def run(
             log_file=log_file,
         )
         result = trainer.fit()
+        final = rule.final_metrics()
+        if final:
+            log.write("final", result["steps"], **final)
     finally:
         log.close()
     if cfg.train.save_model != "none" and comm.rank == 0:
-        torch.save(model.state_dict(), run_dir / "model.pt")
+        torch.save(trainer.reported_model.state_dict(), run_dir / "model.pt")
     if cfg.train.save_model == "all":
         torch.save(model.state_dict(), run_dir / f"model.rank{comm.rank}.pt")
     if comm.rank != 0:
@@ -173,6 +180,7 @@ def run(
         "world_size": comm.size,
         "versions": versions(),
         **result,
+        **final,
         "worker_wall_time_s": time.time() - start,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

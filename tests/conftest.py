@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -64,3 +65,55 @@ def mpirun_argv(n: int, *args: str) -> list[str]:
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     return argv + list(args)
+
+
+STEPS = 6
+COMMON = ["train.epochs=1", f"train.max_steps={STEPS}", "optim.lr=0.1", "optim.momentum=0.9"]
+
+
+def compose_config(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    import runner.config  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def initial_model(overrides: list[str], rank: int = 0) -> torch.nn.Module:
+    """The model rank ``rank`` builds before training with ``train.same_init=false``."""
+    from hydra.utils import instantiate
+
+    cfg = compose_config(overrides)
+    torch.manual_seed(cfg.train.seed + rank)
+    return instantiate(cfg.model)
+
+
+def reference_params(global_batch: int, overrides: list[str], steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """One process, no MPI, plain PyTorch: ``steps`` steps with batch ``global_batch`` on the same samples."""
+    from hydra.utils import instantiate
+
+    cfg = compose_config(overrides)
+    torch.manual_seed(cfg.train.seed)
+    model = instantiate(cfg.model)
+    data = instantiate(cfg.data)
+    optimizer = instantiate(cfg.optim, params=model.parameters())
+    loader = data.train_loader(0, 1, global_batch, cfg.train.seed)
+    loader.sampler.set_epoch(0)
+    for _, (x, y) in zip(range(steps), loader, strict=False):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return dict(model.named_parameters())
+
+
+def params_of(path) -> dict[str, torch.Tensor]:
+    state = torch.load(path)
+    return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
+
+
+def assert_close(ours: dict, ref: dict, atol: float = 1e-5) -> None:
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        diff = (ours[k] - ref[k].detach()).abs().max().item()
+        assert diff <= atol, f"{k}: max |diff| {diff:.3g} > {atol}"

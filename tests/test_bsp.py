@@ -9,44 +9,12 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 
 import runner.config  # noqa: F401
 from runner.rules.bsp import BSP
-from tests.conftest import CONF, ROOT, mpirun_argv
+from tests.conftest import COMMON, ROOT, assert_close, mpirun_argv, params_of, reference_params
 
-STEPS, BATCH = 6, 8
-COMMON = ["train.epochs=1", f"train.max_steps={STEPS}", "optim.lr=0.1", "optim.momentum=0.9"]
-
-
-def reference_params(global_batch: int, overrides: list[str], steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """One process, no MPI, plain PyTorch: ``steps`` steps with batch ``global_batch`` on the same samples."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    torch.manual_seed(cfg.train.seed)
-    model = instantiate(cfg.model)
-    data = instantiate(cfg.data)
-    optimizer = instantiate(cfg.optim, params=model.parameters())
-    loader = data.train_loader(0, 1, global_batch, cfg.train.seed)
-    loader.sampler.set_epoch(0)
-    for _, (x, y) in zip(range(steps), loader, strict=False):
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return dict(model.named_parameters())
-
-
-def params_of(path) -> dict[str, torch.Tensor]:
-    state = torch.load(path)
-    return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
-
-
-def assert_close(ours: dict, ref: dict, atol: float = 1e-5) -> None:
-    assert ours.keys() == ref.keys()
-    for k in ref:
-        diff = (ours[k] - ref[k].detach()).abs().max().item()
-        assert diff <= atol, f"{k}: max |diff| {diff:.3g} > {atol}"
+BATCH = 8
 
 
 @pytest.mark.parametrize("ranks,overlap", [(2, "thread"), (2, "nonblocking"), (4, "none"), (4, "thread")])
@@ -68,7 +36,7 @@ def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks, overla
     assert moved > 1e-3, "the reference did not train: the comparison would prove nothing"
     for r in range(ranks):
         assert_close(params_of(run.dir / f"model.rank{r}.pt"), ref)
-    assert run.summary["steps"] == STEPS
+    assert run.summary["steps"] == 6
 
 
 def test_grads_mode_matches_torch_ddp(cli, tmp_path):
@@ -85,7 +53,7 @@ def test_grads_mode_matches_torch_ddp(cli, tmp_path):
         str(ROOT / "tests" / "ddp_reference.py"),
         str(out),
         str(port),
-        str(STEPS),
+        "6",
         str(BATCH),
         *overrides,
     )

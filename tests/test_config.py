@@ -77,22 +77,42 @@ def test_wrong_type_fails_at_compose():
 
 
 @pytest.mark.parametrize(
-    "override,key",
+    "overrides,key",
     [
-        ("devices=0", "devices"),
-        ("optim.lr=-0.1", "optim.lr"),
-        ("optim.momentum=1.5", "optim.momentum"),
-        ("rule.mode=both", "rule.mode"),
-        ("rule.avg_freq=0", "rule.avg_freq"),
-        ("train.batch_size=0", "train.batch_size"),
-        ("hardware.bind=everywhere", "hardware.bind"),
-        ("train.save_model=sometimes", "train.save_model"),
+        (["devices=0"], "devices"),
+        (["optim.lr=-0.1"], "optim.lr"),
+        (["optim.momentum=1.5"], "optim.momentum"),
+        (["rule.mode=both"], "rule.mode"),
+        (["rule.avg_freq=0"], "rule.avg_freq"),
+        (["train.batch_size=0"], "train.batch_size"),
+        (["hardware.bind=everywhere"], "hardware.bind"),
+        (["train.save_model=sometimes"], "train.save_model"),
+        (["rule=easgd", "rule.alpha=0"], "rule.alpha"),
+        (["rule=easgd", "rule.beta=0.9", "rule.alpha=0.2"], "rule.alpha"),
+        (["rule=easgd", "rule.alpha=0.5", "devices=4"], "rule.alpha"),
+        (["rule=easgd", "rule.beta=2.5"], "rule.beta"),
+        (["rule=easgd", "rule.tau=0"], "rule.tau"),
+        (["rule=easgd", "rule.variant=later"], "rule.variant"),
+        (["rule=gosgd", "rule.p=1.5"], "rule.p"),
+        (["rule=gosgd", "devices=1"], "rule.p"),
+        (["rule=asgd", "rule.servers=3"], "rule.servers"),
+        (["rule=asgd", "rule.servers=0"], "rule.servers"),
+        (["rule=asgd", "rule.staleness=drop"], "rule.max_staleness"),
+        (["rule=asgd", "rule.n_push=0"], "rule.n_push"),
     ],
 )
-def test_bad_values_name_their_key(override, key):
-    cfg = _compose(override)
+def test_bad_values_name_their_key(overrides, key):
+    cfg = _compose(*overrides)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate(cfg)
+
+
+def test_world_size_counts_server_ranks():
+    from runner.launch import world_size
+
+    assert world_size(validate(_compose("rule=bsp", "devices=3"))) == 3
+    assert world_size(validate(_compose("rule=easgd", "rule.variant=async", "devices=3"))) == 4
+    assert world_size(validate(_compose("rule=asgd", "rule.servers=2", "devices=3"))) == 5
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from runner.comm import Comm
+from runner.flat import float_buffers
 
 
 class Rule:
@@ -14,18 +15,31 @@ class Rule:
     ``p.grad``), ``after_step`` (the optimizer has stepped); per epoch ``on_epoch_end``; before each
     validation ``eval_models``; and ``finish`` once at the end. Constructor arguments are the rule's YAML
     keys; the communicator is passed in code.
+
+    A rule with ``servers > 0`` runs on ``devices + servers`` ranks: ranks ``0 .. devices-1`` train (so rank
+    0 is always a worker and writes the run's records) and the last ``servers`` ranks call ``serve``
+    instead of training.
     """
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, servers: int = 0):
+        assert 0 <= servers < comm.size, f"{servers} server ranks leave no worker in a job of {comm.size}"
         self.comm = comm
+        self.num_servers = servers
+        self.num_workers = comm.size - servers
+        self.is_server = comm.rank >= self.num_workers
+        self._workers = comm.split(int(self.is_server)) if servers else comm
 
     @property
     def workers(self) -> Comm:
         """The communicator of the ranks that train (for sharding data and reducing metrics)."""
-        return self.comm
+        return self._workers
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
         self.model, self.optimizer, self.steps_per_epoch = model, optimizer, steps_per_epoch
+
+    def serve(self, model: torch.nn.Module) -> None:
+        """Server ranks only: serve the workers until all of them are done."""
+        raise NotImplementedError(f"{type(self).__name__} has no server ranks")
 
     def before_step(self, step: int) -> None:
         """Called before the forward pass of global step ``step`` (0-based)."""
@@ -44,8 +58,21 @@ class Rule:
         return {"": self.model}
 
     def metrics(self) -> dict[str, float]:
-        """Rule-specific metrics for metrics.jsonl and TensorBoard."""
+        """Rule-specific metrics for metrics.jsonl and TensorBoard (per epoch, workers)."""
         return {}
 
     def finish(self) -> None:
-        """Called once after training; must leave no message in flight."""
+        """Workers, once after training; must leave no message in flight."""
+
+    def final_metrics(self) -> dict[str, object]:
+        """Collective over all ranks (workers and servers) after training: metrics for summary.json."""
+        return {}
+
+    # -- helpers for rules that report a model other than the local one -----------------------------------
+    @torch.no_grad()
+    def _average_buffers_into(self, target: torch.nn.Module) -> None:
+        """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones."""
+        n = self.workers.size
+        for mine, theirs in zip(float_buffers(self.model), float_buffers(target), strict=True):
+            theirs.copy_(mine)
+            self.workers.allreduce(theirs).mul_(1.0 / n)

@@ -1,0 +1,218 @@
+"""ASGD / Downpour SGD: asynchronous parameter servers (Dean et al. 2012, "Large Scale Distributed Deep
+Networks", NeurIPS).
+
+``servers`` extra ranks hold the parameters, sharded into contiguous slices of the flat parameter vector;
+each keeps a version counter for its shard. Workers train with any torch optimizer and, without waiting for
+each other,
+
+    every ``n_push`` steps:  Δ = x − x_ref (the change the local optimizer made since the last push);
+                             send each server its slice of Δ with the version the worker last fetched;
+                             x_ref ← x;
+    every ``n_fetch`` steps: x_s ← server's shard; x ← x_s + (x − x_ref); x_ref ← x_s
+                             (updates not pushed yet are kept, not lost).
+
+A server applies the pushes in arrival order: with staleness τ = (its version now) − (the version the worker
+last fetched), ``accept`` adds Δ, ``scale`` adds Δ / (1 + τ), ``drop`` discards Δ when τ > ``max_staleness``;
+each applied push increments the version. With one worker, n_push = n_fetch = 1 and plain SGD this is plain
+SGD. The reported model is the servers' parameters (BatchNorm statistics: the workers' mean).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from runner.checks import one_of, require
+from runner.comm import Comm
+from runner.flat import FlatTensors, flat_copy
+from runner.rules.base import Rule
+
+PUSH, PUSH_DATA, FETCH, REPLY, DONE = 31, 32, 33, 34, 35
+
+
+@dataclass
+class ASGDConfig:
+    _target_: str = "runner.rules.asgd.ASGD"
+    n_push: int = 1
+    n_fetch: int = 1
+    servers: int = 1
+    staleness: str = "accept"
+    max_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.n_push >= 1, "n_push", self.n_push, "push every N >= 1 steps")
+        require(self.n_fetch >= 1, "n_fetch", self.n_fetch, "fetch every N >= 1 steps")
+        require(self.servers >= 1, "servers", self.servers, "need at least one parameter-server rank")
+        one_of("staleness", self.staleness, ("accept", "drop", "scale"))
+        require(
+            self.max_staleness is None or self.max_staleness >= 0,
+            "max_staleness",
+            self.max_staleness,
+            "must be >= 0, or null",
+        )
+        require(
+            self.staleness != "drop" or self.max_staleness is not None,
+            "max_staleness",
+            self.max_staleness,
+            "staleness=drop needs a bound, e.g. rule.max_staleness=8",
+        )
+
+    def extra_ranks(self) -> int:
+        return self.servers
+
+    def check_devices(self, devices: int) -> None:
+        require(
+            self.servers <= devices,
+            "servers",
+            self.servers,
+            f"at most one server per worker (devices={devices}); lower rule.servers or raise devices",
+        )
+
+
+SCHEMA = ASGDConfig
+
+
+class ASGD(Rule):
+    """Workers push accumulated updates to sharded parameter servers and fetch fresh parameters."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        n_push: int = 1,
+        n_fetch: int = 1,
+        servers: int = 1,
+        staleness: str = "accept",
+        max_staleness: int | None = None,
+    ):
+        super().__init__(comm, servers=servers)
+        self.n_push, self.n_fetch, self.policy, self.max_staleness = n_push, n_fetch, staleness, max_staleness
+        self.server_ranks = list(range(self.num_workers, comm.size))
+        self.pushes = self.fetches = 0
+
+    def _flat(self, model: torch.nn.Module) -> torch.Tensor:
+        """The model's parameters as one flat buffer, set to rank 0's on every rank."""
+        flat = FlatTensors(model.parameters())
+        if len(flat.buffers) != 1:
+            raise ValueError("rule=asgd needs all parameters of one dtype and device")
+        self.comm.broadcast(flat.buffers[0], root=0)
+        n = flat.numel
+        bounds = [round(i * n / self.num_servers) for i in range(self.num_servers + 1)]
+        self.slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return flat.buffers[0]
+
+    # -- workers -------------------------------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
+        super().setup(model, optimizer, steps_per_epoch)
+        self.x = self._flat(model)
+        self.ref = self.x.clone()
+        self.fetched = torch.empty_like(self.x)
+        self.versions = [0] * self.num_servers
+        self.header = torch.zeros(1, dtype=torch.float64)
+
+    def after_step(self, step: int) -> None:
+        if (step + 1) % self.n_push == 0:
+            self.push()
+        if (step + 1) % self.n_fetch == 0:
+            self.fetch()
+
+    @torch.no_grad()
+    def push(self) -> None:
+        delta = self.x - self.ref
+        for s, (server, part) in enumerate(zip(self.server_ranks, self.slices, strict=True)):
+            self.header.fill_(self.versions[s])
+            self.comm.send(self.header, server, PUSH)
+            self.comm.send(delta[part], server, PUSH_DATA)
+        self.ref.copy_(self.x)
+        self.pushes += 1
+
+    def _fetch_into(self, target: torch.Tensor) -> list[int]:
+        """The servers' parameters into ``target``; returns the shards' versions."""
+        versions = []
+        for server, part in zip(self.server_ranks, self.slices, strict=True):
+            self.comm.send(self.header, server, FETCH)
+            self.comm.recv(self.header, server, REPLY)
+            versions.append(int(self.header))
+            self.comm.recv(target[part], server, REPLY)
+        return versions
+
+    @torch.no_grad()
+    def fetch(self) -> None:
+        self.versions = self._fetch_into(self.fetched)
+        self.x.sub_(self.ref).add_(self.fetched)
+        self.ref.copy_(self.fetched)
+        self.fetches += 1
+
+    @torch.no_grad()
+    def eval_models(self) -> dict[str, torch.nn.Module]:
+        """The servers' model, fetched by worker 0 once every worker has pushed its updates and stopped."""
+        if not torch.equal(self.x, self.ref):
+            self.push()
+        if not hasattr(self, "_server_model"):
+            self._server_model = flat_copy(self.model)
+        model, flat = self._server_model
+        self.workers.barrier()
+        if self.workers.rank == 0:
+            self._fetch_into(flat.buffers[0])
+        self.workers.broadcast(flat.buffers[0], root=0)
+        self._average_buffers_into(model)
+        return {"": model}
+
+    def metrics(self) -> dict[str, float]:
+        pushes, fetches = self.workers.allreduce_values([self.pushes, self.fetches])
+        return {"pushes": pushes, "fetches": fetches}
+
+    def finish(self) -> None:
+        if not torch.equal(self.x, self.ref):
+            self.push()
+        for server in self.server_ranks:
+            self.comm.send(self.header, server, DONE)
+
+    # -- servers -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def serve(self, model: torch.nn.Module) -> None:
+        """Hold one shard; apply pushes and answer fetches in arrival order until every worker is done."""
+        x = self._flat(model)
+        part = self.slices[self.comm.rank - self.num_workers]
+        shard = x[part].clone()
+        incoming = torch.empty_like(shard)
+        header = torch.zeros(1, dtype=torch.float64)
+        self.version, self.dropped, self.histogram = 0, 0, Counter()
+        done = 0
+        while done < self.num_workers:
+            source, tag = self.comm.probe()
+            self.comm.recv(header, source, tag)
+            if tag == DONE:
+                done += 1
+            elif tag == FETCH:
+                header.fill_(self.version)
+                self.comm.send(header, source, REPLY)
+                self.comm.send(shard, source, REPLY)
+            else:
+                assert tag == PUSH, f"unexpected message tag {tag} from rank {source}"
+                self.comm.recv(incoming, source, PUSH_DATA)
+                staleness = self.version - int(header)
+                self.histogram[staleness] += 1
+                if self.policy == "drop" and staleness > self.max_staleness:
+                    self.dropped += 1
+                    continue
+                shard.add_(incoming, alpha=1.0 / (1 + staleness) if self.policy == "scale" else 1.0)
+                self.version += 1
+        assert self.comm.iprobe() is None, "a message was left in flight"
+
+    def final_metrics(self) -> dict[str, object]:
+        """Collective: the servers' staleness histogram and drops (counted per shard push) and versions."""
+        mine = (self.histogram, self.dropped, self.version) if self.is_server else None
+        stats = [s for s in self.comm.allgather_object(mine) if s is not None]
+        histogram: Counter = sum((h for h, _, _ in stats), Counter())
+        pushes, fetches = (
+            (0, 0) if self.is_server else self.workers.allreduce_values([self.pushes, self.fetches])
+        )
+        return {
+            "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
+            "dropped_pushes": sum(d for _, d, _ in stats),
+            "server_versions": [v for _, _, v in stats],
+            "pushes": pushes,
+            "fetches": fetches,
+        }

@@ -1,0 +1,211 @@
+"""EASGD: elastic averaging SGD (Zhang, Choromanska, LeCun 2015, arXiv 1412.6651).
+
+Each of the N workers trains its own parameters x_i; a center variable x̃ ties them together. Every ``tau``
+local steps worker i takes an elastic step with moving rate ``alpha``, computed from the values read before
+either is written:
+
+    d_i = alpha · (x_i − x̃);    x_i ← x_i − d_i;    x̃ ← x̃ + d_i.
+
+``variant: sync`` (the paper's synchronous EASGD): all workers exchange at once and the center takes the sum
+of their pulls, x̃ ← x̃ + Σ_i d_i, by one all-reduce; every worker keeps an identical replica of x̃ and no
+extra rank is needed. The paper's β = N·alpha may be given instead of ``alpha``; with neither, β = 0.9, the
+paper's choice. The center's recursion x̃ ← (1 − β)·x̃ + β·mean(x_i) diverges for β ≥ 2 (measured: with
+alpha = 0.5 and 4 workers the center fell to chance accuracy), so such settings are refused.
+
+``variant: async`` (the paper's asynchronous EASGD, Algorithm 1): one extra rank holds x̃ and serves the
+workers in arrival order; a worker sends x_i, receives the x̃ the server held before this exchange, and both
+sides apply the elastic step above (the server with ``center_alpha``, default ``alpha``).
+
+The reported model is the center x̃ (BatchNorm statistics: the workers' mean); ``worker_mean`` is also
+validated. The center starts at rank 0's initial parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.checks import one_of, require
+from runner.comm import Comm
+from runner.flat import FlatTensors, flat_copy
+from runner.rules.base import Rule
+
+EXCHANGE, FETCH, DONE = 11, 12, 13
+DEFAULT_BETA = 0.9
+
+
+@dataclass
+class EASGDConfig:
+    _target_: str = "runner.rules.easgd.EASGD"
+    alpha: float | None = None
+    beta: float | None = None
+    tau: int = 10
+    variant: str = "sync"
+    center_alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.alpha is None or self.beta is None,
+            "alpha",
+            self.alpha,
+            "give rule.alpha or rule.beta (beta = devices × alpha), not both; set the other to null",
+        )
+        if self.alpha is not None:
+            require(0 < self.alpha <= 1, "alpha", self.alpha, "the moving rate must be in (0, 1], e.g. 0.5")
+        if self.beta is not None:
+            require(self.beta > 0, "beta", self.beta, "must be > 0 (alpha = beta / devices), e.g. 0.9")
+        require(self.tau >= 1, "tau", self.tau, "local steps between exchanges, >= 1 (e.g. 10)")
+        one_of("variant", self.variant, ("sync", "async"))
+        require(
+            self.center_alpha is None or 0 < self.center_alpha <= 1,
+            "center_alpha",
+            self.center_alpha,
+            "the center's moving rate must be in (0, 1], or null for alpha",
+        )
+
+    def extra_ranks(self) -> int:
+        return 1 if self.variant == "async" else 0
+
+    def check_devices(self, devices: int) -> None:
+        """Sync: the center moves by beta·(mean of workers − center) per exchange, unstable for beta >= 2."""
+        beta = devices * self.alpha if self.alpha is not None else (self.beta or DEFAULT_BETA)
+        require(
+            self.variant == "async" or beta < 2,
+            "alpha" if self.beta is None else "beta",
+            self.alpha if self.beta is None else self.beta,
+            f"sync EASGD with beta = devices × alpha = {beta:g} >= 2 makes the center diverge; "
+            f"use rule.alpha <= {1 / devices:.3g} or rule.alpha=null rule.beta=0.9",
+        )
+
+
+SCHEMA = EASGDConfig
+
+
+class EASGD(Rule):
+    """Elastic averaging: workers pulled toward a center every ``tau`` steps, the center toward them."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        alpha: float | None = None,
+        beta: float | None = None,
+        tau: int = 10,
+        variant: str = "sync",
+        center_alpha: float | None = None,
+    ):
+        super().__init__(comm, servers=1 if variant == "async" else 0)
+        self.alpha = alpha if alpha is not None else (beta or DEFAULT_BETA) / self.num_workers
+        if not 0 < self.alpha <= 1:
+            raise ValueError(
+                f"rule.beta={beta} gives alpha = beta / {self.num_workers} = {self.alpha:.3g}, "
+                "outside (0, 1]; choose beta <= devices"
+            )
+        self.center_alpha = self.alpha if center_alpha is None else center_alpha
+        self.tau, self.variant = tau, variant
+        self.exchanges = 0
+        self.server = comm.size - 1
+
+    def _init_center(self, model: torch.nn.Module) -> FlatTensors:
+        """The center as a model (a copy of this rank's), set to rank 0's parameters on every rank."""
+        self.center_model, center = flat_copy(model)
+        for buf in center.buffers:
+            self.comm.broadcast(buf, root=0)
+        return center
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
+        super().setup(model, optimizer, steps_per_epoch)
+        self.local = FlatTensors(model.parameters())
+        self.center = self._init_center(model)
+
+    # -- workers -------------------------------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        if (step + 1) % self.tau == 0:
+            self.exchange()
+
+    @torch.no_grad()
+    def exchange(self) -> None:
+        """One elastic step between this worker and the center."""
+        self.exchanges += 1
+        if self.variant == "sync":
+            for x, c in zip(self.local.buffers, self.center.buffers, strict=True):
+                d = (x - c).mul_(self.alpha)
+                x.sub_(d)
+                c.add_(self.comm.allreduce(d))
+            return
+        for x, c in zip(self.local.buffers, self.center.buffers, strict=True):
+            self.comm.send(x, self.server, EXCHANGE)
+            self.comm.recv(c, self.server, EXCHANGE)
+            x.sub_((x - c).mul_(self.alpha))
+
+    def _fetch_center(self) -> None:
+        """Async: once all workers stopped, worker 0 asks the server for the center and gives it to all."""
+        if self.variant == "async":
+            self.workers.barrier()
+            if self.workers.rank == 0:
+                self.comm.send(torch.zeros(1), self.server, FETCH)
+                for c in self.center.buffers:
+                    self.comm.recv(c, self.server, FETCH)
+            for c in self.center.buffers:
+                self.workers.broadcast(c, root=0)
+
+    @torch.no_grad()
+    def eval_models(self) -> dict[str, torch.nn.Module]:
+        self._fetch_center()
+        self._average_buffers_into(self.center_model)
+        mean = self._mean_model()
+        return {"": self.center_model, "worker_mean": mean}
+
+    @torch.no_grad()
+    def _mean_model(self) -> torch.nn.Module:
+        if not hasattr(self, "_mean"):
+            self._mean = flat_copy(self.model)
+        mean_model, mean = self._mean
+        for x, m in zip(self.local.buffers, mean.buffers, strict=True):
+            m.copy_(x)
+            self.workers.allreduce(m).mul_(1.0 / self.workers.size)
+        self._average_buffers_into(mean_model)
+        return mean_model
+
+    def metrics(self) -> dict[str, float]:
+        """Distance of this worker to the center (mean over workers), and exchanges so far."""
+        sq = sum(
+            float((x - c).pow(2).sum()) for x, c in zip(self.local.buffers, self.center.buffers, strict=True)
+        )
+        mean_sq = self.workers.allreduce_values([sq])[0] / self.workers.size
+        return {"center_distance": mean_sq**0.5, "exchanges": self.exchanges}
+
+    def finish(self) -> None:
+        if self.variant == "async":
+            self.comm.send(torch.zeros(1), self.server, DONE)
+
+    # -- server (async) ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def serve(self, model: torch.nn.Module) -> None:
+        """Hold the center; answer exchanges and fetches in arrival order until every worker is done."""
+        center = self._init_center(model)
+        incoming = [torch.empty_like(c) for c in center.buffers]
+        done, served = 0, 0
+        while done < self.num_workers:
+            source, tag = self.comm.probe()
+            if tag == DONE:
+                self.comm.recv(torch.empty(1), source, DONE)
+                done += 1
+            elif tag == FETCH:
+                self.comm.recv(torch.empty(1), source, FETCH)
+                for c in center.buffers:
+                    self.comm.send(c, source, FETCH)
+            else:
+                for c, x in zip(center.buffers, incoming, strict=True):
+                    self.comm.recv(x, source, EXCHANGE)
+                    self.comm.send(c, source, EXCHANGE)
+                    c.add_((x - c).mul_(self.center_alpha))
+                served += 1
+        self.served = served
+        assert self.comm.iprobe() is None, "a message was left in flight"
+
+    def final_metrics(self) -> dict[str, object]:
+        if self.variant != "async":
+            return {"exchanges_per_worker": self.exchanges}
+        served = self.comm.broadcast_object(getattr(self, "served", None), root=self.server)
+        return {"exchanges_per_worker": self.exchanges, "server_exchanges": served}

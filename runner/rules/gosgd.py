@@ -1,0 +1,185 @@
+"""GoSGD: gossip SGD by push-sum (Blot, Picard, Cord, Thome 2016, arXiv 1611.09726).
+
+Every worker i holds parameters x_i and a weight a_i, starting at a_i = 1/N. After each local step, with
+probability ``p``, worker i picks a peer j ≠ i uniformly at random, halves its weight and pushes:
+
+    a_i ← a_i / 2;   send (x_i, a_i) to j;
+    on receipt:  x_j ← (a_j·x_j + a_i·x_i) / (a_j + a_i);   a_j ← a_j + a_i.
+
+No worker waits for another: incoming pushes are drained (merged) with non-blocking probes before each step
+and before each push; a push is sent from its own copy of x_i (up to ``max_inflight`` pushes in flight per
+worker), and whenever a worker must wait for one of its pushes it keeps draining, so two workers pushing to
+each other cannot deadlock. Σ_i a_i = 1 whenever no push is in flight, and the weighted mean
+x̄ = Σ_i a_i·x_i (the consensus model, which this rule reports) is left unchanged by every push. Before each
+validation and at the end the workers reach quiescence (they sum up how many pushes each worker was sent and
+drain until all have arrived), then compute x̄ and its spread sqrt(Σ_i a_i·|x_i − x̄|²), which pushes can
+only decrease.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from runner.checks import require
+from runner.comm import Comm, Request
+from runner.flat import FlatTensors, flat_copy
+from runner.rules.base import Rule
+
+WEIGHT, PARAMS = 21, 22
+
+
+@dataclass
+class GoSGDConfig:
+    _target_: str = "runner.rules.gosgd.GoSGD"
+    p: float = 0.02
+    seed: int = 0
+    max_inflight: int = 4
+
+    def __post_init__(self) -> None:
+        require(
+            0 <= self.p <= 1, "p", self.p, "the push probability must be in [0, 1] (e.g. 0.02; 0: no gossip)"
+        )
+        require(
+            self.max_inflight >= 1, "max_inflight", self.max_inflight, "pushes in flight per worker, >= 1"
+        )
+
+    def check_devices(self, devices: int) -> None:
+        require(devices >= 2 or self.p == 0, "p", self.p, "gossip needs devices >= 2 (or rule.p=0)")
+
+
+SCHEMA = GoSGDConfig
+
+
+class GoSGD(Rule):
+    """Push-sum gossip between workers, with probability ``p`` after each step."""
+
+    def __init__(self, comm: Comm, p: float = 0.02, seed: int = 0, max_inflight: int = 4):
+        super().__init__(comm)
+        if comm.size < 2 and p > 0:
+            raise ValueError("rule=gosgd needs devices >= 2 to gossip (or rule.p=0)")
+        self.p, self.max_inflight = p, max_inflight
+        self.rng = random.Random(seed * 100_003 + comm.rank)
+        self.weight = 1.0 / comm.size
+        self.pushes = self.merges = 0
+        self.sent_to = [0] * comm.size
+        self.inflight: list[tuple[list[Request], list[torch.Tensor]]] = []
+        self.free: list[list[torch.Tensor]] = []
+        self.spread = float("nan")
+        self.weight_sum = 1.0
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
+        super().setup(model, optimizer, steps_per_epoch)
+        self.local = FlatTensors(model.parameters())
+        self.incoming = [torch.empty_like(b) for b in self.local.buffers]
+        self.weight_in = torch.zeros(1, dtype=torch.float64)
+
+    @torch.no_grad()
+    def drain(self) -> None:
+        """Merge every push that has arrived."""
+        while (found := self.comm.iprobe(tag=WEIGHT)) is not None:
+            source = found[0]
+            self.comm.recv(self.weight_in, source, WEIGHT)
+            theirs = float(self.weight_in)
+            total = self.weight + theirs
+            for x, buf in zip(self.local.buffers, self.incoming, strict=True):
+                self.comm.recv(buf, source, PARAMS)
+                x.mul_(self.weight / total).add_(buf, alpha=theirs / total)
+            self.weight = total
+            self.merges += 1
+
+    def _reap(self, keep: int) -> None:
+        """Recycle the buffers of received pushes; drain until at most ``keep`` pushes are in flight."""
+        while True:
+            still = []
+            for requests, buffers in self.inflight:
+                if all(r.test() for r in requests):
+                    self.free.append(buffers)
+                else:
+                    still.append((requests, buffers))
+            self.inflight = still
+            if len(self.inflight) <= keep:
+                return
+            self.drain()
+
+    @torch.no_grad()
+    def push(self) -> None:
+        self._reap(self.max_inflight - 1)
+        peer = self.rng.randrange(self.comm.size - 1)
+        peer += peer >= self.comm.rank
+        self.weight /= 2
+        buffers = (
+            self.free.pop()
+            if self.free
+            else [torch.empty(1, dtype=torch.float64)] + [torch.empty_like(b) for b in self.local.buffers]
+        )
+        buffers[0].fill_(self.weight)
+        requests = [self.comm.isend(buffers[0], peer, WEIGHT)]
+        for x, buf in zip(self.local.buffers, buffers[1:], strict=True):
+            buf.copy_(x)
+            requests.append(self.comm.isend(buf, peer, PARAMS))
+        self.inflight.append((requests, buffers))
+        self.sent_to[peer] += 1
+        self.pushes += 1
+
+    def before_step(self, step: int) -> None:
+        self.drain()
+
+    def after_step(self, step: int) -> None:
+        self.drain()
+        if self.p > 0 and self.rng.random() < self.p:
+            self.push()
+
+    def quiesce(self) -> None:
+        """Return once no push is in flight anywhere: every push sent so far has been received and merged.
+
+        The workers sum, per destination, how many pushes were sent (a non-blocking all-reduce, draining
+        meanwhile, since a rank may be waiting for us to receive its push), then each drains until it has
+        merged all the pushes sent to it.
+        """
+        counts = torch.tensor(self.sent_to, dtype=torch.float64)
+        request = self.comm.iallreduce(counts)
+        while not request.test():
+            self.drain()
+        expected = int(counts[self.comm.rank])
+        while self.merges < expected:
+            self.drain()
+        self._reap(0)
+
+    @torch.no_grad()
+    def eval_models(self) -> dict[str, torch.nn.Module]:
+        """The consensus model Σ a_i·x_i, after quiescence; also measures the spread around it."""
+        self.quiesce()
+        if not hasattr(self, "_consensus"):
+            self._consensus = flat_copy(self.model)
+        consensus_model, consensus = self._consensus
+        self.weight_sum = self.comm.allreduce_values([self.weight])[0]
+        sq = 0.0
+        for x, c in zip(self.local.buffers, consensus.buffers, strict=True):
+            torch.mul(x, self.weight / self.weight_sum, out=c)
+            self.comm.allreduce(c)
+            sq += float((x.double() - c.double()).pow(2).sum())
+        self.spread = self.comm.allreduce_values([self.weight / self.weight_sum * sq])[0] ** 0.5
+        self._average_buffers_into(consensus_model)
+        return {"": consensus_model}
+
+    def metrics(self) -> dict[str, float]:
+        pushes, merges = self.comm.allreduce_values([self.pushes, self.merges])
+        return {
+            "pushes": pushes,
+            "merges": merges,
+            "spread": self.spread,
+            "weight_sum": self.weight_sum,
+            "weight": self.weight,
+        }
+
+    def finish(self) -> None:
+        self.quiesce()
+        self.weight_sum = self.comm.allreduce_values([self.weight])[0]
+        assert self.comm.iprobe() is None, "a push was left in flight"
+
+    def final_metrics(self) -> dict[str, object]:
+        pushes, merges = self.comm.allreduce_values([self.pushes, self.merges])
+        return {"pushes": pushes, "merges": merges, "weight_sum": self.weight_sum, "spread": self.spread}
