@@ -5,6 +5,10 @@ permutation (seed + epoch), pad it to a multiple of the number of ranks, and ran
 starting at r. The shards are disjoint up to that padding and every rank runs the same number of steps; the
 k-th batches of all ranks together are the k-th batch of N·b samples of one process with the same seed.
 Validation is sharded without padding, so every sample is counted exactly once.
+
+Loading runs in the background when a data set has ``workers > 0``: torch DataLoader worker processes started
+with the ``forkserver`` method (a process that has initialised MPI must not fork), which prepare the next
+batches while the current one trains; with a GPU, batches come in pinned memory for asynchronous copies.
 """
 
 from __future__ import annotations
@@ -13,7 +17,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 
-class TensorData(Dataset):
+class BatchedData(Dataset):
+    """A data set that builds whole batches: ``__getitems__(indices)`` returns ``(inputs, labels)``."""
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.__getitems__([i])
+        return x[0], y[0]
+
+
+class TensorData(BatchedData):
     """An in-memory data set of (inputs, labels) that fetches whole batches by fancy indexing."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
@@ -22,9 +37,6 @@ class TensorData(Dataset):
 
     def __len__(self) -> int:
         return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(indices)
@@ -36,25 +48,66 @@ def _batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torc
 
 
 class ClassificationData:
-    """Base of the data sets: subclasses set ``train``, ``val``, ``shape`` and ``num_classes``."""
+    """Base of the data sets: subclasses set ``train``, ``val``, ``shape``, ``num_classes``, ``workers``."""
 
     train: Dataset
     val: Dataset
     shape: tuple[int, ...]
     num_classes: int
+    workers: int = 0
 
-    def _loader(self, dataset: Dataset, batch_size: int, **kwargs) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_size: int, pin_memory: bool = False, **kwargs) -> DataLoader:
         root = dataset
         while isinstance(root, Subset):
             root = root.dataset
-        collate = _batch if isinstance(root, TensorData) else None
-        return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, **kwargs)
+        if self.workers > 0:
+            kwargs.update(
+                num_workers=self.workers,
+                multiprocessing_context="forkserver",
+                persistent_workers=True,
+                prefetch_factor=4,
+            )
+        collate = _batch if isinstance(root, BatchedData) else None
+        return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, pin_memory=pin_memory, **kwargs)
 
-    def train_loader(self, rank: int, world: int, batch_size: int, seed: int) -> DataLoader:
+    def train_loader(
+        self, rank: int, world: int, batch_size: int, seed: int, pin_memory: bool = False
+    ) -> DataLoader:
         """Loader of this rank's shard; call ``loader.sampler.set_epoch(e)`` before each epoch."""
         sampler = DistributedSampler(self.train, num_replicas=world, rank=rank, shuffle=True, seed=seed)
-        return self._loader(self.train, batch_size, sampler=sampler)
+        return self._loader(self.train, batch_size, pin_memory, sampler=sampler)
 
-    def val_loader(self, rank: int, world: int, batch_size: int) -> DataLoader:
+    def val_loader(self, rank: int, world: int, batch_size: int, pin_memory: bool = False) -> DataLoader:
         """Loader of this rank's share of the validation set (rank, rank + N, ...; no padding)."""
-        return self._loader(Subset(self.val, range(rank, len(self.val), world)), batch_size)
+        return self._loader(Subset(self.val, range(rank, len(self.val), world)), batch_size, pin_memory)
+
+
+def normalize(x: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
+    """uint8 NHWC or NCHW batch → float NCHW in [0, 1], then per-channel standardised."""
+    if x.shape[-1] == len(mean) and x.shape[1] != len(mean):
+        x = x.permute(0, 3, 1, 2)
+    x = x.float().div_(255)
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    return x.sub_(m).div_(s).contiguous()
+
+
+def random_crop_flip(x: torch.Tensor, size: int, padding: int = 0) -> torch.Tensor:
+    """Per-sample random crop of ``size`` (after zero ``padding``) and horizontal flip of an NCHW batch."""
+    if padding:
+        x = torch.nn.functional.pad(x, (padding, padding, padding, padding))
+    n, _, h, w = x.shape
+    top = torch.randint(0, h - size + 1, (n,))
+    left = torch.randint(0, w - size + 1, (n,))
+    rows = (top[:, None] + torch.arange(size))[:, None, :, None]
+    cols = (left[:, None] + torch.arange(size))[:, None, None, :]
+    out = x[torch.arange(n)[:, None, None, None], torch.arange(x.shape[1])[None, :, None, None], rows, cols]
+    flip = torch.rand(n) < 0.5
+    out[flip] = out[flip].flip(-1)
+    return out
+
+
+def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    h, w = x.shape[-2:]
+    top, left = (h - size) // 2, (w - size) // 2
+    return x[..., top : top + size, left : left + size]

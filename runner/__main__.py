@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
+import mpi4py
 
-import runner.config  # noqa: F401  (registers the structured-config schemas)
-from runner.launch import JobFailed, launch
+mpi4py.rc.initialize = mpi4py.rc.finalize = False  # the launcher starts the job; it takes no part in MPI
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import runner.config  # noqa: E402, F401  (registers the structured-config schemas)
+from runner.launch import JobFailed, launch  # noqa: E402
 
 log = logging.getLogger("runner")
 

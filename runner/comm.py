@@ -8,15 +8,25 @@ the seconds it spent, so the training loop can split a step into compute and com
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import mpi4py
 import numpy as np
 import torch
-from mpi4py import MPI
+
+#: Set by the worker to its own pid. A process that imports this module under another pid (a data-loader
+#: process started through multiprocessing's forkserver, which imports the rank's main module) must not
+#: initialise MPI: it would join the job's shared-memory transport as a second copy of the rank.
+OWNER_ENV = "MPITRAIN_MPI_PID"
+if os.environ.get(OWNER_ENV, str(os.getpid())) != str(os.getpid()):
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False
+
+from mpi4py import MPI  # noqa: E402
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 ANY_SOURCE = MPI.ANY_SOURCE

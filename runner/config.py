@@ -141,6 +141,10 @@ def validate(cfg: DictConfig) -> Config:
     Returns the config as schema objects (dataclass instances), interpolations resolved. A rule schema may
     define ``check_devices(devices)`` for checks that involve the number of workers.
     """
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:
+        keys = ", ".join(sorted(missing))
+        raise ValueError(f"{keys}: no value given; set it on the command line, e.g. {sorted(missing)[0]}=...")
     for key in ("train", "hardware", "model", "data", "rule", "optim"):
         try:
             OmegaConf.to_object(cfg[key])

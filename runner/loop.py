@@ -79,8 +79,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, workers = self.cfg, self.workers
         rank, world = workers.rank, workers.size
-        loader = self.data.train_loader(rank, world, cfg.batch_size, cfg.seed)
-        val_loader = self.data.val_loader(rank, world, cfg.val_batch_size)
+        pin = self.device.type == "cuda"
+        loader = self.data.train_loader(rank, world, cfg.batch_size, cfg.seed, pin_memory=pin)
+        val_loader = self.data.val_loader(rank, world, cfg.val_batch_size, pin_memory=pin)
         steps_per_epoch = len(loader)
         self.rule.setup(self.model, self.optimizer, steps_per_epoch)
         max_steps = cfg.max_steps or cfg.epochs * steps_per_epoch

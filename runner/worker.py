@@ -22,7 +22,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.comm import Comm, mpi_library_version
+from runner.comm import OWNER_ENV, Comm, mpi_library_version
 from runner.loop import Trainer, broadcast_state
 from runner.metrics import MetricsLog
 
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: mpirun ... python -m mpi4py -m runner.worker RUN_DIR")
     run_dir = Path(argv[0])
+    os.environ[OWNER_ENV] = str(os.getpid())
     cfg = OmegaConf.load(run_dir / "config.yaml")
     comm = Comm()
     log_file, terminal = redirect_output(run_dir, comm.rank)

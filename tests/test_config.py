@@ -33,10 +33,15 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_option_composes_and_validates(group, option):
+    """Options that need a path (data sets on disk) must say which key is missing."""
     cfg = _compose(f"{group}={option}")
-    checked = validate(cfg)
     assert OmegaConf.select(cfg, group) is not None
-    assert checked.devices == 2
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:
+        with pytest.raises(ValueError, match=sorted(missing)[0].replace(".", r"\.") + ".*no value given"):
+            validate(cfg)
+    else:
+        assert validate(cfg).devices == 2
 
 
 def test_default_config():

@@ -1,0 +1,103 @@
+"""CIFAR-10 from its "python version" batch files (Krizhevsky 2009): ``data_batch_1..5``, ``test_batch``.
+
+Training batches get the standard augmentation (random 32×32 crop of the image zero-padded by 4, random
+horizontal flip); both splits are standardised with the usual per-channel CIFAR-10 mean and std.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import MISSING
+
+from data.base import BatchedData, ClassificationData, normalize, random_crop_flip
+from runner.checks import require
+
+TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
+TEST_FILE = "test_batch"
+MEAN, STD = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
+
+
+@dataclass
+class CIFAR10Config:
+    _target_: str = "data.cifar10.CIFAR10"
+    root: str = MISSING
+    shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+    num_classes: int = 10
+    augment: bool = True
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        require(
+            root.is_dir(),
+            "root",
+            self.root,
+            "no such folder; give the folder holding data_batch_1..5 and test_batch "
+            "(CIFAR-10's python version, cifar-10-batches-py), e.g. data.root=/data/cifar-10-batches-py",
+        )
+        missing = [name for name in [*TRAIN_FILES, TEST_FILE] if not (root / name).is_file()]
+        require(
+            not missing,
+            "root",
+            self.root,
+            f"missing {', '.join(missing)}: not a CIFAR-10 python-version folder",
+        )
+        require(list(self.shape) == [3, 32, 32], "shape", self.shape, "CIFAR-10 images are [3, 32, 32]")
+        require(self.num_classes == 10, "num_classes", self.num_classes, "CIFAR-10 has 10 classes")
+        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+
+
+SCHEMA = CIFAR10Config
+
+
+def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 3, 32, 32) uint8 and labels (N,) of one batch file; a clear error if it is not one."""
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        x = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        y = np.asarray(batch.get(b"labels", batch.get(b"fine_labels")), dtype=np.int64)
+    except Exception as err:  # any unpickling or shape problem means the same thing to the user
+        raise ValueError(
+            f"data.root: {path} is not a CIFAR-10 batch file ({type(err).__name__}: {err})"
+        ) from None
+    if len(x) != len(y) or (len(y) and (y.min() < 0 or y.max() > 9)):
+        raise ValueError(f"data.root: {path} has {len(x)} images but {len(y)} labels in 0..9")
+    return x, y
+
+
+class _Images(BatchedData):
+    def __init__(self, x: np.ndarray, y: np.ndarray, augment: bool):
+        self.x, self.y, self.augment = torch.from_numpy(x), torch.from_numpy(y), augment
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(indices)
+        x = self.x[idx]
+        if self.augment:
+            x = random_crop_flip(x, 32, padding=4)
+        return normalize(x, MEAN, STD), self.y[idx]
+
+
+class CIFAR10(ClassificationData):
+    def __init__(
+        self,
+        root: str,
+        shape: list[int] = (3, 32, 32),
+        num_classes: int = 10,
+        augment: bool = True,
+        workers: int = 1,
+    ):
+        root = Path(root)
+        parts = [read_batch(root / name) for name in TRAIN_FILES]
+        x_tr, y_tr = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        x_va, y_va = read_batch(root / TEST_FILE)
+        self.train, self.val = _Images(x_tr, y_tr, augment), _Images(x_va, y_va, False)
+        self.shape, self.num_classes, self.workers = (3, 32, 32), 10, workers

@@ -1,0 +1,146 @@
+"""An ImageNet-style folder of images: ``root/{train,val}/<class>/*.jpg|jpeg|png``, decoded with Pillow.
+
+Training images: shorter side resized to ``resize``, a random ``image_size`` crop, a random horizontal flip;
+validation images: the same resize and a centre crop. Both are standardised with ``mean`` and ``std``.
+Classes are the sorted sub-folder names of ``train/``; ``val/`` must use the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import MISSING
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from data.base import ClassificationData, center_crop
+from runner.checks import require
+
+EXTENSIONS = {".jpg", ".jpeg", ".png"}
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+@dataclass
+class ImageFolderConfig:
+    _target_: str = "data.imagefolder.ImageFolder"
+    root: str = MISSING
+    image_size: int = 224
+    resize: int | None = None
+    shape: list[int] = field(default_factory=lambda: [3, 224, 224])
+    num_classes: int = 1000
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        for split in ("train", "val"):
+            require(
+                (root / split).is_dir(),
+                "root",
+                self.root,
+                f"no folder {root / split}: expected root/train/<class>/*.jpg and root/val/<class>/*.jpg",
+            )
+        require(
+            list(self.shape) == [3, self.image_size, self.image_size],
+            "shape",
+            self.shape,
+            f"must be [3, image_size, image_size] = [3, {self.image_size}, {self.image_size}]",
+        )
+        require(
+            self.resize is None or self.resize >= self.image_size,
+            "resize",
+            self.resize,
+            "the shorter side before cropping must be >= image_size (null: image_size × 256/224)",
+        )
+        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+
+
+SCHEMA = ImageFolderConfig
+
+
+def list_images(folder: Path, classes: list[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
+    """(path, class index) of every image under ``folder/<class>/``, and the class names."""
+    if classes is None:
+        classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
+        if not classes:
+            raise ValueError(f"data.root: {folder} has no class folders (expected {folder}/<class>/*.jpg)")
+    else:
+        extra = sorted({d.name for d in folder.iterdir() if d.is_dir()} - set(classes))
+        if extra:
+            raise ValueError(f"data.root: {folder} has classes not in train/: {', '.join(extra[:10])}")
+    samples = [
+        (p, i)
+        for i, c in enumerate(classes)
+        if (folder / c).is_dir()
+        for p in sorted((folder / c).iterdir())
+        if p.suffix.lower() in EXTENSIONS
+    ]
+    if not samples:
+        raise ValueError(f"data.root: no .jpg/.jpeg/.png images under {folder}/<class>/")
+    return samples, classes
+
+
+def load_image(path: Path, short_side: int) -> Image.Image:
+    """An RGB image with its shorter side resized to ``short_side``; names the file if it is not an image."""
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"data.root: cannot read image {path}: {err}") from None
+    w, h = img.size
+    scale = short_side / min(w, h)
+    return img.resize((max(short_side, round(w * scale)), max(short_side, round(h * scale))), Image.BILINEAR)
+
+
+class _Folder(Dataset):
+    def __init__(self, samples, image_size, resize, mean, std, train):
+        self.samples, self.size, self.resize, self.train = samples, image_size, resize, train
+        self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[i]
+        x = torch.from_numpy(np.array(load_image(path, self.resize), dtype=np.uint8)).permute(2, 0, 1)
+        if self.train:
+            h, w = x.shape[-2:]
+            top = int(torch.randint(0, h - self.size + 1, ()))
+            left = int(torch.randint(0, w - self.size + 1, ()))
+            x = x[:, top : top + self.size, left : left + self.size]
+            if torch.rand(()) < 0.5:
+                x = x.flip(-1)
+        else:
+            x = center_crop(x, self.size)
+        return (x.float().div_(255) - self.mean) / self.std, label
+
+
+class ImageFolder(ClassificationData):
+    def __init__(
+        self,
+        root: str,
+        image_size: int = 224,
+        resize: int | None = None,
+        shape: list[int] = (3, 224, 224),
+        num_classes: int = 1000,
+        mean: list[float] = IMAGENET_MEAN,
+        std: list[float] = IMAGENET_STD,
+        workers: int = 2,
+    ):
+        root = Path(root)
+        train, classes = list_images(root / "train")
+        val, _ = list_images(root / "val", classes)
+        if len(classes) != num_classes:
+            raise ValueError(
+                f"data.num_classes={num_classes} but {root / 'train'} has {len(classes)} class "
+                f"folders; set data.num_classes={len(classes)}"
+            )
+        resize = resize or round(image_size * 256 / 224)
+        self.classes = classes
+        self.train = _Folder(train, image_size, resize, mean, std, train=True)
+        self.val = _Folder(val, image_size, resize, mean, std, train=False)
+        self.shape, self.num_classes, self.workers = (3, image_size, image_size), num_classes, workers

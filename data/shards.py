@@ -1,0 +1,131 @@
+"""Pre-processed images as uint8 ``.npy`` arrays read through memory maps: the fast path for big runs.
+
+A shard folder (written by ``python -m data.convert SRC DST``) holds ``train_x.npy`` / ``val_x.npy``
+(N×H×W×C uint8), ``train_y.npy`` / ``val_y.npy`` (N int64 labels) and ``meta.json`` (classes, per-channel
+mean and std of the training images). Batches are gathered from the memory maps (the pages a batch touches
+are all that is read), randomly cropped to ``crop`` and flipped for training, centre-cropped for validation,
+and standardised.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import MISSING
+
+from data.base import BatchedData, ClassificationData, center_crop, normalize, random_crop_flip
+from runner.checks import require
+
+FILES = ["train_x.npy", "train_y.npy", "val_x.npy", "val_y.npy", "meta.json"]
+
+
+@dataclass
+class ShardsConfig:
+    _target_: str = "data.shards.Shards"
+    root: str = MISSING
+    crop: int | None = None
+    shape: list[int] = field(default_factory=lambda: [3, 224, 224])
+    num_classes: int = 1000
+    augment: bool = True
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        missing = [name for name in FILES if not (root / name).is_file()]
+        require(
+            not missing,
+            "root",
+            self.root,
+            f"missing {', '.join(missing)}: write shards with `python -m data.convert SRC {self.root}`",
+        )
+        meta = json.loads((root / "meta.json").read_text())
+        height, width, channels = meta["image_shape"]
+        size = (self.crop, self.crop) if self.crop else (height, width)
+        require(
+            list(self.shape) == [channels, *size],
+            "shape",
+            self.shape,
+            f"the shards hold {height}×{width}×{channels} images; with crop={self.crop} use "
+            f"data.shape=[{channels},{size[0]},{size[1]}]",
+        )
+        require(
+            self.num_classes == len(meta["classes"]),
+            "num_classes",
+            self.num_classes,
+            f"the shards have {len(meta['classes'])} classes",
+        )
+        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+
+
+SCHEMA = ShardsConfig
+
+
+class _Shard(BatchedData):
+    """One split; the memory maps are opened lazily, so the data set pickles cheaply to loader processes."""
+
+    def __init__(self, root: Path, split: str, crop: int | None, train: bool, mean, std):
+        self.x_path, self.y_path = root / f"{split}_x.npy", root / f"{split}_y.npy"
+        self.crop, self.train, self.mean, self.std = crop, train, mean, std
+        self.y = torch.from_numpy(np.load(self.y_path).astype(np.int64))
+        self._x = None
+        if len(self.y) != len(self.images):
+            raise ValueError(
+                f"data.root: {self.x_path} has {len(self.images)} images, {self.y_path} {len(self.y)}"
+            )
+
+    @property
+    def images(self) -> np.ndarray:
+        if self._x is None:
+            try:
+                self._x = np.load(self.x_path, mmap_mode="r")
+            except ValueError as err:
+                raise ValueError(f"data.root: {self.x_path} is not a .npy array: {err}") from None
+            if self._x.dtype != np.uint8 or self._x.ndim != 4:
+                raise ValueError(
+                    f"data.root: {self.x_path} must be N×H×W×C uint8, is {self._x.shape} {self._x.dtype}"
+                )
+        return self._x
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_x": None}
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        order = np.argsort(indices)
+        batch = np.empty((len(indices), *self.images.shape[1:]), dtype=np.uint8)
+        batch[order] = self.images[np.asarray(indices)[order]]
+        x = torch.from_numpy(batch).permute(0, 3, 1, 2)
+        if self.crop and self.train:
+            x = random_crop_flip(x, self.crop)
+        elif self.crop:
+            x = center_crop(x, self.crop)
+        elif self.train:
+            flip = torch.rand(len(x)) < 0.5
+            x = x.clone()
+            x[flip] = x[flip].flip(-1)
+        return normalize(x, self.mean, self.std), self.y[torch.as_tensor(indices)]
+
+
+class Shards(ClassificationData):
+    def __init__(
+        self,
+        root: str,
+        crop: int | None = None,
+        shape: list[int] = (3, 224, 224),
+        num_classes: int = 1000,
+        augment: bool = True,
+        workers: int = 1,
+    ):
+        root = Path(root)
+        meta = json.loads((root / "meta.json").read_text())
+        mean, std = meta["mean"], meta["std"]
+        self.classes = meta["classes"]
+        self.train = _Shard(root, "train", crop, augment, mean, std)
+        self.val = _Shard(root, "val", crop, False, mean, std)
+        self.shape, self.num_classes, self.workers = tuple(shape), num_classes, workers
