@@ -138,7 +138,7 @@ def main() -> None:
             + " ".join(f"{c:>26}" for c in cells)
             + f" {overhead:12.2f}"
         )
-    if 1 in args.ranks:
+    if 1 in args.ranks and len(args.ranks) > 1:
         print("\nspeed-up against 1 rank (efficiency = speed-up / ranks)")
         for model, _, results in rows:
             one = results[1]["total"]

@@ -212,20 +212,6 @@ class Comm:
         self.seconds += time.perf_counter() - t0
         return Request(self, req, None, view)
 
-    def issend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
-        """Start a synchronous send: it completes only once the receiver has matched it."""
-        t0 = time.perf_counter()
-        buf, _ = _host(t)
-        view = _view(buf)
-        req = self._c.Issend(view, dest=dest, tag=tag)
-        self._sent(t)
-        self.seconds += time.perf_counter() - t0
-        return Request(self, req, None, view)
-
-    def ibarrier(self) -> Request:
-        """Start a barrier; it completes once every rank has started it."""
-        return Request(self, self._c.Ibarrier(), None, None)
-
     def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
         """Receive into ``t``; returns ``(source, tag)`` of the message."""
         t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,32 +13,31 @@ from runner.flat import FlatTensors
 from tests.conftest import ROOT, mpirun_argv
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_comm_layer_in_an_mpirun_job(ranks):
-    argv = mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "comm_job.py"))
+def run_job(argv: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         argv,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PYTHONPATH": str(ROOT), **__import__("os").environ},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_comm_layer_in_an_mpirun_job(ranks):
+    proc = run_job(mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "comm_job.py")))
     assert f"comm checks passed on {ranks} ranks" in proc.stdout
 
 
 def test_comm_layer_without_mpirun():
     """A plain ``python`` process is a one-rank world (singleton MPI init)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "comm_job.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": str(ROOT), **__import__("os").environ},
+    assert (
+        "comm checks passed on 1 ranks"
+        in run_job([sys.executable, str(ROOT / "tests" / "comm_job.py")]).stdout
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_flat_tensors_are_views_and_keep_values():

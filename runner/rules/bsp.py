@@ -94,6 +94,9 @@ class BSP(Rule):
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
         super().setup(model, optimizer, steps_per_epoch)
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.alone = self.comm.size == 1
+        if self.alone:
+            return  # one rank: its gradient is already the mean; nothing to pack or send
         params = [p for p in model.parameters() if p.requires_grad]
         if self.mode == "params":
             self.flat = FlatTensors(params)
@@ -181,7 +184,7 @@ class BSP(Rule):
         Buckets started during backward use the non-blocking all-reduce; the rest use the blocking one,
         which is about twice as fast as Open MPI's non-blocking algorithms (benchmarks/allreduce.py).
         """
-        if self.mode != "grads":
+        if self.mode != "grads" or self.alone:
             return
         for bucket in self.buckets[self.next_launch :]:
             for i, p in enumerate(bucket.params):
@@ -204,10 +207,12 @@ class BSP(Rule):
             self.comm.allreduce(t).mul_(1.0 / self.comm.size)
 
     def after_step(self, step: int) -> None:
-        if self.mode == "params" and (step + 1) % self.avg_freq == 0:
+        if self.mode == "params" and not self.alone and (step + 1) % self.avg_freq == 0:
             self._average(self.flat.buffers)
 
     def eval_models(self) -> dict[str, torch.nn.Module]:
+        if self.alone:
+            return {"": self.model}
         if self.mode == "params":
             self._average(self.flat.buffers)
         self._average(float_buffers(self.model))
