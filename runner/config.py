@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -64,8 +66,35 @@ class HardwareConfig:
     mca: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    multi_node: bool = False
+    hosts: list[str] = field(default_factory=list)
+    hostfile: str | None = None
 
     def __post_init__(self) -> None:
+        require(
+            not (self.hosts and self.hostfile),
+            "hosts",
+            self.hosts,
+            "give hardware.hosts or hardware.hostfile",
+        )
+        require(
+            not self.multi_node or bool(self.hosts or self.hostfile),
+            "hosts",
+            self.hosts,
+            "hardware=cluster needs hardware.hosts=[host1:slots,host2:slots] or hardware.hostfile=FILE",
+        )
+        require(
+            all(re.fullmatch(r"[\w.-]+(:\d+)?", h) for h in self.hosts),
+            "hosts",
+            self.hosts,
+            "each entry is host or host:slots, e.g. node1:4",
+        )
+        require(
+            self.hostfile is None or Path(self.hostfile).is_file(),
+            "hostfile",
+            self.hostfile,
+            "no such file; an Open MPI hostfile has lines like `node1 slots=4`",
+        )
         one_of("device", self.device, ("cpu", "cuda"))
         one_of("flavor", self.flavor, ("auto", "openmpi", "mpich"))
         one_of("bind", self.bind, ("core", "socket", "numa", "none"))

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import validate
 from runner.metrics import read_metrics
+from runner.topology import Placement, plan, ranks_per_numa, read_topology
 
 log = logging.getLogger("runner")
 
@@ -77,6 +79,16 @@ def world_size(cfg: Any) -> int:
     return cfg.devices + (extra() if callable(extra) else 0)
 
 
+def cluster_slots(hw: Any) -> int | None:
+    """Slots of ``hardware.hosts`` (``host:slots``, default 1) or of a hostfile (``slots=N``); None: local."""
+    if hw.hosts:
+        return sum(int(h.partition(":")[2] or 1) for h in hw.hosts)
+    if hw.hostfile:
+        lines = [ln.split("#")[0].split() for ln in Path(hw.hostfile).read_text().splitlines()]
+        return sum(int(next((w[6:] for w in ln[1:] if w.startswith("slots=")), 1)) for ln in lines if ln)
+    return None
+
+
 def threads_per_rank(hw: Any, ranks: int, cores: int) -> int:
     return hw.threads_per_rank or max(1, cores // ranks)
 
@@ -96,19 +108,26 @@ def build_argv(
     cores: int,
     as_root: bool,
     python: str = sys.executable,
+    placements: list[Placement] | None = None,
 ) -> list[str]:
     """The mpirun command line that starts ``ranks`` workers with the placement of hardware group ``hw``.
 
     Ranks are bound to ``threads`` cores each (``hw.bind``); with more ranks than cores the job is
-    oversubscribed and binding is switched off (Open MPI refuses to bind more ranks than cores).
+    oversubscribed and binding is switched off (Open MPI refuses to bind more ranks than cores). With GPU
+    ``placements`` (``topology.plan``) ranks fill the NUMA nodes of their GPUs in order:
+    ``--map-by ppr:K:numa:pe=T``, so rank r runs on the NUMA node of GPU r.
     """
     threads = threads_per_rank(hw, ranks, cores)
     oversubscribed = ranks * threads > cores
     bind = effective_bind(hw, ranks, cores)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **hw.env}
+    if placements:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use
     argv = [mpirun, "-n", str(ranks)]
     if flavor == "openmpi":
-        if bind == "core":
+        if placements and bind != "none":
+            argv += ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
+        elif bind == "core":
             argv += ["--map-by", f"slot:PE={threads}" if threads > 1 else "core", "--bind-to", "core"]
         elif bind == "none":
             argv += ["--bind-to", "none"]
@@ -121,6 +140,10 @@ def build_argv(
             argv.append("--oversubscribe")
         if as_root:
             argv.append("--allow-run-as-root")
+        if hw.hosts:
+            argv += ["--host", ",".join(hw.hosts)]
+        if hw.hostfile:
+            argv += ["--hostfile", hw.hostfile]
         for key, value in hw.mca.items():
             argv += ["--mca", str(key), str(value)]
         for key, value in env.items():
@@ -131,6 +154,10 @@ def build_argv(
             argv += ["-map-by", bind]
         for key, value in env.items():
             argv += ["-genv", str(key), str(value)]
+        if hw.hosts:
+            argv += ["-hosts", ",".join(hw.hosts)]
+        if hw.hostfile:
+            argv += ["-f", hw.hostfile]
     argv += list(hw.extra_args)
     argv += [python, "-m", "mpi4py", "-m", "runner.worker", str(run_dir)]
     return argv
@@ -150,14 +177,26 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
         )
     mpirun = find_mpirun(hw.mpirun)
     flavor = mpi_flavor(mpirun) if hw.flavor == "auto" else hw.flavor
-    ranks, cores = world_size(checked), usable_cores()
+    ranks, cores = world_size(checked), cluster_slots(hw) or usable_cores()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["hardware"]["threads_per_rank"] = threads_per_rank(hw, ranks, cores)
     resolved["hardware"]["bind"] = effective_bind(hw, ranks, cores)
+    placements = None
+    if hw.device == "cuda":
+        placements = plan(read_topology(), ranks, resolved["hardware"]["threads_per_rank"], use_gpus=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    if placements:
+        (run_dir / "plan.json").write_text(json.dumps([asdict(p) for p in placements], indent=1))
     argv = build_argv(
-        hw, ranks, run_dir, mpirun=mpirun, flavor=flavor, cores=cores, as_root=os.geteuid() == 0
+        hw,
+        ranks,
+        run_dir,
+        mpirun=mpirun,
+        flavor=flavor,
+        cores=cores,
+        as_root=os.geteuid() == 0,
+        placements=placements,
     )
     (run_dir / "mpirun.txt").write_text(shlex.join(argv) + "\n")
     return argv

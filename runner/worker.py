@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.comm import OWNER_ENV, Comm, mpi_library_version
 from runner.loop import Trainer, broadcast_state
 from runner.metrics import MetricsLog
+from runner.topology import Topology, read_topology
 
 
 class Tee:
@@ -76,7 +77,7 @@ def versions() -> dict[str, str]:
     }
 
 
-def bind_threads(cfg: DictConfig, comm: Comm) -> dict[str, Any]:
+def bind_threads(cfg: DictConfig, comm: Comm, topo: Topology) -> dict[str, Any]:
     """Read this rank's CPU affinity, set torch's thread count to fit it, and say where the rank runs."""
     cores = sorted(os.sched_getaffinity(0))
     threads = cfg.hardware.threads_per_rank or 1
@@ -88,12 +89,14 @@ def bind_threads(cfg: DictConfig, comm: Comm) -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "cores": cores,
+        "numa": sorted({topo.numa_of(c) for c in cores}),
         "threads": threads,
     }
 
 
-def check_bindings(bindings: list[dict[str, Any]], bind: str) -> list[str]:
-    """Problems with the ranks' placement: ranks of one host sharing a core although binding was asked."""
+def check_bindings(bindings: list[dict[str, Any]], bind: str, plan: list[dict[str, Any]] | None) -> list[str]:
+    """Problems with the ranks' placement: ranks of one host sharing a core although binding was asked, or
+    a rank outside the NUMA node the plan put it on (that of its GPU)."""
     if bind == "none":
         return []
     problems, seen = [], {}
@@ -101,21 +104,29 @@ def check_bindings(bindings: list[dict[str, Any]], bind: str) -> list[str]:
         for core in b["cores"]:
             other = seen.setdefault((b["host"], core), b["rank"])
             if other != b["rank"]:
-                problems.append(
-                    f"ranks {other} and {b['rank']} share core {core} on {b['host']} "
-                    f"although hardware.bind={bind}"
-                )
+                where = f"core {core} on {b['host']}"
+                problems.append(f"ranks {other} and {b['rank']} share {where} although hardware.bind={bind}")
                 break
+    for b, p in zip(bindings, plan or [], strict=False):
+        if b["numa"] != [p["numa"]]:
+            problems.append(
+                f"rank {b['rank']} runs on NUMA node(s) {b['numa']}, planned: {p['numa']} (GPU {p['gpu']})"
+            )
     return problems
 
 
-def select_device(cfg: DictConfig, comm: Comm) -> torch.device:
+def select_device(cfg: DictConfig, comm: Comm, run_dir: Path) -> torch.device:
+    """CPU, or this rank's GPU: the one ``plan.json`` gives it, else its local rank's."""
     if cfg.hardware.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("hardware.device=cuda but torch sees no CUDA device; use hardware=cpu")
-    local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", "0")))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    plan_file = run_dir / "plan.json"
+    if plan_file.exists():
+        index = json.loads(plan_file.read_text())[comm.rank]["gpu"]
+    else:
+        index = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", "0")))
+    device = torch.device("cuda", index % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 
@@ -124,15 +135,29 @@ def run(
     cfg: DictConfig, run_dir: Path, comm: Comm, log_file: TextIO, terminal: TextIO
 ) -> dict[str, Any] | None:
     start = time.time()
-    binding = bind_threads(cfg, comm)
-    bindings = comm.allgather_object(binding)
-    where = f"{binding['host']}, cores {binding['cores']}, {binding['threads']} threads"
-    print(f"rank {comm.rank}/{comm.size} on {where}")
+    topo = read_topology()
     if comm.rank == 0:
-        (run_dir / "bindings.json").write_text(json.dumps(bindings, indent=1))
-        for problem in check_bindings(bindings, cfg.hardware.bind):
+        print(f"versions: {json.dumps(versions())}")
+        print(f"topology: {json.dumps(topo.to_dict())}")
+    binding = bind_threads(cfg, comm, topo)
+    device = select_device(cfg, comm, run_dir)
+    binding["gpu"] = device.index if device.type == "cuda" else None
+    bindings = comm.allgather_object(binding)
+    where = (
+        f"{binding['host']}, cores {binding['cores']} (NUMA {binding['numa']}), {binding['threads']} threads"
+    )
+    print(
+        f"rank {comm.rank}/{comm.size} on {where}"
+        + (f", GPU {binding['gpu']}" if binding["gpu"] is not None else "")
+    )
+    if comm.rank == 0:
+        plan_file = run_dir / "plan.json"
+        plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
+        problems = check_bindings(bindings, cfg.hardware.bind, plan)
+        for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)
-    device = select_device(cfg, comm)
+        report = {"ranks": bindings, "plan": plan, "problems": problems}
+        (run_dir / "bindings.json").write_text(json.dumps(report, indent=1))
     torch.manual_seed(cfg.train.seed + (0 if cfg.train.same_init else comm.rank))
     model = instantiate(cfg.model).to(device)
     if cfg.train.same_init:
@@ -179,6 +204,7 @@ def run(
         "devices": cfg.devices,
         "world_size": comm.size,
         "versions": versions(),
+        "topology": topo.to_dict(),
         **result,
         **final,
         "worker_wall_time_s": time.time() - start,

@@ -80,3 +80,16 @@ def test_mpich_flags():
     b = argv(ranks=2, cores=4, flavor="mpich")
     assert flag_value(b, "-bind-to") == "core:2" and flag_value(b, "-map-by") == "core"
     assert b[b.index("-genv") : b.index("-genv") + 3] == ["-genv", "OMP_NUM_THREADS", "2"]
+
+
+def test_hosts_and_hostfile(tmp_path):
+    from runner.launch import cluster_slots
+
+    a = argv(ranks=4, cores=4, hosts=["node1:2", "node2:2"], multi_node=True)
+    assert flag_value(a, "--host") == "node1:2,node2:2" and "--oversubscribe" not in a
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=4  # first\nnode2 slots=4\n\n")
+    assert cluster_slots(HardwareConfig(hostfile=str(hostfile))) == 8
+    assert cluster_slots(HardwareConfig(hosts=["a", "b:3"])) == 4
+    assert flag_value(argv(hostfile=str(hostfile)), "--hostfile") == str(hostfile)
+    assert flag_value(argv(flavor="mpich", hosts=["a:1", "b:1"]), "-hosts") == "a:1,b:1"

@@ -26,6 +26,9 @@ GROUP_OPTIONS = [
 ]
 
 
+NEEDS = {"cluster": ["hardware.hosts=[localhost:2]"]}
+
+
 def test_every_group_has_options():
     groups = {g for g, _ in GROUP_OPTIONS}
     assert {"model", "data", "rule", "optim", "hardware"} <= groups
@@ -34,7 +37,7 @@ def test_every_group_has_options():
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_option_composes_and_validates(group, option):
     """Options that need a path (data sets on disk) must say which key is missing."""
-    cfg = _compose(f"{group}={option}")
+    cfg = _compose(f"{group}={option}", *NEEDS.get(option, []))
     assert OmegaConf.select(cfg, group) is not None
     missing = OmegaConf.missing_keys(cfg)
     if missing:
@@ -104,6 +107,9 @@ def test_wrong_type_fails_at_compose():
         (["rule=asgd", "rule.servers=0"], "rule.servers"),
         (["rule=asgd", "rule.staleness=drop"], "rule.max_staleness"),
         (["rule=asgd", "rule.n_push=0"], "rule.n_push"),
+        (["hardware=cluster"], "hardware.hosts"),
+        (["hardware.hosts=[a:b]"], "hardware.hosts"),
+        (["hardware.hostfile=/nonexistent"], "hardware.hostfile"),
     ],
 )
 def test_bad_values_name_their_key(overrides, key):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 
 
@@ -35,8 +37,11 @@ def test_default_job_trains_digits_and_fills_the_run_folder(cli):
         steps
         and {"loss", "samples_per_s", "compute_frac", "comm_frac", "data_frac", "time"} <= steps[0].keys()
     )
-    bindings = json.loads((d / "bindings.json").read_text())
-    assert [b["rank"] for b in bindings] == [0, 1]
+    report = json.loads((d / "bindings.json").read_text())
+    ranks = report["ranks"]
+    assert [b["rank"] for b in ranks] == [0, 1] and report["problems"] == []
+    assert all(len(b["cores"]) == 1 for b in ranks) and ranks[0]["cores"] != ranks[1]["cores"], ranks
+    assert "numa_nodes" in s["topology"]
     assert "epoch 9: val_loss" in run.output
 
 
@@ -70,3 +75,25 @@ def test_multirun_one_folder_per_learning_rate(cli):
         assert summary["status"] == "ok"
         lrs.append(float((sweep / job / "config.yaml").read_text().split("lr: ")[1].split()[0]))
     assert sorted(lrs) == [0.01, 0.05]
+
+
+def test_bind_none_shows_the_whole_machine(cli):
+    run = cli("hardware.bind=none", "train.epochs=1", "model=mlp")
+    assert run.returncode == 0, run.output
+    ranks = json.loads((run.dir / "bindings.json").read_text())["ranks"]
+    everything = sorted(os.sched_getaffinity(0))
+    assert all(b["cores"] == everything for b in ranks), ranks
+    assert "--bind-to none" in (run.dir / "mpirun.txt").read_text()
+
+
+def test_two_host_job_through_hardware_cluster(cli):
+    """Two host names that both resolve to this machine: mpirun places one rank on each."""
+    run = cli(
+        "hardware=cluster",
+        f"hardware.hosts=[localhost:1,{socket.gethostname()}:1]",
+        "train.epochs=1",
+        "model=mlp",
+    )
+    assert run.returncode == 0, run.output
+    assert f"--host localhost:1,{socket.gethostname()}:1" in (run.dir / "mpirun.txt").read_text()
+    assert run.summary["world_size"] == 2

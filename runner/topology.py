@@ -1,0 +1,165 @@
+"""The machine's topology, read from ``/sys``: packages (sockets), NUMA nodes, cores, and NVIDIA GPUs with the
+NUMA node and CPUs they are attached to. ``python -m runner.topology`` prints it.
+
+``plan`` places ranks on it: with GPUs, rank r drives GPU r (in PCI bus order, CUDA's ``PCI_BUS_ID`` order)
+and runs on cores of that GPU's NUMA node; without GPUs, ranks fill cores in order. The launcher turns a plan
+into Open MPI's ``--map-by ppr:K:numa:pe=T``, and each rank checks its real affinity against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+NVIDIA = "0x10de"
+DISPLAY_CLASSES = ("0x0300", "0x0302")
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` → ``[0, 1, 2, 3, 8, 10, 11]``."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@dataclass
+class GPU:
+    index: int
+    pci: str
+    numa: int
+    cpus: list[int]
+
+
+@dataclass
+class Topology:
+    cpus: list[int]
+    package_of: dict[int, int]
+    core_of: dict[int, int]
+    numa_nodes: dict[int, list[int]]
+    gpus: list[GPU] = field(default_factory=list)
+
+    @property
+    def packages(self) -> list[int]:
+        return sorted(set(self.package_of.values()))
+
+    def numa_of(self, cpu: int) -> int:
+        return next((node for node, cpus in self.numa_nodes.items() if cpu in cpus), 0)
+
+    def to_dict(self) -> dict:
+        return {
+            "cpus": self.cpus,
+            "packages": self.packages,
+            "numa_nodes": self.numa_nodes,
+            "gpus": [asdict(g) for g in self.gpus],
+        }
+
+
+def _read(path: Path, default: str = "") -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return default
+
+
+def read_topology(sys_root: str | Path = "/sys") -> Topology:
+    """Read the topology under ``sys_root`` (a fake tree in tests); missing parts fall back to one node."""
+    root = Path(sys_root)
+    cpu_dir = root / "devices" / "system" / "cpu"
+    cpus = parse_cpulist(_read(cpu_dir / "online")) or sorted(
+        int(p.name[3:]) for p in cpu_dir.glob("cpu[0-9]*")
+    )
+    package_of = {c: int(_read(cpu_dir / f"cpu{c}" / "topology" / "physical_package_id", "0")) for c in cpus}
+    core_of = {c: int(_read(cpu_dir / f"cpu{c}" / "topology" / "core_id", str(c))) for c in cpus}
+    numa_nodes = {
+        int(p.name[4:]): [c for c in parse_cpulist(_read(p / "cpulist")) if c in cpus]
+        for p in sorted((root / "devices" / "system" / "node").glob("node[0-9]*"))
+    }
+    numa_nodes = {n: c for n, c in numa_nodes.items() if c} or {0: list(cpus)}
+    gpus = []
+    for dev in sorted((root / "bus" / "pci" / "devices").glob("*")):
+        if _read(dev / "vendor") != NVIDIA or not _read(dev / "class").startswith(DISPLAY_CLASSES):
+            continue
+        node = int(_read(dev / "numa_node", "-1"))
+        node = node if node in numa_nodes else min(numa_nodes)
+        local = [c for c in parse_cpulist(_read(dev / "local_cpulist")) if c in cpus] or numa_nodes[node]
+        gpus.append(GPU(index=len(gpus), pci=dev.name, numa=node, cpus=local))
+    return Topology(cpus, package_of, core_of, numa_nodes, gpus)
+
+
+@dataclass
+class Placement:
+    rank: int
+    numa: int
+    cpus: list[int]
+    gpu: int | None = None
+
+
+def plan(topo: Topology, ranks: int, threads: int, use_gpus: bool = False) -> list[Placement]:
+    """Where each rank should run: its NUMA node, its ``threads`` cores and (with GPUs) its GPU.
+
+    With GPUs, the GPUs are taken in NUMA-node order (then PCI order; on the usual machine, whose GPUs are
+    numbered node by node, rank r gets GPU r), rank r gets the (r mod #GPUs)-th and the next free cores of its
+    NUMA node, so ranks fill the nodes in order, as ``--map-by ppr:K:numa`` places them. Without GPUs, ranks
+    take consecutive cores of the NUMA nodes in order. Raises ValueError when the cores do not suffice.
+    """
+    free = {node: list(cpus) for node, cpus in topo.numa_nodes.items()}
+    by_node = sorted(topo.gpus, key=lambda g: (g.numa, g.index))
+    if use_gpus and not by_node:
+        raise ValueError("hardware.device=cuda but no NVIDIA GPU was found under /sys/bus/pci")
+    if use_gpus and ranks > len(by_node):
+        by_node = sorted(by_node * -(-ranks // len(by_node)), key=lambda g: (g.numa, g.index))[:ranks]
+    placements = []
+    for r in range(ranks):
+        if use_gpus:
+            gpu = by_node[r]
+            node, gpu_index = gpu.numa, gpu.index
+        else:
+            node, gpu_index = next((n for n, c in free.items() if len(c) >= threads), None), None
+            if node is None:
+                raise ValueError(
+                    f"{ranks} ranks × {threads} threads need more cores than the {len(topo.cpus)} here"
+                )
+        if len(free[node]) < threads:
+            raise ValueError(
+                f"NUMA node {node} has {len(free[node])} free cores left for rank {r}, which needs "
+                f"{threads}; lower hardware.threads_per_rank"
+            )
+        cpus, free[node] = free[node][:threads], free[node][threads:]
+        placements.append(Placement(r, node, cpus, gpu_index))
+    return placements
+
+
+def ranks_per_numa(placements: list[Placement]) -> int:
+    """K of ``--map-by ppr:K:numa``: how many ranks share a NUMA node (it must be the same for all)."""
+    counts: dict[int, int] = {}
+    for p in placements:
+        counts[p.numa] = counts.get(p.numa, 0) + 1
+    return max(counts.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m runner.topology", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sys", default="/sys", help="root of the sysfs tree to read")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    topo = read_topology(args.sys)
+    if args.json:
+        print(json.dumps(topo.to_dict(), indent=1))
+        return
+    print(f"{len(topo.cpus)} cpus in {len(topo.packages)} package(s), {len(topo.numa_nodes)} NUMA node(s)")
+    for node, cpus in topo.numa_nodes.items():
+        print(f"  numa {node}: cpus {cpus}")
+    for g in topo.gpus:
+        print(f"  gpu {g.index} ({g.pci}): numa {g.numa}, cpus {g.cpus}")
+    if not topo.gpus:
+        print("  no NVIDIA GPU")
+
+
+if __name__ == "__main__":
+    main()

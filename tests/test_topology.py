@@ -1,0 +1,133 @@
+"""Topology from fake /sys trees, the rank placement plan, and its mpirun arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.config import HardwareConfig
+from runner.launch import build_argv
+from runner.topology import main, parse_cpulist, plan, read_topology
+
+
+def fake_sys(root: Path, numa: dict[int, str], packages: dict[int, int], gpus=()) -> Path:
+    """A sysfs tree: NUMA nodes {node: cpulist}, packages {cpu: package}, PCI devices (name, vendor, class,
+    numa node, local cpulist)."""
+    cpus = sorted(c for text in numa.values() for c in parse_cpulist(text))
+    cpu_dir = root / "devices" / "system" / "cpu"
+    for c in cpus:
+        (cpu_dir / f"cpu{c}" / "topology").mkdir(parents=True)
+        (cpu_dir / f"cpu{c}" / "topology" / "physical_package_id").write_text(f"{packages[c]}\n")
+        (cpu_dir / f"cpu{c}" / "topology" / "core_id").write_text(f"{c}\n")
+    (cpu_dir / "online").write_text(f"{cpus[0]}-{cpus[-1]}\n")
+    for node, text in numa.items():
+        (root / "devices" / "system" / "node" / f"node{node}").mkdir(parents=True)
+        (root / "devices" / "system" / "node" / f"node{node}" / "cpulist").write_text(text + "\n")
+    for name, vendor, cls, node, local in gpus:
+        dev = root / "bus" / "pci" / "devices" / name
+        dev.mkdir(parents=True)
+        (dev / "vendor").write_text(vendor + "\n")
+        (dev / "class").write_text(cls + "\n")
+        (dev / "numa_node").write_text(f"{node}\n")
+        (dev / "local_cpulist").write_text(local + "\n")
+    return root
+
+
+@pytest.fixture
+def one_socket(tmp_path):
+    return read_topology(fake_sys(tmp_path, {0: "0-3"}, {c: 0 for c in range(4)}))
+
+
+@pytest.fixture
+def two_sockets_four_gpus(tmp_path):
+    """Two packages, one NUMA node each (cpus 0-7 and 8-15), two GPUs per node, plus devices to ignore."""
+    gpus = [
+        ("0000:1a:00.0", "0x10de", "0x030200", 0, "0-7"),
+        ("0000:1b:00.0", "0x10de", "0x030000", 0, "0-7"),
+        ("0000:1c:00.1", "0x10de", "0x040300", 0, "0-7"),  # the GPU's audio function
+        ("0000:3a:00.0", "0x10de", "0x030200", 1, "8-15"),
+        ("0000:3b:00.0", "0x10de", "0x030200", 1, "8-15"),
+        ("0000:05:00.0", "0x1a03", "0x030000", 0, "0-7"),  # the board's VGA chip
+    ]
+    packages = {c: c // 8 for c in range(16)}
+    return read_topology(fake_sys(tmp_path, {0: "0-7", 1: "8-15"}, packages, gpus))
+
+
+def test_parse_cpulist():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11] and parse_cpulist("") == []
+
+
+def test_one_socket(one_socket):
+    t = one_socket
+    assert t.cpus == [0, 1, 2, 3] and t.packages == [0] and t.numa_nodes == {0: [0, 1, 2, 3]} and t.gpus == []
+    placements = plan(t, ranks=2, threads=2)
+    assert [p.cpus for p in placements] == [[0, 1], [2, 3]] and all(p.gpu is None for p in placements)
+    with pytest.raises(ValueError, match="more cores"):
+        plan(t, ranks=3, threads=2)
+    with pytest.raises(ValueError, match="no NVIDIA GPU"):
+        plan(t, ranks=1, threads=1, use_gpus=True)
+
+
+def test_two_numa_nodes_four_gpus(two_sockets_four_gpus):
+    t = two_sockets_four_gpus
+    assert t.packages == [0, 1] and t.numa_nodes == {0: list(range(8)), 1: list(range(8, 16))}
+    assert [(g.index, g.pci, g.numa) for g in t.gpus] == [
+        (0, "0000:1a:00.0", 0),
+        (1, "0000:1b:00.0", 0),
+        (2, "0000:3a:00.0", 1),
+        (3, "0000:3b:00.0", 1),
+    ]
+    placements = plan(t, ranks=4, threads=3, use_gpus=True)
+    for r, p in enumerate(placements):
+        assert p.gpu == r and p.numa == t.gpus[r].numa, "rank r runs on the NUMA node of GPU r"
+        assert set(p.cpus) <= set(t.gpus[r].cpus) and len(p.cpus) == 3
+    assert (
+        placements[0].cpus == [0, 1, 2]
+        and placements[1].cpus == [3, 4, 5]
+        and placements[2].cpus == [8, 9, 10]
+    )
+
+
+def test_gpu_argv_maps_ranks_onto_their_gpus_numa_nodes(two_sockets_four_gpus):
+    placements = plan(two_sockets_four_gpus, ranks=4, threads=4, use_gpus=True)
+    argv = build_argv(
+        HardwareConfig(device="cuda", bind="numa"),
+        4,
+        Path("/run"),
+        mpirun="mpirun",
+        flavor="openmpi",
+        cores=16,
+        as_root=False,
+        python="python",
+        placements=placements,
+    )
+    i = argv.index("--map-by")
+    assert argv[i + 1] == "ppr:2:numa:pe=4" and argv[argv.index("--bind-to") + 1] == "core"
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in argv
+
+
+def test_interleaved_gpus_are_taken_node_by_node(tmp_path):
+    """GPUs numbered across nodes alternately: ranks still fill node 0 first, each next to its GPU."""
+    gpus = [
+        (f"0000:{b}:00.0", "0x10de", "0x030200", node, "0-3" if node == 0 else "4-7")
+        for b, node in (("1a", 0), ("2a", 1), ("3a", 0), ("4a", 1))
+    ]
+    t = read_topology(fake_sys(tmp_path, {0: "0-3", 1: "4-7"}, {c: c // 4 for c in range(8)}, gpus))
+    placements = plan(t, ranks=4, threads=1, use_gpus=True)
+    assert [p.numa for p in placements] == [0, 0, 1, 1]
+    assert [p.gpu for p in placements] == [0, 2, 1, 3]
+    assert all(t.gpus[p.gpu].numa == p.numa for p in placements)
+
+
+def test_more_ranks_than_gpus_share_them(two_sockets_four_gpus):
+    placements = plan(two_sockets_four_gpus, ranks=8, threads=2, use_gpus=True)
+    assert sorted(p.gpu for p in placements) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(two_sockets_four_gpus.gpus[p.gpu].numa == p.numa for p in placements)
+
+
+def test_this_machine_and_the_command(capsys):
+    t = read_topology()
+    assert t.cpus and sum(len(c) for c in t.numa_nodes.values()) == len(t.cpus)
+    main([])
+    assert "NUMA node" in capsys.readouterr().out
