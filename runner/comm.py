@@ -261,9 +261,6 @@ class Comm:
         """Number of ranks of this communicator on this node."""
         return self._c.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
-    def abort(self, code: int = 1) -> None:
-        self._c.Abort(code)
-
 
 def mpi_library_version() -> str:
     return MPI.Get_library_version().strip().splitlines()[0]

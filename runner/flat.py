@@ -40,17 +40,6 @@ class FlatTensors:
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def clone(self) -> list[torch.Tensor]:
-        return [b.clone() for b in self.buffers]
-
-    def copy_from(self, others: list[torch.Tensor]) -> None:
-        for b, o in zip(self.buffers, others, strict=True):
-            b.copy_(o)
-
 
 def float_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     """The floating-point buffers of ``module`` (BatchNorm running statistics and the like)."""

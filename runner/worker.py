@@ -135,9 +135,9 @@ def run(
     cfg: DictConfig, run_dir: Path, comm: Comm, log_file: TextIO, terminal: TextIO
 ) -> dict[str, Any] | None:
     start = time.time()
-    topo = read_topology()
+    topo, env = read_topology(), versions()
     if comm.rank == 0:
-        print(f"versions: {json.dumps(versions())}")
+        print(f"versions: {json.dumps(env)}")
         print(f"topology: {json.dumps(topo.to_dict())}")
     binding = bind_threads(cfg, comm, topo)
     device = select_device(cfg, comm, run_dir)
@@ -203,7 +203,7 @@ def run(
         "data": cfg.data._target_,
         "devices": cfg.devices,
         "world_size": comm.size,
-        "versions": versions(),
+        "versions": env,
         "topology": topo.to_dict(),
         **result,
         **final,

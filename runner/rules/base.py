@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from runner.comm import Comm
-from runner.flat import float_buffers
+from runner.flat import FlatTensors, flat_copy, float_buffers
 
 
 class Rule:
@@ -69,6 +69,19 @@ class Rule:
         return {}
 
     # -- helpers for rules that report a model other than the local one -----------------------------------
+    @torch.no_grad()
+    def _workers_mean(self, local: FlatTensors, weight: float) -> tuple[torch.nn.Module, FlatTensors]:
+        """A model copy (made once) set to Σ_workers weight_i · x_i: this worker's x_i is in ``local``, the
+        weights sum to 1; its BatchNorm statistics are the workers' mean."""
+        if not hasattr(self, "_mean_copy"):
+            self._mean_copy = flat_copy(self.model)
+        model, flat = self._mean_copy
+        for x, m in zip(local.buffers, flat.buffers, strict=True):
+            torch.mul(x, weight, out=m)
+            self.workers.allreduce(m)
+        self._average_buffers_into(model)
+        return model, flat
+
     @torch.no_grad()
     def _average_buffers_into(self, target: torch.nn.Module) -> None:
         """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones."""

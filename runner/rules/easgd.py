@@ -153,19 +153,8 @@ class EASGD(Rule):
     def eval_models(self) -> dict[str, torch.nn.Module]:
         self._fetch_center()
         self._average_buffers_into(self.center_model)
-        mean = self._mean_model()
+        mean, _ = self._workers_mean(self.local, 1.0 / self.workers.size)
         return {"": self.center_model, "worker_mean": mean}
-
-    @torch.no_grad()
-    def _mean_model(self) -> torch.nn.Module:
-        if not hasattr(self, "_mean"):
-            self._mean = flat_copy(self.model)
-        mean_model, mean = self._mean
-        for x, m in zip(self.local.buffers, mean.buffers, strict=True):
-            m.copy_(x)
-            self.workers.allreduce(m).mul_(1.0 / self.workers.size)
-        self._average_buffers_into(mean_model)
-        return mean_model
 
     def metrics(self) -> dict[str, float]:
         """Distance of this worker to the center (mean over workers), and exchanges so far."""

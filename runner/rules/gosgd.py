@@ -25,7 +25,7 @@ import torch
 
 from runner.checks import require
 from runner.comm import Comm, Request
-from runner.flat import FlatTensors, flat_copy
+from runner.flat import FlatTensors
 from runner.rules.base import Rule
 
 WEIGHT, PARAMS = 21, 22
@@ -152,17 +152,13 @@ class GoSGD(Rule):
     def eval_models(self) -> dict[str, torch.nn.Module]:
         """The consensus model Σ a_i·x_i, after quiescence; also measures the spread around it."""
         self.quiesce()
-        if not hasattr(self, "_consensus"):
-            self._consensus = flat_copy(self.model)
-        consensus_model, consensus = self._consensus
         self.weight_sum = self.comm.allreduce_values([self.weight])[0]
-        sq = 0.0
-        for x, c in zip(self.local.buffers, consensus.buffers, strict=True):
-            torch.mul(x, self.weight / self.weight_sum, out=c)
-            self.comm.allreduce(c)
-            sq += float((x.double() - c.double()).pow(2).sum())
+        consensus_model, consensus = self._workers_mean(self.local, self.weight / self.weight_sum)
+        sq = sum(
+            float((x.double() - c.double()).pow(2).sum())
+            for x, c in zip(self.local.buffers, consensus.buffers, strict=True)
+        )
         self.spread = self.comm.allreduce_values([self.weight / self.weight_sum * sq])[0] ** 0.5
-        self._average_buffers_into(consensus_model)
         return {"": consensus_model}
 
     def metrics(self) -> dict[str, float]:
