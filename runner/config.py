@@ -69,6 +69,7 @@ class HardwareConfig:
     multi_node: bool = False
     hosts: list[str] = field(default_factory=list)
     hostfile: str | None = None
+    cuda_aware: bool | None = None
 
     def __post_init__(self) -> None:
         require(

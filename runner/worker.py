@@ -63,7 +63,7 @@ def redirect_output(run_dir: Path, rank: int) -> tuple[TextIO, TextIO]:
     return log, terminal
 
 
-def versions() -> dict[str, str]:
+def versions() -> dict[str, Any]:
     import mpi4py
     import numpy
 
@@ -135,7 +135,7 @@ def run(
     cfg: DictConfig, run_dir: Path, comm: Comm, log_file: TextIO, terminal: TextIO
 ) -> dict[str, Any] | None:
     start = time.time()
-    topo, env = read_topology(), versions()
+    topo, env = read_topology(), {**versions(), "cuda_aware_mpi": comm.cuda_aware}
     if comm.rank == 0:
         print(f"versions: {json.dumps(env)}")
         print(f"topology: {json.dumps(topo.to_dict())}")
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(argv[0])
     os.environ[OWNER_ENV] = str(os.getpid())
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    comm = Comm()
+    comm = Comm(cuda_aware=cfg.hardware.get("cuda_aware"))
     log_file, terminal = redirect_output(run_dir, comm.rank)
     try:
         run(cfg, run_dir, comm, log_file, terminal)

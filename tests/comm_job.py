@@ -1,52 +1,90 @@
-"""Checks of runner.comm run inside an mpirun job (any number of ranks); exits non-zero on failure."""
+"""Checks of runner.comm run inside an mpirun job (any number of ranks); exits non-zero on failure.
+
+``comm_job.py [cpu|cuda]``: the tensors live on that device. On the CPU, non-contiguous tensors take the
+staging path (host copy in, MPI call, copy back) of every operation; on a GPU every tensor does, unless
+the MPI library is CUDA-aware, when device memory goes to MPI directly.
+"""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from runner.comm import Comm, wait_all
 
 
-def main() -> None:
+def odd(values: torch.Tensor) -> torch.Tensor:
+    """A non-contiguous tensor holding ``values`` (every other element of a buffer), so MPI cannot use it."""
+    out = torch.zeros(2 * values.numel(), dtype=values.dtype, device=values.device)[::2]
+    assert not out.is_contiguous()
+    return out.copy_(values)
+
+
+def main(device: str) -> None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
     c = Comm()
     r, n = c.rank, c.size
     expected_sum = n * (n + 1) / 2
 
-    t = torch.full((1000,), float(r + 1))
+    def full(size: int, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((size,), float(value), dtype=dtype, device=dev)
+
+    t = full(1000, r + 1)
     ptr = t.data_ptr()
     c.allreduce(t)
     assert t.data_ptr() == ptr and torch.all(t == expected_sum), t[:3]
     assert c.bytes_sent == (4000 * 2 * (n - 1) // n if n > 1 else 0), c.bytes_sent
 
-    m = torch.full((3,), float(r))
+    m = full(3, r)
     c.allreduce(m, op="max")
     assert torch.all(m == n - 1)
 
-    reqs = [c.iallreduce(torch.full((10,), float(r + 1))) for _ in range(3)]
-    bufs = [torch.full((257,), float(r + 1), dtype=torch.float64) for _ in range(2)]
+    reqs = [c.iallreduce(full(10, r + 1)) for _ in range(3)]
+    bufs = [full(257, r + 1, torch.float64) for _ in range(2)]
     reqs += [c.iallreduce(b) for b in bufs]
     wait_all(reqs)
     assert all(torch.all(b == expected_sum) for b in bufs)
 
-    nc = torch.arange(12.0).reshape(3, 4).t() * (r + 1)  # non-contiguous: staged through a copy
+    nc = torch.arange(12.0, device=dev).reshape(3, 4).t() * (r + 1)
     c.allreduce(nc)
-    assert torch.equal(nc, torch.arange(12.0).reshape(3, 4).t() * expected_sum)
+    assert torch.equal(nc, torch.arange(12.0, device=dev).reshape(3, 4).t() * expected_sum)
+
+    nci = odd(torch.arange(6.0, device=dev) * (r + 1))
+    req = c.iallreduce(nci)
+    req.wait()
+    assert torch.equal(nci, torch.arange(6.0, device=dev) * expected_sum), nci
+
+    background = [full(33, r + 1), odd(full(5, r + 1))]
+    for request in [c.allreduce_background(x) for x in background]:
+        request.wait()
+    assert all(torch.all(x == expected_sum) for x in background), background
 
     root = n - 1
-    b = torch.full((5,), float(r))
+    b = full(5, r)
     c.broadcast(b, root=root)
     assert torch.all(b == root)
+    bo = odd(full(4, r))
+    c.broadcast(bo, root=root)
+    assert torch.all(bo == root), bo
 
     if n > 1:
         right, left = (r + 1) % n, (r - 1) % n
-        req = c.isend(torch.full((4,), float(r)), dest=right, tag=7)
+        req = c.isend(full(4, r), dest=right, tag=7)
         while c.iprobe(source=left, tag=7) is None:
             pass
         assert c.probe(source=left, tag=7) == (left, 7)
-        got = torch.empty(4)
+        got = torch.empty(4, device=dev)
         assert c.recv(got, source=left, tag=7) == (left, 7)
         req.wait()
         assert torch.all(got == left)
+
+        c.send(odd(full(3, r)), dest=right, tag=8)  # small: completes eagerly, so the ring cannot block
+        got_odd = odd(torch.zeros(3, device=dev))
+        c.recv(got_odd, source=left, tag=8)
+        assert torch.all(got_odd == left), got_odd
     assert c.iprobe() is None, "a message was left in flight"
 
     assert c.allreduce_values([1.0, r]) == [n, n * (n - 1) / 2]
@@ -56,8 +94,11 @@ def main() -> None:
     assert c.local_size() == n
     c.barrier()
     if r == 0:
-        print(f"comm checks passed on {n} ranks")
+        mode = "direct" if dev.type == "cuda" and c.cuda_aware else "staged"
+        print(
+            f"comm checks passed on {n} ranks ({dev.type}, {mode}, {c.host_buffers.allocated} pinned buffers)"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "cpu")

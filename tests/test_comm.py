@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +61,58 @@ def test_flat_tensors_group_by_dtype():
     flat = FlatTensors([a, b, c])
     assert sorted(buf.numel() for buf in flat.buffers) == [2, 7]
     assert torch.equal(c, torch.full((2, 2), 2.0)) and c.data_ptr() == flat.buffers[0].data_ptr() + 3 * 4
+
+
+def test_cuda_awareness_is_read_from_the_mpi_library(monkeypatch):
+    """Detection agrees with what ``ompi_info`` says the library was built with; the env override wins."""
+    from runner.comm import CUDA_AWARE_ENV, cuda_aware_mpi
+    from runner.launch import find_mpirun, mpi_flavor
+
+    monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
+    mpirun = find_mpirun(None)
+    if mpi_flavor(mpirun) == "openmpi":
+        info = subprocess.run(
+            [Path(mpirun).parent / "ompi_info", "--parsable", "--all"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        built = "opal_built_with_cuda_support:value:true" in info
+        assert "opal_built_with_cuda_support:value:" in info, info[:500]
+        assert cuda_aware_mpi() == built
+    monkeypatch.setenv(CUDA_AWARE_ENV, "1")
+    assert cuda_aware_mpi() is True
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")
+    assert cuda_aware_mpi() is False
+
+
+def test_pinned_staging_buffers_are_reused_per_tensor_and_bounded():
+    from runner.comm import _HostBuffers, _Staged
+
+    pool = _HostBuffers(capacity=2)
+    a, b, c = torch.arange(4.0), torch.arange(6.0), torch.ones(3, dtype=torch.float64)
+    first = pool.get(a)
+    assert pool.get(a) is first and pool.allocated == 1, "a tensor staged every step gets one buffer"
+    assert first.numel() == 4 and first.dtype == a.dtype and first.is_pinned() == torch.cuda.is_available()
+    pool.get(b)
+    pool.get(c)
+    assert len(pool) == 2 and pool.allocated == 3
+    assert pool.get(a) is not first and pool.allocated == 4, "least recently used buffer was dropped"
+
+    target = torch.zeros(8)[::2]
+    staged = _Staged(target, pool.get(target), copy_in=False)
+    staged.host.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    staged.finish()
+    assert torch.equal(target, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_aware", ["0", "auto"])
+def test_comm_layer_on_cuda_tensors(cuda_aware):
+    """Every operation on CUDA tensors: staged through pinned buffers ("0"), or as detected ("auto")."""
+    forced = [] if cuda_aware == "auto" else ["-x", f"MPITRAIN_CUDA_AWARE={cuda_aware}"]
+    job = [sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "comm_job.py"), "cuda"]
+    proc = run_job(mpirun_argv(2, *forced, *job))
+    assert "comm checks passed on 2 ranks (cuda" in proc.stdout
+    if cuda_aware == "0":
+        assert "staged" in proc.stdout and "0 pinned buffers" not in proc.stdout

