@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import validate
 from runner.metrics import read_metrics
-from runner.topology import Placement, plan, ranks_per_numa, read_topology
+from runner.topology import Placement, format_cpulist, plan, ranks_per_numa, read_topology
 
 log = logging.getLogger("runner")
 
@@ -115,7 +115,8 @@ def build_argv(
     Ranks are bound to ``threads`` cores each (``hw.bind``); with more ranks than cores the job is
     oversubscribed and binding is switched off (Open MPI refuses to bind more ranks than cores). With GPU
     ``placements`` (``topology.plan``) ranks fill the NUMA nodes of their GPUs in order:
-    ``--map-by ppr:K:numa:pe=T``, so rank r runs on the NUMA node of GPU r.
+    ``--map-by ppr:K:numa:pe=T``, so rank r runs on the NUMA node of GPU r; MPICH's Hydra binds each rank
+    to its planned cores (``-bind-to user:0-3,4-7,...``).
     """
     threads = threads_per_rank(hw, ranks, cores)
     oversubscribed = ranks * threads > cores
@@ -149,9 +150,12 @@ def build_argv(
         for key, value in env.items():
             argv += ["-x", f"{key}={value}"]
     else:
-        argv += ["-bind-to", "none" if bind == "none" else f"core:{threads}"]
-        if bind != "none":
-            argv += ["-map-by", bind]
+        if placements and bind != "none":
+            argv += ["-bind-to", "user:" + ",".join(format_cpulist(p.cpus, "+") for p in placements)]
+        else:
+            argv += ["-bind-to", "none" if bind == "none" else f"core:{threads}"]
+            if bind != "none":
+                argv += ["-map-by", bind]
         for key, value in env.items():
             argv += ["-genv", str(key), str(value)]
         if hw.hosts:

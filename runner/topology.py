@@ -28,6 +28,17 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
+def format_cpulist(cpus: list[int], sep: str = ",") -> str:
+    """``[0, 1, 2, 3, 8]`` → ``"0-3,8"`` (the inverse of :func:`parse_cpulist`; ``sep`` joins the runs)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return sep.join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
 @dataclass
 class GPU:
     index: int

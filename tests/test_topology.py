@@ -8,7 +8,7 @@ import pytest
 
 from runner.config import HardwareConfig
 from runner.launch import build_argv
-from runner.topology import main, parse_cpulist, plan, read_topology
+from runner.topology import format_cpulist, main, parse_cpulist, plan, read_topology
 
 
 def fake_sys(root: Path, numa: dict[int, str], packages: dict[int, int], gpus=()) -> Path:
@@ -105,6 +105,36 @@ def test_gpu_argv_maps_ranks_onto_their_gpus_numa_nodes(two_sockets_four_gpus):
     i = argv.index("--map-by")
     assert argv[i + 1] == "ppr:2:numa:pe=4" and argv[argv.index("--bind-to") + 1] == "core"
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in argv
+
+
+def test_gpu_argv_for_mpich_binds_each_rank_to_its_planned_cores(two_sockets_four_gpus):
+    placements = plan(two_sockets_four_gpus, ranks=4, threads=2, use_gpus=True)
+    argv = build_argv(
+        HardwareConfig(device="cuda", bind="numa"),
+        4,
+        Path("/run"),
+        mpirun="mpiexec",
+        flavor="mpich",
+        cores=16,
+        as_root=False,
+        python="python",
+        placements=placements,
+    )
+    spec = argv[argv.index("-bind-to") + 1]
+    assert spec.startswith("user:") and "-map-by" not in argv
+    per_rank = [parse_cpulist(s.replace("+", ",")) for s in spec[len("user:") :].split(",")]
+    assert per_rank == [p.cpus for p in placements]
+    nodes = two_sockets_four_gpus.numa_nodes
+    for r, cpus in enumerate(per_rank):
+        gpu = two_sockets_four_gpus.gpus[placements[r].gpu]
+        assert set(cpus) <= set(nodes[gpu.numa]), f"rank {r} is not on the NUMA node of its GPU"
+    assert argv[argv.index("CUDA_DEVICE_ORDER") + 1] == "PCI_BUS_ID"
+
+
+@pytest.mark.parametrize("cpus", [[0], [0, 1, 2, 3], [0, 2, 3, 4, 9], [5, 1, 2]])
+def test_cpulists_round_trip(cpus):
+    assert parse_cpulist(format_cpulist(cpus)) == sorted(cpus)
+    assert format_cpulist([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
 
 
 def test_interleaved_gpus_are_taken_node_by_node(tmp_path):
