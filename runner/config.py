@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.checks import one_of, require
+from runner.slurm import register_launcher
 
 #: Group name -> package whose modules carry the schemas of that group's options.
 SCHEMA_PACKAGES = {"rule": "runner.rules", "model": "models", "data": "data"}
@@ -70,6 +71,9 @@ class HardwareConfig:
     hosts: list[str] = field(default_factory=list)
     hostfile: str | None = None
     cuda_aware: bool | None = None
+    slurm: bool = False
+    launcher: str = "mpirun"
+    srun_mpi: str = "pmix"
 
     def __post_init__(self) -> None:
         require(
@@ -95,6 +99,19 @@ class HardwareConfig:
             "hostfile",
             self.hostfile,
             "no such file; an Open MPI hostfile has lines like `node1 slots=4`",
+        )
+        one_of("launcher", self.launcher, ("auto", "mpirun", "srun"))
+        require(
+            self.slurm or self.launcher == "mpirun",
+            "launcher",
+            self.launcher,
+            "srun starts ranks inside a Slurm allocation: use hardware=slurm (or hardware.launcher=mpirun)",
+        )
+        require(
+            not (self.slurm and (self.hosts or self.hostfile)),
+            "hosts",
+            self.hosts,
+            "under Slurm the allocation gives the hosts; drop hardware.hosts/hostfile",
         )
         one_of("device", self.device, ("cpu", "cuda"))
         one_of("flavor", self.flavor, ("auto", "openmpi", "mpich"))
@@ -155,6 +172,7 @@ def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
+    register_launcher()
     cs.store(group="schema/optim", name="sgd", node=SGDConfig)
     for group, package in SCHEMA_PACKAGES.items():
         pkg = importlib.import_module(package)

@@ -15,13 +15,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runner import slurm
 from runner.config import validate
 from runner.metrics import read_metrics
 from runner.topology import Placement, format_cpulist, plan, ranks_per_numa, read_topology
@@ -121,9 +122,7 @@ def build_argv(
     threads = threads_per_rank(hw, ranks, cores)
     oversubscribed = ranks * threads > cores
     bind = effective_bind(hw, ranks, cores)
-    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **hw.env}
-    if placements:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use
+    env = rank_env(hw, threads, gpus=bool(placements))
     argv = [mpirun, "-n", str(ranks)]
     if flavor == "openmpi":
         if placements and bind != "none":
@@ -162,9 +161,20 @@ def build_argv(
             argv += ["-hosts", ",".join(hw.hosts)]
         if hw.hostfile:
             argv += ["-f", hw.hostfile]
-    argv += list(hw.extra_args)
-    argv += [python, "-m", "mpi4py", "-m", "runner.worker", str(run_dir)]
-    return argv
+    return argv + list(hw.extra_args) + worker_argv(run_dir, python)
+
+
+def rank_env(hw: Any, threads: int, gpus: bool = False) -> dict[str, str]:
+    """Environment variables every rank gets: its thread count, unbuffered output, ``hardware.env``."""
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **hw.env}
+    if gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use
+    return env
+
+
+def worker_argv(run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The command each rank runs."""
+    return [python, "-m", "mpi4py", "-m", "runner.worker", str(run_dir)]
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
@@ -179,29 +189,41 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
             "hardware.device='cuda' (hardware=gpu) but torch sees no CUDA device on this machine; "
             "use hardware=cpu, or install a CUDA build of torch"
         )
-    mpirun = find_mpirun(hw.mpirun)
-    flavor = mpi_flavor(mpirun) if hw.flavor == "auto" else hw.flavor
-    ranks, cores = world_size(checked), cluster_slots(hw) or usable_cores()
+    ranks = world_size(checked)
+    alloc = slurm.require_allocation() if hw.slurm else None
+    launcher = slurm.choose_launcher(hw.launcher, alloc) if alloc else "mpirun"
+    if alloc:
+        cores = alloc.cpus
+        hw = replace(hw, threads_per_rank=hw.threads_per_rank or alloc.cpus_per_task)
+        slurm.check_fits(alloc, launcher, ranks, threads_per_rank(hw, ranks, cores))
+    else:
+        cores = cluster_slots(hw) or usable_cores()
+    threads, bind = threads_per_rank(hw, ranks, cores), effective_bind(hw, ranks, cores)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved["hardware"]["threads_per_rank"] = threads_per_rank(hw, ranks, cores)
-    resolved["hardware"]["bind"] = effective_bind(hw, ranks, cores)
+    resolved["hardware"].update(threads_per_rank=threads, bind=bind, launcher=launcher)
     placements = None
-    if hw.device == "cuda":
-        placements = plan(read_topology(), ranks, resolved["hardware"]["threads_per_rank"], use_gpus=True)
+    one_node = not hw.multi_node and (alloc is None or alloc.nodes == 1)
+    if hw.device == "cuda" and launcher == "mpirun" and one_node:
+        placements = plan(read_topology(), ranks, threads, use_gpus=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     if placements:
         (run_dir / "plan.json").write_text(json.dumps([asdict(p) for p in placements], indent=1))
-    argv = build_argv(
-        hw,
-        ranks,
-        run_dir,
-        mpirun=mpirun,
-        flavor=flavor,
-        cores=cores,
-        as_root=os.geteuid() == 0,
-        placements=placements,
-    )
+    if launcher == "srun":
+        env = rank_env(hw, threads)
+        argv = slurm.srun_argv(hw, ranks, threads, bind, env, alloc, worker_argv(run_dir))
+    else:
+        mpirun = find_mpirun(hw.mpirun)
+        argv = build_argv(
+            hw,
+            ranks,
+            run_dir,
+            mpirun=mpirun,
+            flavor=mpi_flavor(mpirun) if hw.flavor == "auto" else hw.flavor,
+            cores=cores,
+            as_root=os.geteuid() == 0,
+            placements=placements,
+        )
     (run_dir / "mpirun.txt").write_text(shlex.join(argv) + "\n")
     return argv
 

@@ -29,8 +29,12 @@ class Run:
         return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def run_cli(run_dir: Path, *overrides: str, timeout: float = 180, multirun: bool = False) -> Run:
-    """``python -m runner OVERRIDES`` with the run folder at ``run_dir``; a hang fails after ``timeout``."""
+def run_cli(
+    run_dir: Path, *overrides: str, timeout: float = 180, multirun: bool = False, env: dict | None = None
+) -> Run:
+    """``python -m runner OVERRIDES`` with the run folder at ``run_dir``; a hang fails after ``timeout``.
+
+    ``env`` replaces the environment (default: this process's)."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     argv = [
         sys.executable,
@@ -41,7 +45,7 @@ def run_cli(run_dir: Path, *overrides: str, timeout: float = 180, multirun: bool
         "train.progress=false",
         *overrides,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return Run(proc, run_dir)
 
