@@ -347,7 +347,16 @@ class Comm:
 
     def local_size(self) -> int:
         """Number of ranks of this communicator on this node."""
-        return self._c.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        return self._node().Get_size()
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of this communicator on its node (any launcher)."""
+        return self._node().Get_rank()
+
+    def _node(self) -> Any:
+        if not hasattr(self, "_node_comm"):
+            self._node_comm = self._c.Split_type(MPI.COMM_TYPE_SHARED)
+        return self._node_comm
 
 
 def mpi_library_version() -> str:

@@ -71,6 +71,8 @@ class HardwareConfig:
     hosts: list[str] = field(default_factory=list)
     hostfile: str | None = None
     cuda_aware: bool | None = None
+    gpus_per_node: int | None = None
+    ranks_per_gpu: int = 1
     slurm: bool = False
     launcher: str = "mpirun"
     srun_mpi: str = "pmix"
@@ -114,6 +116,13 @@ class HardwareConfig:
             "under Slurm the allocation gives the hosts; drop hardware.hosts/hostfile",
         )
         one_of("device", self.device, ("cpu", "cuda"))
+        require(
+            self.gpus_per_node is None or self.gpus_per_node >= 1,
+            "gpus_per_node",
+            self.gpus_per_node,
+            "use null (every visible GPU) or a positive count",
+        )
+        require(self.ranks_per_gpu >= 1, "ranks_per_gpu", self.ranks_per_gpu, "at least one rank per GPU")
         one_of("flavor", self.flavor, ("auto", "openmpi", "mpich"))
         one_of("bind", self.bind, ("core", "socket", "numa", "none"))
         require(

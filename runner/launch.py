@@ -204,7 +204,8 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     placements = None
     one_node = not hw.multi_node and (alloc is None or alloc.nodes == 1)
     if hw.device == "cuda" and launcher == "mpirun" and one_node:
-        placements = plan(read_topology(), ranks, threads, use_gpus=True)
+        topo = read_topology().visible(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        placements = plan(topo, ranks, threads, True, hw.gpus_per_node, hw.ranks_per_gpu)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     if placements:

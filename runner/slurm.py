@@ -59,9 +59,9 @@ class Allocation:
 def allocation(environ: Mapping[str, str] = os.environ) -> Allocation | None:
     """The current allocation, or None outside Slurm.
 
-        Tasks come from ``SLURM_NTASKS`` (else ``SLURM_TASKS_PER_NODE``), CPUs from ``SLURM_JOB_CPUS_PER_NODE``
-        over all nodes; ``SLURM_STEP_ID`` marks a process inside a job step started by ``srun`` (the batch
-    script's own step does not count).
+    Tasks come from ``SLURM_NTASKS`` (else ``SLURM_TASKS_PER_NODE``), CPUs from
+    ``SLURM_JOB_CPUS_PER_NODE`` over all nodes; ``SLURM_STEP_ID`` marks a process inside a job step
+    started by ``srun`` (the batch script's own step does not count).
     """
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 NVIDIA = "0x10de"
@@ -62,6 +62,23 @@ class Topology:
     def numa_of(self, cpu: int) -> int:
         return next((node for node, cpus in self.numa_nodes.items() if cpu in cpus), 0)
 
+    def visible(self, cuda_visible_devices: str | None) -> Topology:
+        """The topology as CUDA sees it under ``CUDA_VISIBLE_DEVICES`` (with PCI-bus-ID ordering): only the
+        listed GPUs, numbered in the order listed. UUID or MIG entries cannot be matched to ``/sys`` and
+        leave the GPUs as they are."""
+        if cuda_visible_devices is None:
+            return self
+        entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+        if not all(e.isdigit() for e in entries):
+            return self
+        by_index = {g.index: g for g in self.gpus}
+        gpus = []
+        for e in entries:
+            if int(e) not in by_index:
+                break  # CUDA ignores the rest of the list after an invalid entry
+            gpus.append(replace(by_index[int(e)], index=len(gpus)))
+        return replace(self, gpus=gpus)
+
     def to_dict(self) -> dict:
         return {
             "cpus": self.cpus,
@@ -111,20 +128,35 @@ class Placement:
     gpu: int | None = None
 
 
-def plan(topo: Topology, ranks: int, threads: int, use_gpus: bool = False) -> list[Placement]:
+def plan(
+    topo: Topology,
+    ranks: int,
+    threads: int,
+    use_gpus: bool = False,
+    gpus: int | None = None,
+    ranks_per_gpu: int = 1,
+) -> list[Placement]:
     """Where each rank should run: its NUMA node, its ``threads`` cores and (with GPUs) its GPU.
 
-    With GPUs, the GPUs are taken in NUMA-node order (then PCI order; on the usual machine, whose GPUs are
-    numbered node by node, rank r gets GPU r), rank r gets the (r mod #GPUs)-th and the next free cores of its
-    NUMA node, so ranks fill the nodes in order, as ``--map-by ppr:K:numa`` places them. Without GPUs, ranks
-    take consecutive cores of the NUMA nodes in order. Raises ValueError when the cores do not suffice.
+    With GPUs (the first ``gpus`` of them, default all), the GPUs are taken in NUMA-node order (then PCI
+    order; on the usual machine, whose GPUs are numbered node by node, rank r gets GPU r), as few
+    consecutive ranks per GPU as fit (at most ``ranks_per_gpu``), each rank with the next free cores of
+    its GPU's NUMA node, so ranks fill the nodes in order, as ``--map-by ppr:K:numa`` places them. Without
+    GPUs, ranks take consecutive cores of the NUMA nodes in order. Raises ValueError when the GPUs or cores
+    do not suffice.
     """
     free = {node: list(cpus) for node, cpus in topo.numa_nodes.items()}
-    by_node = sorted(topo.gpus, key=lambda g: (g.numa, g.index))
+    by_node = sorted(topo.gpus[:gpus], key=lambda g: (g.numa, g.index))
     if use_gpus and not by_node:
         raise ValueError("hardware.device=cuda but no NVIDIA GPU was found under /sys/bus/pci")
-    if use_gpus and ranks > len(by_node):
-        by_node = sorted(by_node * -(-ranks // len(by_node)), key=lambda g: (g.numa, g.index))[:ranks]
+    if use_gpus and ranks > len(by_node) * ranks_per_gpu:
+        raise ValueError(
+            f"{ranks} ranks need {-(-ranks // ranks_per_gpu)} GPUs at hardware.ranks_per_gpu={ranks_per_gpu} "
+            f"but {len(by_node)} are usable here; lower devices, or let ranks share GPUs "
+            f"(hardware.ranks_per_gpu={-(-ranks // len(by_node))})"
+        )
+    if use_gpus:
+        by_node = [by_node[r // -(-ranks // len(by_node))] for r in range(ranks)]
     placements = []
     for r in range(ranks):
         if use_gpus:

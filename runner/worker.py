@@ -115,6 +115,17 @@ def check_bindings(bindings: list[dict[str, Any]], bind: str, plan: list[dict[st
     return problems
 
 
+def gpu_of_local_rank(local_rank: int, local_size: int, gpus: int, ranks_per_gpu: int) -> int:
+    """The GPU of a rank on a node without a plan (other nodes, srun): consecutive local ranks share a GPU,
+    as few as fit; ValueError when the node's ranks need more than ``ranks_per_gpu`` per GPU."""
+    if gpus < 1 or local_size > gpus * ranks_per_gpu:
+        raise ValueError(
+            f"{local_size} ranks on {platform.node()} but {gpus} usable GPU(s) there at "
+            f"hardware.ranks_per_gpu={ranks_per_gpu}; lower devices or raise hardware.ranks_per_gpu"
+        )
+    return local_rank // -(-local_size // gpus)
+
+
 def select_device(cfg: DictConfig, comm: Comm, run_dir: Path) -> torch.device:
     """CPU, or this rank's GPU: the one ``plan.json`` gives it, else its local rank's."""
     if cfg.hardware.device == "cpu":
@@ -125,8 +136,13 @@ def select_device(cfg: DictConfig, comm: Comm, run_dir: Path) -> torch.device:
     if plan_file.exists():
         index = json.loads(plan_file.read_text())[comm.rank]["gpu"]
     else:
-        index = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", "0")))
-    device = torch.device("cuda", index % torch.cuda.device_count())
+        index = gpu_of_local_rank(
+            comm.local_rank(),
+            comm.local_size(),
+            min(torch.cuda.device_count(), cfg.hardware.get("gpus_per_node") or torch.cuda.device_count()),
+            cfg.hardware.get("ranks_per_gpu", 1),
+        )
+    device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
 

@@ -91,7 +91,7 @@ def main(device: str) -> None:
     assert c.allgather_object(r) == list(range(n))
     even = c.split(r % 2)
     assert even.size == len(range(r % 2, n, 2))
-    assert c.local_size() == n
+    assert c.local_size() == n and c.local_rank() == r
     c.barrier()
     if r == 0:
         mode = "direct" if dev.type == "cuda" and c.cuda_aware else "staged"

@@ -150,10 +150,30 @@ def test_interleaved_gpus_are_taken_node_by_node(tmp_path):
     assert all(t.gpus[p.gpu].numa == p.numa for p in placements)
 
 
-def test_more_ranks_than_gpus_share_them(two_sockets_four_gpus):
-    placements = plan(two_sockets_four_gpus, ranks=8, threads=2, use_gpus=True)
-    assert sorted(p.gpu for p in placements) == [0, 0, 1, 1, 2, 2, 3, 3]
+def test_ranks_share_gpus_only_when_asked(two_sockets_four_gpus):
+    with pytest.raises(ValueError, match="hardware.ranks_per_gpu=2"):
+        plan(two_sockets_four_gpus, ranks=8, threads=2, use_gpus=True)
+    placements = plan(two_sockets_four_gpus, ranks=8, threads=2, use_gpus=True, ranks_per_gpu=2)
+    assert [p.gpu for p in placements] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert all(two_sockets_four_gpus.gpus[p.gpu].numa == p.numa for p in placements)
+    spread = plan(two_sockets_four_gpus, ranks=4, threads=2, use_gpus=True, ranks_per_gpu=2)
+    assert [p.gpu for p in spread] == [0, 1, 2, 3], "sharing is a limit, not a packing"
+
+
+def test_gpus_per_node_limits_the_gpus_used(two_sockets_four_gpus):
+    placements = plan(two_sockets_four_gpus, ranks=2, threads=2, use_gpus=True, gpus=2)
+    assert [p.gpu for p in placements] == [0, 1]
+    with pytest.raises(ValueError, match="but 2 are usable"):
+        plan(two_sockets_four_gpus, ranks=3, threads=2, use_gpus=True, gpus=2)
+
+
+def test_cuda_visible_devices_renumber_the_gpus(two_sockets_four_gpus):
+    t = two_sockets_four_gpus
+    seen = t.visible("3,1")
+    assert [(g.index, g.pci) for g in seen.gpus] == [(0, t.gpus[3].pci), (1, t.gpus[1].pci)]
+    assert [g.numa for g in seen.gpus] == [t.gpus[3].numa, t.gpus[1].numa]
+    assert len(t.visible("0,9,1").gpus) == 1, "CUDA stops at the first invalid entry"
+    assert t.visible(None) is t and t.visible("GPU-5f1c").gpus == t.gpus
 
 
 def test_this_machine_and_the_command(capsys):
@@ -161,3 +181,20 @@ def test_this_machine_and_the_command(capsys):
     assert t.cpus and sum(len(c) for c in t.numa_nodes.values()) == len(t.cpus)
     main([])
     assert "NUMA node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "local_size, gpus, per_gpu, expected",
+    [(4, 4, 1, [0, 1, 2, 3]), (2, 4, 1, [0, 1]), (8, 4, 2, [0, 0, 1, 1, 2, 2, 3, 3]), (3, 2, 2, [0, 0, 1])],
+)
+def test_gpu_of_each_local_rank_without_a_plan(local_size, gpus, per_gpu, expected):
+    from runner.worker import gpu_of_local_rank
+
+    assert [gpu_of_local_rank(r, local_size, gpus, per_gpu) for r in range(local_size)] == expected
+
+
+def test_too_many_ranks_for_a_nodes_gpus_fail_with_a_hint():
+    from runner.worker import gpu_of_local_rank
+
+    with pytest.raises(ValueError, match="5 ranks on .* 2 usable GPU.*ranks_per_gpu=2"):
+        gpu_of_local_rank(0, 5, 2, 2)
