@@ -26,6 +26,11 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     try:
         summary = launch(cfg, Path(hydra_cfg.runtime.output_dir))
+    except ValueError as err:
+        if hydra_cfg.mode == RunMode.RUN:  # a user error, named with its key and fix: no traceback
+            log.error("invalid input, nothing was started: %s", err)
+            raise SystemExit(2) from None
+        raise
     except JobFailed as err:
         log.error("job failed: %s", err)
         if hydra_cfg.mode == RunMode.RUN:
