@@ -41,8 +41,8 @@ def _view(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-#: Overrides the detection of :func:`cuda_aware_mpi` for every rank: ``1`` or ``0`` (set by the launcher
-#: from ``hardware.cuda_aware``).
+#: Overrides the detection of :func:`cuda_aware_mpi`: ``1`` or ``0`` (``hardware.cuda_aware`` reaches a
+#: rank's Comm directly; this is for jobs started by hand, such as the comm tests).
 CUDA_AWARE_ENV = "MPITRAIN_CUDA_AWARE"
 
 
@@ -190,6 +190,7 @@ class Comm:
         self.bytes_sent = 0
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
+        self._node_comm: Any = None
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, _Staged | None]:
         """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
@@ -294,7 +295,7 @@ class Comm:
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
         """Start sending ``t``; ``t`` must not change until the request completes."""
         t0 = time.perf_counter()
-        buf, staged = self._buffer(t)
+        buf, _ = self._buffer(t)
         req = self._c.Isend(buf, dest=dest, tag=tag)
         self._sent(t)
         self.seconds += time.perf_counter() - t0
@@ -354,7 +355,7 @@ class Comm:
         return self._node().Get_rank()
 
     def _node(self) -> Any:
-        if not hasattr(self, "_node_comm"):
+        if self._node_comm is None:
             self._node_comm = self._c.Split_type(MPI.COMM_TYPE_SHARED)
         return self._node_comm
 

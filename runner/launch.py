@@ -195,10 +195,11 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     if alloc:
         cores = alloc.cpus
         hw = replace(hw, threads_per_rank=hw.threads_per_rank or alloc.cpus_per_task)
-        slurm.check_fits(alloc, launcher, ranks, threads_per_rank(hw, ranks, cores))
     else:
         cores = cluster_slots(hw) or usable_cores()
     threads, bind = threads_per_rank(hw, ranks, cores), effective_bind(hw, ranks, cores)
+    if alloc:
+        slurm.check_fits(alloc, launcher, ranks, threads)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["hardware"].update(threads_per_rank=threads, bind=bind, launcher=launcher)
     placements = None

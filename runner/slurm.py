@@ -67,10 +67,12 @@ def allocation(environ: Mapping[str, str] = os.environ) -> Allocation | None:
     if not job_id:
         return None
     cpus = expand_counts(environ.get("SLURM_JOB_CPUS_PER_NODE", environ.get("SLURM_CPUS_ON_NODE", "1")))
-    per_node_tasks = environ.get("SLURM_TASKS_PER_NODE")
-    tasks = int(environ["SLURM_NTASKS"]) if "SLURM_NTASKS" in environ else None
-    if tasks is None:
-        tasks = sum(expand_counts(per_node_tasks)) if per_node_tasks else len(cpus)
+    if "SLURM_NTASKS" in environ:
+        tasks = int(environ["SLURM_NTASKS"])
+    elif environ.get("SLURM_TASKS_PER_NODE"):
+        tasks = sum(expand_counts(environ["SLURM_TASKS_PER_NODE"]))
+    else:
+        tasks = len(cpus)
     nodes = int(environ.get("SLURM_JOB_NUM_NODES", environ.get("SLURM_NNODES", len(cpus))))
     if len(cpus) == 1 and nodes > 1:
         cpus = cpus * nodes

@@ -128,6 +128,20 @@ class Placement:
     gpu: int | None = None
 
 
+def gpu_slots(ranks: int, gpus: int, ranks_per_gpu: int, where: str = "this node") -> list[int]:
+    """Which of ``gpus`` GPUs each of ``ranks`` consecutive ranks uses: as few ranks per GPU as fit, at most
+    ``ranks_per_gpu``. Raises ValueError, with the setting that would fit, when they do not."""
+    assert gpus >= 1, "callers refuse a node without GPUs first"
+    if ranks > gpus * ranks_per_gpu:
+        raise ValueError(
+            f"{ranks} ranks on {where} but {gpus} usable GPU(s) at hardware.ranks_per_gpu={ranks_per_gpu}: "
+            f"they need {-(-ranks // ranks_per_gpu)}; lower devices, or let ranks share GPUs "
+            f"(hardware.ranks_per_gpu={-(-ranks // gpus)})"
+        )
+    per_gpu = -(-ranks // gpus)
+    return [r // per_gpu for r in range(ranks)]
+
+
 def plan(
     topo: Topology,
     ranks: int,
@@ -140,7 +154,7 @@ def plan(
 
     With GPUs (the first ``gpus`` of them, default all), the GPUs are taken in NUMA-node order (then PCI
     order; on the usual machine, whose GPUs are numbered node by node, rank r gets GPU r), as few
-    consecutive ranks per GPU as fit (at most ``ranks_per_gpu``), each rank with the next free cores of
+    consecutive ranks per GPU as fit (:func:`gpu_slots`), each rank with the next free cores of
     its GPU's NUMA node, so ranks fill the nodes in order, as ``--map-by ppr:K:numa`` places them. Without
     GPUs, ranks take consecutive cores of the NUMA nodes in order. Raises ValueError when the GPUs or cores
     do not suffice.
@@ -149,14 +163,8 @@ def plan(
     by_node = sorted(topo.gpus[:gpus], key=lambda g: (g.numa, g.index))
     if use_gpus and not by_node:
         raise ValueError("hardware.device=cuda but no NVIDIA GPU was found under /sys/bus/pci")
-    if use_gpus and ranks > len(by_node) * ranks_per_gpu:
-        raise ValueError(
-            f"{ranks} ranks need {-(-ranks // ranks_per_gpu)} GPUs at hardware.ranks_per_gpu={ranks_per_gpu} "
-            f"but {len(by_node)} are usable here; lower devices, or let ranks share GPUs "
-            f"(hardware.ranks_per_gpu={-(-ranks // len(by_node))})"
-        )
     if use_gpus:
-        by_node = [by_node[r // -(-ranks // len(by_node))] for r in range(ranks)]
+        by_node = [by_node[slot] for slot in gpu_slots(ranks, len(by_node), ranks_per_gpu)]
     placements = []
     for r in range(ranks):
         if use_gpus:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.comm import OWNER_ENV, Comm, mpi_library_version
 from runner.loop import Trainer, broadcast_state
 from runner.metrics import MetricsLog
-from runner.topology import Topology, read_topology
+from runner.topology import Topology, gpu_slots, read_topology
 
 
 class Tee:
@@ -115,19 +115,9 @@ def check_bindings(bindings: list[dict[str, Any]], bind: str, plan: list[dict[st
     return problems
 
 
-def gpu_of_local_rank(local_rank: int, local_size: int, gpus: int, ranks_per_gpu: int) -> int:
-    """The GPU of a rank on a node without a plan (other nodes, srun): consecutive local ranks share a GPU,
-    as few as fit; ValueError when the node's ranks need more than ``ranks_per_gpu`` per GPU."""
-    if gpus < 1 or local_size > gpus * ranks_per_gpu:
-        raise ValueError(
-            f"{local_size} ranks on {platform.node()} but {gpus} usable GPU(s) there at "
-            f"hardware.ranks_per_gpu={ranks_per_gpu}; lower devices or raise hardware.ranks_per_gpu"
-        )
-    return local_rank // -(-local_size // gpus)
-
-
 def select_device(cfg: DictConfig, comm: Comm, run_dir: Path) -> torch.device:
-    """CPU, or this rank's GPU: the one ``plan.json`` gives it, else its local rank's."""
+    """CPU, or this rank's GPU: the one ``plan.json`` gives it, else its local rank's (nodes the launcher
+    could not plan: other hosts, srun), by the plan's rule for sharing GPUs."""
     if cfg.hardware.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -136,12 +126,9 @@ def select_device(cfg: DictConfig, comm: Comm, run_dir: Path) -> torch.device:
     if plan_file.exists():
         index = json.loads(plan_file.read_text())[comm.rank]["gpu"]
     else:
-        index = gpu_of_local_rank(
-            comm.local_rank(),
-            comm.local_size(),
-            min(torch.cuda.device_count(), cfg.hardware.get("gpus_per_node") or torch.cuda.device_count()),
-            cfg.hardware.get("ranks_per_gpu", 1),
-        )
+        gpus = min(torch.cuda.device_count(), cfg.hardware.gpus_per_node or torch.cuda.device_count())
+        slots = gpu_slots(comm.local_size(), gpus, cfg.hardware.ranks_per_gpu, platform.node())
+        index = slots[comm.local_rank()]
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
@@ -236,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(argv[0])
     os.environ[OWNER_ENV] = str(os.getpid())
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    comm = Comm(cuda_aware=cfg.hardware.get("cuda_aware"))
+    comm = Comm(cuda_aware=cfg.hardware.cuda_aware)
     log_file, terminal = redirect_output(run_dir, comm.rank)
     try:
         run(cfg, run_dir, comm, log_file, terminal)

@@ -125,14 +125,22 @@ def test_slurm_mistakes_are_refused_before_launch(slurm_env, tmp_path, env, over
     assert not (tmp_path / "run" / "mpirun.txt").exists()
 
 
+def stand_in(folder: Path, name: str, script: str) -> None:
+    """An executable ``folder/name`` (a stand-in for a Slurm command) running ``script``."""
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
 def test_the_srun_command_starts_a_working_job(cli, tmp_path):
     """The srun command line, as built, trains: a stand-in ``srun`` keeps its arguments and starts the
     worker command after them (``env ... python -m mpi4py -m runner.worker RUN``) with our mpirun."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     mpirun = mpirun_argv(1)
-    srun = bin_dir / "srun"
-    srun.write_text(
+    stand_in(
+        bin_dir,
+        "srun",
         f"#!{sys.executable}\n"
         "import os, sys\n"
         f"open({str(tmp_path / 'srun.args')!r}, 'w').write(' '.join(sys.argv[1:]))\n"
@@ -141,9 +149,8 @@ def test_the_srun_command_starts_a_working_job(cli, tmp_path):
         "env = {k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}\n"
         f"mpirun = {mpirun!r}\n"
         "mpirun[2] = n\n"
-        "os.execve(mpirun[0], mpirun + args[args.index('env'):], env)\n"
+        "os.execve(mpirun[0], mpirun + args[args.index('env'):], env)\n",
     )
-    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     allocation_env = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_JOB_CPUS_PER_NODE": "2"}
     env = {**os.environ, **allocation_env, "SLURM_STEP_ID": "0", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     run = cli("hardware=slurm", "train.epochs=2", env=env)
@@ -156,14 +163,11 @@ def test_the_srun_command_starts_a_working_job(cli, tmp_path):
 def stand_in_slurm(folder: Path) -> dict[str, str]:
     """An environment whose ``sbatch`` keeps the batch script and refuses the job, and whose ``srun``
     exists (submitit looks for it)."""
-    folder.mkdir()
     for name, body in {
         "sbatch": 'cp "$1" "$SBATCH_CAPTURE"; echo "sbatch: error: stand-in for the test" >&2; exit 1',
         "srun": "exit 1",
     }.items():
-        path = folder / name
-        path.write_text(f"#!/bin/sh\n{body}\n")
-        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+        stand_in(folder, name, f"#!/bin/sh\n{body}\n")
     return {
         **os.environ,
         "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}",

@@ -8,7 +8,7 @@ import pytest
 
 from runner.config import HardwareConfig
 from runner.launch import build_argv
-from runner.topology import format_cpulist, main, parse_cpulist, plan, read_topology
+from runner.topology import format_cpulist, gpu_slots, main, parse_cpulist, plan, read_topology
 
 
 def fake_sys(root: Path, numa: dict[int, str], packages: dict[int, int], gpus=()) -> Path:
@@ -89,19 +89,24 @@ def test_two_numa_nodes_four_gpus(two_sockets_four_gpus):
     )
 
 
-def test_gpu_argv_maps_ranks_onto_their_gpus_numa_nodes(two_sockets_four_gpus):
-    placements = plan(two_sockets_four_gpus, ranks=4, threads=4, use_gpus=True)
-    argv = build_argv(
+def gpu_argv(placements, flavor: str) -> list[str]:
+    """The launcher's command for ``placements`` of 4 ranks with hardware=gpu on the 16-core fake machine."""
+    return build_argv(
         HardwareConfig(device="cuda", bind="numa"),
         4,
         Path("/run"),
-        mpirun="mpirun",
-        flavor="openmpi",
+        mpirun="mpirun" if flavor == "openmpi" else "mpiexec",
+        flavor=flavor,
         cores=16,
         as_root=False,
         python="python",
         placements=placements,
     )
+
+
+def test_gpu_argv_maps_ranks_onto_their_gpus_numa_nodes(two_sockets_four_gpus):
+    placements = plan(two_sockets_four_gpus, ranks=4, threads=4, use_gpus=True)
+    argv = gpu_argv(placements, "openmpi")
     i = argv.index("--map-by")
     assert argv[i + 1] == "ppr:2:numa:pe=4" and argv[argv.index("--bind-to") + 1] == "core"
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in argv
@@ -109,17 +114,7 @@ def test_gpu_argv_maps_ranks_onto_their_gpus_numa_nodes(two_sockets_four_gpus):
 
 def test_gpu_argv_for_mpich_binds_each_rank_to_its_planned_cores(two_sockets_four_gpus):
     placements = plan(two_sockets_four_gpus, ranks=4, threads=2, use_gpus=True)
-    argv = build_argv(
-        HardwareConfig(device="cuda", bind="numa"),
-        4,
-        Path("/run"),
-        mpirun="mpiexec",
-        flavor="mpich",
-        cores=16,
-        as_root=False,
-        python="python",
-        placements=placements,
-    )
+    argv = gpu_argv(placements, "mpich")
     spec = argv[argv.index("-bind-to") + 1]
     assert spec.startswith("user:") and "-map-by" not in argv
     per_rank = [parse_cpulist(s.replace("+", ",")) for s in spec[len("user:") :].split(",")]
@@ -163,7 +158,7 @@ def test_ranks_share_gpus_only_when_asked(two_sockets_four_gpus):
 def test_gpus_per_node_limits_the_gpus_used(two_sockets_four_gpus):
     placements = plan(two_sockets_four_gpus, ranks=2, threads=2, use_gpus=True, gpus=2)
     assert [p.gpu for p in placements] == [0, 1]
-    with pytest.raises(ValueError, match="but 2 are usable"):
+    with pytest.raises(ValueError, match="but 2 usable GPU"):
         plan(two_sockets_four_gpus, ranks=3, threads=2, use_gpus=True, gpus=2)
 
 
@@ -188,13 +183,9 @@ def test_this_machine_and_the_command(capsys):
     [(4, 4, 1, [0, 1, 2, 3]), (2, 4, 1, [0, 1]), (8, 4, 2, [0, 0, 1, 1, 2, 2, 3, 3]), (3, 2, 2, [0, 0, 1])],
 )
 def test_gpu_of_each_local_rank_without_a_plan(local_size, gpus, per_gpu, expected):
-    from runner.worker import gpu_of_local_rank
-
-    assert [gpu_of_local_rank(r, local_size, gpus, per_gpu) for r in range(local_size)] == expected
+    assert gpu_slots(local_size, gpus, per_gpu) == expected
 
 
 def test_too_many_ranks_for_a_nodes_gpus_fail_with_a_hint():
-    from runner.worker import gpu_of_local_rank
-
     with pytest.raises(ValueError, match="5 ranks on .* 2 usable GPU.*ranks_per_gpu=2"):
-        gpu_of_local_rank(0, 5, 2, 2)
+        gpu_slots(5, 2, 2, "node7")
