@@ -40,7 +40,7 @@ def parse() -> argparse.Namespace:
 
 def relaunch(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
-    from runner.launch import find_mpirun
+    from runner.hardware.mpirun import find_mpirun
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

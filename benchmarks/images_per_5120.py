@@ -83,22 +83,24 @@ def plain(model: str, args: argparse.Namespace) -> float:
     """Seconds per 5,120 images of plain single-process PyTorch (no MPI, no runner)."""
     import torch
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
-    import runner.config  # noqa: F401
+    from runner.config import register, validate
 
+    register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                f"model={model}",
-                "data=synthetic",
-                f"data.shape=[3,{args.size},{args.size}]",
-                "data.num_classes=1000",
-            ],
+        cfg = validate(
+            compose(
+                config_name="config",
+                overrides=[
+                    f"model={model}",
+                    "data=synthetic",
+                    f"data.shape=[3,{args.size},{args.size}]",
+                    "data.num_classes=1000",
+                ],
+            )
         )
-    net = instantiate(cfg.model)
-    opt = instantiate(cfg.optim, params=net.parameters())
+    net = cfg.model.build()
+    opt = cfg.optim.build(net.parameters())
     batch = BATCH[model]
     x, y = torch.randn(batch, 3, args.size, args.size), torch.randint(0, 1000, (batch,))
     times = []

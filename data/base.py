@@ -1,4 +1,4 @@
-"""What every data set provides: train/validation splits, and loaders sharded across ranks.
+"""What every data set's ``build()`` returns: train/validation splits, and loaders sharded across ranks.
 
 Training data is sharded with ``torch.utils.data.DistributedSampler``: each epoch all ranks draw the same
 permutation (seed + epoch), pad it to a multiple of the number of ranks, and rank r takes every N-th index
@@ -12,6 +12,8 @@ batches while the current one trains; with a GPU, batches come in pinned memory 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
@@ -47,14 +49,20 @@ def _batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torc
     return batch
 
 
+@dataclass
 class ClassificationData:
-    """Base of the data sets: subclasses set ``train``, ``val``, ``shape``, ``num_classes``, ``workers``."""
+    """A loaded data set, as the training loop uses it: the two splits, what a sample looks like, and how
+    many background loader processes each rank starts (``workers``; 0 loads in the training process)."""
 
     train: Dataset
     val: Dataset
     shape: tuple[int, ...]
     num_classes: int
     workers: int = 0
+    classes: list[str] | None = None  # class names, where the data set has them
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.shape)
 
     def _loader(self, dataset: Dataset, batch_size: int, pin_memory: bool = False, **kwargs) -> DataLoader:
         root = dataset

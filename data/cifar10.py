@@ -15,44 +15,12 @@ import torch
 from omegaconf import MISSING
 
 from data.base import BatchedData, ClassificationData, normalize, random_crop_flip
-from runner.checks import require
+from runner.schema import DataConfig, require
 
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_FILE = "test_batch"
 MEAN, STD = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
-
-
-@dataclass
-class CIFAR10Config:
-    _target_: str = "data.cifar10.CIFAR10"
-    root: str = MISSING
-    shape: list[int] = field(default_factory=lambda: [3, 32, 32])
-    num_classes: int = 10
-    augment: bool = True
-    workers: int = 1
-
-    def __post_init__(self) -> None:
-        root = Path(self.root)
-        require(
-            root.is_dir(),
-            "root",
-            self.root,
-            "no such folder; give the folder holding data_batch_1..5 and test_batch "
-            "(CIFAR-10's python version, cifar-10-batches-py), e.g. data.root=/data/cifar-10-batches-py",
-        )
-        missing = [name for name in [*TRAIN_FILES, TEST_FILE] if not (root / name).is_file()]
-        require(
-            not missing,
-            "root",
-            self.root,
-            f"missing {', '.join(missing)}: not a CIFAR-10 python-version folder",
-        )
-        require(list(self.shape) == [3, 32, 32], "shape", self.shape, "CIFAR-10 images are [3, 32, 32]")
-        require(self.num_classes == 10, "num_classes", self.num_classes, "CIFAR-10 has 10 classes")
-        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
-
-
-SCHEMA = CIFAR10Config
+SHAPE, CLASSES = [3, 32, 32], 10
 
 
 def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -86,18 +54,39 @@ class _Images(BatchedData):
         return normalize(x, MEAN, STD), self.y[idx]
 
 
-class CIFAR10(ClassificationData):
-    def __init__(
-        self,
-        root: str,
-        shape: list[int] = (3, 32, 32),
-        num_classes: int = 10,
-        augment: bool = True,
-        workers: int = 1,
-    ):
-        root = Path(root)
+@dataclass
+class CIFAR10Config(DataConfig):
+    """CIFAR-10's python-version batch files; ``shape`` and ``num_classes`` are fixed."""
+
+    root: str = MISSING  # the folder holding data_batch_1..5 and test_batch
+    shape: list[int] = field(default_factory=lambda: list(SHAPE))
+    num_classes: int = CLASSES
+    augment: bool = True  # random crop (padding 4) and horizontal flip of training images
+    workers: int = 1  # background loader processes per rank
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        require(
+            root.is_dir(),
+            "root",
+            self.root,
+            "no such folder; give the folder holding data_batch_1..5 and test_batch "
+            "(CIFAR-10's python version, cifar-10-batches-py), e.g. data.root=/data/cifar-10-batches-py",
+        )
+        missing = [name for name in [*TRAIN_FILES, TEST_FILE] if not (root / name).is_file()]
+        require(
+            not missing,
+            "root",
+            self.root,
+            f"missing {', '.join(missing)}: not a CIFAR-10 python-version folder",
+        )
+        self.require_outputs(SHAPE, CLASSES)
+        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+
+    def build(self) -> ClassificationData:
+        root = Path(self.root)
         parts = [read_batch(root / name) for name in TRAIN_FILES]
         x_tr, y_tr = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         x_va, y_va = read_batch(root / TEST_FILE)
-        self.train, self.val = _Images(x_tr, y_tr, augment), _Images(x_va, y_va, False)
-        self.shape, self.num_classes, self.workers = (3, 32, 32), 10, workers
+        train, val = _Images(x_tr, y_tr, self.augment), _Images(x_va, y_va, False)
+        return ClassificationData(train, val, SHAPE, CLASSES, self.workers)

@@ -17,49 +17,10 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from data.base import ClassificationData, center_crop
-from runner.checks import require
+from runner.schema import DataConfig, require
 
 EXTENSIONS = {".jpg", ".jpeg", ".png"}
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-
-
-@dataclass
-class ImageFolderConfig:
-    _target_: str = "data.imagefolder.ImageFolder"
-    root: str = MISSING
-    image_size: int = 224
-    resize: int | None = None
-    shape: list[int] = field(default_factory=lambda: [3, 224, 224])
-    num_classes: int = 1000
-    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
-    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
-    workers: int = 2
-
-    def __post_init__(self) -> None:
-        root = Path(self.root)
-        for split in ("train", "val"):
-            require(
-                (root / split).is_dir(),
-                "root",
-                self.root,
-                f"no folder {root / split}: expected root/train/<class>/*.jpg and root/val/<class>/*.jpg",
-            )
-        require(
-            list(self.shape) == [3, self.image_size, self.image_size],
-            "shape",
-            self.shape,
-            f"must be [3, image_size, image_size] = [3, {self.image_size}, {self.image_size}]",
-        )
-        require(
-            self.resize is None or self.resize >= self.image_size,
-            "resize",
-            self.resize,
-            "the shorter side before cropping must be >= image_size (null: image_size × 256/224)",
-        )
-        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
-
-
-SCHEMA = ImageFolderConfig
 
 
 def list_images(folder: Path, classes: list[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
@@ -119,28 +80,65 @@ class _Folder(Dataset):
         return (x.float().div_(255) - self.mean) / self.std, label
 
 
-class ImageFolder(ClassificationData):
-    def __init__(
-        self,
-        root: str,
-        image_size: int = 224,
-        resize: int | None = None,
-        shape: list[int] = (3, 224, 224),
-        num_classes: int = 1000,
-        mean: list[float] = IMAGENET_MEAN,
-        std: list[float] = IMAGENET_STD,
-        workers: int = 2,
-    ):
-        root = Path(root)
+@dataclass
+class ImageFolderConfig(DataConfig):
+    """Images under ``root/{train,val}/<class>/``. ``shape`` follows ``image_size`` through an OmegaConf
+    interpolation (built in Python without OmegaConf, pass ``shape=[3, s, s]``); ``num_classes`` must match
+    the class folders, which are listed when the data set is built."""
+
+    root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg
+    image_size: int = 224  # side of the square crops
+    resize: int | None = None  # shorter side before cropping; None: image_size × 256/224
+    shape: list[int] = field(default_factory=lambda: [3, "${..image_size}", "${..image_size}"])
+    num_classes: int = 1000
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    workers: int = 2  # background loader processes per rank (JPEG decoding)
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        for split in ("train", "val"):
+            require(
+                (root / split).is_dir(),
+                "root",
+                self.root,
+                f"no folder {root / split}: expected root/train/<class>/*.jpg and root/val/<class>/*.jpg",
+            )
+        require(self.image_size >= 1, "image_size", self.image_size, "the crop side, >= 1 (e.g. 224)")
+        require(
+            list(self.shape) == [3, self.image_size, self.image_size],
+            "shape",
+            self.shape,
+            f"it is [3, image_size, image_size] = [3, {self.image_size}, {self.image_size}]; "
+            "leave it unset and set data.image_size",
+        )
+        require(
+            self.resize is None or self.resize >= self.image_size,
+            "resize",
+            self.resize,
+            "the shorter side before cropping must be >= image_size (null: image_size × 256/224)",
+        )
+        for key in ("mean", "std"):
+            values = getattr(self, key)
+            require(len(values) == 3, key, values, "one value per RGB channel, e.g. [0.485, 0.456, 0.406]")
+        require(min(self.std) > 0, "std", self.std, "standard deviations must be > 0")
+        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+
+    def build(self) -> ClassificationData:
+        root = Path(self.root)
         train, classes = list_images(root / "train")
         val, _ = list_images(root / "val", classes)
-        if len(classes) != num_classes:
+        if len(classes) != self.num_classes:
             raise ValueError(
-                f"data.num_classes={num_classes} but {root / 'train'} has {len(classes)} class "
+                f"data.num_classes={self.num_classes} but {root / 'train'} has {len(classes)} class "
                 f"folders; set data.num_classes={len(classes)}"
             )
-        resize = resize or round(image_size * 256 / 224)
-        self.classes = classes
-        self.train = _Folder(train, image_size, resize, mean, std, train=True)
-        self.val = _Folder(val, image_size, resize, mean, std, train=False)
-        self.shape, self.num_classes, self.workers = (3, image_size, image_size), num_classes, workers
+        resize = self.resize or round(self.image_size * 256 / 224)
+        return ClassificationData(
+            _Folder(train, self.image_size, resize, self.mean, self.std, train=True),
+            _Folder(val, self.image_size, resize, self.mean, self.std, train=False),
+            self.shape,
+            self.num_classes,
+            self.workers,
+            classes,
+        )

@@ -18,50 +18,9 @@ import torch
 from omegaconf import MISSING
 
 from data.base import BatchedData, ClassificationData, center_crop, normalize, random_crop_flip
-from runner.checks import require
+from runner.schema import DataConfig, require
 
 FILES = ["train_x.npy", "train_y.npy", "val_x.npy", "val_y.npy", "meta.json"]
-
-
-@dataclass
-class ShardsConfig:
-    _target_: str = "data.shards.Shards"
-    root: str = MISSING
-    crop: int | None = None
-    shape: list[int] = field(default_factory=lambda: [3, 224, 224])
-    num_classes: int = 1000
-    augment: bool = True
-    workers: int = 1
-
-    def __post_init__(self) -> None:
-        root = Path(self.root)
-        missing = [name for name in FILES if not (root / name).is_file()]
-        require(
-            not missing,
-            "root",
-            self.root,
-            f"missing {', '.join(missing)}: write shards with `python -m data.convert SRC {self.root}`",
-        )
-        meta = json.loads((root / "meta.json").read_text())
-        height, width, channels = meta["image_shape"]
-        size = (self.crop, self.crop) if self.crop else (height, width)
-        require(
-            list(self.shape) == [channels, *size],
-            "shape",
-            self.shape,
-            f"the shards hold {height}×{width}×{channels} images; with crop={self.crop} use "
-            f"data.shape=[{channels},{size[0]},{size[1]}]",
-        )
-        require(
-            self.num_classes == len(meta["classes"]),
-            "num_classes",
-            self.num_classes,
-            f"the shards have {len(meta['classes'])} classes",
-        )
-        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
-
-
-SCHEMA = ShardsConfig
 
 
 class _Shard(BatchedData):
@@ -112,20 +71,60 @@ class _Shard(BatchedData):
         return normalize(x, self.mean, self.std), self.y[torch.as_tensor(indices)]
 
 
-class Shards(ClassificationData):
-    def __init__(
-        self,
-        root: str,
-        crop: int | None = None,
-        shape: list[int] = (3, 224, 224),
-        num_classes: int = 1000,
-        augment: bool = True,
-        workers: int = 1,
-    ):
-        root = Path(root)
+@dataclass
+class ShardsConfig(DataConfig):
+    """A shard folder. ``shape`` ([C, crop or H, crop or W]) and ``num_classes`` are what the shards hold:
+    they are checked against ``meta.json`` before any process starts, and the error gives the right value."""
+
+    root: str = MISSING  # a folder written by `python -m data.convert SRC DST`
+    crop: int | None = None  # random (training) or centre (validation) crop to this side; None: stored size
+    shape: list[int] = field(default_factory=lambda: [3, 224, 224])
+    num_classes: int = 1000
+    augment: bool = True  # random horizontal flip (and crop) of training images
+    workers: int = 1  # background loader processes per rank
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        missing = [name for name in FILES if not (root / name).is_file()]
+        require(
+            not missing,
+            "root",
+            self.root,
+            f"missing {', '.join(missing)}: write shards with `python -m data.convert SRC {self.root}`",
+        )
+        meta = json.loads((root / "meta.json").read_text())
+        height, width, channels = meta["image_shape"]
+        require(
+            self.crop is None or 1 <= self.crop <= min(height, width),
+            "crop",
+            self.crop,
+            f"the shards hold {height}×{width} images: crop to at most {min(height, width)}, or null",
+        )
+        size = (self.crop, self.crop) if self.crop else (height, width)
+        require(
+            list(self.shape) == [channels, *size],
+            "shape",
+            self.shape,
+            f"the shards hold {height}×{width}×{channels} images; with crop={self.crop} use "
+            f"data.shape=[{channels},{size[0]},{size[1]}]",
+        )
+        require(
+            self.num_classes == len(meta["classes"]),
+            "num_classes",
+            self.num_classes,
+            f"the shards have {len(meta['classes'])} classes: use data.num_classes={len(meta['classes'])}",
+        )
+        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+
+    def build(self) -> ClassificationData:
+        root = Path(self.root)
         meta = json.loads((root / "meta.json").read_text())
         mean, std = meta["mean"], meta["std"]
-        self.classes = meta["classes"]
-        self.train = _Shard(root, "train", crop, augment, mean, std)
-        self.val = _Shard(root, "val", crop, False, mean, std)
-        self.shape, self.num_classes, self.workers = tuple(shape), num_classes, workers
+        return ClassificationData(
+            _Shard(root, "train", self.crop, self.augment, mean, std),
+            _Shard(root, "val", self.crop, False, mean, std),
+            self.shape,
+            self.num_classes,
+            self.workers,
+            meta["classes"],
+        )

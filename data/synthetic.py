@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from runner.schema import DataConfig, require
 
-from data.base import ClassificationData, TensorData
-from runner.checks import require
+if TYPE_CHECKING:
+    from data.base import ClassificationData
 
 
 @dataclass
-class SyntheticConfig:
-    _target_: str = "data.synthetic.Synthetic"
+class SyntheticConfig(DataConfig):
+    """Gaussian inputs of ``shape`` labelled by a fixed random linear map (argmax over ``num_classes``), so
+    a model can learn them; ``shape`` and ``num_classes`` are settings here, not properties of files."""
+
     shape: list[int] = field(default_factory=lambda: [3, 32, 32])
     num_classes: int = 10
     train_size: int = 2048
@@ -28,33 +31,19 @@ class SyntheticConfig:
             "a list of positive sizes, e.g. [3, 32, 32]",
         )
         require(self.num_classes >= 2, "num_classes", self.num_classes, "need at least 2 classes")
-        require(
-            self.train_size >= 1 and self.val_size >= 1,
-            "train_size",
-            self.train_size,
-            "train_size and val_size must be >= 1",
-        )
+        require(self.train_size >= 1, "train_size", self.train_size, "must be >= 1")
+        require(self.val_size >= 1, "val_size", self.val_size, "must be >= 1")
 
+    def build(self) -> ClassificationData:
+        import torch
 
-SCHEMA = SyntheticConfig
+        from data.base import ClassificationData, TensorData
 
-
-class Synthetic(ClassificationData):
-    """Gaussian inputs labelled by a fixed random linear map (argmax), so a model can learn them."""
-
-    def __init__(
-        self,
-        shape: list[int] = (3, 32, 32),
-        num_classes: int = 10,
-        train_size: int = 2048,
-        val_size: int = 512,
-        seed: int = 0,
-    ):
-        g = torch.Generator().manual_seed(seed)
-        shape = tuple(shape)
-        x = torch.randn(train_size + val_size, *shape, generator=g)
-        w = torch.randn(math.prod(shape), num_classes, generator=g)
+        g = torch.Generator().manual_seed(self.seed)
+        x = torch.randn(self.train_size + self.val_size, *self.shape, generator=g)
+        w = torch.randn(math.prod(self.shape), self.num_classes, generator=g)
         y = (x.reshape(len(x), -1) @ w).argmax(1)
-        self.train = TensorData(x[:train_size], y[:train_size])
-        self.val = TensorData(x[train_size:], y[train_size:])
-        self.shape, self.num_classes = shape, num_classes
+        n = self.train_size
+        return ClassificationData(
+            TensorData(x[:n], y[:n]), TensorData(x[n:], y[n:]), self.shape, self.num_classes
+        )

@@ -11,22 +11,26 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import MISSING
 
-from data.base import ClassificationData, TensorData
-from runner.checks import require
+from runner.schema import DataConfig, require
+
+if TYPE_CHECKING:
+    from data.base import ClassificationData, TensorData
 
 TOKEN = re.compile(r"\w+")
 PAD, UNK = 0, 1
 
 
 @dataclass
-class TextConfig:
-    _target_: str = "data.text.Text"
+class TextConfig(DataConfig):
+    """``shape`` is [tokens per text] and ``num_classes`` the number of distinct labels of the training
+    file (checked when the data set is built); ``vocab_size`` counts padding and unknown too."""
+
     train_file: str = MISSING
-    val_file: str | None = None
+    val_file: str | None = None  # None: hold out val_fraction of the training file
     val_fraction: float = 0.1
     split_seed: int = 0
     shape: list[int] = field(default_factory=lambda: [64])
@@ -51,8 +55,37 @@ class TextConfig:
         )
         require(0 < self.val_fraction < 1, "val_fraction", self.val_fraction, "must be in (0, 1)")
 
+    def build(self) -> ClassificationData:
+        import torch
 
-SCHEMA = TextConfig
+        from data.base import ClassificationData
+
+        train = read_corpus(Path(self.train_file))
+        if self.val_file is None:
+            g = torch.Generator().manual_seed(self.split_seed)
+            order = torch.randperm(len(train), generator=g).tolist()
+            cut = max(1, round(len(train) * self.val_fraction))
+            val, train = [train[i] for i in order[:cut]], [train[i] for i in order[cut:]]
+        else:
+            val = read_corpus(Path(self.val_file))
+        labels = sorted({label for label, _ in train})
+        if len(labels) != self.num_classes:
+            raise ValueError(
+                f"data.num_classes={self.num_classes} but {self.train_file} has {len(labels)} labels "
+                f"({', '.join(labels[:10])}); set data.num_classes={len(labels)}"
+            )
+        unknown = sorted({label for label, _ in val} - set(labels))
+        if unknown:
+            raise ValueError(f"validation labels not in the training file: {', '.join(unknown[:10])}")
+        vocab = vocabulary([text for _, text in train], self.vocab_size)
+        length = self.shape[0]
+        return ClassificationData(
+            encode(train, vocab, labels, length),
+            encode(val, vocab, labels, length),
+            self.shape,
+            self.num_classes,
+            classes=labels,
+        )
 
 
 def read_corpus(path: Path) -> list[tuple[str, str]]:
@@ -70,44 +103,26 @@ def read_corpus(path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-class Text(ClassificationData):
-    def __init__(
-        self,
-        train_file: str,
-        val_file: str | None = None,
-        val_fraction: float = 0.1,
-        split_seed: int = 0,
-        shape: list[int] = (64,),
-        num_classes: int = 2,
-        vocab_size: int = 20000,
-    ):
-        train = read_corpus(Path(train_file))
-        if val_file is None:
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(split_seed)).tolist()
-            cut = max(1, round(len(train) * val_fraction))
-            val, train = [train[i] for i in order[:cut]], [train[i] for i in order[cut:]]
-        else:
-            val = read_corpus(Path(val_file))
-        labels = sorted({label for label, _ in train})
-        if len(labels) != num_classes:
-            raise ValueError(
-                f"data.num_classes={num_classes} but {train_file} has {len(labels)} labels "
-                f"({', '.join(labels[:10])}); set data.num_classes={len(labels)}"
-            )
-        unknown = sorted({label for label, _ in val} - set(labels))
-        if unknown:
-            raise ValueError(f"validation labels not in the training file: {', '.join(unknown[:10])}")
-        counts = Counter(tok for _, text in train for tok in TOKEN.findall(text.lower()))
-        self.vocab = {tok: i + 2 for i, (tok, _) in enumerate(counts.most_common(vocab_size - 2))}
-        self.labels = {label: i for i, label in enumerate(labels)}
-        self.length = shape[0]
-        self.train, self.val = self.encode(train), self.encode(val)
-        self.shape, self.num_classes, self.vocab_size = (self.length,), num_classes, vocab_size
+def tokens(text: str) -> list[str]:
+    return TOKEN.findall(text.lower())
 
-    def encode(self, pairs: list[tuple[str, str]]) -> TensorData:
-        x = torch.full((len(pairs), self.length), PAD, dtype=torch.long)
-        for row, (_, text) in enumerate(pairs):
-            ids = [self.vocab.get(tok, UNK) for tok in TOKEN.findall(text.lower())][: self.length]
-            x[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        y = torch.tensor([self.labels[label] for label, _ in pairs], dtype=torch.long)
-        return TensorData(x, y)
+
+def vocabulary(texts: list[str], size: int) -> dict[str, int]:
+    """Token → id for the ``size - 2`` most frequent tokens of ``texts``, ids 2.. by falling frequency."""
+    counts = Counter(tok for text in texts for tok in tokens(text))
+    return {tok: i + 2 for i, (tok, _) in enumerate(counts.most_common(size - 2))}
+
+
+def encode(pairs: list[tuple[str, str]], vocab: dict[str, int], labels: list[str], length: int) -> TensorData:
+    """Token ids (N × length, right-padded with 0) and label indices of (label, text) pairs."""
+    import torch
+
+    from data.base import TensorData
+
+    x = torch.full((len(pairs), length), PAD, dtype=torch.long)
+    for row, (_, text) in enumerate(pairs):
+        ids = [vocab.get(tok, UNK) for tok in tokens(text)][:length]
+        x[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    index = {label: i for i, label in enumerate(labels)}
+    y = torch.tensor([index[label] for label, _ in pairs], dtype=torch.long)
+    return TensorData(x, y)

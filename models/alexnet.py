@@ -14,40 +14,32 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runner.checks import require
+from runner.schema import ModelConfig, require
 
 #: Smallest height and width that survive the stride-4 stem and the three 3×3/2 max pools.
 MIN_SIZE = 63
 
 
 @dataclass
-class AlexNetConfig:
-    _target_: str = "models.alexnet.AlexNet"
+class AlexNetConfig(ModelConfig):
     input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
     num_classes: int = 1000
-    dropout: float = 0.5
+    dropout: float = 0.5  # before each of the two hidden fully connected layers
 
     def __post_init__(self) -> None:
-        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W]")
-        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
+        super().__post_init__()
+        self.require_image(MIN_SIZE)
         require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
-
-SCHEMA = AlexNetConfig
+    def build(self) -> nn.Module:
+        return AlexNet(self)
 
 
 class AlexNet(nn.Module):
-    def __init__(self, input_shape: list[int], num_classes: int, dropout: float = 0.5):
+    def __init__(self, cfg: AlexNetConfig):
         super().__init__()
-        c, h, w = input_shape
-        require(
-            min(h, w) >= MIN_SIZE,
-            "input_shape",
-            list(input_shape),
-            f"AlexNet needs height and width >= {MIN_SIZE} (e.g. data.shape=[{c},64,64])",
-        )
         self.features = nn.Sequential(
-            nn.Conv2d(c, 64, kernel_size=11, stride=4, padding=2),
+            nn.Conv2d(cfg.input_shape[0], 64, kernel_size=11, stride=4, padding=2),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),
             nn.Conv2d(64, 192, kernel_size=5, padding=2),
@@ -63,13 +55,13 @@ class AlexNet(nn.Module):
         )
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
         self.classifier = nn.Sequential(
-            nn.Dropout(p=dropout),
+            nn.Dropout(p=cfg.dropout),
             nn.Linear(256 * 6 * 6, 4096),
             nn.ReLU(inplace=True),
-            nn.Dropout(p=dropout),
+            nn.Dropout(p=cfg.dropout),
             nn.Linear(4096, 4096),
             nn.ReLU(inplace=True),
-            nn.Linear(4096, num_classes),
+            nn.Linear(4096, cfg.num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ Stem (7×7/2 convolution, max pool, 1×1 and 3×3 convolutions, max pool), nine 
 the channel counts of the paper's Table 1 and max pools after 3b and 4e, global average pool, dropout and
 a linear classifier. Every convolution is followed by BatchNorm (eps 0.001) and ReLU, as in torchvision
 (the paper predates BatchNorm). Like torchvision, the "5×5" branch of each Inception module uses a 3×3
-convolution; with it the network has 6,624,904 parameters for 1000 classes, without auxiliary heads.
+convolution; with it the network has 6,624,904 parameters for 1000 classes, without auxiliary heads. The
+input must be at least 15×15.
 
 ``aux_logits=True`` adds the two auxiliary classifiers of the paper (after 4a and 4d: 4×4 average pool,
 1×1 convolution to 128 channels, fully connected 1024, dropout 0.7, linear) as modules, but ``forward``
@@ -21,24 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runner.checks import require
+from runner.schema import ModelConfig, require
 
-
-@dataclass
-class GoogLeNetConfig:
-    _target_: str = "models.googlenet.GoogLeNet"
-    input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
-    num_classes: int = 1000
-    aux_logits: bool = False
-    dropout: float = 0.2
-
-    def __post_init__(self) -> None:
-        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W]")
-        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
-        require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
-
-
-SCHEMA = GoogLeNetConfig
+#: Smallest height and width that survive the three 3×3/2 max pools (two in the stem, one after 3b).
+MIN_SIZE = 15
 
 
 class BasicConv2d(nn.Module):
@@ -93,12 +80,27 @@ class InceptionAux(nn.Module):
         return self.fc2(self.dropout(self.relu(self.fc1(x))))
 
 
+@dataclass
+class GoogLeNetConfig(ModelConfig):
+    input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
+    num_classes: int = 1000
+    aux_logits: bool = False  # add the two auxiliary heads (``forward`` still returns only the main logits)
+    dropout: float = 0.2  # before the final linear layer
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_image(MIN_SIZE)
+        require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+
+    def build(self) -> nn.Module:
+        return GoogLeNet(self)
+
+
 class GoogLeNet(nn.Module):
-    def __init__(
-        self, input_shape: list[int], num_classes: int, aux_logits: bool = False, dropout: float = 0.2
-    ):
+    def __init__(self, cfg: GoogLeNetConfig):
         super().__init__()
-        self.conv1 = BasicConv2d(input_shape[0], 64, 7, stride=2, padding=3)
+        num_classes = cfg.num_classes
+        self.conv1 = BasicConv2d(cfg.input_shape[0], 64, 7, stride=2, padding=3)
         self.maxpool1 = nn.MaxPool2d(3, stride=2, ceil_mode=True)
         self.conv2 = BasicConv2d(64, 64, 1)
         self.conv3 = BasicConv2d(64, 192, 3, padding=1)
@@ -118,11 +120,11 @@ class GoogLeNet(nn.Module):
         self.inception5a = Inception(832, 256, 160, 320, 32, 128, 128)
         self.inception5b = Inception(832, 384, 192, 384, 48, 128, 128)
 
-        self.aux1 = InceptionAux(512, num_classes) if aux_logits else None
-        self.aux2 = InceptionAux(528, num_classes) if aux_logits else None
+        self.aux1 = InceptionAux(512, num_classes) if cfg.aux_logits else None
+        self.aux2 = InceptionAux(528, num_classes) if cfg.aux_logits else None
 
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.dropout = nn.Dropout(p=dropout)
+        self.dropout = nn.Dropout(p=cfg.dropout)
         self.fc = nn.Linear(1024, num_classes)
         # torchvision's initialisation.
         for m in self.modules():

@@ -18,24 +18,22 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from runner.checks import require
+from runner.schema import ModelConfig, require
 
 
 @dataclass
-class LSTMConfig:
-    _target_: str = "models.lstm.LSTMClassifier"
-    input_shape: list[int] = field(default_factory=lambda: [64])
+class LSTMConfig(ModelConfig):
+    input_shape: list[int] = field(default_factory=lambda: [64])  # [seq_len]; not used by the model
     num_classes: int = 2
-    vocab_size: int = 10000
-    embed_dim: int = 128
-    hidden: int = 128
-    num_layers: int = 1
-    bidirectional: bool = False
-    dropout: float = 0.0
+    vocab_size: int = 10000  # token ids 0 .. vocab_size - 1, from the text data set
+    embed_dim: int = 128  # size of the token embeddings
+    hidden: int = 128  # LSTM hidden size (per direction)
+    num_layers: int = 1  # stacked LSTM layers
+    bidirectional: bool = False  # also read the sequence backwards; the classifier sees both final states
+    dropout: float = 0.0  # between stacked LSTM layers (needs num_layers >= 2)
 
     def __post_init__(self) -> None:
-        # input_shape ([seq_len]) is not used by the model: it is here so every model takes the same keys.
-        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
+        super().__post_init__()
         require(self.vocab_size >= 2, "vocab_size", self.vocab_size, "need id 0 (padding) and >= 1 token")
         require(self.embed_dim >= 1, "embed_dim", self.embed_dim, "must be >= 1")
         require(self.hidden >= 1, "hidden", self.hidden, "LSTM hidden size, >= 1")
@@ -48,34 +46,24 @@ class LSTMConfig:
             "dropout acts between stacked LSTM layers: set num_layers >= 2 or dropout=0",
         )
 
-
-SCHEMA = LSTMConfig
+    def build(self) -> nn.Module:
+        return LSTMClassifier(self)
 
 
 class LSTMClassifier(nn.Module):
-    def __init__(
-        self,
-        input_shape: list[int],
-        num_classes: int,
-        vocab_size: int = 10000,
-        embed_dim: int = 128,
-        hidden: int = 128,
-        num_layers: int = 1,
-        bidirectional: bool = False,
-        dropout: float = 0.0,
-    ):
+    def __init__(self, cfg: LSTMConfig):
         super().__init__()
-        self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.embed_dim, padding_idx=0)
         self.lstm = nn.LSTM(
-            embed_dim,
-            hidden,
-            num_layers=num_layers,
+            cfg.embed_dim,
+            cfg.hidden,
+            num_layers=cfg.num_layers,
             batch_first=True,
-            bidirectional=bidirectional,
-            dropout=dropout if num_layers > 1 else 0.0,
+            bidirectional=cfg.bidirectional,
+            dropout=cfg.dropout,
         )
-        self.directions = 2 if bidirectional else 1
-        self.classifier = nn.Linear(hidden * self.directions, num_classes)
+        self.directions = 2 if cfg.bidirectional else 1
+        self.classifier = nn.Linear(cfg.hidden * self.directions, cfg.num_classes)
 
     @staticmethod
     def lengths(tokens: torch.Tensor) -> torch.Tensor:

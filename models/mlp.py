@@ -1,46 +1,62 @@
-"""A multi-layer perceptron over flattened inputs."""
+"""A multi-layer perceptron over flattened inputs.
+
+Importing this module does not import torch (the launcher reads the schema from it): the network is an
+``nn.Sequential`` whose class :class:`MLP` is defined, and torch imported, on first use
+(``from models.mlp import MLP`` or :meth:`MLPConfig.build`).
+"""
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from runner.schema import ModelConfig, require
 
-from runner.checks import require
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass
-class MLPConfig:
-    _target_: str = "models.mlp.MLP"
-    input_shape: list[int] = field(default_factory=lambda: [1, 8, 8])
-    num_classes: int = 10
-    hidden: list[int] = field(default_factory=lambda: [128, 64])
-    dropout: float = 0.0
+class MLPConfig(ModelConfig):
+    hidden: list[int] = field(default_factory=lambda: [128, 64])  # widths of the hidden layers (ReLU)
+    dropout: float = 0.0  # after each hidden layer
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(all(h >= 1 for h in self.hidden), "hidden", self.hidden, "layer widths must be >= 1")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
+    def build(self) -> nn.Module:
+        return _network_class()(self)
 
-SCHEMA = MLPConfig
+
+@cache
+def _network_class() -> type[nn.Sequential]:
+    from torch import nn
+
+    class MLP(nn.Sequential):
+        """One child, ``net``: flatten, then linear-ReLU[-dropout] per hidden layer, then linear (parameter
+        names ``net.1.weight``, ``net.3.weight``...)."""
+
+        def __init__(self, cfg: MLPConfig):
+            layers: list[nn.Module] = [nn.Flatten()]
+            width = math.prod(cfg.input_shape)
+            for h in cfg.hidden:
+                layers += [nn.Linear(width, h), nn.ReLU()]
+                if cfg.dropout > 0:
+                    layers.append(nn.Dropout(cfg.dropout))
+                width = h
+            layers.append(nn.Linear(width, cfg.num_classes))
+            super().__init__(OrderedDict(net=nn.Sequential(*layers)))
+
+    MLP.__qualname__ = "MLP"
+    return MLP
 
 
-class MLP(nn.Module):
-    def __init__(
-        self, input_shape: list[int], num_classes: int, hidden: list[int] = (128, 64), dropout: float = 0.0
-    ):
-        super().__init__()
-        layers: list[nn.Module] = [nn.Flatten()]
-        width = math.prod(input_shape)
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            if dropout > 0:
-                layers.append(nn.Dropout(dropout))
-            width = h
-        layers.append(nn.Linear(width, num_classes))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+def __getattr__(name: str) -> type[nn.Sequential]:
+    if name == "MLP":
+        return _network_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

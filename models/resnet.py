@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runner.checks import require
+from runner.schema import ModelConfig, require
 
 
 class BasicBlock(nn.Module):
@@ -82,28 +82,26 @@ LAYERS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
 
 
 @dataclass
-class ResNetConfig:
-    _target_: str = "models.resnet.ResNet"
+class ResNetConfig(ModelConfig):
     input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
     num_classes: int = 1000
-    depth: int = 50
+    depth: int = 50  # 18, 34 (basic blocks), 50, 101, 152 (bottleneck blocks)
 
     def __post_init__(self) -> None:
-        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W]")
-        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
+        super().__post_init__()
+        self.require_image()
         require(self.depth in LAYERS, "depth", self.depth, "choose one of 18, 34, 50, 101, 152")
 
-
-SCHEMA = ResNetConfig
+    def build(self) -> nn.Module:
+        return ResNet(self)
 
 
 class ResNet(nn.Module):
-    def __init__(self, input_shape: list[int], num_classes: int, depth: int = 50):
+    def __init__(self, cfg: ResNetConfig):
         super().__init__()
-        require(depth in LAYERS, "depth", depth, "choose one of 18, 34, 50, 101, 152")
-        block, counts = LAYERS[depth]
+        block, counts = LAYERS[cfg.depth]
         self.inplanes = 64
-        self.conv1 = nn.Conv2d(input_shape[0], 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.conv1 = nn.Conv2d(cfg.input_shape[0], 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
@@ -112,7 +110,7 @@ class ResNet(nn.Module):
         self.layer3 = self._stage(block, 256, counts[2], stride=2)
         self.layer4 = self._stage(block, 512, counts[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * block.expansion, num_classes)
+        self.fc = nn.Linear(512 * block.expansion, cfg.num_classes)
         # torchvision's initialisation (the linear layer keeps PyTorch's default).
         for m in self.modules():
             if isinstance(m, nn.Conv2d):

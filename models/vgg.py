@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runner.checks import require
+from runner.schema import ModelConfig, require
 
 #: Output channels of each 3×3 convolution, "M" for a 2×2 max pool, by depth (weight layers).
 LAYERS: dict[int, list[int | str]] = {
@@ -52,22 +52,21 @@ MIN_SIZE = 32
 
 
 @dataclass
-class VGGConfig:
-    _target_: str = "models.vgg.VGG"
+class VGGConfig(ModelConfig):
     input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
     num_classes: int = 1000
-    depth: int = 16
-    batch_norm: bool = False
-    dropout: float = 0.5
+    depth: int = 16  # weight layers: 11, 13, 16 or 19 (configurations A, B, D, E)
+    batch_norm: bool = False  # BatchNorm after every convolution
+    dropout: float = 0.5  # after each of the two hidden fully connected layers
 
     def __post_init__(self) -> None:
-        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W]")
-        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
+        super().__post_init__()
+        self.require_image(MIN_SIZE)
         require(self.depth in LAYERS, "depth", self.depth, "choose one of 11, 13, 16, 19")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
-
-SCHEMA = VGGConfig
+    def build(self) -> nn.Module:
+        return VGG(self)
 
 
 def _features(in_channels: int, layers: list[int | str], batch_norm: bool) -> nn.Sequential:
@@ -86,33 +85,18 @@ def _features(in_channels: int, layers: list[int | str], batch_norm: bool) -> nn
 
 
 class VGG(nn.Module):
-    def __init__(
-        self,
-        input_shape: list[int],
-        num_classes: int,
-        depth: int = 16,
-        batch_norm: bool = False,
-        dropout: float = 0.5,
-    ):
+    def __init__(self, cfg: VGGConfig):
         super().__init__()
-        c, h, w = input_shape
-        require(depth in LAYERS, "depth", depth, "choose one of 11, 13, 16, 19")
-        require(
-            min(h, w) >= MIN_SIZE,
-            "input_shape",
-            list(input_shape),
-            f"VGG needs height and width >= {MIN_SIZE} (e.g. data.shape=[{c},32,32])",
-        )
-        self.features = _features(c, LAYERS[depth], batch_norm)
+        self.features = _features(cfg.input_shape[0], LAYERS[cfg.depth], cfg.batch_norm)
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
             nn.Linear(512 * 7 * 7, 4096),
             nn.ReLU(inplace=True),
-            nn.Dropout(p=dropout),
+            nn.Dropout(p=cfg.dropout),
             nn.Linear(4096, 4096),
             nn.ReLU(inplace=True),
-            nn.Dropout(p=dropout),
-            nn.Linear(4096, num_classes),
+            nn.Dropout(p=cfg.dropout),
+            nn.Linear(4096, cfg.num_classes),
         )
         # torchvision's initialisation.
         for m in self.modules():

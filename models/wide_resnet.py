@@ -17,32 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.checks import require
-
-
-@dataclass
-class WideResNetConfig:
-    _target_: str = "models.wide_resnet.WideResNet"
-    input_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
-    num_classes: int = 10
-    depth: int = 16
-    widen_factor: int = 4
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W]")
-        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
-        require(
-            self.depth >= 10 and (self.depth - 4) % 6 == 0,
-            "depth",
-            self.depth,
-            "must be 6n+4 with n >= 1 (e.g. 16, 22, 28, 40)",
-        )
-        require(self.widen_factor >= 1, "widen_factor", self.widen_factor, "must be >= 1 (e.g. 4 or 10)")
-        require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
-
-
-SCHEMA = WideResNetConfig
+from runner.schema import ModelConfig, require
 
 
 class WideBlock(nn.Module):
@@ -66,29 +41,46 @@ class WideBlock(nn.Module):
         return z + (x if self.convdim is None else self.convdim(o1))
 
 
+@dataclass
+class WideResNetConfig(ModelConfig):
+    input_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+    num_classes: int = 10
+    depth: int = 16  # 6n+4: n blocks per group (16, 22, 28, 40)
+    widen_factor: int = 4  # k: the groups have 16k, 32k and 64k channels
+    dropout: float = 0.0  # between the two convolutions of each block (the paper uses 0.3)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_image()
+        require(
+            self.depth >= 10 and (self.depth - 4) % 6 == 0,
+            "depth",
+            self.depth,
+            "must be 6n+4 with n >= 1 (e.g. 16, 22, 28, 40)",
+        )
+        require(self.widen_factor >= 1, "widen_factor", self.widen_factor, "must be >= 1 (e.g. 4 or 10)")
+        require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+
+    def build(self) -> nn.Module:
+        return WideResNet(self)
+
+
 class WideResNet(nn.Module):
-    def __init__(
-        self,
-        input_shape: list[int],
-        num_classes: int,
-        depth: int = 16,
-        widen_factor: int = 4,
-        dropout: float = 0.0,
-    ):
+    def __init__(self, cfg: WideResNetConfig):
         super().__init__()
-        require(depth >= 10 and (depth - 4) % 6 == 0, "depth", depth, "must be 6n+4 with n >= 1")
-        n = (depth - 4) // 6
-        widths = [16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
-        self.conv0 = nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False)
+        n = (cfg.depth - 4) // 6
+        k = cfg.widen_factor
+        widths = [16 * k, 32 * k, 64 * k]
+        self.conv0 = nn.Conv2d(cfg.input_shape[0], 16, 3, padding=1, bias=False)
         blocks: list[nn.Module] = []
         cin = 16
         for width, stride in zip(widths, (1, 2, 2), strict=True):
             for i in range(n):
-                blocks.append(WideBlock(cin, width, stride if i == 0 else 1, dropout))
+                blocks.append(WideBlock(cin, width, stride if i == 0 else 1, cfg.dropout))
                 cin = width
         self.blocks = nn.Sequential(*blocks)
         self.bn = nn.BatchNorm2d(cin)
-        self.fc = nn.Linear(cin, num_classes)
+        self.fc = nn.Linear(cin, cfg.num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight)

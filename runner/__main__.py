@@ -1,23 +1,23 @@
-"""``python -m runner``: compose the config with Hydra and run one mpirun job (or one per sweep point)."""
+"""``python -m runner``: compose the config with Hydra and run one mpirun job (or one per sweep point).
+
+This process composes, checks, starts and supervises; it imports neither torch nor MPI.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-import mpi4py
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
-mpi4py.rc.initialize = mpi4py.rc.finalize = False  # the launcher starts the job; it takes no part in MPI
-
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-import runner.config  # noqa: E402, F401  (registers the structured-config schemas)
-from runner.launch import JobFailed, launch  # noqa: E402
+from runner.config import register
+from runner.launch import JobFailed, launch
 
 log = logging.getLogger("runner")
+register()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -9,26 +9,24 @@ training loop can split a step into compute and communication.
 
 from __future__ import annotations
 
-import ctypes
-import os
+import atexit
 import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mpi4py
 import numpy as np
 import torch
 
-#: Set by the worker to its own pid. A process that imports this module under another pid (a data-loader
-#: process started through multiprocessing's forkserver, which imports the rank's main module) must not
-#: initialise MPI: it would join the job's shared-memory transport as a second copy of the rank.
-OWNER_ENV = "MPITRAIN_MPI_PID"
-if os.environ.get(OWNER_ENV, str(os.getpid())) != str(os.getpid()):
-    mpi4py.rc.initialize = mpi4py.rc.finalize = False
+mpi4py.rc.initialize = False  # importing this module starts no MPI: the worker calls init() (data-loader
+mpi4py.rc.finalize = False  # processes that import it never do); init() arranges the finalization
 
 from mpi4py import MPI  # noqa: E402
+
+from runner.staging import HostBuffers, Staged, cuda_aware_mpi  # noqa: E402
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -41,90 +39,12 @@ def _view(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-#: Overrides the detection of :func:`cuda_aware_mpi`: ``1`` or ``0`` (``hardware.cuda_aware`` reaches a
-#: rank's Comm directly; this is for jobs started by hand, such as the comm tests).
-CUDA_AWARE_ENV = "MPITRAIN_CUDA_AWARE"
+@dataclass
+class CommStats:
+    """Bytes this rank sent and seconds it spent in communication, over all of its communicators."""
 
-
-def _libmpi() -> ctypes.CDLL | None:
-    """The MPI library this process has loaded (found in /proc/self/maps), to query its extensions."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({ln.split()[-1] for ln in maps if "/libmpi" in ln and ".so" in ln})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
-
-
-def cuda_aware_mpi() -> bool:
-    """Whether the loaded MPI library accepts CUDA device memory in its calls.
-
-    ``MPITRAIN_CUDA_AWARE=0|1`` decides when set; otherwise Open MPI is asked through
-    ``MPIX_Query_cuda_support()`` (built and available at run time) and MPICH through
-    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)``. Any other library counts as not CUDA-aware, so CUDA
-    tensors are staged through host memory, which is always correct.
-    """
-    forced = os.environ.get(CUDA_AWARE_ENV)
-    if forced is not None:
-        return forced == "1"
-    lib = _libmpi()
-    if lib is None:
-        return False
-    if hasattr(lib, "MPIX_Query_cuda_support"):
-        return bool(lib.MPIX_Query_cuda_support())
-    if hasattr(lib, "MPIX_GPU_query_support"):
-        supported = ctypes.c_int(0)
-        return lib.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0 and bool(supported.value)
-    return False
-
-
-class _Staged:
-    """A tensor MPI cannot read in place (on a GPU without CUDA-aware MPI, or not contiguous), staged
-    through a contiguous host copy; ``finish`` copies the result back."""
-
-    def __init__(self, t: torch.Tensor, host: torch.Tensor, copy_in: bool):
-        self.tensor, self.host = t, host
-        if copy_in:
-            host.view(t.shape).copy_(t.detach(), non_blocking=t.is_cuda)
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
-
-    def finish(self) -> None:
-        self.tensor.copy_(self.host.view(self.tensor.shape))
-
-
-class _HostBuffers:
-    """Pinned host buffers for staging CUDA tensors, one per device tensor, reused from call to call.
-
-    Pinned (page-locked) memory makes the device-host copies direct DMA transfers; allocating it is slow,
-    so the buffer of a tensor that is communicated every step (a BSP bucket, a flat parameter vector) is
-    allocated once. At most ``capacity`` buffers are kept (least recently used dropped first); a buffer
-    still in use by a pending request stays alive through that request.
-    """
-
-    def __init__(self, capacity: int = 64):
-        self.capacity = capacity
-        self._buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        self.allocated = 0
-
-    def get(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        host = self._buffers.pop(key, None)
-        if host is None:
-            host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
-            self.allocated += 1
-            if len(self._buffers) >= self.capacity:
-                self._buffers.pop(next(iter(self._buffers)))
-        self._buffers[key] = host
-        return host
-
-    def __len__(self) -> int:
-        return len(self._buffers)
+    bytes_sent: int = 0
+    seconds: float = 0.0
 
 
 class Request:
@@ -133,13 +53,13 @@ class Request:
     It holds the buffer until then, so a temporary tensor cannot be freed while MPI still uses it.
     """
 
-    def __init__(self, comm: Comm, req: MPI.Request, staged: _Staged | None, buffer: Any):
+    def __init__(self, comm: Comm, req: MPI.Request, staged: Staged | None, buffer: Any):
         self._comm, self._req, self._staged, self._buffer = comm, req, staged, buffer
 
     def test(self) -> bool:
         t0 = time.perf_counter()
         done = self._req.Test()
-        self._comm.seconds += time.perf_counter() - t0
+        self._comm.stats.seconds += time.perf_counter() - t0
         if done:
             self._complete()
         return done
@@ -153,7 +73,7 @@ class Request:
         t0 = time.perf_counter()
         self._req.Wait()
         self._complete()
-        self._comm.seconds += time.perf_counter() - t0
+        self._comm.stats.seconds += time.perf_counter() - t0
 
 
 class BackgroundRequest:
@@ -168,7 +88,7 @@ class BackgroundRequest:
     def wait(self) -> None:
         t0 = time.perf_counter()
         self._done.wait()
-        self._comm.seconds += time.perf_counter() - t0
+        self._comm.stats.seconds += time.perf_counter() - t0
         if self.error is not None:
             raise self.error
 
@@ -181,18 +101,18 @@ class Comm:
     through pinned host buffers otherwise; non-contiguous tensors through a contiguous copy.
     """
 
-    def __init__(self, mpi_comm: Any = None, cuda_aware: bool | None = None):
+    def __init__(self, mpi_comm: Any = None, cuda_aware: bool | None = None, stats: CommStats | None = None):
+        assert MPI.Is_initialized(), "call runner.comm.init() first"
         self._c = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
         self.cuda_aware = cuda_aware_mpi() if cuda_aware is None else cuda_aware
-        self.host_buffers = _HostBuffers()
+        self.host_buffers = HostBuffers()
         self.rank: int = self._c.Get_rank()
         self.size: int = self._c.Get_size()
-        self.bytes_sent = 0
-        self.seconds = 0.0
+        self.stats = stats if stats is not None else CommStats()
         self._thread: threading.Thread | None = None
         self._node_comm: Any = None
 
-    def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, _Staged | None]:
+    def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
         """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
 
         Work queued on the GPU is waited for first, since MPI reads and writes device memory outside
@@ -207,12 +127,12 @@ class Comm:
             host = self.host_buffers.get(t)
         else:
             host = torch.empty(t.numel(), dtype=t.dtype)
-        staged = _Staged(t, host, copy_in)
+        staged = Staged(t, host, copy_in)
         return _view(host), staged
 
     # -- accounting -------------------------------------------------------------------------------
     def _sent(self, t: torch.Tensor, factor: float = 1.0) -> None:
-        self.bytes_sent += int(t.numel() * t.element_size() * factor)
+        self.stats.bytes_sent += int(t.numel() * t.element_size() * factor)
 
     def _allreduce_bytes(self, t: torch.Tensor) -> None:
         """Bytes a bandwidth-optimal allreduce sends per rank: 2(N-1)/N of the buffer."""
@@ -228,7 +148,7 @@ class Comm:
         if staged is not None:
             staged.finish()
         self._allreduce_bytes(t)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return t
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
@@ -237,7 +157,7 @@ class Comm:
         buf, staged = self._buffer(t)
         req = self._c.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         self._allreduce_bytes(t)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return Request(self, req, staged, buf)
 
     def allreduce_background(self, t: torch.Tensor, op: str = "sum") -> BackgroundRequest:
@@ -278,7 +198,7 @@ class Comm:
             staged.finish()
         if self.rank == root:
             self._sent(t, self.size - 1)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return t
 
     def barrier(self) -> None:
@@ -290,7 +210,7 @@ class Comm:
         buf, _ = self._buffer(t)
         self._c.Send(buf, dest=dest, tag=tag)
         self._sent(t)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
         """Start sending ``t``; ``t`` must not change until the request completes."""
@@ -298,7 +218,7 @@ class Comm:
         buf, _ = self._buffer(t)
         req = self._c.Isend(buf, dest=dest, tag=tag)
         self._sent(t)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return Request(self, req, None, buf)
 
     def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
@@ -309,7 +229,7 @@ class Comm:
         self._c.Recv(buf, source=source, tag=tag, status=status)
         if staged is not None:
             staged.finish()
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return status.Get_source(), status.Get_tag()
 
     def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int] | None:
@@ -317,7 +237,7 @@ class Comm:
         t0 = time.perf_counter()
         status = MPI.Status()
         found = self._c.Iprobe(source=source, tag=tag, status=status)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return (status.Get_source(), status.Get_tag()) if found else None
 
     def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
@@ -325,7 +245,7 @@ class Comm:
         t0 = time.perf_counter()
         status = MPI.Status()
         self._c.Probe(source=source, tag=tag, status=status)
-        self.seconds += time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0
         return status.Get_source(), status.Get_tag()
 
     # -- small Python objects (pickled; not for tensors) --------------------------------------------
@@ -344,7 +264,7 @@ class Comm:
     # -- structure --------------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None) -> Comm:
         """A sub-communicator of the ranks that pass the same ``color``."""
-        return Comm(self._c.Split(color, self.rank if key is None else key), self.cuda_aware)
+        return Comm(self._c.Split(color, self.rank if key is None else key), self.cuda_aware, self.stats)
 
     def local_size(self) -> int:
         """Number of ranks of this communicator on this node."""
@@ -360,8 +280,33 @@ class Comm:
         return self._node_comm
 
 
-def mpi_library_version() -> str:
-    return MPI.Get_library_version().strip().splitlines()[0]
+def init(cuda_aware: bool | None = None) -> Comm:
+    """Initialise MPI (thread level MULTIPLE, for the communication thread) and return the world.
+
+    Called once by each rank's worker; MPI is finalized at exit. A plain ``python`` process becomes a
+    one-rank world (singleton init).
+    """
+    if not MPI.Is_initialized():
+        provided = MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        assert provided >= MPI.THREAD_SERIALIZED, f"the MPI library gives thread level {provided} only"
+        atexit.register(_finalize)
+    return Comm(cuda_aware=cuda_aware)
+
+
+def _finalize() -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def abort(status: int = 1) -> None:
+    """End the whole job now (every rank): what a rank does when it fails, so that no peer waits forever."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(status)
+
+
+def versions() -> dict[str, str]:
+    """The versions of mpi4py and of the MPI library this process runs with."""
+    return {"mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().strip().splitlines()[0]}
 
 
 def wait_all(requests: Sequence[Request]) -> None:

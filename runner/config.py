@@ -1,29 +1,18 @@
-"""Structured-config schemas: a misspelt key or a wrong type fails when Hydra composes the config.
+"""The top-level schema (``conf/config.yaml``), its registration with Hydra, and the launcher's check.
 
-The top-level :class:`Config` is the schema of ``conf/config.yaml``. Each rule, model and data set module
-declares the schema of its own YAML options as a dataclass named in its module attribute ``SCHEMA``; it is
-registered here as ``schema/<group>/<module>`` and a YAML option extends it with
-``defaults: [/schema/<group>/<module>@_here_, _self_]``. Value checks live in ``__post_init__`` and run
-in the launcher (:func:`validate`) before any process is started.
+The groups' schemas are dataclasses next to the code they configure (see :mod:`runner.schema`); this module
+imports none of them, nor torch or MPI.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.checks import one_of, require
-from runner.slurm import register_launcher
-
-#: Group name -> package whose modules carry the schemas of that group's options.
-SCHEMA_PACKAGES = {"rule": "runner.rules", "model": "models", "data": "data"}
+from runner.schema import GROUPS, one_of, register_source, require
 
 
 @dataclass
@@ -55,114 +44,12 @@ class TrainConfig:
 
 
 @dataclass
-class HardwareConfig:
-    """How ranks are started and placed: the mpirun command, binding, device and threads."""
-
-    device: str = "cpu"
-    mpirun: str | None = None
-    flavor: str = "auto"
-    bind: str = "core"
-    threads_per_rank: int | None = None
-    report_bindings: bool = True
-    mca: dict[str, str] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    extra_args: list[str] = field(default_factory=list)
-    multi_node: bool = False
-    hosts: list[str] = field(default_factory=list)
-    hostfile: str | None = None
-    cuda_aware: bool | None = None
-    gpus_per_node: int | None = None
-    ranks_per_gpu: int = 1
-    slurm: bool = False
-    launcher: str = "mpirun"
-    srun_mpi: str = "pmix"
-
-    def __post_init__(self) -> None:
-        require(
-            not (self.hosts and self.hostfile),
-            "hosts",
-            self.hosts,
-            "give hardware.hosts or hardware.hostfile",
-        )
-        require(
-            not self.multi_node or bool(self.hosts or self.hostfile),
-            "hosts",
-            self.hosts,
-            "hardware=cluster needs hardware.hosts=[host1:slots,host2:slots] or hardware.hostfile=FILE",
-        )
-        require(
-            all(re.fullmatch(r"[\w.-]+(:\d+)?", h) for h in self.hosts),
-            "hosts",
-            self.hosts,
-            "each entry is host or host:slots, e.g. node1:4",
-        )
-        require(
-            self.hostfile is None or Path(self.hostfile).is_file(),
-            "hostfile",
-            self.hostfile,
-            "no such file; an Open MPI hostfile has lines like `node1 slots=4`",
-        )
-        one_of("launcher", self.launcher, ("auto", "mpirun", "srun"))
-        require(
-            self.slurm or self.launcher == "mpirun",
-            "launcher",
-            self.launcher,
-            "srun starts ranks inside a Slurm allocation: use hardware=slurm (or hardware.launcher=mpirun)",
-        )
-        require(
-            not (self.slurm and (self.hosts or self.hostfile)),
-            "hosts",
-            self.hosts,
-            "under Slurm the allocation gives the hosts; drop hardware.hosts/hostfile",
-        )
-        one_of("device", self.device, ("cpu", "cuda"))
-        require(
-            self.gpus_per_node is None or self.gpus_per_node >= 1,
-            "gpus_per_node",
-            self.gpus_per_node,
-            "use null (every visible GPU) or a positive count",
-        )
-        require(self.ranks_per_gpu >= 1, "ranks_per_gpu", self.ranks_per_gpu, "at least one rank per GPU")
-        one_of("flavor", self.flavor, ("auto", "openmpi", "mpich"))
-        one_of("bind", self.bind, ("core", "socket", "numa", "none"))
-        require(
-            self.threads_per_rank is None or self.threads_per_rank >= 1,
-            "threads_per_rank",
-            self.threads_per_rank,
-            "use null (cores / ranks) or a positive count",
-        )
-
-
-@dataclass
-class SGDConfig:
-    """Schema of ``conf/optim/sgd.yaml``: the arguments of ``torch.optim.SGD`` (params are passed in code)."""
-
-    _target_: str = "torch.optim.SGD"
-    lr: float = 0.05
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-
-    def __post_init__(self) -> None:
-        require(self.lr >= 0, "lr", self.lr, "the learning rate must be >= 0 (e.g. optim.lr=0.05)")
-        require(0 <= self.momentum < 1, "momentum", self.momentum, "momentum must be in [0, 1)")
-        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        require(
-            not self.nesterov or (self.momentum > 0 and self.dampening == 0),
-            "nesterov",
-            self.nesterov,
-            "Nesterov momentum needs momentum > 0 and dampening = 0",
-        )
-
-
-@dataclass
 class Config:
-    """Schema of ``conf/config.yaml``."""
+    """Schema of ``conf/config.yaml``; each group holds the schema object of the option selected."""
 
     devices: int = 2
     train: TrainConfig = field(default_factory=TrainConfig)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    hardware: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
     rule: Any = MISSING
@@ -176,45 +63,61 @@ class Config:
             "the number of worker ranks must be >= 1 (e.g. devices=2)",
         )
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: the workers plus any extra ranks the rule needs (servers)."""
+        return self.devices + self.rule.extra_ranks()
 
-def register_schemas() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="schema", node=Config)
+
+def register() -> None:
+    """Make the schemas known to Hydra (idempotent): ``schema`` here, the groups' through ``mpitrain://``."""
+    from runner.hardware.slurm import register_launcher
+
+    ConfigStore.instance().store(name="schema", node=Config)
+    register_source()
     register_launcher()
-    cs.store(group="schema/optim", name="sgd", node=SGDConfig)
-    for group, package in SCHEMA_PACKAGES.items():
-        pkg = importlib.import_module(package)
-        for info in pkgutil.iter_modules(pkg.__path__):
-            module = importlib.import_module(f"{package}.{info.name}")
-            schema = getattr(module, "SCHEMA", None)
-            if schema is not None:
-                cs.store(group=f"schema/{group}", name=info.name, node=schema)
+
+
+def schema_paths(cfg: DictConfig) -> dict[str, str]:
+    """``group -> module.Class`` of the schema each group of a composed config was built from."""
+    paths = {}
+    for group in GROUPS:
+        cls = OmegaConf.get_type(cfg[group])
+        if cls is None or cls is dict:
+            raise ValueError(f"{group}: the option does not extend a schema (defaults: /schema/{group}/...)")
+        paths[group] = f"{cls.__module__}.{cls.__qualname__}"
+    return paths
 
 
 def validate(cfg: DictConfig) -> Config:
     """Check every value (the schemas' ``__post_init__``); a ValueError names the full key.
 
-    Returns the config as schema objects (dataclass instances), interpolations resolved. A rule schema may
-    define ``check_devices(devices)`` for checks that involve the number of workers.
+    Returns the config as schema objects (dataclass instances), interpolations resolved.
     """
     missing = OmegaConf.missing_keys(cfg)
     if missing:
         keys = ", ".join(sorted(missing))
         raise ValueError(f"{keys}: no value given; set it on the command line, e.g. {sorted(missing)[0]}=...")
-    for key in ("train", "hardware", "model", "data", "rule", "optim"):
+    for key in ("train", *GROUPS):
         try:
             OmegaConf.to_object(cfg[key])
         except ValueError as err:
             raise ValueError(f"{key}.{err}") from None
     checked = OmegaConf.to_object(cfg)
-    check_devices = getattr(checked.rule, "check_devices", None)
-    if check_devices is not None:
-        try:
-            check_devices(checked.devices)
-        except ValueError as err:
-            raise ValueError(f"rule.{err}") from None
+    try:
+        checked.rule.check_devices(checked.devices)
+    except ValueError as err:
+        raise ValueError(f"rule.{err}") from None
     return checked
 
 
-register_schemas()
+def load(path: str) -> Config:
+    """The checked config of a run folder's ``config.yaml`` (written by the launcher with ``_schemas_``)."""
+    from runner.schema import locate
+
+    raw = OmegaConf.load(path)
+    schemas = raw.pop("_schemas_")
+    top = OmegaConf.structured(Config)
+    for group, cls_path in schemas.items():
+        top[group] = OmegaConf.merge(OmegaConf.structured(locate(cls_path)), raw.pop(group))
+    return OmegaConf.to_object(OmegaConf.merge(top, raw))

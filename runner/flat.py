@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+from runner.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")
 
 
 class FlatTensors:

@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorboardX import SummaryWriter
-
 
 class MetricsLog:
     """Appends records to ``metrics.jsonl`` and TensorBoard; every record is flushed when written.
@@ -21,7 +19,12 @@ class MetricsLog:
         self.enabled = enabled
         self.start = time.time() if start is None else start
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
-        self.tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10) if enabled else None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
+        else:
+            self.tb = None
 
     def write(self, kind: str, step: int, **values: Any) -> None:
         if not self.enabled:

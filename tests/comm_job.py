@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from runner.comm import Comm, wait_all
+from runner.comm import init, wait_all
 
 
 def odd(values: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,7 @@ def main(device: str) -> None:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(0)
-    c = Comm()
+    c = init()
     r, n = c.rank, c.size
     expected_sum = n * (n + 1) / 2
 
@@ -36,7 +36,7 @@ def main(device: str) -> None:
     ptr = t.data_ptr()
     c.allreduce(t)
     assert t.data_ptr() == ptr and torch.all(t == expected_sum), t[:3]
-    assert c.bytes_sent == (4000 * 2 * (n - 1) // n if n > 1 else 0), c.bytes_sent
+    assert c.stats.bytes_sent == (4000 * 2 * (n - 1) // n if n > 1 else 0), c.stats.bytes_sent
 
     m = full(3, r)
     c.allreduce(m, op="max")

@@ -63,7 +63,7 @@ def cli(tmp_path):
 
 def mpirun_argv(n: int, *args: str) -> list[str]:
     """An mpirun command line for ``n`` ranks on this machine (oversubscribed, root allowed)."""
-    from runner.launch import find_mpirun
+    from runner.hardware.mpirun import find_mpirun
 
     argv = [find_mpirun(None), "-n", str(n), "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
@@ -75,33 +75,38 @@ STEPS = 6
 COMMON = ["train.epochs=1", f"train.max_steps={STEPS}", "optim.lr=0.1", "optim.momentum=0.9"]
 
 
-def compose_config(overrides: list[str]):
+def compose_config(overrides: list[str] | tuple[str, ...] = ()):
+    """The config ``python -m runner OVERRIDES`` would compose (not yet checked: see ``checked_config``)."""
     from hydra import compose, initialize_config_dir
 
-    import runner.config  # noqa: F401
+    from runner.config import register
 
+    register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def checked_config(overrides: list[str] | tuple[str, ...] = ()):
+    """The composed config as checked schema objects (``runner.config.validate``)."""
+    from runner.config import validate
+
+    return validate(compose_config(overrides))
 
 
 def initial_model(overrides: list[str], rank: int = 0) -> torch.nn.Module:
     """The model rank ``rank`` builds before training with ``train.same_init=false``."""
-    from hydra.utils import instantiate
-
-    cfg = compose_config(overrides)
+    cfg = checked_config(overrides)
     torch.manual_seed(cfg.train.seed + rank)
-    return instantiate(cfg.model)
+    return cfg.model.build()
 
 
 def reference_params(global_batch: int, overrides: list[str], steps: int = STEPS) -> dict[str, torch.Tensor]:
     """One process, no MPI, plain PyTorch: ``steps`` steps with batch ``global_batch`` on the same samples."""
-    from hydra.utils import instantiate
-
-    cfg = compose_config(overrides)
+    cfg = checked_config(overrides)
     torch.manual_seed(cfg.train.seed)
-    model = instantiate(cfg.model)
-    data = instantiate(cfg.data)
-    optimizer = instantiate(cfg.optim, params=model.parameters())
+    model = cfg.model.build()
+    data = cfg.data.build()
+    optimizer = cfg.optim.build(model.parameters())
     loader = data.train_loader(0, 1, global_batch, cfg.train.seed)
     loader.sampler.set_epoch(0)
     for _, (x, y) in zip(range(steps), loader, strict=False):

@@ -10,14 +10,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import runner.config  # noqa: E402, F401
-from tests.conftest import CONF  # noqa: E402
+from tests.conftest import checked_config  # noqa: E402
 
 
 def main() -> None:
@@ -25,12 +22,11 @@ def main() -> None:
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = checked_config(overrides)
     torch.manual_seed(cfg.train.seed)
-    model = DistributedDataParallel(instantiate(cfg.model))
-    data = instantiate(cfg.data)
-    optimizer = instantiate(cfg.optim, params=model.parameters())
+    model = DistributedDataParallel(cfg.model.build())
+    data = cfg.data.build()
+    optimizer = cfg.optim.build(model.parameters())
     loader = data.train_loader(rank, world, int(batch), cfg.train.seed)
     loader.sampler.set_epoch(0)
     for _, (x, y) in zip(range(int(steps)), loader, strict=False):

@@ -6,13 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import HardwareConfig
-from runner.launch import build_argv, threads_per_rank
+from runner.hardware.cluster import Cluster
+from runner.hardware.cpu import CPU
+from runner.hardware.mpirun import build_argv, threads_per_rank
 
 
 def argv(ranks=2, cores=2, as_root=False, flavor="openmpi", **hw):
+    schema = Cluster if "hosts" in hw or "hostfile" in hw else CPU
     return build_argv(
-        HardwareConfig(**hw),
+        schema(**hw),
         ranks,
         Path("/run"),
         mpirun="mpirun",
@@ -32,7 +34,7 @@ def test_core_binding_one_rank_per_core():
     assert a[:3] == ["mpirun", "-n", "2"]
     assert flag_value(a, "--map-by") == "core" and flag_value(a, "--bind-to") == "core"
     assert "--report-bindings" in a and "--oversubscribe" not in a
-    assert a[-6:] == ["python", "-m", "mpi4py", "-m", "runner.worker", "/run"]
+    assert a[-4:] == ["python", "-m", "runner.worker", "/run"]
     assert "OMP_NUM_THREADS=1" in a
 
 
@@ -40,7 +42,7 @@ def test_several_cores_per_rank():
     a = argv(ranks=2, cores=8)
     assert flag_value(a, "--map-by") == "slot:PE=4" and flag_value(a, "--bind-to") == "core"
     assert "OMP_NUM_THREADS=4" in a
-    assert threads_per_rank(HardwareConfig(threads_per_rank=3), 2, 8) == 3
+    assert threads_per_rank(CPU(threads_per_rank=3), 2, 8) == 3
 
 
 @pytest.mark.parametrize("bind,domain", [("numa", "numa"), ("socket", "package")])
@@ -83,13 +85,13 @@ def test_mpich_flags():
 
 
 def test_hosts_and_hostfile(tmp_path):
-    from runner.launch import cluster_slots
-
-    a = argv(ranks=4, cores=4, hosts=["node1:2", "node2:2"], multi_node=True)
+    a = argv(ranks=4, cores=4, hosts=["node1:2", "node2:2"])
     assert flag_value(a, "--host") == "node1:2,node2:2" and "--oversubscribe" not in a
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=4  # first\nnode2 slots=4\n\n")
-    assert cluster_slots(HardwareConfig(hostfile=str(hostfile))) == 8
-    assert cluster_slots(HardwareConfig(hosts=["a", "b:3"])) == 4
+    assert Cluster(hostfile=str(hostfile)).slots() == 8
+    assert Cluster(hosts=["a", "b:3"]).slots() == 4
     assert flag_value(argv(hostfile=str(hostfile)), "--hostfile") == str(hostfile)
     assert flag_value(argv(flavor="mpich", hosts=["a:1", "b:1"]), "-hosts") == "a:1,b:1"
+    assert flag_value(argv(flavor="mpich", hostfile=str(hostfile)), "-f") == str(hostfile)
+    assert "--host" not in argv() and "-hosts" not in argv(flavor="mpich"), "this machine: no hosts"

@@ -10,13 +10,15 @@ import sys
 import pytest
 import torch
 
-import runner.config  # noqa: F401
-from runner.rules.bsp import BSP
+from runner.rules.base import RuleContext
+from runner.rules.bsp import BSPConfig
 from tests.conftest import COMMON, ROOT, assert_close, mpirun_argv, params_of, reference_params
 
 BATCH = 8
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks,overlap", [(2, "thread"), (2, "nonblocking"), (4, "none"), (4, "thread")])
 def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks, overlap):
     """Small buckets (10 kB) so that the MLP's gradients travel in several all-reduces."""
@@ -39,6 +41,8 @@ def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks, overla
     assert run.summary["steps"] == 6
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_grads_mode_matches_torch_ddp(cli, tmp_path):
     overrides = ["model=cnn", *COMMON]
     run = cli("devices=2", f"train.batch_size={BATCH}", *overrides)
@@ -62,6 +66,8 @@ def test_grads_mode_matches_torch_ddp(cli, tmp_path):
     assert_close(params_of(run.dir / "model.pt"), params_of(out))
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_params_mode_with_avg_freq_1_equals_grads_mode(cli):
     overrides = ["model=cnn", "devices=2", f"train.batch_size={BATCH}", *COMMON, "optim.momentum=0"]
     grads = cli(*overrides)
@@ -70,6 +76,8 @@ def test_params_mode_with_avg_freq_1_equals_grads_mode(cli):
     assert_close(params_of(params.dir / "model.pt"), params_of(grads.dir / "model.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_params_mode_with_rare_averaging_differs(cli):
     """The test above can fail: without averaging every step the two modes part ways."""
     overrides = ["model=mlp", "devices=2", f"train.batch_size={BATCH}", *COMMON, "optim.momentum=0"]
@@ -97,8 +105,9 @@ class _FakeComm:
     ],
 )
 def test_linear_lr_scaling_with_warmup(scaling, warmup, step, expected):
-    rule = BSP(_FakeComm(4), lr_scaling=scaling, warmup_epochs=warmup)
     model = torch.nn.Linear(2, 2)
-    rule.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = RuleContext(_FakeComm(4), _FakeComm(4), model, optimizer, steps_per_epoch=10)
+    rule = BSPConfig(lr_scaling=scaling, warmup_epochs=warmup).build(ctx)
     rule.before_step(step)
     assert rule.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * expected)

@@ -27,12 +27,15 @@ def run_job(argv: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_comm_layer_in_an_mpirun_job(ranks):
     proc = run_job(mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "comm_job.py")))
     assert f"comm checks passed on {ranks} ranks" in proc.stdout
 
 
+@pytest.mark.slow
 def test_comm_layer_without_mpirun():
     """A plain ``python`` process is a one-rank world (singleton MPI init)."""
     assert (
@@ -65,8 +68,9 @@ def test_flat_tensors_group_by_dtype():
 
 def test_cuda_awareness_is_read_from_the_mpi_library(monkeypatch):
     """Detection agrees with what ``ompi_info`` says the library was built with; the env override wins."""
-    from runner.comm import CUDA_AWARE_ENV, cuda_aware_mpi
-    from runner.launch import find_mpirun, mpi_flavor
+    import runner.comm  # noqa: F401  (loads the MPI library, which the detection looks for)
+    from runner.hardware.mpirun import find_mpirun, mpi_flavor
+    from runner.staging import CUDA_AWARE_ENV, cuda_aware_mpi
 
     monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
     mpirun = find_mpirun(None)
@@ -87,9 +91,9 @@ def test_cuda_awareness_is_read_from_the_mpi_library(monkeypatch):
 
 
 def test_pinned_staging_buffers_are_reused_per_tensor_and_bounded():
-    from runner.comm import _HostBuffers, _Staged
+    from runner.staging import HostBuffers, Staged
 
-    pool = _HostBuffers(capacity=2)
+    pool = HostBuffers(capacity=2)
     a, b, c = torch.arange(4.0), torch.arange(6.0), torch.ones(3, dtype=torch.float64)
     first = pool.get(a)
     assert pool.get(a) is first and pool.allocated == 1, "a tensor staged every step gets one buffer"
@@ -100,12 +104,14 @@ def test_pinned_staging_buffers_are_reused_per_tensor_and_bounded():
     assert pool.get(a) is not first and pool.allocated == 4, "least recently used buffer was dropped"
 
     target = torch.zeros(8)[::2]
-    staged = _Staged(target, pool.get(target), copy_in=False)
+    staged = Staged(target, pool.get(target), copy_in=False)
     staged.host.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     staged.finish()
     assert torch.equal(target, torch.tensor([1.0, 2.0, 3.0, 4.0]))
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cuda_aware", ["0", "auto"])
 def test_comm_layer_on_cuda_tensors(cuda_aware):

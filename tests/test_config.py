@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-import runner.config  # noqa: F401
 from runner.config import validate
-from tests.conftest import CONF
+from tests.conftest import CONF, ROOT, compose_config
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 GROUP_OPTIONS = [
@@ -26,7 +27,14 @@ GROUP_OPTIONS = [
 ]
 
 
-NEEDS = {"cluster": ["hardware.hosts=[localhost:2]"]}
+IMAGES_32 = ["data=synthetic", "data.shape=[3,32,32]"]
+NEEDS = {
+    "cluster": ["hardware.hosts=[localhost:2]"],
+    "alexnet": ["data=synthetic", "data.shape=[3,64,64]"],
+    "googlenet": IMAGES_32,
+    "vgg16": IMAGES_32,
+    "vgg16_bn": IMAGES_32,
+}
 
 
 def test_every_group_has_options():
@@ -108,8 +116,10 @@ def test_wrong_type_fails_at_compose():
         (["rule=asgd", "rule.staleness=drop"], "rule.max_staleness"),
         (["rule=asgd", "rule.n_push=0"], "rule.n_push"),
         (["hardware=cluster"], "hardware.hosts"),
-        (["hardware.hosts=[a:b]"], "hardware.hosts"),
-        (["hardware.hostfile=/nonexistent"], "hardware.hostfile"),
+        (["hardware=cluster", "hardware.hosts=[a:b]"], "hardware.hosts"),
+        (["hardware=cluster", "hardware.hostfile=/nonexistent"], "hardware.hostfile"),
+        (["hardware=slurm", "hardware.launcher=sometimes"], "hardware.launcher"),
+        (["hardware.ranks_per_gpu=0"], "hardware.ranks_per_gpu"),
     ],
 )
 def test_bad_values_name_their_key(overrides, key):
@@ -119,11 +129,48 @@ def test_bad_values_name_their_key(overrides, key):
 
 
 def test_world_size_counts_server_ranks():
-    from runner.launch import world_size
+    assert validate(_compose("rule=bsp", "devices=3")).world_size == 3
+    assert validate(_compose("rule=easgd", "rule.variant=async", "devices=3")).world_size == 4
+    assert validate(_compose("rule=asgd", "rule.servers=2", "devices=3")).world_size == 5
 
-    assert world_size(validate(_compose("rule=bsp", "devices=3"))) == 3
-    assert world_size(validate(_compose("rule=easgd", "rule.variant=async", "devices=3"))) == 4
-    assert world_size(validate(_compose("rule=asgd", "rule.servers=2", "devices=3"))) == 5
+
+def test_options_only_select_their_schema():
+    """Defaults live in the dataclass alone: a group's YAML sets no key its schema does not need to."""
+    for group in ("rule", "optim", "hardware"):
+        for yaml in (CONF / group).glob("*.yaml"):
+            node = OmegaConf.load(yaml)
+            assert set(node.keys()) == {"defaults"}, f"{yaml} repeats {set(node.keys()) - {'defaults'}}"
+
+
+def test_checked_config_holds_the_schema_objects():
+    from runner.optim.sgd import SGD
+    from runner.rules.easgd import EASGDConfig
+
+    checked = validate(_compose("rule=easgd", "rule.beta=0.6", "devices=3", "optim.lr=0.2"))
+    assert isinstance(checked.rule, EASGDConfig) and isinstance(checked.optim, SGD)
+    assert checked.rule.alpha_for(checked.devices) == pytest.approx(0.2) and checked.optim.lr == 0.2
+
+
+IMPORTS = """
+import sys
+from hydra import compose, initialize_config_dir
+from runner.config import register, validate
+import runner.launch
+register()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    for rule in ("bsp", "easgd", "gosgd", "asgd"):
+        validate(compose(config_name="config", overrides=[f"rule={rule}"]))
+print(sorted(m for m in ("torch", "sklearn", "numpy", "mpi4py") if m in sys.modules))
+"""
+
+
+def test_the_launcher_imports_no_torch_sklearn_or_mpi():
+    """Composing and checking the default job with every rule imports none of torch, scikit-learn, MPI."""
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS, str(CONF)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 @pytest.mark.parametrize(
@@ -142,6 +189,7 @@ def test_world_size_counts_server_ranks():
         ),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_on_the_command_line_starts_no_process(cli, override, message):
     run = cli(override, timeout=60)
     assert run.returncode in (1, 2), "1: Hydra could not compose it, 2: our checks refused it"

@@ -1,12 +1,20 @@
-"""Data sets and sharding: disjoint shards that cover the set, equal step counts, common reshuffles."""
+"""Data sets and sharding: disjoint shards that cover the set, equal step counts, common reshuffles; the
+schemas (one per module, the YAML only selects it), and a launcher that reads them without torch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from dataclasses import fields
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from data.digits import Digits
-from data.synthetic import Synthetic
+from data.digits import DigitsConfig
+from data.synthetic import SyntheticConfig
+from runner.schema import DataConfig, schema_of
+from tests.conftest import CONF, ROOT, checked_config
 
 
 def shard_labels(loader) -> list[int]:
@@ -25,15 +33,32 @@ def sample_ids(data, world, epoch, batch=16):
 
 
 def test_digits_split_is_fixed_and_real():
-    a, b = Digits(), Digits()
+    a, b = DigitsConfig().build(), DigitsConfig().build()
     assert len(a.train) == 1437 and len(a.val) == 360
-    assert torch.equal(a.train.x, b.train.x) and a.shape == (1, 8, 8)
+    assert torch.equal(a.train.x, b.train.x) and a.shape == (1, 8, 8) and a.num_classes == 10
     assert set(a.train.y.tolist()) == set(range(10))
+    other = DigitsConfig(split_seed=1, val_fraction=0.1).build()
+    assert len(other.val) == 180 and not torch.equal(other.train.x[:10], a.train.x[:10])
+
+
+def test_default_job_reads_digits_and_the_model_follows():
+    cfg = checked_config()
+    assert isinstance(cfg.data, DigitsConfig)
+    assert cfg.data.shape == cfg.model.input_shape == [1, 8, 8] and cfg.model.num_classes == 10
+
+
+def test_digits_refuse_another_shape_or_class_count():
+    with pytest.raises(ValueError, match=r"data\.shape=\[3, 8, 8\].*\[1, 8, 8\]; leave it unset"):
+        checked_config(["data.shape=[3,8,8]"])
+    with pytest.raises(ValueError, match="num_classes=5.*10 classes"):
+        DigitsConfig(num_classes=5)
+    with pytest.raises(ValueError, match=r"val_fraction=1\.5.*\(0, 1\)"):
+        DigitsConfig(val_fraction=1.5)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_train_shards_are_disjoint_cover_the_set_and_have_equal_length(world):
-    data = Synthetic(shape=[4], train_size=101, val_size=10)
+    data = SyntheticConfig(shape=[4], train_size=101, val_size=10).build()
     shards = sample_ids(data, world, epoch=0)
     assert len({len(s) for s in shards}) == 1, "ranks would run different step counts"
     union = [i for s in shards for i in s]
@@ -44,23 +69,61 @@ def test_train_shards_are_disjoint_cover_the_set_and_have_equal_length(world):
 
 
 def test_reshuffled_each_epoch_with_a_common_seed():
-    data = Synthetic(shape=[4], train_size=64, val_size=8)
+    data = SyntheticConfig(shape=[4], train_size=64, val_size=8).build()
     e0, e1 = sample_ids(data, 2, 0), sample_ids(data, 2, 1)
     assert e0 != e1 and sample_ids(data, 2, 0) == e0
     assert set(e0[0]) | set(e0[1]) == set(e1[0]) | set(e1[1]) == set(range(64))
 
 
 def test_validation_shards_partition_the_validation_set():
-    data = Digits()
+    data = DigitsConfig().build()
     labels = [shard_labels(data.val_loader(r, 3, 50)) for r in range(3)]
     assert sum(map(len, labels)) == len(data.val)
     assert sorted(sum(labels, [])) == sorted(data.val.y.tolist())
 
 
 def test_synthetic_shapes_and_learnable_labels():
-    data = Synthetic(shape=[3, 5, 5], num_classes=4, train_size=32, val_size=8, seed=1)
+    schema = SyntheticConfig(shape=[3, 5, 5], num_classes=4, train_size=32, val_size=8, seed=1)
+    data = schema.build()
     x, y = data.train[0]
     assert x.shape == (3, 5, 5) and 0 <= int(y) < 4
-    assert torch.equal(
-        Synthetic(shape=[3, 5, 5], num_classes=4, train_size=32, val_size=8, seed=1).train.x, data.train.x
+    assert data.shape == (3, 5, 5) and data.num_classes == 4 and len(data.val) == 8
+    assert torch.equal(schema.build().train.x, data.train.x)
+    assert not torch.equal(SyntheticConfig(shape=[3, 5, 5], seed=2).build().train.x[:32], data.train.x)
+
+
+def test_synthetic_settings_are_checked():
+    with pytest.raises(ValueError, match=r"shape=\[3, 0\].*positive sizes"):
+        SyntheticConfig(shape=[3, 0])
+    with pytest.raises(ValueError, match="num_classes=1.*at least 2"):
+        SyntheticConfig(num_classes=1)
+    with pytest.raises(ValueError, match="val_size=0"):
+        SyntheticConfig(val_size=0)
+
+
+OPTIONS = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_each_data_option_has_one_schema(name):
+    """The schema declares every key; a YAML of the data group only selects it (and may set values)."""
+    schema = schema_of("data", name)
+    assert issubclass(schema, DataConfig) and schema.__name__.endswith("Config")
+    assert "_target_" not in {f.name for f in fields(schema)}
+    assert schema.build is not DataConfig.build
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_data_yaml_only_selects_its_schema(name):
+    yaml = OmegaConf.load(CONF / "data" / f"{name}.yaml")
+    assert list(yaml.defaults) == [f"/schema/data/{name}@_here_", "_self_"]
+    assert set(yaml) == {"defaults"}, "keys and defaults belong in the schema (data/<name>.py)"
+
+
+def test_default_data_modules_import_no_torch_numpy_or_sklearn():
+    code = (
+        "import sys, data.digits, data.synthetic, data.text; "
+        "print(sorted(m for m in ('torch', 'numpy', 'sklearn') if m in sys.modules))"
     )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

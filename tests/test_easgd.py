@@ -7,6 +7,8 @@ import torch
 
 from tests.conftest import assert_close, initial_model, params_of
 
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
 ONE_EXCHANGE = [
     "model=mlp",
     "rule=easgd",

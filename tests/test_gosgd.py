@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import assert_close, initial_model, params_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
 def test_weights_sum_to_one_after_training(cli):

@@ -7,7 +7,11 @@ import json
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.mpi,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
 
 @pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd"])
 def test_rule_trains_the_cnn_on_digits_with_4_workers(cli, rule):

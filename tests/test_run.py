@@ -7,6 +7,12 @@ import os
 import socket
 import time
 
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
 
 def test_default_job_trains_digits_and_fills_the_run_folder(cli):
     run = cli(timeout=240)
@@ -49,8 +55,8 @@ def test_default_job_trains_digits_and_fills_the_run_folder(cli):
 def test_failing_rank_ends_the_job_and_is_named(cli):
     start = time.time()
     run = cli(
-        "model=mlp",
-        "model._target_=tests.faulty.ExplodingMLP",
+        f"hydra.searchpath=[file://{ROOT / 'tests' / 'conf'}]",
+        "model=exploding",
         "train.epochs=3",
         "train.log_every=1",
         timeout=120,

@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from runner.config import load
+from runner.hardware.slurm import Slurm, allocation, expand_counts
 from runner.launch import prepare
-from runner.slurm import allocation, expand_counts
 from tests.conftest import ROOT, compose_config, mpirun_argv
 
 #: An sbatch script with 2 nodes x 4 tasks x 2 CPUs, as Slurm describes it to the script.
@@ -96,7 +98,7 @@ def test_srun_inside_a_job_step(slurm_env, tmp_path):
         "--overlap",
     ]
     assert argv[worker + 1 : worker + 3] == ["OMP_NUM_THREADS=2", "PYTHONUNBUFFERED=1"]
-    assert argv[-5:] == ["-m", "mpi4py", "-m", "runner.worker", str(tmp_path)]
+    assert argv[-3:] == ["-m", "runner.worker", str(tmp_path)]
 
 
 def test_srun_in_a_batch_script_when_asked(slurm_env, tmp_path):
@@ -114,8 +116,6 @@ def test_srun_in_a_batch_script_when_asked(slurm_env, tmp_path):
         (BATCH, ["hardware=slurm", "devices=9"], r"devices: the job needs 9 ranks .* 8 task"),
         (STEP, ["hardware=slurm", "devices=4", "hardware.threads_per_rank=8"], "need 32 CPUs"),
         (STEP, ["hardware=slurm", "hardware.launcher=mpirun"], "launcher=srun or auto"),
-        ({}, ["hardware.launcher=srun"], "hardware.launcher=.*use hardware=slurm"),
-        (BATCH, ["hardware=slurm", "hardware.hosts=[a:2]"], "hardware.hosts=.*allocation gives the hosts"),
     ],
 )
 def test_slurm_mistakes_are_refused_before_launch(slurm_env, tmp_path, env, overrides, message):
@@ -123,6 +123,51 @@ def test_slurm_mistakes_are_refused_before_launch(slurm_env, tmp_path, env, over
     with pytest.raises(ValueError, match=message):
         prepare(compose_config(overrides), tmp_path / "run")
     assert not (tmp_path / "run" / "mpirun.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["hardware.launcher=srun"], "hardware.launcher"),
+        (["hardware=slurm", "hardware.hosts=[a:2]"], "hardware.hosts"),
+    ],
+)
+def test_slurm_keys_exist_only_under_hardware_slurm(overrides, key):
+    """srun starts ranks only in an allocation (hardware=slurm), whose hosts Slurm gives: the other hardware
+    options have no ``launcher``, and hardware=slurm has no ``hosts``, so Hydra refuses them."""
+    with pytest.raises(ConfigCompositionException, match=key):
+        compose_config(overrides)
+
+
+def test_gpus_are_planned_only_on_a_single_node_started_by_mpirun(slurm_env, tmp_path, monkeypatch):
+    """The launcher sees only the node it runs on: there it plans the GPUs, and refuses cuda without one;
+    other nodes, or srun, place the ranks' GPUs themselves (each rank takes its node-local rank's)."""
+    import runner.hardware.base
+    from runner.hardware.topology import Topology
+
+    no_gpu = Topology([0, 1, 2, 3], {}, {}, {0: [0, 1, 2, 3]})
+    monkeypatch.setattr(runner.hardware.base, "read_topology", lambda: no_gpu)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one_node = {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"}
+    slurm_env({**one_node, "SLURM_JOB_CPUS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "2"})
+    with pytest.raises(ValueError, match="hardware.device='cuda'.*no NVIDIA GPU.*hardware=cpu"):
+        Slurm(device="cuda", flavor="openmpi").plan_launch(2, tmp_path)
+    launch = Slurm(device="cuda", launcher="srun").plan_launch(2, tmp_path)
+    assert launch.launcher == "srun" and launch.placements is None
+    assert "--gpus-per-task=1" in launch.argv and "--gpu-bind=closest" in launch.argv
+    slurm_env(BATCH)
+    two_nodes = Slurm(device="cuda", flavor="openmpi").plan_launch(8, tmp_path)
+    assert two_nodes.launcher == "mpirun" and two_nodes.placements is None
+
+
+def test_the_chosen_launcher_and_threads_are_recorded(slurm_env, tmp_path):
+    """config.yaml holds what the launcher settled (srun, 2 threads, the binding), and loads back as Slurm."""
+    slurm_env(STEP)
+    prepare(compose_config(["hardware=slurm", "devices=4"]), tmp_path)
+    hw = load(str(tmp_path / "config.yaml")).hardware
+    assert isinstance(hw, Slurm) and (hw.launcher, hw.threads_per_rank, hw.bind) == ("srun", 2, "core")
+    direct = Slurm().plan_launch(4, tmp_path)
+    assert (direct.launcher, direct.threads, direct.bind) == ("srun", 2, "core")
 
 
 def stand_in(folder: Path, name: str, script: str) -> None:
@@ -133,9 +178,11 @@ def stand_in(folder: Path, name: str, script: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_the_srun_command_starts_a_working_job(cli, tmp_path):
     """The srun command line, as built, trains: a stand-in ``srun`` keeps its arguments and starts the
-    worker command after them (``env ... python -m mpi4py -m runner.worker RUN``) with our mpirun."""
+    worker command after them (``env ... python -m runner.worker RUN``) with our mpirun."""
     bin_dir = tmp_path / "bin"
     mpirun = mpirun_argv(1)
     stand_in(
@@ -175,6 +222,7 @@ def stand_in_slurm(folder: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_a_sweep_sent_to_slurm_is_one_allocation_per_point(tmp_path):
     """The README's Slurm sweep: the batch script asks for the nodes and a task per rank, and runs the
     sweep point's Python directly (no srun step around it, so its mpirun can use the allocation)."""
@@ -195,6 +243,8 @@ def test_a_sweep_sent_to_slurm_is_one_allocation_per_point(tmp_path):
     assert not any(line.startswith("srun") for line in command)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_sweep_runs_through_submitits_local_executor(tmp_path):
     sweep = tmp_path / "sweep"
     argv = [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}"]

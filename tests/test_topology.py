@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import HardwareConfig
-from runner.launch import build_argv
-from runner.topology import format_cpulist, gpu_slots, main, parse_cpulist, plan, read_topology
+from runner.hardware.cluster import Cluster
+from runner.hardware.gpu import GPU
+from runner.hardware.mpirun import build_argv
+from runner.hardware.topology import format_cpulist, gpu_slots, main, parse_cpulist, plan, read_topology
 
 
 def fake_sys(root: Path, numa: dict[int, str], packages: dict[int, int], gpus=()) -> Path:
@@ -92,7 +93,7 @@ def test_two_numa_nodes_four_gpus(two_sockets_four_gpus):
 def gpu_argv(placements, flavor: str) -> list[str]:
     """The launcher's command for ``placements`` of 4 ranks with hardware=gpu on the 16-core fake machine."""
     return build_argv(
-        HardwareConfig(device="cuda", bind="numa"),
+        GPU(),
         4,
         Path("/run"),
         mpirun="mpirun" if flavor == "openmpi" else "mpiexec",
@@ -189,3 +190,62 @@ def test_gpu_of_each_local_rank_without_a_plan(local_size, gpus, per_gpu, expect
 def test_too_many_ranks_for_a_nodes_gpus_fail_with_a_hint():
     with pytest.raises(ValueError, match="5 ranks on .* 2 usable GPU.*ranks_per_gpu=2"):
         gpu_slots(5, 2, 2, "node7")
+
+
+@pytest.fixture
+def this_machine(monkeypatch):
+    """Call with a Topology and a core count: the launcher then sees that machine instead of this one."""
+    import runner.hardware.base
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def become(topo, cores: int) -> None:
+        monkeypatch.setattr(runner.hardware.base, "read_topology", lambda: topo)
+        monkeypatch.setattr(runner.hardware.base, "usable_cores", lambda: cores)
+
+    return become
+
+
+def test_hardware_gpu_plans_its_ranks_onto_this_machines_gpus(this_machine, two_sockets_four_gpus):
+    this_machine(two_sockets_four_gpus, 16)
+    launch = GPU(flavor="openmpi").plan_launch(4, Path("/run"))
+    assert [p.gpu for p in launch.placements] == [0, 1, 2, 3] and launch.threads == 4
+    assert launch.launcher == "mpirun" and launch.bind == "numa"
+    assert launch.argv[launch.argv.index("--map-by") + 1] == "ppr:2:numa:pe=4"
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in launch.argv
+    sharing = GPU(flavor="openmpi", gpus_per_node=1, ranks_per_gpu=2, threads_per_rank=4)
+    shared = sharing.plan_launch(2, Path("/run"))
+    assert [p.gpu for p in shared.placements] == [0, 0]
+    with pytest.raises(ValueError, match="hardware.ranks_per_gpu=2"):
+        GPU(flavor="openmpi").plan_launch(8, Path("/run"))
+
+
+def test_hardware_gpu_honours_cuda_visible_devices(this_machine, two_sockets_four_gpus, monkeypatch):
+    this_machine(two_sockets_four_gpus, 16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    launch = GPU(flavor="openmpi", threads_per_rank=4).plan_launch(2, Path("/run"))
+    assert [(p.gpu, p.numa) for p in launch.placements] == [(0, 1), (1, 1)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='' hides every GPU.*hardware=cpu"):
+        GPU(flavor="openmpi").plan_launch(2, Path("/run"))
+
+
+def test_cuda_without_an_nvidia_gpu_is_refused_before_launch(this_machine, one_socket):
+    this_machine(one_socket, 4)
+    with pytest.raises(ValueError, match="hardware.device='cuda'.*no NVIDIA GPU.*use hardware=cpu"):
+        GPU(flavor="openmpi").plan_launch(2, Path("/run"))
+    cluster = Cluster(device="cuda", flavor="openmpi", hosts=["node1:2", "node2:2"])
+    assert cluster.plan_launch(4, Path("/run")).placements is None, "other hosts: no plan, no refusal"
+
+
+def test_prepare_writes_the_gpu_plan(this_machine, two_sockets_four_gpus, tmp_path):
+    import json
+
+    from runner.launch import prepare
+    from tests.conftest import compose_config
+
+    this_machine(two_sockets_four_gpus, 16)
+    argv = prepare(compose_config(["hardware=gpu", "devices=4", "hardware.flavor=openmpi"]), tmp_path)
+    planned = json.loads((tmp_path / "plan.json").read_text())
+    assert [(p["rank"], p["gpu"], p["numa"]) for p in planned] == [(0, 0, 0), (1, 1, 0), (2, 2, 1), (3, 3, 1)]
+    assert "ppr:2:numa:pe=4" in argv

@@ -21,20 +21,23 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from runner.checks import one_of, require
-from runner.comm import Comm
 from runner.flat import FlatTensors, flat_copy
-from runner.rules.base import Rule
+from runner.lazy import lazy_import
+from runner.rules.base import Rule, RuleContext, no_grad
+from runner.schema import RuleConfig, one_of, require
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")
 
 PUSH, PUSH_DATA, FETCH, REPLY, DONE = 31, 32, 33, 34, 35
 
 
 @dataclass
-class ASGDConfig:
-    _target_: str = "runner.rules.asgd.ASGD"
+class ASGDConfig(RuleConfig):
     n_push: int = 1
     n_fetch: int = 1
     servers: int = 1
@@ -70,46 +73,34 @@ class ASGDConfig:
             f"at most one server per worker (devices={devices}); lower rule.servers or raise devices",
         )
 
-
-SCHEMA = ASGDConfig
+    def build(self, ctx: RuleContext) -> ASGD:
+        return ASGD(self, ctx)
 
 
 class ASGD(Rule):
     """Workers push accumulated updates to sharded parameter servers and fetch fresh parameters."""
 
-    def __init__(
-        self,
-        comm: Comm,
-        n_push: int = 1,
-        n_fetch: int = 1,
-        servers: int = 1,
-        staleness: str = "accept",
-        max_staleness: int | None = None,
-    ):
-        super().__init__(comm, servers=servers)
-        self.n_push, self.n_fetch, self.policy, self.max_staleness = n_push, n_fetch, staleness, max_staleness
-        self.server_ranks = list(range(self.num_workers, comm.size))
+    def __init__(self, cfg: ASGDConfig, ctx: RuleContext):
+        super().__init__(ctx, servers=cfg.servers)
+        self.n_push, self.n_fetch = cfg.n_push, cfg.n_fetch
+        self.policy, self.max_staleness = cfg.staleness, cfg.max_staleness
+        self.server_ranks = list(range(self.num_workers, self.comm.size))
         self.pushes = self.fetches = 0
-
-    def _flat(self, model: torch.nn.Module) -> torch.Tensor:
-        """The model's parameters as one flat buffer, set to rank 0's on every rank."""
-        flat = FlatTensors(model.parameters())
+        flat = FlatTensors(self.model.parameters())
         if len(flat.buffers) != 1:
             raise ValueError("rule=asgd needs all parameters of one dtype and device")
-        self.comm.broadcast(flat.buffers[0], root=0)
-        n = flat.numel
-        bounds = [round(i * n / self.num_servers) for i in range(self.num_servers + 1)]
+        self.x = flat.buffers[0]
+        self.comm.broadcast(self.x, root=0)
+        bounds = [round(i * flat.numel / self.num_servers) for i in range(self.num_servers + 1)]
         self.slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        return flat.buffers[0]
-
-    # -- workers -------------------------------------------------------------------------------------------
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
-        super().setup(model, optimizer, steps_per_epoch)
-        self.x = self._flat(model)
+        self.header = torch.zeros(1, dtype=torch.float64)
+        # workers
         self.ref = self.x.clone()
         self.fetched = torch.empty_like(self.x)
         self.versions = [0] * self.num_servers
-        self.header = torch.zeros(1, dtype=torch.float64)
+        self.server_model: tuple[torch.nn.Module, FlatTensors] | None = None
+        # servers
+        self.version, self.dropped, self.histogram = 0, 0, Counter()
 
     def after_step(self, step: int) -> None:
         if (step + 1) % self.n_push == 0:
@@ -117,7 +108,7 @@ class ASGD(Rule):
         if (step + 1) % self.n_fetch == 0:
             self.fetch()
 
-    @torch.no_grad()
+    @no_grad
     def push(self) -> None:
         delta = self.x - self.ref
         for s, (server, part) in enumerate(zip(self.server_ranks, self.slices, strict=True)):
@@ -137,21 +128,21 @@ class ASGD(Rule):
             self.comm.recv(target[part], server, REPLY)
         return versions
 
-    @torch.no_grad()
+    @no_grad
     def fetch(self) -> None:
         self.versions = self._fetch_into(self.fetched)
         self.x.sub_(self.ref).add_(self.fetched)
         self.ref.copy_(self.fetched)
         self.fetches += 1
 
-    @torch.no_grad()
+    @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
         """The servers' model, fetched by worker 0 once every worker has pushed its updates and stopped."""
         if not torch.equal(self.x, self.ref):
             self.push()
-        if not hasattr(self, "_server_model"):
-            self._server_model = flat_copy(self.model)
-        model, flat = self._server_model
+        if self.server_model is None:
+            self.server_model = flat_copy(self.model)
+        model, flat = self.server_model
         self.workers.barrier()
         if self.workers.rank == 0:
             self._fetch_into(flat.buffers[0])
@@ -170,15 +161,13 @@ class ASGD(Rule):
             self.comm.send(self.header, server, DONE)
 
     # -- servers -------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def serve(self, model: torch.nn.Module) -> None:
+    @no_grad
+    def serve(self) -> None:
         """Hold one shard; apply pushes and answer fetches in arrival order until every worker is done."""
-        x = self._flat(model)
         part = self.slices[self.comm.rank - self.num_workers]
-        shard = x[part].clone()
+        shard = self.x[part].clone()
         incoming = torch.empty_like(shard)
-        header = torch.zeros(1, dtype=torch.float64)
-        self.version, self.dropped, self.histogram = 0, 0, Counter()
+        header = self.header
         done = 0
         while done < self.num_workers:
             source, tag = self.comm.probe()

@@ -1,43 +1,84 @@
-"""The interface between the one training loop and a synchronization rule."""
+"""The interface between the one training loop and a synchronization rule.
+
+A rule's module is read by the launcher for its schema, so it imports torch lazily (:func:`lazy_import`)
+and the communication layer only for type hints: importing a rule starts neither torch nor MPI.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from runner.comm import Comm
 from runner.flat import FlatTensors, flat_copy, float_buffers
+from runner.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.comm import Comm
+else:
+    torch = lazy_import("torch")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def no_grad(fn: F) -> F:
+    """``torch.no_grad()`` as a decorator that imports torch when called, not when the module loads."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def split_roles(comm: Comm, servers: int) -> Comm | None:
+    """Collective over all ranks: ranks ``0 .. size-servers-1`` train and get their communicator; the last
+    ``servers`` ranks serve and get None. Rank 0 is always a worker and writes the run's records."""
+    assert 0 <= servers < comm.size, f"{servers} server ranks leave no worker in a job of {comm.size}"
+    if servers == 0:
+        return comm
+    is_server = comm.rank >= comm.size - servers
+    workers = comm.split(int(is_server))
+    return None if is_server else workers
+
+
+@dataclass
+class RuleContext:
+    """Everything a rule is built with (by the worker, once the model and the loaders exist)."""
+
+    comm: Comm
+    workers: Comm | None
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    steps_per_epoch: int = 0
 
 
 class Rule:
     """A synchronization rule, called by the training loop at fixed hooks.
 
-    The loop calls, per step: ``before_step`` (before forward), ``after_backward`` (gradients are in
-    ``p.grad``), ``after_step`` (the optimizer has stepped); per epoch ``on_epoch_end``; before each
-    validation ``eval_models``; and ``finish`` once at the end. Constructor arguments are the rule's YAML
-    keys; the communicator is passed in code.
-
-    A rule with ``servers > 0`` runs on ``devices + servers`` ranks: ranks ``0 .. devices-1`` train (so rank
-    0 is always a worker and writes the run's records) and the last ``servers`` ranks call ``serve``
-    instead of training.
+    Per step: ``before_step`` (before forward), ``after_backward`` (gradients are in ``p.grad``),
+    ``after_step`` (the optimizer has stepped); per epoch ``on_epoch_end``; before each validation
+    ``eval_models``; ``finish`` once at the end. A rule with ``servers > 0`` runs on ``devices + servers``
+    ranks, and the server ranks call ``serve`` instead of training. Subclasses take their schema object and
+    the context, and declare all of their state in ``__init__``.
     """
 
-    def __init__(self, comm: Comm, servers: int = 0):
-        assert 0 <= servers < comm.size, f"{servers} server ranks leave no worker in a job of {comm.size}"
-        self.comm = comm
+    def __init__(self, ctx: RuleContext, servers: int = 0):
+        self.comm = ctx.comm
+        self.workers = ctx.workers
+        self.model = ctx.model
+        self.optimizer = ctx.optimizer
+        self.steps_per_epoch = ctx.steps_per_epoch
         self.num_servers = servers
-        self.num_workers = comm.size - servers
-        self.is_server = comm.rank >= self.num_workers
-        self._workers = comm.split(int(self.is_server)) if servers else comm
+        self.num_workers = ctx.comm.size - servers
+        self.is_server = ctx.workers is None
+        self._mean: tuple[torch.nn.Module, FlatTensors] | None = None
 
-    @property
-    def workers(self) -> Comm:
-        """The communicator of the ranks that train (for sharding data and reducing metrics)."""
-        return self._workers
-
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
-        self.model, self.optimizer, self.steps_per_epoch = model, optimizer, steps_per_epoch
-
-    def serve(self, model: torch.nn.Module) -> None:
+    def serve(self) -> None:
         """Server ranks only: serve the workers until all of them are done."""
         raise NotImplementedError(f"{type(self).__name__} has no server ranks")
 
@@ -69,20 +110,20 @@ class Rule:
         return {}
 
     # -- helpers for rules that report a model other than the local one -----------------------------------
-    @torch.no_grad()
+    @no_grad
     def _workers_mean(self, local: FlatTensors, weight: float) -> tuple[torch.nn.Module, FlatTensors]:
         """A model copy (made once) set to Σ_workers weight_i · x_i: this worker's x_i is in ``local``, the
         weights sum to 1; its BatchNorm statistics are the workers' mean."""
-        if not hasattr(self, "_mean_copy"):
-            self._mean_copy = flat_copy(self.model)
-        model, flat = self._mean_copy
+        if self._mean is None:
+            self._mean = flat_copy(self.model)
+        model, flat = self._mean
         for x, m in zip(local.buffers, flat.buffers, strict=True):
             torch.mul(x, weight, out=m)
             self.workers.allreduce(m)
         self._average_buffers_into(model)
         return model, flat
 
-    @torch.no_grad()
+    @no_grad
     def _average_buffers_into(self, target: torch.nn.Module) -> None:
         """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones."""
         n = self.workers.size

@@ -26,18 +26,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from runner.checks import one_of, require
-from runner.comm import BackgroundRequest, Comm, Request, progress
 from runner.flat import FlatTensors, float_buffers
-from runner.rules.base import Rule
+from runner.lazy import lazy_import
+from runner.rules.base import Rule, RuleContext
+from runner.schema import RuleConfig, one_of, require
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.comm import BackgroundRequest, Request
+else:
+    torch = lazy_import("torch")
 
 
 @dataclass
-class BSPConfig:
-    _target_: str = "runner.rules.bsp.BSP"
+class BSPConfig(RuleConfig):
     mode: str = "grads"
     bucket_mb: float = 25.0
     overlap: str = "auto"
@@ -53,8 +58,8 @@ class BSPConfig:
         require(self.avg_freq >= 1, "avg_freq", self.avg_freq, "average every N >= 1 steps")
         require(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "must be >= 0")
 
-
-SCHEMA = BSPConfig
+    def build(self, ctx: RuleContext) -> BSP:
+        return BSP(self, ctx)
 
 
 class _Bucket:
@@ -77,36 +82,20 @@ class _Bucket:
 class BSP(Rule):
     """Synchronous data parallelism: mean of gradients each step, or of parameters every ``avg_freq``."""
 
-    def __init__(
-        self,
-        comm: Comm,
-        mode: str = "grads",
-        bucket_mb: float = 25.0,
-        overlap: str = "auto",
-        avg_freq: int = 1,
-        lr_scaling: str = "none",
-        warmup_epochs: float = 0.0,
-    ):
-        super().__init__(comm)
-        self.mode, self.bucket_bytes, self.overlap = mode, int(bucket_mb * 2**20), overlap
-        self.avg_freq, self.lr_scaling, self.warmup_epochs = avg_freq, lr_scaling, warmup_epochs
-
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
-        super().setup(model, optimizer, steps_per_epoch)
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+    def __init__(self, cfg: BSPConfig, ctx: RuleContext):
+        super().__init__(ctx)
+        self.cfg = cfg
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.alone = self.comm.size == 1
-        if self.alone:
-            return  # one rank: its gradient is already the mean; nothing to pack or send
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.mode == "params":
-            self.flat = FlatTensors(params)
-            return
-        if self.overlap == "auto":
-            self.overlap = self.auto_overlap(params[0].device if params else torch.device("cpu"))
-        self.buckets = self._make_buckets(params)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        self.overlap = self.auto_overlap(device) if cfg.overlap == "auto" else cfg.overlap
+        self.flat = FlatTensors(params) if cfg.mode == "params" and not self.alone else None
+        grads = cfg.mode == "grads" and not self.alone
+        self.buckets = self._make_buckets(params, int(cfg.bucket_mb * 2**20)) if grads else []
         self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.next_launch = 0
-        if self.overlap != "none":
+        if grads and self.overlap != "none":
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -117,14 +106,15 @@ class BSP(Rule):
         (measured: 1.19× the step time of ``none``; Open MPI's non-blocking all-reduce: 1.07×)."""
         return "thread" if device.type == "cuda" or len(os.sched_getaffinity(0)) >= 2 else "none"
 
-    def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+    @staticmethod
+    def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         """Buckets in reverse registration order, the order in which backward produces gradients."""
         buckets: list[_Bucket] = []
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(params):
             if current and (
-                size + p.numel() * p.element_size() > self.bucket_bytes
+                size + p.numel() * p.element_size() > bucket_bytes
                 or (p.dtype, p.device) != (current[0].dtype, current[0].device)
             ):
                 buckets.append(_Bucket(current))
@@ -138,12 +128,12 @@ class BSP(Rule):
     # -- learning-rate scaling -------------------------------------------------------------------------
     def lr_factor(self, step: int) -> float:
         """Multiplier of the base learning rate at ``step``: 1, or N after a linear warm-up."""
-        if self.lr_scaling == "none" or self.comm.size == 1:
+        if self.cfg.lr_scaling == "none" or self.comm.size == 1:
             return 1.0
-        n = self.comm.size
+        n, warmup = self.comm.size, self.cfg.warmup_epochs
         epoch = step / max(1, self.steps_per_epoch)
-        if self.warmup_epochs > 0 and epoch < self.warmup_epochs:
-            return 1.0 + (n - 1) * epoch / self.warmup_epochs
+        if warmup > 0 and epoch < warmup:
+            return 1.0 + (n - 1) * epoch / warmup
         return float(n)
 
     def before_step(self, step: int) -> None:
@@ -176,21 +166,27 @@ class BSP(Rule):
                 bucket.request = self.comm.iallreduce(bucket.buffer)
             self.next_launch += 1
         if self.overlap == "nonblocking":
-            progress([b.request for b in self.buckets[: self.next_launch]])
+            for b in self.buckets[: self.next_launch]:
+                b.request.test()
 
     def after_backward(self, step: int) -> None:
         """Finish the mean of gradients: all-reduce the buckets not yet started, wait for the others.
 
-        Buckets started during backward use the non-blocking all-reduce; the rest use the blocking one,
-        which is about twice as fast as Open MPI's non-blocking algorithms (benchmarks/allreduce.py).
+        Buckets not started during backward (a parameter got no gradient, or ``overlap: none``) use the
+        blocking all-reduce, about twice as fast as Open MPI's non-blocking algorithms
+        (benchmarks/allreduce.py); with ``overlap: thread`` they are queued behind the started ones on the
+        communication thread instead, since two threads must not run collectives on one communicator.
         """
-        if self.mode != "grads" or self.alone:
+        if not self.buckets:
             return
         for bucket in self.buckets[self.next_launch :]:
             for i, p in enumerate(bucket.params):
                 if i not in bucket.packed:
                     self._pack(bucket, i, p.grad)
-            self.comm.allreduce(bucket.buffer)
+            if self.overlap == "thread":
+                bucket.request = self.comm.allreduce_background(bucket.buffer)
+            else:
+                self.comm.allreduce(bucket.buffer)
         for bucket in self.buckets:
             if bucket.request is not None:
                 bucket.request.wait()
@@ -207,13 +203,13 @@ class BSP(Rule):
             self.comm.allreduce(t).mul_(1.0 / self.comm.size)
 
     def after_step(self, step: int) -> None:
-        if self.mode == "params" and not self.alone and (step + 1) % self.avg_freq == 0:
+        if self.flat is not None and (step + 1) % self.cfg.avg_freq == 0:
             self._average(self.flat.buffers)
 
     def eval_models(self) -> dict[str, torch.nn.Module]:
         if self.alone:
             return {"": self.model}
-        if self.mode == "params":
+        if self.flat is not None:
             self._average(self.flat.buffers)
         self._average(float_buffers(self.model))
         return {"": self.model}

@@ -23,21 +23,24 @@ validated. The center starts at rank 0's initial parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from runner.checks import one_of, require
-from runner.comm import Comm
 from runner.flat import FlatTensors, flat_copy
-from runner.rules.base import Rule
+from runner.lazy import lazy_import
+from runner.rules.base import Rule, RuleContext, no_grad
+from runner.schema import RuleConfig, one_of, require
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")
 
 EXCHANGE, FETCH, DONE = 11, 12, 13
 DEFAULT_BETA = 0.9
 
 
 @dataclass
-class EASGDConfig:
-    _target_: str = "runner.rules.easgd.EASGD"
+class EASGDConfig(RuleConfig):
     alpha: float | None = None
     beta: float | None = None
     tau: int = 10
@@ -67,9 +70,20 @@ class EASGDConfig:
     def extra_ranks(self) -> int:
         return 1 if self.variant == "async" else 0
 
+    def alpha_for(self, workers: int) -> float:
+        """The moving rate: ``alpha``, else ``beta`` / workers (beta defaults to the paper's 0.9)."""
+        return self.alpha if self.alpha is not None else (self.beta or DEFAULT_BETA) / workers
+
     def check_devices(self, devices: int) -> None:
         """Sync: the center moves by beta·(mean of workers − center) per exchange, unstable for beta >= 2."""
-        beta = devices * self.alpha if self.alpha is not None else (self.beta or DEFAULT_BETA)
+        require(
+            0 < self.alpha_for(devices) <= 1,
+            "beta",
+            self.beta,
+            f"alpha = beta / devices = {self.alpha_for(devices):.3g} is outside (0, 1]; "
+            "choose beta <= devices",
+        )
+        beta = devices * self.alpha_for(devices)
         require(
             self.variant == "async" or beta < 2,
             "alpha" if self.beta is None else "beta",
@@ -78,56 +92,41 @@ class EASGDConfig:
             f"use rule.alpha <= {1 / devices:.3g} or rule.alpha=null rule.beta=0.9",
         )
 
-
-SCHEMA = EASGDConfig
+    def build(self, ctx: RuleContext) -> EASGD:
+        return EASGD(self, ctx)
 
 
 class EASGD(Rule):
     """Elastic averaging: workers pulled toward a center every ``tau`` steps, the center toward them."""
 
-    def __init__(
-        self,
-        comm: Comm,
-        alpha: float | None = None,
-        beta: float | None = None,
-        tau: int = 10,
-        variant: str = "sync",
-        center_alpha: float | None = None,
-    ):
-        super().__init__(comm, servers=1 if variant == "async" else 0)
-        self.alpha = alpha if alpha is not None else (beta or DEFAULT_BETA) / self.num_workers
-        if not 0 < self.alpha <= 1:
-            raise ValueError(
-                f"rule.beta={beta} gives alpha = beta / {self.num_workers} = {self.alpha:.3g}, "
-                "outside (0, 1]; choose beta <= devices"
-            )
-        self.center_alpha = self.alpha if center_alpha is None else center_alpha
-        self.tau, self.variant = tau, variant
+    def __init__(self, cfg: EASGDConfig, ctx: RuleContext):
+        super().__init__(ctx, servers=cfg.extra_ranks())
+        self.cfg = cfg
+        self.alpha = cfg.alpha_for(self.num_workers)
+        self.center_alpha = self.alpha if cfg.center_alpha is None else cfg.center_alpha
+        self.server = self.comm.size - 1
         self.exchanges = 0
-        self.server = comm.size - 1
+        self.served: int | None = None
+        self.center_model, self.center = self._init_center()
+        self.local = None if self.is_server else FlatTensors(self.model.parameters())
 
-    def _init_center(self, model: torch.nn.Module) -> FlatTensors:
+    def _init_center(self) -> tuple[torch.nn.Module, FlatTensors]:
         """The center as a model (a copy of this rank's), set to rank 0's parameters on every rank."""
-        self.center_model, center = flat_copy(model)
+        center_model, center = flat_copy(self.model)
         for buf in center.buffers:
             self.comm.broadcast(buf, root=0)
-        return center
-
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
-        super().setup(model, optimizer, steps_per_epoch)
-        self.local = FlatTensors(model.parameters())
-        self.center = self._init_center(model)
+        return center_model, center
 
     # -- workers -------------------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
-        if (step + 1) % self.tau == 0:
+        if (step + 1) % self.cfg.tau == 0:
             self.exchange()
 
-    @torch.no_grad()
+    @no_grad
     def exchange(self) -> None:
         """One elastic step between this worker and the center."""
         self.exchanges += 1
-        if self.variant == "sync":
+        if self.cfg.variant == "sync":
             for x, c in zip(self.local.buffers, self.center.buffers, strict=True):
                 d = (x - c).mul_(self.alpha)
                 x.sub_(d)
@@ -140,7 +139,7 @@ class EASGD(Rule):
 
     def _fetch_center(self) -> None:
         """Async: once all workers stopped, worker 0 asks the server for the center and gives it to all."""
-        if self.variant == "async":
+        if self.cfg.variant == "async":
             self.workers.barrier()
             if self.workers.rank == 0:
                 self.comm.send(torch.zeros(1), self.server, FETCH)
@@ -149,7 +148,7 @@ class EASGD(Rule):
             for c in self.center.buffers:
                 self.workers.broadcast(c, root=0)
 
-    @torch.no_grad()
+    @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
         self._fetch_center()
         self._average_buffers_into(self.center_model)
@@ -165,14 +164,14 @@ class EASGD(Rule):
         return {"center_distance": mean_sq**0.5, "exchanges": self.exchanges}
 
     def finish(self) -> None:
-        if self.variant == "async":
+        if self.cfg.variant == "async":
             self.comm.send(torch.zeros(1), self.server, DONE)
 
     # -- server (async) ------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def serve(self, model: torch.nn.Module) -> None:
+    @no_grad
+    def serve(self) -> None:
         """Hold the center; answer exchanges and fetches in arrival order until every worker is done."""
-        center = self._init_center(model)
+        center = self.center
         incoming = [torch.empty_like(c) for c in center.buffers]
         done, served = 0, 0
         while done < self.num_workers:
@@ -194,7 +193,7 @@ class EASGD(Rule):
         assert self.comm.iprobe() is None, "a message was left in flight"
 
     def final_metrics(self) -> dict[str, object]:
-        if self.variant != "async":
+        if self.cfg.variant != "async":
             return {"exchanges_per_worker": self.exchanges}
-        served = self.comm.broadcast_object(getattr(self, "served", None), root=self.server)
+        served = self.comm.broadcast_object(self.served, root=self.server)
         return {"exchanges_per_worker": self.exchanges, "server_exchanges": served}

@@ -20,20 +20,25 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from runner.checks import require
-from runner.comm import Comm, Request
 from runner.flat import FlatTensors
-from runner.rules.base import Rule
+from runner.lazy import lazy_import
+from runner.rules.base import Rule, RuleContext, no_grad
+from runner.schema import RuleConfig, require
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.comm import Request
+else:
+    torch = lazy_import("torch")
 
 WEIGHT, PARAMS = 21, 22
 
 
 @dataclass
-class GoSGDConfig:
-    _target_: str = "runner.rules.gosgd.GoSGD"
+class GoSGDConfig(RuleConfig):
     p: float = 0.02
     seed: int = 0
     max_inflight: int = 4
@@ -49,34 +54,29 @@ class GoSGDConfig:
     def check_devices(self, devices: int) -> None:
         require(devices >= 2 or self.p == 0, "p", self.p, "gossip needs devices >= 2 (or rule.p=0)")
 
-
-SCHEMA = GoSGDConfig
+    def build(self, ctx: RuleContext) -> GoSGD:
+        return GoSGD(self, ctx)
 
 
 class GoSGD(Rule):
     """Push-sum gossip between workers, with probability ``p`` after each step."""
 
-    def __init__(self, comm: Comm, p: float = 0.02, seed: int = 0, max_inflight: int = 4):
-        super().__init__(comm)
-        if comm.size < 2 and p > 0:
-            raise ValueError("rule=gosgd needs devices >= 2 to gossip (or rule.p=0)")
-        self.p, self.max_inflight = p, max_inflight
-        self.rng = random.Random(seed * 100_003 + comm.rank)
-        self.weight = 1.0 / comm.size
+    def __init__(self, cfg: GoSGDConfig, ctx: RuleContext):
+        super().__init__(ctx)
+        self.p, self.max_inflight = cfg.p, cfg.max_inflight
+        self.rng = random.Random(cfg.seed * 100_003 + self.comm.rank)
+        self.weight = 1.0 / self.comm.size
         self.pushes = self.merges = 0
-        self.sent_to = [0] * comm.size
+        self.sent_to = [0] * self.comm.size
         self.inflight: list[tuple[list[Request], list[torch.Tensor]]] = []
         self.free: list[list[torch.Tensor]] = []
         self.spread = float("nan")
         self.weight_sum = 1.0
-
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
-        super().setup(model, optimizer, steps_per_epoch)
-        self.local = FlatTensors(model.parameters())
+        self.local = FlatTensors(self.model.parameters())
         self.incoming = [torch.empty_like(b) for b in self.local.buffers]
         self.weight_in = torch.zeros(1, dtype=torch.float64)
 
-    @torch.no_grad()
+    @no_grad
     def drain(self) -> None:
         """Merge every push that has arrived."""
         while (found := self.comm.iprobe(tag=WEIGHT)) is not None:
@@ -104,7 +104,7 @@ class GoSGD(Rule):
                 return
             self.drain()
 
-    @torch.no_grad()
+    @no_grad
     def push(self) -> None:
         self._reap(self.max_inflight - 1)
         peer = self.rng.randrange(self.comm.size - 1)
@@ -148,7 +148,7 @@ class GoSGD(Rule):
             self.drain()
         self._reap(0)
 
-    @torch.no_grad()
+    @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
         """The consensus model Σ a_i·x_i, after quiescence; also measures the spread around it."""
         self.quiesce()

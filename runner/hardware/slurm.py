@@ -18,8 +18,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
+
+from runner.hardware.base import HardwareConfig, Launch
+from runner.hardware.mpirun import effective_bind, rank_env, threads_per_rank, worker_argv
+from runner.schema import one_of, require
 
 #: Step ids from here up are Slurm's special steps (batch script, extern, interactive), not ``srun`` steps.
 BATCH_STEP = 0xFFFFFFF0
@@ -37,6 +42,39 @@ def expand_counts(text: str) -> list[int]:
             raise ValueError(f"cannot read the Slurm count list {text!r} (expected e.g. '4(x2),2')")
         counts += [int(match[1])] * int(match[2] or 1)
     return counts
+
+
+@dataclass
+class Slurm(HardwareConfig):
+    """Inside a Slurm allocation; ``launcher``: auto (srun inside a job step, else mpirun) | mpirun | srun."""
+
+    launcher: str = "auto"
+    srun_mpi: str = "pmix"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        one_of("launcher", self.launcher, ("auto", "mpirun", "srun"))
+        require(
+            bool(self.srun_mpi),
+            "srun_mpi",
+            self.srun_mpi,
+            "an srun --mpi plugin, e.g. pmix (see srun --mpi=list)",
+        )
+
+    def plan_launch(self, ranks: int, run_dir: Path) -> Launch:
+        """The job in this allocation: ``mpirun`` (which reads the nodes from Slurm) or ``srun``, with
+        ``SLURM_CPUS_PER_TASK`` threads per rank unless ``threads_per_rank`` says otherwise; refused when the
+        allocation cannot hold it. GPUs are planned only on a single node started by mpirun."""
+        alloc = require_allocation()
+        launcher = choose_launcher(self.launcher, alloc)
+        hw = replace(self, threads_per_rank=self.threads_per_rank or alloc.cpus_per_task)
+        threads, bind = threads_per_rank(hw, ranks, alloc.cpus), effective_bind(hw, ranks, alloc.cpus)
+        check_fits(alloc, launcher, ranks, threads)
+        if launcher == "srun":
+            argv = srun_argv(hw, ranks, threads, bind, rank_env(hw, threads), alloc, worker_argv(run_dir))
+            return Launch(argv, threads, bind, "srun")
+        placements = hw.gpu_plan(ranks, threads) if alloc.nodes == 1 else None
+        return hw.mpirun_launch(ranks, run_dir, alloc.cpus, placements)
 
 
 @dataclass
@@ -127,7 +165,7 @@ def check_fits(alloc: Allocation, launcher: str, ranks: int, threads: int) -> No
 
 
 def srun_argv(
-    hw: Any,
+    hw: Slurm,
     ranks: int,
     threads: int,
     bind: str,

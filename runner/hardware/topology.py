@@ -1,5 +1,5 @@
 """The machine's topology, read from ``/sys``: packages (sockets), NUMA nodes, cores, and NVIDIA GPUs with the
-NUMA node and CPUs they are attached to. ``python -m runner.topology`` prints it.
+NUMA node and CPUs they are attached to. ``python -m runner.hardware.topology`` prints it.
 
 ``plan`` places ranks on it: with GPUs, rank r drives GPU r (in PCI bus order, CUDA's ``PCI_BUS_ID`` order)
 and runs on cores of that GPU's NUMA node; without GPUs, ranks fill cores in order. The launcher turns a plan
@@ -195,7 +195,9 @@ def ranks_per_numa(placements: list[Placement]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m runner.topology", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m runner.hardware.topology", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--sys", default="/sys", help="root of the sysfs tree to read")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)

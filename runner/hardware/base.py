@@ -1,0 +1,121 @@
+"""What every hardware group shares: how ranks are started (mpirun), bound and threaded, and their GPUs.
+
+:meth:`HardwareConfig.plan_launch` turns a hardware option into the command that starts the job; the base
+class plans for this machine, and the groups that run elsewhere override the parts that differ (``cores``,
+``gpu_plan``, ``host_args``, or the whole plan for Slurm). Nothing here imports torch or MPI.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.hardware.mpirun import (
+    build_argv,
+    effective_bind,
+    find_mpirun,
+    mpi_flavor,
+    threads_per_rank,
+    usable_cores,
+)
+from runner.hardware.topology import Placement, plan, read_topology
+from runner.schema import one_of, require
+
+
+@dataclass
+class Launch:
+    """How a job is started: the command, and the values the launcher settled (written to config.yaml)."""
+
+    argv: list[str]
+    threads: int
+    bind: str
+    launcher: str = "mpirun"
+    placements: list[Placement] | None = None
+
+
+@dataclass
+class HardwareConfig:
+    """Base of the hardware groups' schemas (``conf/hardware/*.yaml`` ↔ ``runner/hardware/*.py``)."""
+
+    device: str = "cpu"
+    mpirun: str | None = None
+    flavor: str = "auto"
+    bind: str = "core"
+    threads_per_rank: int | None = None
+    report_bindings: bool = True
+    mca: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    gpus_per_node: int | None = None
+    ranks_per_gpu: int = 1
+    cuda_aware: bool | None = None
+
+    def __post_init__(self) -> None:
+        one_of("device", self.device, ("cpu", "cuda"))
+        one_of("flavor", self.flavor, ("auto", "openmpi", "mpich"))
+        one_of("bind", self.bind, ("core", "socket", "numa", "none"))
+        require(
+            self.threads_per_rank is None or self.threads_per_rank >= 1,
+            "threads_per_rank",
+            self.threads_per_rank,
+            "use null (cores / ranks) or a positive count",
+        )
+        require(
+            self.gpus_per_node is None or self.gpus_per_node >= 1,
+            "gpus_per_node",
+            self.gpus_per_node,
+            "use null (every visible GPU) or a positive count",
+        )
+        require(self.ranks_per_gpu >= 1, "ranks_per_gpu", self.ranks_per_gpu, "at least one rank per GPU")
+
+    def plan_launch(self, ranks: int, run_dir: Path) -> Launch:
+        """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``.
+
+        Raises ValueError naming the key and the fix when the hardware cannot hold the job.
+        """
+        cores = self.cores()
+        placements = self.gpu_plan(ranks, threads_per_rank(self, ranks, cores))
+        return self.mpirun_launch(ranks, run_dir, cores, placements)
+
+    def cores(self) -> int:
+        """Cores the ranks share: those this process may use (this machine)."""
+        return usable_cores()
+
+    def gpu_plan(self, ranks: int, threads: int) -> list[Placement] | None:
+        """With ``device=cuda``, each rank's GPU and cores on this machine (read from ``/sys``); else None."""
+        if self.device != "cuda":
+            return None
+        machine = read_topology()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        topo = machine.visible(visible)
+        if not topo.gpus:
+            where = (
+                f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+                if machine.gpus
+                else "no NVIDIA GPU was found under /sys/bus/pci"
+            )
+            raise ValueError(f"hardware.device='cuda' but {where} on this machine; use hardware=cpu")
+        return plan(topo, ranks, threads, True, self.gpus_per_node, self.ranks_per_gpu)
+
+    def host_args(self, flavor: str) -> list[str]:
+        """mpirun's arguments naming the hosts (none: this machine)."""
+        return []
+
+    def mpirun_launch(
+        self, ranks: int, run_dir: Path, cores: int, placements: list[Placement] | None = None
+    ) -> Launch:
+        """The mpirun command for ``ranks`` ranks sharing ``cores`` cores, placed by ``placements``."""
+        mpirun = find_mpirun(self.mpirun)
+        argv = build_argv(
+            self,
+            ranks,
+            run_dir,
+            mpirun=mpirun,
+            flavor=mpi_flavor(mpirun) if self.flavor == "auto" else self.flavor,
+            cores=cores,
+            as_root=os.geteuid() == 0,
+            placements=placements,
+        )
+        threads, bind = threads_per_rank(self, ranks, cores), effective_bind(self, ranks, cores)
+        return Launch(argv, threads, bind, "mpirun", placements)

@@ -1,0 +1,68 @@
+"""``hardware=cluster``: ranks on several hosts (Open MPI ``--host``/``--hostfile``; needs ssh or a resource
+manager between them, and the same Python environment at the same path on every host)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.hardware.base import HardwareConfig
+from runner.hardware.mpirun import usable_cores
+from runner.hardware.topology import Placement
+from runner.schema import require
+
+
+@dataclass
+class Cluster(HardwareConfig):
+    """Ranks on the hosts of ``hosts`` (``host:slots``) or of an Open MPI ``hostfile``."""
+
+    hosts: list[str] = field(default_factory=list)
+    hostfile: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            not (self.hosts and self.hostfile),
+            "hosts",
+            self.hosts,
+            "give hardware.hosts or hardware.hostfile",
+        )
+        require(
+            bool(self.hosts or self.hostfile),
+            "hosts",
+            self.hosts,
+            "hardware=cluster needs hardware.hosts=[host1:slots,host2:slots] or hardware.hostfile=FILE",
+        )
+        require(
+            all(re.fullmatch(r"[\w.-]+(:\d+)?", h) for h in self.hosts),
+            "hosts",
+            self.hosts,
+            "each entry is host or host:slots, e.g. node1:4",
+        )
+        require(
+            self.hostfile is None or Path(self.hostfile).is_file(),
+            "hostfile",
+            self.hostfile,
+            "no such file; an Open MPI hostfile has lines like `node1 slots=4`",
+        )
+
+    def slots(self) -> int:
+        """Slots of ``hosts`` (``host:slots``, default 1) or of the hostfile (``slots=N``)."""
+        if self.hosts:
+            return sum(int(h.partition(":")[2] or 1) for h in self.hosts)
+        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
+        return sum(int(next((w[6:] for w in ln[1:] if w.startswith("slots=")), 1)) for ln in lines if ln)
+
+    def cores(self) -> int:
+        """The hosts' slots (this machine's cores when the hostfile gives none)."""
+        return self.slots() or usable_cores()
+
+    def gpu_plan(self, ranks: int, threads: int) -> list[Placement] | None:
+        """None: the launcher cannot see the other hosts; each rank takes its node-local rank's GPU."""
+        return None
+
+    def host_args(self, flavor: str) -> list[str]:
+        if flavor == "openmpi":
+            return ["--host", ",".join(self.hosts)] if self.hosts else ["--hostfile", self.hostfile]
+        return ["-hosts", ",".join(self.hosts)] if self.hosts else ["-f", self.hostfile]

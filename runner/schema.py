@@ -1,0 +1,222 @@
+"""Typed configuration: one dataclass per option holds its defaults and its checks, and builds its object.
+
+A YAML option of group ``G`` (``conf/G/NAME.yaml``) extends the schema of one module with
+``defaults: [/schema/G/MODULE@_here_, _self_]`` and may override some of its defaults (``resnet50.yaml``
+sets ``depth: 50`` over ``models/resnet.py``); it declares no key of its own. The schema of
+``schema/G/MODULE`` is the one dataclass in ``PACKAGES[G].MODULE`` that subclasses the group's base class
+below. :class:`SchemaSource` gives Hydra these schemas on demand, so composing a config imports only the
+modules of the options it selects, and every module imports torch only where it builds its object: the
+launcher checks a config without importing torch, scikit-learn or MPI.
+
+Checks live in ``__post_init__`` and raise ``ValueError`` through :func:`require`, naming the key
+relative to the group (``validate`` adds the group) and the fix. Checks that involve other groups are
+methods of the base classes (``RuleConfig.check_devices``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import pkgutil
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.object_type import ObjectType
+from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+from omegaconf import OmegaConf
+
+if TYPE_CHECKING:
+    import torch
+
+    from data.base import ClassificationData
+    from runner.rules.base import Rule, RuleContext
+
+
+def require(ok: bool, key: str, value: Any, hint: str) -> None:
+    """Raise a ValueError naming ``key`` (relative to its group) unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{key}={value!r} is invalid: {hint}")
+
+
+def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    require(value in choices, key, value, "choose one of " + ", ".join(choices))
+
+
+@dataclass
+class RuleConfig:
+    """Base of the synchronization rules' schemas (``runner/rules/``)."""
+
+    def extra_ranks(self) -> int:
+        """Ranks the rule needs besides the ``devices`` workers (parameter or center servers)."""
+        return 0
+
+    def check_devices(self, devices: int) -> None:
+        """Checks that involve the number of workers; raise ValueError through :func:`require`."""
+
+    def build(self, ctx: RuleContext) -> Rule:
+        raise NotImplementedError
+
+
+@dataclass
+class ModelConfig:
+    """Base of the models' schemas (``models/``): the input shape and class count, interpolated from the
+    data set's outputs by the YAML (``input_shape: ${data.shape}``)."""
+
+    input_shape: list[int] = field(default_factory=lambda: [1, 8, 8])
+    num_classes: int = 10
+
+    def __post_init__(self) -> None:
+        require(
+            len(self.input_shape) >= 1 and all(s >= 1 for s in self.input_shape),
+            "input_shape",
+            self.input_shape,
+            "a list of positive sizes, e.g. [3, 32, 32] (it comes from data.shape)",
+        )
+        require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
+
+    def require_image(self, min_size: int = 1) -> None:
+        """For image models: ``input_shape`` is [C, H, W] with H and W at least ``min_size``."""
+        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W] images")
+        c = self.input_shape[0]
+        require(
+            min(self.input_shape[1:]) >= min_size,
+            "input_shape",
+            self.input_shape,
+            f"{type(self).__name__.removesuffix('Config')} needs height and width >= {min_size} "
+            f"(e.g. data.shape=[{c},64,64])",
+        )
+
+    def build(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+
+@dataclass
+class DataConfig:
+    """Base of the data sets' schemas (``data/``). ``shape`` and ``num_classes`` describe what the data set
+    yields; models read them. Where a data set fixes them, they are outputs and a different value is an
+    error; where it takes them as settings (``synthetic``), they are inputs."""
+
+    shape: list[int] = field(default_factory=lambda: [1, 8, 8])
+    num_classes: int = 10
+
+    def require_outputs(self, shape: list[int], num_classes: int) -> None:
+        """For data sets whose shape and class count are fixed: refuse any other value."""
+        name = type(self).__name__
+        require(
+            list(self.shape) == list(shape), "shape", self.shape, f"{name} yields {shape}; leave it unset"
+        )
+        require(
+            self.num_classes == num_classes,
+            "num_classes",
+            self.num_classes,
+            f"{name} has {num_classes} classes; leave it unset",
+        )
+
+    def build(self) -> ClassificationData:
+        raise NotImplementedError
+
+
+#: Group -> (package of its option modules, base class of its schemas).
+GROUPS: dict[str, tuple[str, str]] = {
+    "rule": ("runner.rules", "runner.schema.RuleConfig"),
+    "model": ("models", "runner.schema.ModelConfig"),
+    "data": ("data", "runner.schema.DataConfig"),
+    "optim": ("runner.optim", "runner.optim.OptimConfig"),
+    "hardware": ("runner.hardware", "runner.hardware.base.HardwareConfig"),
+}
+
+
+def locate(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def schema_of(group: str, module_name: str) -> type:
+    """The schema dataclass of ``schema/<group>/<module_name>``: the one subclass of the group's base
+    class defined in that module (of the group's package, or any importable module given by its dotted
+    path, such as ``my_project.nets``)."""
+    package, base_path = GROUPS[group]
+    module = importlib.import_module(module_name if "." in module_name else f"{package}.{module_name}")
+    base = locate(base_path)
+    found = [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj) and issubclass(obj, base) and obj.__module__ == module.__name__
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"{module.__file__}: expected exactly one subclass of {base.__name__} (the option's schema), "
+            f"found {len(found)}"
+        )
+    return found[0]
+
+
+def option_modules(group: str) -> list[str]:
+    """Names of the modules of a group's package, without importing them."""
+    package = importlib.import_module(GROUPS[group][0])
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+
+
+class SchemaSource(ConfigSource):
+    """Hydra config source ``mpitrain://``: ``schema/<group>/<module>`` is the schema dataclass of that
+    module, imported when a config asks for it (Hydra's ConfigStore would need them all imported first)."""
+
+    @staticmethod
+    def scheme() -> str:
+        return "mpitrain"
+
+    def _split(self, config_path: str) -> list[str]:
+        return [p for p in self._normalize_file_name(config_path).removesuffix(".yaml").split("/") if p]
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        parts = self._split(config_path)
+        if len(parts) != 3 or parts[0] != "schema" or parts[1] not in GROUPS:
+            raise ConfigLoadError(f"no schema {config_path}")
+        cls = schema_of(parts[1], parts[2])
+        return ConfigResult(
+            config=OmegaConf.structured(cls),
+            path=f"{self.scheme()}://{self.path}",
+            provider=self.provider,
+            header={"package": None},
+        )
+
+    def available(self) -> bool:
+        return True
+
+    def is_group(self, config_path: str) -> bool:
+        parts = self._split(config_path)
+        return parts == ["schema"] or (len(parts) == 2 and parts[0] == "schema" and parts[1] in GROUPS)
+
+    def is_config(self, config_path: str) -> bool:
+        parts = self._split(config_path)
+        if len(parts) != 3 or parts[0] != "schema" or parts[1] not in GROUPS:
+            return False
+        if "." in parts[2]:
+            return importlib.util.find_spec(parts[2]) is not None
+        return parts[2] in option_modules(parts[1])
+
+    def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:
+        parts = self._split(config_path)
+        if parts == ["schema"]:
+            return sorted(GROUPS) if results_filter in (None, ObjectType.GROUP) else []
+        if len(parts) == 2 and parts[1] in GROUPS and results_filter in (None, ObjectType.CONFIG):
+            return option_modules(parts[1])
+        return []
+
+
+class SchemaSearchPath(SearchPathPlugin):
+    """Puts ``mpitrain://`` on every search path, whatever ``hydra.searchpath`` a user sets."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        search_path.append("mpitrain", "mpitrain://schemas")
+
+
+def register_source() -> None:
+    """Make the schemas known to Hydra (idempotent), through its public plugin registration."""
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().register(SchemaSource)
+    Plugins.instance().register(SchemaSearchPath)
