@@ -6,6 +6,8 @@ imports none of them, nor torch or MPI.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,11 +91,31 @@ def schema_paths(cfg: DictConfig) -> dict[str, str]:
     return paths
 
 
+def check_keys(node: DictConfig, path: str = "") -> None:
+    """Refuse keys a schema does not declare. Hydra's ``+key=value`` adds them (and Hydra's own message
+    for a misspelt key suggests exactly that), so a typo such as ``+train.epoch=1`` would pass unseen."""
+    cls = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(cls):
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in node.keys():
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {path}{close[0]}?" if close else "no such key"
+                raise ValueError(
+                    f"{path}{key}: not an option of {cls.__name__} ({hint}); the keys are: {', '.join(known)}"
+                )
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            check_keys(child, f"{path}{key}.")
+
+
 def validate(cfg: DictConfig) -> Config:
-    """Check every value (the schemas' ``__post_init__``); a ValueError names the full key.
+    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key.
 
     Returns the config as schema objects (dataclass instances), interpolations resolved.
     """
+    check_keys(cfg)
     missing = OmegaConf.missing_keys(cfg)
     if missing:
         keys = ", ".join(sorted(missing))

@@ -1,7 +1,7 @@
 """Device memory and MPI: whether the loaded MPI library is CUDA-aware, and staging through host buffers.
 
 A tensor MPI cannot read in place (on a GPU without CUDA-aware MPI, or not contiguous) goes through a
-contiguous host copy; CUDA tensors use pinned buffers kept from call to call. Nothing here imports mpi4py:
+contiguous host copy; CUDA tensors use pinned buffers kept from call to call. It imports no MPI binding:
 the MPI library is found among the process's loaded libraries and asked through ctypes.
 """
 

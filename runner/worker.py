@@ -78,6 +78,7 @@ def versions(comm: mpi.Comm) -> dict[str, Any]:
 
 
 def run(cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: TextIO) -> None:
+    """Everything one rank does, from placement to the run's records."""
     start = time.time()
     topo, env = read_topology(), versions(comm)
     if comm.rank == 0:
@@ -153,10 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: mpirun ... python -m runner.worker RUN_DIR")
     run_dir = Path(argv[0])
-    cfg = load(str(run_dir / "config.yaml"))
-    comm = mpi.init(cuda_aware=cfg.hardware.cuda_aware)
+    comm = mpi.init()
     log_file, terminal = redirect_output(run_dir, comm.rank)
     try:
+        cfg = load(str(run_dir / "config.yaml"))
+        if cfg.hardware.cuda_aware is not None:
+            comm.cuda_aware = cfg.hardware.cuda_aware
         run(cfg, run_dir, comm, log_file, terminal)
     except BaseException as err:
         (run_dir / "logs" / f"rank{comm.rank}.error").write_text(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, mpirun_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
@@ -104,3 +106,14 @@ def test_two_host_job_through_hardware_cluster(cli):
     assert run.returncode == 0, run.output
     assert f"--host localhost:1,{socket.gethostname()}:1" in (run.dir / "mpirun.txt").read_text()
     assert run.summary["world_size"] == 2
+
+
+def test_a_rank_that_cannot_read_its_config_ends_the_job_and_says_why(tmp_path):
+    """Failures before training (here: config.yaml with a key no schema has) are reported like any other."""
+    (tmp_path / "config.yaml").write_text("devices: 2\ntrain: {epoch: 1}\n_schemas_: {}\n")
+    argv = mpirun_argv(2, sys.executable, "-m", "runner.worker", str(tmp_path))
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    errors = sorted((tmp_path / "logs").glob("rank*.error"))
+    assert errors, proc.stdout + proc.stderr
+    assert "epoch" in errors[0].read_text().splitlines()[0]
