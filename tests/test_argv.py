@@ -67,6 +67,12 @@ def test_root_flag_only_as_root():
     assert "--allow-run-as-root" not in argv(as_root=False)
 
 
+def test_open_mpi_leaves_out_the_slow_libfabric_btl_unless_told():
+    assert " ".join(argv()).count("--mca btl ^ofi") == 1
+    assert "--mca btl self,sm,tcp,ofi" in " ".join(argv(mca={"btl": "self,sm,tcp,ofi"}))
+    assert "--mca" not in argv(flavor="mpich")
+
+
 def test_mca_env_and_extra_args():
     a = argv(mca={"coll_tuned_use_dynamic_rules": "1"}, env={"FOO": "bar"}, extra_args=["--tag-output"])
     i = a.index("--mca")

@@ -22,6 +22,11 @@ from runner.hardware.mpirun import (
 from runner.hardware.topology import Placement, plan, read_topology
 from runner.schema import one_of, require
 
+#: Open MPI options every job gets unless ``hardware.mca`` sets the same key. The libfabric BTL (``ofi``)
+#: probes the fabric providers inside MPI_Init: measured 1.1 s of every rank's start on our 2-core machines,
+#: 0.09 s without it. Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi).
+DEFAULT_MCA = {"btl": "^ofi"}
+
 
 @dataclass
 class Launch:
@@ -44,7 +49,7 @@ class HardwareConfig:
     bind: str = "core"
     threads_per_rank: int | None = None
     report_bindings: bool = True
-    mca: dict[str, str] = field(default_factory=dict)
+    mca: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MCA))
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     gpus_per_node: int | None = None
