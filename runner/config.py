@@ -29,6 +29,8 @@ class TrainConfig:
     save_model: str = "rank0"
     progress: bool = True
     same_init: bool = True
+    on_nonfinite: str = "stop"
+    stall_timeout: float | None = 300.0
 
     def __post_init__(self) -> None:
         require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
@@ -43,6 +45,37 @@ class TrainConfig:
             "use null for no limit or a positive step count",
         )
         one_of("save_model", self.save_model, ("rank0", "all", "none"))
+        one_of("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        require(
+            self.stall_timeout is None or self.stall_timeout > 0,
+            "stall_timeout",
+            self.stall_timeout,
+            "seconds without progress before the job is ended, > 0 (e.g. 300), or null to never end it",
+        )
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written (one is always written at the end of a run and on preemption)."""
+
+    every: int | None = None
+    every_minutes: float | None = 30.0
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        require(
+            self.every is None or self.every >= 1,
+            "every",
+            self.every,
+            "steps between checkpoints, >= 1 (e.g. checkpoint.every=500), or null",
+        )
+        require(
+            self.every_minutes is None or self.every_minutes > 0,
+            "every_minutes",
+            self.every_minutes,
+            "minutes between checkpoints, > 0 (e.g. 30), or null",
+        )
+        require(self.keep >= 1, "keep", self.keep, "keep at least the latest checkpoint (checkpoint.keep=2)")
 
 
 @dataclass
@@ -51,6 +84,8 @@ class Config:
 
     devices: int = 2
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str | None = None
     hardware: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
@@ -120,7 +155,7 @@ def validate(cfg: DictConfig) -> Config:
     if missing:
         keys = ", ".join(sorted(missing))
         raise ValueError(f"{keys}: no value given; set it on the command line, e.g. {sorted(missing)[0]}=...")
-    for key in ("train", *GROUPS):
+    for key in ("train", "checkpoint", *GROUPS):
         try:
             OmegaConf.to_object(cfg[key])
         except ValueError as err:
