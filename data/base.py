@@ -45,6 +45,32 @@ class TensorData(BatchedData):
         return self.x[idx], self.y[idx]
 
 
+class ShardSampler(DistributedSampler):
+    """``DistributedSampler`` whose next epoch can start part-way, after ``start_at(n)`` samples (a run
+    resumed from a checkpoint taken mid-epoch); its length stays that of a whole epoch.
+
+    ``set_epoch`` also reseeds ``generator``, the loader's own, from which a DataLoader draws the seeds of
+    its worker processes when an epoch begins: so starting an epoch takes nothing from the global torch
+    generator, whose state a checkpoint saves, and a resumed run draws the same random numbers."""
+
+    def __init__(self, *args, generator: torch.Generator, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generator = generator
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.generator.manual_seed(self.seed + 1_000_003 * epoch + 7919 * self.rank)
+
+    def start_at(self, samples: int) -> None:
+        self.start = samples
+
+    def __iter__(self):
+        indices = list(super().__iter__())[self.start :]
+        self.start = 0
+        return iter(indices)
+
+
 def _batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch
 
@@ -82,8 +108,11 @@ class ClassificationData:
         self, rank: int, world: int, batch_size: int, seed: int, pin_memory: bool = False
     ) -> DataLoader:
         """Loader of this rank's shard; call ``loader.sampler.set_epoch(e)`` before each epoch."""
-        sampler = DistributedSampler(self.train, num_replicas=world, rank=rank, shuffle=True, seed=seed)
-        return self._loader(self.train, batch_size, pin_memory, sampler=sampler)
+        generator = torch.Generator()
+        sampler = ShardSampler(
+            self.train, num_replicas=world, rank=rank, shuffle=True, seed=seed, generator=generator
+        )
+        return self._loader(self.train, batch_size, pin_memory, sampler=sampler, generator=generator)
 
     def val_loader(self, rank: int, world: int, batch_size: int, pin_memory: bool = False) -> DataLoader:
         """Loader of this rank's share of the validation set (rank, rank + N, ...; no padding)."""

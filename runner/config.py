@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -168,8 +169,8 @@ def validate(cfg: DictConfig) -> Config:
     return checked
 
 
-def load(path: str) -> Config:
-    """The checked config of a run folder's ``config.yaml`` (written by the launcher with ``_schemas_``)."""
+def load_structured(path: str | Path) -> DictConfig:
+    """A run folder's ``config.yaml`` (written by the launcher with ``_schemas_``) as a typed config."""
     from runner.schema import locate
 
     raw = OmegaConf.load(path)
@@ -177,4 +178,9 @@ def load(path: str) -> Config:
     top = OmegaConf.structured(Config)
     for group, cls_path in schemas.items():
         top[group] = OmegaConf.merge(OmegaConf.structured(locate(cls_path)), raw.pop(group))
-    return OmegaConf.to_object(OmegaConf.merge(top, raw))
+    return OmegaConf.merge(top, raw)
+
+
+def load(path: str | Path) -> Config:
+    """The checked config of a run folder's ``config.yaml``."""
+    return OmegaConf.to_object(load_structured(path))

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from runner.checkpoint import Control
 from runner.comm import Comm, CommStats
 from runner.config import TrainConfig
+from runner.heartbeat import Heartbeat
 from runner.meter import Meter
 from runner.metrics import MetricsLog
 from runner.rules.base import Rule
+
+
+def poisoned(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` where finite, else NaN: backward then gives NaN gradients, so a rule that averages them
+    carries one rank's non-finite loss to every rank and all of them decide alike (no host sync)."""
+    return loss * torch.where(torch.isfinite(loss), 1.0, float("nan"))
 
 
 def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
@@ -22,11 +32,26 @@ def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
             comm.broadcast(t.data, root=root)
 
 
+class Diverged(RuntimeError):
+    """A non-finite loss or gradient with ``train.on_nonfinite=stop``: the job ends with status diverged."""
+
+
+@dataclass
+class Position:
+    """Where training stands: ``step`` steps done, ``batch`` of them in epoch ``epoch``."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
 class Trainer:
     """Trains ``model`` on this rank's shard (``train_loader``), handing control to ``rule`` at its hooks.
 
     ``workers`` is the communicator of the training ranks (for metrics), ``stats`` this rank's
-    communication accounting (shared by all of its communicators).
+    communication accounting (shared by all of its communicators). ``checkpoint(position, end)`` saves a
+    checkpoint (collective over the job); ``control`` says, at the same step on every worker, when to take
+    one or stop; ``beat`` is told of every step.
     """
 
     def __init__(
@@ -41,43 +66,102 @@ class Trainer:
         device: torch.device,
         log: MetricsLog,
         meter: Meter,
+        control: Control,
+        checkpoint: Callable[[Position, bool], None],
+        beat: Heartbeat,
     ):
         self.cfg, self.model, self.optimizer, self.rule = cfg, model, optimizer, rule
         self.train_loader, self.val_loader = loaders
         self.workers, self.stats, self.device, self.log, self.meter = workers, stats, device, log, meter
+        self.control, self.checkpoint, self.beat = control, checkpoint, beat
         self.criterion = nn.CrossEntropyLoss()
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.history: list[dict[str, float]] = []
+        self.skipped = 0
+        self.preempted = False
 
-    def fit(self, max_steps: int, epochs: int) -> tuple[nn.Module, dict[str, Any]]:
-        """Train; returns the model the run reports (the rule's first evaluated model) and the results."""
-        step, reported = 0, self.model
-        for epoch in range(epochs):
+    def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
+        """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
+        results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
+        pos, reported = Position(start.step, start.epoch, start.batch), self.model
+        for epoch in range(start.epoch, epochs):
+            pos.epoch = epoch
             self.train_loader.sampler.set_epoch(epoch)
+            self.train_loader.sampler.start_at(pos.batch * self.cfg.batch_size)
             self.model.train()
             for x, y in self.meter.batches(self.train_loader):
+                if pos.step >= max_steps:
+                    break
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                self.rule.before_step(step)
+                self.rule.before_step(pos.step)
                 self.optimizer.zero_grad(set_to_none=False)
                 loss = self.criterion(self.model(x), y)
-                loss.backward()
-                self.rule.after_backward(step)
-                self.optimizer.step()
-                self.rule.after_step(step)
-                step += 1
-                self.meter.step_done(step, epoch, loss.item(), len(x), self.optimizer.param_groups[0]["lr"])
-                if step >= max_steps:
+                poisoned(loss).backward()
+                self.rule.after_backward(pos.step)
+                if self.finite(loss, pos.step):
+                    self.optimizer.step()
+                self.rule.after_step(pos.step)
+                pos.step, pos.batch = pos.step + 1, pos.batch + 1
+                self.beat.progress(pos.step)
+                self.meter.step_done(
+                    pos.step, epoch, loss.item(), len(x), self.optimizer.param_groups[0]["lr"]
+                )
+                if self.at_step_end(pos) or pos.step >= max_steps:
                     break
+            if self.preempted:
+                break
             self.rule.on_epoch_end(epoch)
             span = self.meter.epoch_done()
             if (epoch + 1) % self.cfg.val_every == 0 or epoch == epochs - 1:
-                reported = self.validate(epoch, step)
+                reported = self.validate(epoch, pos.step)
             mean_loss = span.loss / max(1, span.steps)
             train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
             rates, extra = span.rates(self.workers.size), self.rule.metrics()
-            self.log.write("epoch", step, epoch=epoch, train_loss=train_loss, **rates, **extra)
+            self.log.write("epoch", pos.step, epoch=epoch, train_loss=train_loss, **rates, **extra)
+            pos.batch = 0
+        self.control.close()
         self.meter.close()
+        if not self.preempted:
+            self.checkpoint(Position(pos.step, max(epochs, start.epoch), 0), True)
         self.rule.finish()
-        return reported, self._summary(epochs, step)
+        return reported, self._summary(epochs, pos.step)
+
+    def at_step_end(self, pos: Position) -> bool:
+        """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""
+        decision = self.control.poll(pos.step)
+        self.preempted = decision.stop
+        if decision.stop or decision.checkpoint or self.checkpoint_due(pos.step):
+            self.checkpoint(pos, False)
+        return self.preempted
+
+    def checkpoint_due(self, step: int) -> bool:
+        return self.control.checkpointer.due(step)
+
+    def finite(self, loss: torch.Tensor, step: int) -> bool:
+        """Whether the step may be applied: loss and gradients finite. Otherwise ``on_nonfinite=stop``
+        raises :class:`Diverged`; ``skip`` drops the step (and counts it). Rules that exchange gradients
+        (BSP) decide alike on every rank, since a non-finite loss poisons the gradient it sends."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+        if bool(torch.isfinite(norm)) and bool(torch.isfinite(loss)):
+            return True
+        what = f"loss {loss.item()}" if not bool(torch.isfinite(loss)) else f"gradient norm {norm.item()}"
+        if self.cfg.on_nonfinite == "stop":
+            raise Diverged(
+                f"non-finite {what} at step {step + 1} on rank {self.workers.rank}; lower optim.lr, or "
+                "train.on_nonfinite=skip to drop such steps; the last good checkpoint is kept"
+            )
+        self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=False)
+        self.meter.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "skipped": self.skipped, "meter": self.meter.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
+        self.history, self.skipped = list(state["history"]), state["skipped"]
+        self.meter.load_state_dict(state["meter"], step, mid_epoch)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> tuple[float, float]:
@@ -124,5 +208,6 @@ class Trainer:
             "data_wait_fraction": rates["data_frac"],
             "compute_fraction": rates["compute_frac"],
             "bytes_sent": self.workers.allreduce_values([self.stats.bytes_sent])[0],
+            "skipped_steps": self.skipped,
             "validations": self.history,
         }

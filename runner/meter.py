@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -81,12 +81,24 @@ class Meter:
             leave=True,
         )
         self.total, self.epoch, self.window = Timing(), Timing(), Timing()
+        self._resumed = False
         self._ready = self._arrived = 0.0
         self._comm0 = 0.0
 
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        return {"total": asdict(self.total), "epoch": asdict(self.epoch), "window": asdict(self.window)}
+
+    def load_state_dict(self, state: dict[str, dict[str, float]], step: int, mid_epoch: bool) -> None:
+        """Continue the timings of a checkpoint taken after ``step`` steps (the epoch's too, if mid-epoch)."""
+        self.total, self.epoch, self.window = (Timing(**state[k]) for k in ("total", "epoch", "window"))
+        self._resumed = mid_epoch
+        self.bar.update(step)
+
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The batches of one epoch; the time waiting for each one counts as data wait."""
-        self.epoch = Timing()
+        if not self._resumed:
+            self.epoch = Timing()
+        self._resumed = False
         self._ready = time.perf_counter()
         for batch in loader:
             self._arrived = time.perf_counter()

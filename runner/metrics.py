@@ -9,28 +9,58 @@ from pathlib import Path
 from typing import Any
 
 
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, so ``json.dumps`` writes strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON (NaN and infinities become null)."""
+    return json.dumps(strict(obj), allow_nan=False, **kwargs)
+
+
 class MetricsLog:
     """Appends records to ``metrics.jsonl`` and TensorBoard; every record is flushed when written.
 
-    Only the writing rank (rank 0) opens files; on other ranks every call is a no-op.
+    Only the writing rank (rank 0) opens files; on other ranks every call is a no-op. A resumed run passes
+    ``resume=(lines, step, elapsed)`` from its checkpoint: ``metrics.jsonl`` is cut back to the ``lines``
+    records written before that checkpoint, TensorBoard discards the earlier run's events after ``step``
+    (``purge_step``), and times continue from ``elapsed`` seconds.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, start: float | None = None):
+    def __init__(self, run_dir: Path, enabled: bool, resume: tuple[int, int, float] | None = None):
         self.enabled = enabled
-        self.start = time.time() if start is None else start
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
-        if enabled:
-            from tensorboardX import SummaryWriter
+        self.lines = 0
+        self.start = time.time() - (resume[2] if resume else 0.0)
+        self.file = self.tb = None
+        if not enabled:
+            return
+        path = run_dir / "metrics.jsonl"
+        if resume:
+            kept = path.read_text().splitlines(keepends=True)[: resume[0]] if path.exists() else []
+            path.write_text("".join(kept))
+            self.lines = len(kept)
+        self.file = open(path, "a", buffering=1)
+        from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
-        else:
-            self.tb = None
+        purge = resume[1] + 1 if resume else None
+        self.tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10, purge_step=purge)
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
 
     def write(self, kind: str, step: int, **values: Any) -> None:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time() - self.start, 4), **values}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(dumps(record) + "\n")
+        self.lines += 1
         for key, value in _scalars(values):
             self.tb.add_scalar(f"{kind}/{key}", value, step)
 

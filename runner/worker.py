@@ -20,13 +20,28 @@ from typing import Any, TextIO
 import torch
 
 from runner import comm as mpi
+from runner.checkpoint import (
+    Checkpointer,
+    Control,
+    load_part,
+    read_index,
+    rng_state,
+    save_atomic,
+    set_rng_state,
+    write_json_atomic,
+)
 from runner.config import Config, load
 from runner.hardware.placement import place_rank
 from runner.hardware.topology import read_topology
-from runner.loop import Trainer, broadcast_state
+from runner.heartbeat import Heartbeat
+from runner.loop import Diverged, Position, Trainer, broadcast_state
 from runner.meter import Meter
-from runner.metrics import MetricsLog
+from runner.metrics import MetricsLog, strict
 from runner.rules.base import RuleContext, split_roles
+
+#: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
+#: at most this many steps apart); synchronous rules agree after every step.
+ASYNC_CONTROL_INTERVAL = 16
 
 
 class Tee:
@@ -77,8 +92,11 @@ def versions(comm: mpi.Comm) -> dict[str, Any]:
     }
 
 
-def run(cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: TextIO) -> None:
-    """Everything one rank does, from placement to the run's records."""
+def run(
+    cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: TextIO, beat: Heartbeat
+) -> None:
+    """Everything one rank does, from placement to the run's records (resuming from the run folder's
+    latest checkpoint when the launcher set ``resume``)."""
     start = time.time()
     topo, env = read_topology(), versions(comm)
     if comm.rank == 0:
@@ -86,6 +104,9 @@ def run(cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: 
         print(f"topology: {json.dumps(topo.to_dict())}")
     device, _ = place_rank(cfg.hardware, comm, run_dir)
     workers = split_roles(comm, cfg.rule.extra_ranks())
+    entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
+    part = load_part(run_dir, entry, comm.rank) if entry else None
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
     train = cfg.train
     torch.manual_seed(train.seed + (0 if train.same_init else comm.rank))
     model = cfg.model.build().to(device)
@@ -93,7 +114,15 @@ def run(cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: 
         broadcast_state(model, comm)
     torch.manual_seed(train.seed + 1000 * comm.rank + 1)
     if workers is None:
-        rule = cfg.rule.build(RuleContext(comm, None, model))
+        beat.set_role("server")
+
+        def save_server(step: int, state: dict[str, Any]) -> None:
+            checkpointer.save(step, {"rule": state, "rng": rng_state()})
+
+        rule = cfg.rule.build(RuleContext(comm, None, model, save=save_server))
+        if part:
+            rule.load_state_dict(part["rule"])
+            set_rng_state(part["rng"])
         print(f"rank {comm.rank}: server of {type(rule).__name__}")
         rule.serve()
         rule.final_metrics()
@@ -105,11 +134,17 @@ def run(cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: 
         data.val_loader(workers.rank, workers.size, train.val_batch_size, pin_memory=pin),
     )
     steps_per_epoch = len(loaders[0])
+    if comm.rank == 0 and train.batch_size > len(loaders[0].sampler):
+        print(
+            f"warning: train.batch_size={train.batch_size} exceeds this rank's shard of "
+            f"{len(loaders[0].sampler)} samples: every step trains on the whole shard"
+        )
     max_steps = train.max_steps or train.epochs * steps_per_epoch
     epochs = min(train.epochs, -(-max_steps // steps_per_epoch))
     optimizer = cfg.optim.build(model.parameters())
     rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch))
-    log = MetricsLog(run_dir, enabled=comm.rank == 0)
+    resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
+    log = MetricsLog(run_dir, enabled=comm.rank == 0, resume=resume)
     meter = Meter(
         comm.stats,
         workers.size,
@@ -120,33 +155,108 @@ def run(cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: 
         log_file=log_file,
         progress=train.progress,
     )
+    control = Control(workers, run_dir, checkpointer, 1 if rule.synchronous else ASYNC_CONTROL_INTERVAL)
+    trainer: Trainer
+
+    def checkpoint(pos: Position, end: bool) -> None:
+        rule.before_checkpoint(pos.step)
+        loop = {"step": pos.step, "epoch": pos.epoch, "batch": pos.batch, **trainer.state_dict()}
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rule": rule.state_dict(),
+            "loop": loop,
+            "rng": rng_state(),
+        }
+        log.flush()
+        info = {
+            "epoch": pos.epoch,
+            "batch": pos.batch,
+            "end": end,
+            "metrics_lines": log.lines,
+            "elapsed": log.elapsed(),
+            "validation": trainer.history[-1] if trainer.history else None,
+        }
+        checkpointer.save(pos.step, state, info)
+        meter.echo(f"checkpoint after step {pos.step} (epoch {pos.epoch}, batch {pos.batch})")
+
+    start_at = Position()
     try:
-        trainer = Trainer(train, model, optimizer, loaders, rule, workers, comm.stats, device, log, meter)
-        reported, result = trainer.fit(max_steps, epochs)
+        trainer = Trainer(
+            train,
+            model,
+            optimizer,
+            loaders,
+            rule,
+            workers,
+            comm.stats,
+            device,
+            log,
+            meter,
+            control,
+            checkpoint,
+            beat,
+        )
+        if part:
+            model.load_state_dict(part["model"])
+            optimizer.load_state_dict(part["optimizer"])
+            rule.load_state_dict(part["rule"])
+            loop = part["loop"]
+            start_at = Position(loop["step"], loop["epoch"], loop["batch"])
+            trainer.load_state_dict(loop, start_at.step, mid_epoch=start_at.batch > 0)
+            set_rng_state(part["rng"])
+            meter.echo(f"resumed from the checkpoint after step {start_at.step} ({entry['dir']})")
+        reported, result = trainer.fit(max_steps, epochs, start_at)
         final = rule.final_metrics()
         if final:
             log.write("final", result["steps"], **final)
     finally:
         log.close()
     if train.save_model != "none" and comm.rank == 0:
-        torch.save(reported.state_dict(), run_dir / "model.pt")
+        save_atomic(reported.state_dict(), run_dir / "model.pt")
     if train.save_model == "all":
-        torch.save(model.state_dict(), run_dir / f"model.rank{comm.rank}.pt")
+        save_atomic(model.state_dict(), run_dir / f"model.rank{comm.rank}.pt")
     if comm.rank == 0:
         summary = {
-            "status": "ok",
+            "status": "preempted" if trainer.preempted else "ok",
             "rule": type(cfg.rule).__module__.rsplit(".", 1)[-1],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
             "data": f"{type(cfg.data).__module__}.{type(cfg.data).__qualname__.removesuffix('Config')}",
             "devices": cfg.devices,
             "world_size": comm.size,
+            "resumed_from_step": entry["step"] if entry else None,
+            "checkpoint": checkpointer.latest,
             "versions": env,
             "topology": topo.to_dict(),
             **result,
             **final,
             "worker_wall_time_s": time.time() - start,
         }
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_json_atomic(strict(summary), run_dir / "summary.json")
+
+
+def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
+    """The newest complete checkpoint of ``run_dir``, checked against this job's number of ranks."""
+    entries = read_index(run_dir)
+    if not entries:
+        return None
+    entry = entries[-1]
+    if entry["world_size"] != world_size:
+        raise ValueError(
+            f"{run_dir}: its checkpoint {entry['dir']} was written by {entry['world_size']} ranks, this job "
+            f"has {world_size}; resume with the run's own devices and rule"
+        )
+    return entry
+
+
+def root_cause(err: BaseException) -> str:
+    """``Type: message (file:line)`` of the innermost exception that ``err`` was raised from or during."""
+    while (inner := err.__cause__ or err.__context__) is not None and inner is not err:
+        err = inner
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {message}{where}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,20 +266,32 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(argv[0])
     comm = mpi.init()
     log_file, terminal = redirect_output(run_dir, comm.rank)
+    beat = Heartbeat(run_dir, comm.rank, counter=lambda: comm.stats.seconds)
     try:
         cfg = load(str(run_dir / "config.yaml"))
         if cfg.hardware.cuda_aware is not None:
             comm.cuda_aware = cfg.hardware.cuda_aware
-        run(cfg, run_dir, comm, log_file, terminal)
+        run(cfg, run_dir, comm, log_file, terminal, beat)
     except BaseException as err:
-        (run_dir / "logs" / f"rank{comm.rank}.error").write_text(
-            f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}"
-        )
-        traceback.print_exc()
+        cause = root_cause(err)
+        try:
+            (run_dir / "logs" / f"rank{comm.rank}.error").write_text(f"{cause}\n\n{traceback.format_exc()}")
+        except OSError as io:
+            print(f"rank {comm.rank}: could not write its error file: {io}", file=sys.stderr)
+        log_file.write(traceback.format_exc())
+        print(f"rank {comm.rank} failed: {cause}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        mpi.abort(err.code if isinstance(err, SystemExit) and isinstance(err.code, int) and err.code else 1)
+        if isinstance(err, Diverged):
+            status = 3
+        elif isinstance(err, SystemExit) and isinstance(err.code, int) and err.code:
+            status = err.code
+        else:
+            status = 1
+        mpi.abort(status)
         raise
+    finally:
+        beat.close()
     sys.stdout.flush()
     sys.stderr.flush()
 

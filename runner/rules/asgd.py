@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_import("torch")
 
-PUSH, PUSH_DATA, FETCH, REPLY, DONE = 31, 32, 33, 34, 35
+PUSH, PUSH_DATA, FETCH, REPLY, DONE, CHECKPOINT = 31, 32, 33, 34, 35, 36
 
 
 @dataclass
@@ -82,6 +82,7 @@ class ASGD(Rule):
 
     def __init__(self, cfg: ASGDConfig, ctx: RuleContext):
         super().__init__(ctx, servers=cfg.servers)
+        self.synchronous = False
         self.n_push, self.n_fetch = cfg.n_push, cfg.n_fetch
         self.policy, self.max_staleness = cfg.staleness, cfg.max_staleness
         self.server_ranks = list(range(self.num_workers, self.comm.size))
@@ -100,6 +101,9 @@ class ASGD(Rule):
         self.versions = [0] * self.num_servers
         self.server_model: tuple[torch.nn.Module, FlatTensors] | None = None
         # servers
+        self.shard = (
+            self.x[self.slices[self.comm.rank - self.num_workers]].clone() if self.is_server else None
+        )
         self.version, self.dropped, self.histogram = 0, 0, Counter()
 
     def after_step(self, step: int) -> None:
@@ -160,20 +164,57 @@ class ASGD(Rule):
         for server in self.server_ranks:
             self.comm.send(self.header, server, DONE)
 
+    def before_checkpoint(self, step: int) -> None:
+        """Tell every server; each saves its shard once all workers' earlier pushes are applied (messages
+        between two ranks arrive in order). The updates not yet pushed are saved with the worker."""
+        self.header.fill_(step)
+        for server in self.server_ranks:
+            self.comm.send(self.header, server, CHECKPOINT)
+
+    def state_dict(self) -> dict[str, object]:
+        if self.is_server:
+            return {
+                "shard": self.shard.clone(),
+                "version": self.version,
+                "dropped": self.dropped,
+                "histogram": {str(k): v for k, v in self.histogram.items()},
+            }
+        return {
+            "ref": self.ref.clone(),
+            "versions": list(self.versions),
+            "pushes": self.pushes,
+            "fetches": self.fetches,
+        }
+
+    @no_grad
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if self.is_server:
+            self.shard.copy_(state["shard"])
+            self.version, self.dropped = state["version"], state["dropped"]
+            self.histogram = Counter({int(k): v for k, v in state["histogram"].items()})
+        else:
+            self.ref.copy_(state["ref"])
+            self.versions = list(state["versions"])
+            self.pushes, self.fetches = state["pushes"], state["fetches"]
+
     # -- servers -------------------------------------------------------------------------------------------
     @no_grad
     def serve(self) -> None:
         """Hold one shard; apply pushes and answer fetches in arrival order until every worker is done."""
-        part = self.slices[self.comm.rank - self.num_workers]
-        shard = self.x[part].clone()
+        shard = self.shard
         incoming = torch.empty_like(shard)
         header = self.header
-        done = 0
+        done = checkpoints = 0
         while done < self.num_workers:
             source, tag = self.comm.probe()
             self.comm.recv(header, source, tag)
             if tag == DONE:
                 done += 1
+            elif tag == CHECKPOINT:
+                checkpoints += 1
+                if checkpoints == self.num_workers:
+                    self.save(int(header), self.state_dict())
+                    checkpoints = 0
             elif tag == FETCH:
                 header.fill_(self.version)
                 self.comm.send(header, source, REPLY)

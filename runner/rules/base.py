@@ -55,6 +55,7 @@ class RuleContext:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None = None
     steps_per_epoch: int = 0
+    save: Callable[[int, dict[str, Any]], None] | None = None  # server ranks: write their checkpoint part
 
 
 class Rule:
@@ -65,7 +66,14 @@ class Rule:
     ``eval_models``; ``finish`` once at the end. A rule with ``servers > 0`` runs on ``devices + servers``
     ranks, and the server ranks call ``serve`` instead of training. Subclasses take their schema object and
     the context, and declare all of their state in ``__init__``.
+
+    Checkpoints: at a step all workers agree on, the loop calls ``before_checkpoint`` (leave no message in
+    flight; ask the server ranks to save, which they do through ``ctx.save``), then saves every worker's
+    ``state_dict`` with its model and optimizer; ``load_state_dict`` restores it on resume (servers too).
     """
+
+    #: False for rules whose workers do not meet every step: they agree on checkpoints and stops less often.
+    synchronous = True
 
     def __init__(self, ctx: RuleContext, servers: int = 0):
         self.comm = ctx.comm
@@ -76,6 +84,7 @@ class Rule:
         self.num_servers = servers
         self.num_workers = ctx.comm.size - servers
         self.is_server = ctx.workers is None
+        self.save = ctx.save
         self._mean: tuple[torch.nn.Module, FlatTensors] | None = None
 
     def serve(self) -> None:
@@ -104,6 +113,16 @@ class Rule:
 
     def finish(self) -> None:
         """Workers, once after training; must leave no message in flight."""
+
+    def before_checkpoint(self, step: int) -> None:
+        """Workers, all at step ``step``: leave no message in flight; have the server ranks save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's rule state for a checkpoint (tensors, numbers, lists, dicts), workers and servers."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, on the same rank of a job of the same shape."""
 
     def final_metrics(self) -> dict[str, object]:
         """Collective over all ranks (workers and servers) after training: metrics for summary.json."""

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_import("torch")
 
-EXCHANGE, FETCH, DONE = 11, 12, 13
+EXCHANGE, FETCH, DONE, CHECKPOINT = 11, 12, 13, 14
 DEFAULT_BETA = 0.9
 
 
@@ -105,8 +105,9 @@ class EASGD(Rule):
         self.alpha = cfg.alpha_for(self.num_workers)
         self.center_alpha = self.alpha if cfg.center_alpha is None else cfg.center_alpha
         self.server = self.comm.size - 1
+        self.synchronous = cfg.variant == "sync"
         self.exchanges = 0
-        self.served: int | None = None
+        self.served = 0
         self.center_model, self.center = self._init_center()
         self.local = None if self.is_server else FlatTensors(self.model.parameters())
 
@@ -167,18 +168,44 @@ class EASGD(Rule):
         if self.cfg.variant == "async":
             self.comm.send(torch.zeros(1), self.server, DONE)
 
+    def before_checkpoint(self, step: int) -> None:
+        """Async: tell the server; it saves the center once every worker's earlier exchanges are applied."""
+        if self.cfg.variant == "async":
+            self.comm.send(torch.tensor([float(step)]), self.server, CHECKPOINT)
+
+    def state_dict(self) -> dict[str, object]:
+        """The center (sync: this worker's replica; async: the server's) and the exchange counts."""
+        return {
+            "center": [c.clone() for c in self.center.buffers],
+            "exchanges": self.exchanges,
+            "served": self.served,
+        }
+
+    @no_grad
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        for c, saved in zip(self.center.buffers, state["center"], strict=True):
+            c.copy_(saved)
+        self.exchanges, self.served = state["exchanges"], state["served"]
+
     # -- server (async) ------------------------------------------------------------------------------------
     @no_grad
     def serve(self) -> None:
         """Hold the center; answer exchanges and fetches in arrival order until every worker is done."""
         center = self.center
         incoming = [torch.empty_like(c) for c in center.buffers]
-        done, served = 0, 0
+        header = torch.empty(1)
+        done = checkpoints = 0
         while done < self.num_workers:
             source, tag = self.comm.probe()
             if tag == DONE:
-                self.comm.recv(torch.empty(1), source, DONE)
+                self.comm.recv(header, source, DONE)
                 done += 1
+            elif tag == CHECKPOINT:
+                self.comm.recv(header, source, CHECKPOINT)
+                checkpoints += 1
+                if checkpoints == self.num_workers:
+                    self.save(int(header), self.state_dict())
+                    checkpoints = 0
             elif tag == FETCH:
                 self.comm.recv(torch.empty(1), source, FETCH)
                 for c in center.buffers:
@@ -188,8 +215,7 @@ class EASGD(Rule):
                     self.comm.recv(x, source, EXCHANGE)
                     self.comm.send(c, source, EXCHANGE)
                     c.add_((x - c).mul_(self.center_alpha))
-                served += 1
-        self.served = served
+                self.served += 1
         assert self.comm.iprobe() is None, "a message was left in flight"
 
     def final_metrics(self) -> dict[str, object]:

@@ -63,6 +63,7 @@ class GoSGD(Rule):
 
     def __init__(self, cfg: GoSGDConfig, ctx: RuleContext):
         super().__init__(ctx)
+        self.synchronous = False
         self.p, self.max_inflight = cfg.p, cfg.max_inflight
         self.rng = random.Random(cfg.seed * 100_003 + self.comm.rank)
         self.weight = 1.0 / self.comm.size
@@ -170,6 +171,29 @@ class GoSGD(Rule):
             "weight_sum": self.weight_sum,
             "weight": self.weight,
         }
+
+    def before_checkpoint(self, step: int) -> None:
+        """No push in flight when the weights and parameters are saved (so Σ a_i = 1 over the saved parts)."""
+        self.quiesce()
+
+    def state_dict(self) -> dict[str, object]:
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "weight": self.weight,
+            "rng": [version, list(internal), gauss],
+            "pushes": self.pushes,
+            "merges": self.merges,
+            "sent_to": list(self.sent_to),
+            "spread": self.spread,
+            "weight_sum": self.weight_sum,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.weight, self.pushes, self.merges = state["weight"], state["pushes"], state["merges"]
+        self.sent_to = list(state["sent_to"])
+        self.spread, self.weight_sum = state["spread"], state["weight_sum"]
 
     def finish(self) -> None:
         self.quiesce()

@@ -1,0 +1,70 @@
+"""Per-rank heartbeats for the launcher's stall watchdog, outside the training communicator.
+
+Every rank rewrites ``RUN_DIR/logs/rank<r>.beat`` (JSON, atomically) once a second from a daemon thread:
+its step and the time of its last progress, and the time of the write itself. A stopped process
+(``kill -STOP``) stops writing altogether; a rank blocked inside MPI keeps writing (mpi4py releases the
+GIL) while its progress time stands still, so the launcher can tell the stuck rank from those waiting on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+INTERVAL_S = 1.0
+
+
+class Heartbeat:
+    """Call :meth:`progress` whenever the rank gets somewhere (a step, a phase). ``counter`` (read by the
+    thread: this rank's seconds spent in communication calls) counts as progress whenever it moves, so a
+    server that answers messages, or a worker that validates, is seen making progress too."""
+
+    def __init__(self, run_dir: Path, rank: int, counter: Callable[[], float] | None = None):
+        self.counter = counter
+        self.last_count = counter() if counter else 0.0
+        self.path = run_dir / "logs" / f"rank{rank}.beat"
+        self.record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "role": "worker"}
+        self.step = -1
+        self.progress_time = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._write()
+        self._thread.start()
+
+    def progress(self, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        self.progress_time = time.time()
+
+    def set_role(self, role: str) -> None:
+        self.record["role"] = role
+
+    def _write(self) -> None:
+        record = {
+            **self.record,
+            "step": self.step,
+            "progress_time": self.progress_time,
+            "alive_time": time.time(),
+        }
+        tmp = self.path.with_suffix(".beat.tmp")
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a full or read-only disk: the watchdog then sees this rank as silent, which it reports
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            if self.counter is not None and (count := self.counter()) != self.last_count:
+                self.last_count, self.progress_time = count, time.time()
+            self._write()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * INTERVAL_S)
+        self._write()

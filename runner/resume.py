@@ -1,0 +1,75 @@
+"""``resume=RUN_DIR``: continue a run in its own folder from its latest complete checkpoint.
+
+The run's saved ``config.yaml`` is the config; overrides given with ``resume=`` are refused unless they
+cannot change what the checkpoint means (how long to train, logging, checkpoints, where the ranks run).
+Read by the launcher, so nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import load_structured
+
+#: Keys (or key prefixes, ending in ".") that a resumed run may change.
+SAFE_TO_CHANGE = (
+    "train.epochs",
+    "train.max_steps",
+    "train.progress",
+    "train.stall_timeout",
+    "train.on_nonfinite",
+    "train.log_every",
+    "train.val_every",
+    "train.save_model",
+    "checkpoint.",
+    "hardware.",
+    "resume",
+)
+
+
+def _safe(key: str) -> bool:
+    return key.startswith("hydra.") or any(
+        key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE
+    )
+
+
+def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Path]:
+    """The config and run folder to resume ``cfg.resume`` with: the run's own config plus the command
+    line's safe ``overrides`` (Hydra's ``key=value`` strings, whose values ``cfg`` holds parsed).
+
+    Raises ValueError naming the key or file and the fix. Clears the folder's stop request and sets aside
+    the previous attempt's error files, so they are not taken for this attempt's.
+    """
+    run_dir = Path(cfg.resume).expanduser()
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(
+            f"resume={cfg.resume}: {run_dir / 'config.yaml'} does not exist; give the folder of a run "
+            "(e.g. resume=outputs/2026-01-31/12-00-00)"
+        )
+    index = run_dir / "checkpoints" / "checkpoint.json"
+    if not index.is_file() or not json.loads(index.read_text())["checkpoints"]:
+        raise ValueError(
+            f"resume={cfg.resume}: the run has no complete checkpoint ({index} is missing): it stopped "
+            "before its first one, so start it again (checkpoint.every=N checkpoints every N steps)"
+        )
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if not _safe(key):
+            raise ValueError(
+                f"{key}: cannot change when resuming (the checkpoint was trained with the run's own value); "
+                f"drop {override!r}, or start a new run. Safe to change: "
+                + ", ".join(s.rstrip(".") + ("*" if s.endswith(".") else "") for s in SAFE_TO_CHANGE)
+            )
+    resumed = load_structured(run_dir / "config.yaml")
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if not key.startswith("hydra.") and key != "resume":
+            OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
+    resumed.resume = str(run_dir)
+    (run_dir / "STOP").unlink(missing_ok=True)
+    for error in (run_dir / "logs").glob("rank*.error"):
+        error.rename(error.with_name(error.name + ".before-resume"))
+    return resumed, run_dir
