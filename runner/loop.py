@@ -153,7 +153,8 @@ class Trainer:
             )
         self.skipped += 1
         self.optimizer.zero_grad(set_to_none=False)
-        self.meter.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
+        if self.skipped <= 3 or self.skipped % 100 == 0:
+            self.meter.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
         return False
 
     def state_dict(self) -> dict[str, Any]:

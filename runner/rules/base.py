@@ -144,8 +144,12 @@ class Rule:
 
     @no_grad
     def _average_buffers_into(self, target: torch.nn.Module) -> None:
-        """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones."""
+        """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones, and
+        its other buffers (BatchNorm's batch counts, equal on all workers) to the local ones."""
         n = self.workers.size
         for mine, theirs in zip(float_buffers(self.model), float_buffers(target), strict=True):
             theirs.copy_(mine)
             self.workers.allreduce(theirs).mul_(1.0 / n)
+        for mine, theirs in zip(self.model.buffers(), target.buffers(), strict=True):
+            if not mine.is_floating_point():
+                theirs.copy_(mine)
