@@ -29,14 +29,10 @@ class Run:
         return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def run_cli(
-    run_dir: Path, *overrides: str, timeout: float = 180, multirun: bool = False, env: dict | None = None
-) -> Run:
-    """``python -m runner OVERRIDES`` with the run folder at ``run_dir``; a hang fails after ``timeout``.
-
-    ``env`` replaces the environment (default: this process's)."""
+def cli_argv(run_dir: Path, *overrides: str, multirun: bool = False) -> list[str]:
+    """``python -m runner OVERRIDES`` with the run folder at ``run_dir`` and no progress bar."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    argv = [
+    return [
         sys.executable,
         "-m",
         "runner",
@@ -45,6 +41,15 @@ def run_cli(
         "train.progress=false",
         *overrides,
     ]
+
+
+def run_cli(
+    run_dir: Path, *overrides: str, timeout: float = 180, multirun: bool = False, env: dict | None = None
+) -> Run:
+    """``python -m runner OVERRIDES`` with the run folder at ``run_dir``; a hang fails after ``timeout``.
+
+    ``env`` replaces the environment (default: this process's)."""
+    argv = cli_argv(run_dir, *overrides, multirun=multirun)
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return Run(proc, run_dir)
