@@ -69,11 +69,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_atomic(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` through a temporary file, so ``path`` is either absent or complete."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(obj: Any, path: Path) -> None:

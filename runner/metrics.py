@@ -1,4 +1,4 @@
-"""Run-folder records: metrics.jsonl (one JSON object per line) and TensorBoard events via tensorboardX."""
+"""Run-folder records: metrics.jsonl (one strict-JSON object per line) and TensorBoard events."""
 
 from __future__ import annotations
 
@@ -47,10 +47,7 @@ class MetricsLog:
             path.write_text("".join(kept))
             self.lines = len(kept)
         self.file = open(path, "a", buffering=1)
-        from tensorboardX import SummaryWriter
-
-        purge = resume[1] + 1 if resume else None
-        self.tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10, purge_step=purge)
+        self.tb = EventFile(run_dir / "tb", purge_step=resume[1] + 1 if resume else None)
 
     def elapsed(self) -> float:
         return time.time() - self.start
@@ -62,7 +59,7 @@ class MetricsLog:
         self.file.write(dumps(record) + "\n")
         self.lines += 1
         for key, value in _scalars(values):
-            self.tb.add_scalar(f"{kind}/{key}", value, step)
+            self.tb.scalar(f"{kind}/{key}", value, step)
 
     def flush(self) -> None:
         if self.enabled:
@@ -73,6 +70,39 @@ class MetricsLog:
         if self.enabled:
             self.file.close()
             self.tb.close()
+
+
+class EventFile:
+    """TensorBoard scalars, written synchronously through tensorboardX's event writer and flushed every
+    ``flush_secs``. (tensorboardX's ``SummaryWriter`` writes from a thread which, when the disk is full,
+    dies and leaves the training process blocked on its queue; here the error reaches the rank.)
+    ``purge_step`` makes TensorBoard drop the earlier events of this folder from that step on (a resume).
+    """
+
+    def __init__(self, logdir: Path, purge_step: int | None = None, flush_secs: float = 10.0):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        logdir.mkdir(exist_ok=True)
+        self.writer, self.event = EventsWriter(str(logdir / "events")), Event
+        self.flush_secs, self.flushed = flush_secs, time.time()
+        if purge_step is not None:
+            self.writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self.writer.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.summary import scalar
+
+        self.writer.write_event(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+        if time.time() - self.flushed > self.flush_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        self.writer.flush()
+        self.flushed = time.time()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _scalars(values: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:

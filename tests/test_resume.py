@@ -1,0 +1,164 @@
+"""Runs that survive, end to end: preempted (SIGTERM) and resumed runs end bit-identical to uninterrupted
+ones, a killed launcher's run resumes with each step recorded once, divergence ends the job cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, Run, cli_argv, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
+COMMON = ("train.epochs=3", "checkpoint.every=15", "train.log_every=5", "hardware.bind=none")
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        cli_argv(run_dir, *overrides),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    index = run_dir / "checkpoints" / "checkpoint.json"
+    deadline = time.time() + timeout
+    while not index.exists():
+        assert proc.poll() is None, f"the job ended before its first checkpoint:\n{proc.stdout.read()}"
+        assert time.time() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+
+
+def interrupted(run_dir: Path, sig: int, *overrides: str) -> tuple[int, str]:
+    """Start a run; send ``sig`` to the launcher once a checkpoint exists; its exit status and output."""
+    proc = start(run_dir, *overrides)
+    wait_for_checkpoint(run_dir, proc)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=180)
+    return proc.returncode, out
+
+
+def models_equal(a: Path, b: Path) -> list[str]:
+    """The keys whose tensors differ (bit for bit) between two saved models."""
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert x.keys() == y.keys()
+    return [k for k in x if not torch.equal(x[k], y[k])]
+
+
+def same_records(a: Run, b: Run) -> None:
+    """Every step, epoch and validation record once, and equal to the uninterrupted run's but for times."""
+
+    def strip(r: dict) -> dict:
+        return {k: v for k, v in r.items() if k != "time" and not k.endswith(("_frac", "_s", "_ms"))}
+
+    for kind in ("step", "val", "epoch"):
+        ra, rb = a.records(kind), b.records(kind)
+        assert [r["step"] for r in rb] == [r["step"] for r in ra], kind
+        if kind != "epoch":
+            assert [strip(r) for r in rb] == [strip(r) for r in ra], kind
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [("rule=bsp",), ("rule=easgd", "rule.tau=4")],
+    ids=["bsp", "easgd-sync"],
+)
+def test_preempted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, rule):
+    """4 ranks, momentum, BatchNorm (the CNN): SIGTERM after a checkpoint, then resume=, bit for bit."""
+    args = (*COMMON, "devices=4", "hardware.oversubscribe=true", *rule)
+    whole = run_cli(tmp_path / "whole", *args, timeout=240)
+    assert whole.returncode == 0, whole.output
+    status, out = interrupted(tmp_path / "cut", signal.SIGTERM, *args)
+    cut = Run(subprocess.CompletedProcess([], status, out, ""), tmp_path / "cut")
+    assert status == 5, out
+    assert cut.summary["status"] == "preempted" and cut.summary["steps"] < whole.summary["steps"]
+    again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", timeout=240)
+    assert again.returncode == 0, again.output
+    resumed = Run(again.proc, tmp_path / "cut")
+    assert resumed.summary["status"] == "ok"
+    assert resumed.summary["resumed_from_step"] == cut.summary["steps"]
+    assert models_equal(whole.dir / "model.pt", resumed.dir / "model.pt") == []
+    same_records(whole, resumed)
+
+
+def test_gosgd_resumes_with_its_seeded_pushes_and_weights_summing_to_one(tmp_path):
+    """Gossip merges arrive in an order MPI does not fix, so the model may differ in its last bits; the
+    seeded push decisions do not, and the weights still sum to 1."""
+    args = (*COMMON, "devices=3", "hardware.oversubscribe=true", "rule=gosgd", "rule.p=0.3")
+    whole = run_cli(tmp_path / "whole", *args, timeout=240)
+    assert whole.returncode == 0, whole.output
+    status, out = interrupted(tmp_path / "cut", signal.SIGTERM, *args)
+    assert status == 5, out
+    again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", timeout=240)
+    assert again.returncode == 0, again.output
+    s = Run(again.proc, tmp_path / "cut").summary
+    assert s["pushes"] == whole.summary["pushes"] and s["weight_sum"] == pytest.approx(1.0, abs=1e-9)
+    assert s["final_val_acc"] > 0.9
+
+
+def test_launcher_killed_then_resumed_asgd_one_worker_matches_and_records_each_step_once(tmp_path):
+    """kill -9 of the launcher takes the job down with it (PR_SET_PDEATHSIG); resume= finishes the run,
+    which with one worker is deterministic: the same model as uninterrupted."""
+    args = (*COMMON, "devices=1", "rule=asgd", "rule.n_fetch=2")
+    whole = run_cli(tmp_path / "whole", *args, timeout=240)
+    assert whole.returncode == 0, whole.output
+    status, _ = interrupted(tmp_path / "cut", signal.SIGKILL, *args)
+    assert status == -signal.SIGKILL
+    time.sleep(1)
+    again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", timeout=240)
+    assert again.returncode == 0, again.output
+    resumed = Run(again.proc, tmp_path / "cut")
+    assert models_equal(whole.dir / "model.pt", resumed.dir / "model.pt") == []
+    same_records(whole, resumed)
+
+
+def test_async_easgd_is_preempted_resumes_and_finishes(tmp_path):
+    args = (*COMMON, "devices=2", "hardware.oversubscribe=true", "rule=easgd", "rule.variant=async")
+    status, out = interrupted(tmp_path / "cut", signal.SIGUSR1, *args)
+    assert status == 5, out
+    again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", "train.epochs=4", timeout=240)
+    assert again.returncode == 0, again.output
+    s = Run(again.proc, tmp_path / "cut").summary
+    assert s["status"] == "ok" and s["epochs"] == 4 and s["final_val_acc"] > 0.9
+
+
+def test_resume_refuses_a_change_that_the_checkpoint_cannot_take(tmp_path):
+    run = run_cli(tmp_path / "a", "train.epochs=1", "model=mlp")
+    assert run.returncode == 0, run.output
+    refused = run_cli(tmp_path / "b", f"resume={tmp_path / 'a'}", "optim.lr=0.5")
+    assert refused.returncode == 2
+    assert "optim.lr: cannot change when resuming" in refused.output
+    longer = run_cli(tmp_path / "c", f"resume={tmp_path / 'a'}", "train.epochs=2")
+    assert longer.returncode == 0, longer.output
+    records = Run(longer.proc, tmp_path / "a").records("val")
+    assert [r["epoch"] for r in records] == [0, 1]
+
+
+def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    run = run_cli(tmp_path / "nan", "optim.lr=1000", "train.epochs=3", "checkpoint.every=5")
+    assert run.returncode == 3, run.output
+    s = run.summary
+    assert s["status"] == "diverged" and "non-finite" in s["error"] and "at step" in s["error"]
+    json.loads((run.dir / "summary.json").read_text(), parse_constant=pytest.fail)
+    for line in (run.dir / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=pytest.fail)
+    index = json.loads((run.dir / "checkpoints/checkpoint.json").read_text())["checkpoints"]
+    step = int(s["error"].split("at step ")[1].split()[0])
+    assert index and index[-1]["step"] < step
+    part = torch.load(run.dir / "checkpoints" / index[-1]["dir"] / "rank0.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in part["model"].values() if v.is_floating_point())
+    skipped = run_cli(tmp_path / "skip", "optim.lr=1000", "train.epochs=2", "train.on_nonfinite=skip")
+    assert skipped.returncode == 0, skipped.output
+    assert skipped.summary["skipped_steps"] > 0
