@@ -250,8 +250,12 @@ def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
 
 
 def root_cause(err: BaseException) -> str:
-    """``Type: message (file:line)`` of the innermost exception that ``err`` was raised from or during."""
-    while (inner := err.__cause__ or err.__context__) is not None and inner is not err:
+    """``Type: message (file:line)`` of the innermost exception that ``err`` was raised from or during
+    (``raise ... from None`` ends the chain: that error already says what went wrong)."""
+    while True:
+        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        if inner is None or inner is err:
+            break
         err = inner
     frames = traceback.extract_tb(err.__traceback__)
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""

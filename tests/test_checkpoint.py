@@ -213,6 +213,13 @@ def test_root_cause_names_the_innermost_exception_and_its_line():
         line = root_cause(err)
     assert line.startswith("ValueError: invalid literal for int() with base 10: 'x1' (")
     assert "test_checkpoint.py:" in line
+    try:
+        try:
+            parse()
+        except ValueError as err:
+            raise ValueError("data.root: /d/batch_1 is not a CIFAR-10 batch file") from None
+    except ValueError as err:
+        assert root_cause(err).startswith("ValueError: data.root: /d/batch_1 is not a CIFAR-10 batch file (")
 
 
 def test_heartbeat_reports_step_and_counts_communication_as_progress(tmp_path):
