@@ -58,6 +58,7 @@ def job(model: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict[str
         f"data.train_size={samples}",
         f"data.val_size={ranks}",
         f"devices={ranks}",
+        "hardware.oversubscribe=true",
         f"train.batch_size={batch}",
         f"train.max_steps={args.steps + 1}",
         "train.log_every=1",

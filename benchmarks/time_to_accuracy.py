@@ -38,6 +38,7 @@ def main() -> None:
                 "runner",
                 f"rule={rule}",
                 f"devices={args.devices}",
+                "hardware.oversubscribe=true",
                 f"hydra.run.dir={run_dir}",
                 "train.progress=false",
                 "train.val_every=1",

@@ -25,7 +25,7 @@ from runner.schema import ModelConfig, require
 class LSTMConfig(ModelConfig):
     input_shape: list[int] = field(default_factory=lambda: [64])  # [seq_len]; not used by the model
     num_classes: int = 2
-    vocab_size: int = 10000  # token ids 0 .. vocab_size - 1, from the text data set
+    vocab_size: int | None = 10000  # token ids 0 .. vocab_size - 1, from the text data set (None: no text)
     embed_dim: int = 128  # size of the token embeddings
     hidden: int = 128  # LSTM hidden size (per direction)
     num_layers: int = 1  # stacked LSTM layers
@@ -34,6 +34,18 @@ class LSTMConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(
+            self.vocab_size is not None,
+            "vocab_size",
+            self.vocab_size,
+            "model=lstm reads token ids: use data=text (it sets the vocabulary); this data set has none",
+        )
+        require(
+            len(self.input_shape) == 1,
+            "input_shape",
+            self.input_shape,
+            "the LSTM reads sequences of token ids, [length] (data=text data.shape=[64]), not images",
+        )
         require(self.vocab_size >= 2, "vocab_size", self.vocab_size, "need id 0 (padding) and >= 1 token")
         require(self.embed_dim >= 1, "embed_dim", self.embed_dim, "must be >= 1")
         require(self.hidden >= 1, "hidden", self.hidden, "LSTM hidden size, >= 1")

@@ -65,6 +65,8 @@ class Heartbeat:
             self._write()
 
     def close(self) -> None:
+        """Stop beating and say so (``done``): a rank that has finished is not a stalled one."""
         self._stop.set()
         self._thread.join(timeout=2 * INTERVAL_S)
+        self.record["done"] = True
         self._write()

@@ -1,9 +1,26 @@
-"""The launcher: validates a composed config, writes the run folder, starts one job and reports.
+"""The launcher: validates a composed config, writes the run folder, starts one job and reports how it ended.
 
 Hydra runs only here. Where and how the ranks run is the hardware group's (``runner.hardware``); ranks
 read the resolved ``config.yaml`` this module writes; ``mpirun.txt`` holds the exact command line (mpirun
-or srun); the job's combined output is streamed to the terminal and kept in ``mpirun.log``. Neither torch
-nor MPI is imported here.
+or srun); :mod:`runner.supervise` streams the job's output, handles signals and watches for stalls.
+Neither torch nor MPI is imported here.
+
+Exit status of ``python -m runner`` (a single run), and ``status`` in ``summary.json``:
+
+====  ===========  ================================================================================
+exit  status       meaning
+====  ===========  ================================================================================
+0     ok           the job trained to the end
+1     failed       a rank failed (its exception, or the signal that killed it, is named), or the launcher
+                   could not write the run folder
+2     (none)       invalid input: a config that does not compose or does not pass the checks; nothing
+                   was started (no summary.json)
+3     diverged     a non-finite loss or gradient with ``train.on_nonfinite=stop``
+4     stalled      a rank made no progress for ``train.stall_timeout`` seconds; the stuck ranks are named
+5     preempted    stopped by SIGTERM, SIGUSR1 or SIGINT after writing a checkpoint: resumable
+130   interrupted  stopped by a signal without a final checkpoint (a second signal, or the ranks did not
+                   stop within the grace period)
+====  ===========  ================================================================================
 """
 
 from __future__ import annotations
@@ -11,37 +28,63 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import schema_paths, validate
+from runner.config import Config, schema_paths, validate
+from runner.metrics import read_metrics, strict
+from runner.supervise import STOP_FILE, Outcome, Supervisor
 
 log = logging.getLogger("runner")
 
+#: status -> exit status of ``python -m runner`` ("invalid" has no summary: nothing was started).
+EXIT = {"ok": 0, "failed": 1, "invalid": 2, "diverged": 3, "stalled": 4, "preempted": 5, "interrupted": 130}
 
-class JobFailed(RuntimeError):
-    """The mpirun job ended with a non-zero status; the message names the failing rank and cause."""
 
-    def __init__(self, message: str, status: int):
+class JobEnded(RuntimeError):
+    """The job did not end ``ok``: ``status`` (a key of :data:`EXIT`) and the message naming the cause."""
+
+    def __init__(self, message: str, status: str):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, EXIT[status]
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
-    """Validate ``cfg``, plan the job on its hardware, write the run folder and return the command.
+class RunFolderError(JobEnded):
+    """The launcher could not write a file of the run folder (full disk, read-only folder): status failed."""
 
-    The run folder gets ``config.yaml`` (resolved, with the threads, binding and launcher the plan settled
-    and ``_schemas_`` for :func:`runner.config.load`), ``plan.json`` (GPU placements, when planned) and
-    ``mpirun.txt``. Raises ValueError naming the offending key; nothing has been started then.
-    """
+    def __init__(self, message: str):
+        super().__init__(message, "failed")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file, then rename: an earlier ``path`` stays intact
+    when writing fails); raises RunFolderError naming the file and the OS error."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise RunFolderError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def strict_json(obj: Any) -> str:
+    """Strict JSON (non-finite numbers written as null)."""
+    return json.dumps(strict(obj), indent=1, allow_nan=False)
+
+
+def _prepare(cfg: DictConfig, run_dir: Path) -> tuple[list[str], Config]:
     checked = validate(cfg)
     launch = checked.hardware.plan_launch(checked.world_size, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -49,122 +92,215 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     if "launcher" in resolved["hardware"]:
         resolved["hardware"]["launcher"] = launch.launcher
     resolved["_schemas_"] = schema_paths(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / STOP_FILE).unlink(missing_ok=True)  # a previous job's stop request
+    except OSError as err:
+        raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))
     if launch.placements:
-        (run_dir / "plan.json").write_text(json.dumps([asdict(p) for p in launch.placements], indent=1))
-    (run_dir / "mpirun.txt").write_text(shlex.join(launch.argv) + "\n")
-    return launch.argv
+        write_atomic(run_dir / "plan.json", json.dumps([asdict(p) for p in launch.placements], indent=1))
+    write_atomic(run_dir / "mpirun.txt", shlex.join(launch.argv) + "\n")
+    return launch.argv, checked
 
 
-def _stream(proc: subprocess.Popen, sink: Path) -> None:
-    """Copy the job's output to the terminal and to ``sink`` as it comes (progress bars included)."""
-    with open(sink, "ab") as out:
-        fd = proc.stdout.fileno()
-        while chunk := os.read(fd, 65536):
-            out.write(chunk)
-            out.flush()
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
+def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """Validate ``cfg``, plan the job on its hardware, write the run folder and return the command.
+
+    The run folder gets ``config.yaml`` (resolved, with the threads, binding and launcher the plan settled
+    and ``_schemas_`` for :func:`runner.config.load`), ``plan.json`` (GPU placements, when planned) and
+    ``mpirun.txt``. Raises ValueError naming the offending key (nothing has been started then), or
+    RunFolderError when the folder cannot be written.
+    """
+    return _prepare(cfg, run_dir)[0]
 
 
-def failure_report(run_dir: Path, status: int) -> str:
-    """Which rank failed first, and why, from the ``logs/rank<r>.error`` files the workers left."""
-    errors = sorted((run_dir / "logs").glob("rank*.error"), key=lambda p: p.stat().st_mtime)
-    if not errors:
-        return (
-            f"the mpirun job exited with status {status} and no rank reported an exception "
-            f"(killed, or failed to start); see {run_dir / 'mpirun.log'}"
+#: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
+KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
+#: Open MPI's report of a rank that exited with a non-zero status without MPI_Abort.
+EXITED = re.compile(r"Process name:\s*\[.*?,(\d+)\]\s+Exit code:\s*(\d+)")
+ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+)[^\n]*\n(?:.*\n)*?\s*Errorcode:\s*(\d+)")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
+class Failure(NamedTuple):
+    """Why a job failed: the launcher's line, the rank (None: unknown), its cause, and the status."""
+
+    message: str
+    rank: int | None
+    cause: str
+    status: str = "failed"
+
+
+def _after(ranks: list[int]) -> str:
+    if not ranks:
+        return ""
+    return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed after it)"
+
+
+def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
+    """Why the job ended with mpirun status ``status``.
+
+    In order: a rank killed by a signal (Open MPI's report in ``mpirun.log``; that rank could not report
+    it itself, and ranks that raised afterwards are listed); the first ``logs/rank<r>.error`` (its first
+    line is the root cause, ``Type: message (file:line)``; one starting ``Diverged:`` means status
+    diverged); a rank that exited with a non-zero status or called MPI_Abort; else mpirun's status.
+    Only the output from ``log_start`` on is this job's (a resumed run appends to ``mpirun.log``).
+    """
+    logs = run_dir / "logs"
+    try:
+        errors = sorted(logs.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
+        causes = {int(p.name[4:-6]): (p.read_text(errors="replace").splitlines() or [""])[0] for p in errors}
+    except (OSError, ValueError):
+        causes = {}
+    try:
+        with open(run_dir / "mpirun.log", "rb") as log:
+            log.seek(log_start)
+            output = log.read().decode(errors="replace")
+    except OSError:
+        output = ""
+    if killed := KILLED.search(output):
+        rank, pid, node, number = killed.group(1, 2, 3, 4)
+        cause = f"killed by signal {number} ({_signal_name(int(number))})"
+        also = _after([r for r in causes if r != int(rank)])
+        log = logs / f"rank{rank}.log"
+        return Failure(
+            f"rank {rank} {cause}, pid {pid} on {node}{also}; its output is in {log}", int(rank), cause
         )
-    first = errors[0]
-    rank = first.name[len("rank") : -len(".error")]
-    cause = first.read_text().splitlines()[0]
-    others = [p.name[len("rank") : -len(".error")] for p in errors[1:]]
-    also = f" (ranks {', '.join(others)} failed after it)" if others else ""
-    return f"rank {rank} failed: {cause}{also}; traceback in {run_dir / 'logs' / f'rank{rank}.log'}"
+    if causes:
+        rank, cause = next(iter(causes.items()))
+        message = (
+            f"rank {rank} failed: {cause}{_after(list(causes)[1:])}; traceback in {logs / f'rank{rank}.log'}"
+        )
+        return Failure(message, rank, cause, "diverged" if cause.startswith("Diverged:") else "failed")
+    if exited := EXITED.search(output):
+        cause = f"exited with status {exited.group(2)}"
+        return Failure(f"rank {exited.group(1)} {cause}; see {logs}", int(exited.group(1)), cause)
+    mpirun_log = run_dir / "mpirun.log"
+    if aborted := ABORTED.search(output):
+        cause = f"called MPI_Abort (error code {aborted.group(2)})"
+        return Failure(f"rank {aborted.group(1)} {cause}; see {mpirun_log}", int(aborted.group(1)), cause)
+    if status < 0:
+        cause = f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
+    else:
+        cause = f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
+    return Failure(f"{cause}; see {mpirun_log}", None, cause)
 
 
-def write_failure_summary(cfg: DictConfig, run_dir: Path, status: int, reason: str, wall: float) -> None:
-    """summary.json for a failed job, with the validations that were recorded before the failure."""
-    from runner.metrics import read_metrics
-
-    vals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "val"]
+def write_failure_summary(
+    cfg: DictConfig, run_dir: Path, status: str, reason: str, wall: float, **fields: Any
+) -> None:
+    """summary.json for a job that did not end ok (``status``: failed, diverged, stalled, interrupted),
+    with the validations recorded before it ended. Raises RunFolderError if it cannot be written."""
+    try:
+        vals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "val"]
+    except OSError:
+        vals = []
     summary: dict[str, Any] = {
-        "status": "failed",
-        "exit_status": status,
+        "status": status,
+        "exit_status": EXIT[status],
         "error": reason,
+        **fields,
         "rule": schema_paths(cfg)["rule"].split(".")[-2],
         "devices": cfg.devices,
         "wall_time_s": wall,
         "validations": vals,
     }
-    if vals:
-        summary.update(
-            final_val_acc=vals[-1].get("val_acc"), best_val_acc=max(v.get("val_acc", 0) for v in vals)
-        )
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    accs = [v["val_acc"] for v in vals if isinstance(v.get("val_acc"), (int, float))]
+    if accs:
+        summary.update(final_val_acc=vals[-1].get("val_acc"), best_val_acc=max(accs))
+    write_atomic(run_dir / "summary.json", strict_json(summary))
 
 
-def _die_with_parent() -> None:
-    """In the mpirun child: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no job is orphaned."""
+def _read_summary(path: Path) -> dict[str, Any] | None:
     try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
+    """Record how the job ended in summary.json (the ranks' own, completed, or one written here); returns
+    it when the job ended ok, else raises JobEnded (RunFolderError when summary.json cannot be written)."""
+    summary_path = run_dir / "summary.json"
+    sent = {"signal": outcome.signal} if outcome.signal else {}
+    job = _read_summary(summary_path) if outcome.returncode == 0 else None
+    if outcome.stall is not None:
+        status, reason = "stalled", outcome.stall.message
+        fields: dict[str, Any] = {"stalled_ranks": outcome.stall.ranks, "cause": outcome.stall.message}
+    elif outcome.interrupted is not None:
+        status, reason = "interrupted", f"{outcome.interrupted}; ended without a final checkpoint"
+        fields = {"cause": outcome.interrupted}
+    elif job is not None and job.get("status") in ("ok", "preempted", "diverged"):
+        return _complete(job, summary_path, run_dir, outcome, wall)
+    else:
+        failure = (
+            failure_report(run_dir, outcome.returncode, outcome.log_start)
+            if outcome.returncode
+            else Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
+        )
+        status, reason = failure.status, failure.message
+        fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}
+    try:
+        write_failure_summary(cfg, run_dir, status, reason, wall, **fields, **sent)
+    except RunFolderError as err:
+        raise RunFolderError(f"{err}; the job itself: {status}: {reason}") from None
+    raise JobEnded(reason, status)
+
+
+def _complete(
+    job: dict[str, Any], path: Path, run_dir: Path, outcome: Outcome, wall: float
+) -> dict[str, Any]:
+    """The ranks' summary.json with the launcher's fields added; JobEnded unless its status is ok."""
+    status, job = job["status"], strict(job)
+    job.update(exit_status=EXIT[status], wall_time_s=wall, run_dir=str(run_dir))
+    if outcome.signal:
+        job["signal"] = outcome.signal
+    try:
+        write_atomic(path, strict_json(job))
+    except RunFolderError as err:
+        raise RunFolderError(f"{err}; the job itself ended {status}") from None
+    if status == "preempted":
+        raise JobEnded(
+            f"by {outcome.signal or 'a stop request'}: checkpoint {job.get('checkpoint')} written after "
+            f"step {job.get('steps')}; continue with: python -m runner resume={run_dir}",
+            "preempted",
+        )
+    if status == "diverged":
+        raise JobEnded(str(job.get("error", "a non-finite loss or gradient")), "diverged")
+    return job
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Run one training job; returns summary.json's content, or raises JobFailed (ValueError on bad input)."""
-    argv = prepare(cfg, run_dir)
+    """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded
+    (ValueError on bad input, before anything starts)."""
+    argv, checked = _prepare(cfg, run_dir)
     log.info("run folder: %s", run_dir)
     log.info("starting: %s", shlex.join(argv))
     start = time.time()
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout)
     try:
-        _stream(proc, run_dir / "mpirun.log")
-        status = proc.wait()
+        outcome = supervisor.run()
     except BaseException as err:
-        os.killpg(proc.pid, signal.SIGTERM)
+        reason = f"launcher error: {err!r}"
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        reason = (
-            "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else f"launcher error: {err!r}"
-        )
-        write_failure_summary(cfg, run_dir, proc.returncode or 130, reason, time.time() - start)
+            write_failure_summary(cfg, run_dir, "failed", reason, time.time() - start)
+        except RunFolderError:
+            pass
         raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    wall = time.time() - start
-    summary_path = run_dir / "summary.json"
-    if status != 0 or not summary_path.exists():
-        reason = failure_report(run_dir, status)
-        write_failure_summary(cfg, run_dir, status, reason, wall)
-        raise JobFailed(reason, status or 1)
-    summary = json.loads(summary_path.read_text())
-    summary.update(exit_status=0, wall_time_s=wall, run_dir=str(run_dir))
-    summary_path.write_text(json.dumps(summary, indent=1))
+    summary = conclude(cfg, run_dir, outcome, time.time() - start)
     log.info(
         "done in %.1f s: final val_acc %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",
-        wall,
-        summary["final_val_acc"],
-        summary["best_val_acc"],
-        summary["samples_per_s"],
-        100 * summary["comm_fraction"],
+        summary["wall_time_s"],
+        summary.get("final_val_acc") or 0.0,
+        summary.get("best_val_acc") or 0.0,
+        summary.get("samples_per_s") or 0.0,
+        100 * (summary.get("comm_fraction") or 0.0),
     )
     return summary

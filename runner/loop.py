@@ -109,6 +109,7 @@ class Trainer:
                 if self.at_step_end(pos) or pos.step >= max_steps:
                     break
             if self.preempted:
+                self.meter.epoch_done()
                 break
             self.rule.on_epoch_end(epoch)
             span = self.meter.epoch_done()
@@ -122,7 +123,7 @@ class Trainer:
         self.control.close()
         self.meter.close()
         if not self.preempted:
-            self.checkpoint(Position(pos.step, max(epochs, start.epoch), 0), True)
+            self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
         self.rule.finish()
         return reported, self._summary(epochs, pos.step)
 
@@ -131,8 +132,19 @@ class Trainer:
         decision = self.control.poll(pos.step)
         self.preempted = decision.stop
         if decision.stop or decision.checkpoint or self.checkpoint_due(pos.step):
-            self.checkpoint(pos, False)
+            self.save(pos, False)
         return self.preempted
+
+    def save(self, pos: Position, end: bool) -> None:
+        """Checkpoint, unless the parameters are no longer finite (a finite gradient times a large learning
+        rate can overflow them): then the run has diverged, and the last good checkpoint is kept."""
+        tensors = [t for t in self.model.state_dict().values() if t.is_floating_point()]
+        if tensors and not bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, foreach=True))):
+            raise Diverged(
+                f"non-finite parameters after step {pos.step} on rank {self.workers.rank}; lower optim.lr; "
+                "the last good checkpoint is kept"
+            )
+        self.checkpoint(pos, end)
 
     def checkpoint_due(self, step: int) -> bool:
         return self.control.checkpointer.due(step)
@@ -193,17 +205,24 @@ class Trainer:
         return next(iter(models.values()))
 
     def _summary(self, epochs: int, steps: int) -> dict[str, Any]:
+        """The run's results (validation results None when it was preempted before its first)."""
         rates = self.meter.total.rates(self.workers.size)
-        key = next(k for k in self.history[-1] if k.endswith("val_acc"))
-        loss_key = key.replace("val_acc", "val_loss")
-        best = max(self.history, key=lambda r: r[key])
+        vals: dict[str, Any] = dict.fromkeys(
+            ("final_val_acc", "final_val_loss", "best_val_acc", "best_val_loss")
+        )
+        if self.history:
+            key = next(k for k in self.history[-1] if k.endswith("val_acc"))
+            loss_key = key.replace("val_acc", "val_loss")
+            vals.update(
+                final_val_acc=self.history[-1][key],
+                final_val_loss=self.history[-1][loss_key],
+                best_val_acc=max(r[key] for r in self.history),
+                best_val_loss=min(r[loss_key] for r in self.history),
+            )
         return {
             "epochs": epochs,
             "steps": steps,
-            "final_val_acc": self.history[-1][key],
-            "final_val_loss": self.history[-1][loss_key],
-            "best_val_acc": best[key],
-            "best_val_loss": min(r[loss_key] for r in self.history),
+            **vals,
             "samples_per_s": rates["samples_per_s"],
             "comm_fraction": rates["comm_frac"],
             "data_wait_fraction": rates["data_frac"],

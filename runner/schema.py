@@ -78,15 +78,23 @@ class ModelConfig:
         require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
 
     def require_image(self, min_size: int = 1) -> None:
-        """For image models: ``input_shape`` is [C, H, W] with H and W at least ``min_size``."""
-        require(len(self.input_shape) == 3, "input_shape", self.input_shape, "expected [C, H, W] images")
-        c = self.input_shape[0]
+        """For image models: ``input_shape`` is [C, H, W] with H and W at least ``min_size`` (smaller
+        images leave an empty feature map inside the network), checked before any rank starts."""
+        name = type(self).__name__.removesuffix("Config")
+        require(
+            len(self.input_shape) == 3,
+            "input_shape",
+            self.input_shape,
+            f"{name} expects [C, H, W] images (it comes from data.shape; token sequences need model=lstm)",
+        )
+        c, size = self.input_shape[0], max(8, 1 << (min_size - 1).bit_length())
         require(
             min(self.input_shape[1:]) >= min_size,
             "input_shape",
             self.input_shape,
-            f"{type(self).__name__.removesuffix('Config')} needs height and width >= {min_size} "
-            f"(e.g. data.shape=[{c},64,64])",
+            f"{name} needs height and width >= {min_size}: use larger images (e.g. data=synthetic "
+            f"data.shape=[{c},{size},{size}], or data=imagefolder data.image_size={size}) or a model for "
+            "small images (model=cnn, model=mlp, model=resnet18)",
         )
 
     def build(self) -> torch.nn.Module:

@@ -57,6 +57,11 @@ def test_more_ranks_than_cores_oversubscribes_without_binding():
     assert flag_value(a, "--bind-to") == "none" and "--map-by" not in a and "--report-bindings" not in a
 
 
+def test_oversubscribe_asked_for_is_passed_on():
+    assert "--oversubscribe" in argv(ranks=2, cores=2, oversubscribe=True)
+    assert "--oversubscribe" not in argv(ranks=2, cores=2)
+
+
 def test_bind_none():
     a = argv(bind="none")
     assert flag_value(a, "--bind-to") == "none" and "--map-by" not in a

@@ -24,7 +24,7 @@ def test_one_worker_equals_single_process_sgd(cli):
 
 def test_two_servers_hold_the_same_parameters_as_one(cli):
     """Workers that never fetch follow a fixed schedule: the servers end at x0 + all pushed updates."""
-    overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON]
+    overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON, "hardware.oversubscribe=true"]
     one, two = cli(*overrides, "rule.servers=1"), cli(*overrides, "rule.servers=2")
     assert one.returncode == 0 and two.returncode == 0, one.output + two.output
     assert two.summary["world_size"] == 4 and len(two.summary["server_versions"]) == 2
@@ -32,7 +32,7 @@ def test_two_servers_hold_the_same_parameters_as_one(cli):
 
 
 def test_staleness_is_recorded_and_drop_drops_what_exceeds_the_bound(cli):
-    overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON]
+    overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON, "hardware.oversubscribe=true"]
     accept = cli(*overrides)
     drop = cli(*overrides, "rule.staleness=drop", "rule.max_staleness=2")
     assert accept.returncode == 0 and drop.returncode == 0, accept.output + drop.output

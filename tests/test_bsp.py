@@ -25,6 +25,7 @@ def test_grads_mode_equals_one_process_with_n_times_the_batch(cli, ranks, overla
     overrides = ["model=mlp", *COMMON]
     run = cli(
         f"devices={ranks}",
+        "hardware.oversubscribe=true",
         f"train.batch_size={BATCH}",
         "train.save_model=all",
         f"rule.overlap={overlap}",

@@ -92,12 +92,14 @@ def test_deterministic_rules_resume_exactly(n, cfg):
     whole = train(FakeWorld(n), cfg, cut=CUT)
     saved = [_tensors(s) if "optimizer" in s else s for _, s, _ in whole]
     resumed = train(FakeWorld(n), cfg, start=saved)
-    for rank, ((p_whole, _, s_whole), (p_resumed, _, s_resumed)) in enumerate(zip(whole, resumed)):
+    for rank, ((p_whole, _, s_whole), (p_resumed, _, s_resumed)) in enumerate(
+        zip(whole, resumed, strict=True)
+    ):
         assert p_whole is None or torch.equal(p_whole, p_resumed), f"rank {rank}: parameters differ"
         for key, value in s_whole.items():
             other = s_resumed[key]
             if isinstance(value, list) and value and torch.is_tensor(value[0]):
-                assert all(torch.equal(a, b) for a, b in zip(value, other)), (rank, key)
+                assert all(torch.equal(a, b) for a, b in zip(value, other, strict=True)), (rank, key)
             elif torch.is_tensor(value):
                 assert torch.equal(value, other), (rank, key)
             else:
@@ -216,7 +218,7 @@ def test_root_cause_names_the_innermost_exception_and_its_line():
     try:
         try:
             parse()
-        except ValueError as err:
+        except ValueError:
             raise ValueError("data.root: /d/batch_1 is not a CIFAR-10 batch file") from None
     except ValueError as err:
         assert root_cause(err).startswith("ValueError: data.root: /d/batch_1 is not a CIFAR-10 batch file (")

@@ -35,6 +35,7 @@ NEEDS = {
     "googlenet": IMAGES_32,
     "vgg16": IMAGES_32,
     "vgg16_bn": IMAGES_32,
+    "lstm": ["data=text"],  # which then asks for data.train_file
 }
 
 
@@ -178,15 +179,21 @@ def test_the_launcher_imports_no_torch_sklearn_or_mpi():
 
 
 @pytest.mark.parametrize(
-    "override,message",
+    "overrides,message",
     [
-        ("rule=nosuchrule", "rule/nosuchrule"),
-        ("devices=0", "devices=0 is invalid"),
-        ("rule.mdoe=params", "rule.mdoe"),
-        ("optim.lr=-0.1", "optim.lr=-0.1 is invalid"),
-        ("+train.epoch=1", "did you mean train.epochs?"),
+        (["rule=nosuchrule"], "rule/nosuchrule"),
+        (["model=nosuch"], "model/nosuch"),
+        (["devices=0"], "devices=0 is invalid"),
+        (["devices=abc"], "devices"),
+        (["rule.mdoe=params"], "rule.mdoe"),
+        (["train.epoch=1"], "train.epoch"),
+        (["devices=["], "no viable alternative"),
+        (["optim.lr=-0.1"], "optim.lr=-0.1 is invalid"),
+        (["+train.epoch=1"], "did you mean train.epochs?"),
+        (["model=alexnet"], "model.input_shape=[1, 8, 8] is invalid: AlexNet needs height and width >= 63"),
+        (["devices=1000"], "hardware.oversubscribe=true"),
         pytest.param(
-            "hardware=gpu",
+            ["hardware=gpu"],
             "hardware.device='cuda'",
             marks=pytest.mark.skipif(
                 __import__("torch").cuda.is_available(), reason="this machine has a GPU"
@@ -195,8 +202,70 @@ def test_the_launcher_imports_no_torch_sklearn_or_mpi():
     ],
 )
 @pytest.mark.slow
-def test_bad_input_on_the_command_line_starts_no_process(cli, override, message):
-    run = cli(override, timeout=60)
-    assert run.returncode in (1, 2), "1: Hydra could not compose it, 2: our checks refused it"
+def test_bad_input_on_the_command_line_exits_2_and_starts_no_process(cli, overrides, message):
+    """Hydra's own compose errors (unknown option, misspelt key, wrong type, bad syntax) exit 2, as our
+    checks do: a script can tell a typo from a failed job."""
+    run = cli(*overrides, timeout=60)
+    assert run.returncode == 2, run.output
     assert message in run.output and "Traceback" not in run.output, run.output
     assert not (run.dir / "mpirun.txt").exists() and not (run.dir / "logs").exists()
+
+
+def test_an_unwritable_output_folder_is_not_invalid_input(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [sys.executable, "-m", "runner", f"hydra.run.dir={blocker / 'run'}"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+
+
+def test_invalid_input_is_told_from_other_errors():
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import InterpolationResolutionError
+
+    from runner.__main__ import invalid_input
+
+    assert invalid_input(ConfigCompositionException("x")) and invalid_input(MissingConfigException("x"))
+    assert invalid_input(ValidationError("x")) and invalid_input(ValueError("x"))
+    assert not invalid_input(RuntimeError("x")) and not invalid_input(None)
+    wrapped = InterpolationResolutionError("could not resolve hydra.run.dir")
+    wrapped.__cause__ = PermissionError(13, "Permission denied")
+    assert not invalid_input(wrapped), "an OS error under Hydra's exception is the machine, not the input"
+
+
+def test_run_folders_of_one_second_never_collide(tmp_path, monkeypatch):
+    """``${mpitrain_unique:...}`` makes the folder itself: DATE/TIME, then TIME-2, TIME-3 for the launchers
+    started in the same second; one config reads the same folder however often it is resolved."""
+    from runner.config import unique_dir
+
+    monkeypatch.chdir(tmp_path)
+    names = [unique_dir("outputs/2026-01-01/12-00-00") for _ in range(3)]
+    assert names == [
+        "outputs/2026-01-01/12-00-00",
+        "outputs/2026-01-01/12-00-00-2",
+        "outputs/2026-01-01/12-00-00-3",
+    ]
+    assert all((tmp_path / n).is_dir() for n in names)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        first = compose(config_name="config", return_hydra_config=True)
+        second = compose(config_name="config", return_hydra_config=True)
+        sweep = compose(config_name="config", return_hydra_config=True, overrides=["hydra.mode=MULTIRUN"])
+    runs = [first.hydra.run.dir, first.hydra.run.dir, second.hydra.run.dir]
+    assert runs[0] == runs[1] and runs[0] != runs[2], runs
+    assert runs[0].startswith("outputs/") and all((tmp_path / r).is_dir() for r in runs)
+    assert (
+        sweep.hydra.sweep.dir.startswith("outputs/multirun/") and (tmp_path / sweep.hydra.sweep.dir).is_dir()
+    )
+
+
+@pytest.mark.slow
+def test_a_submitit_sweep_keeps_one_folder_for_all_its_points(tmp_path):
+    """The sweep folder is resolved once, in the launcher, and its points (run by submitit in other
+    processes, from pickled configs) land in it, not in folders of their own. The points are refused
+    (devices=0), which is enough: Hydra makes their folders first."""
+    argv = [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_local", "devices=0,-1"]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    assert (sweep / ".submitit").is_dir(), proc.stdout + proc.stderr
+    assert (sweep / "0" / ".hydra").is_dir() and (sweep / "1" / ".hydra").is_dir(), list(sweep.iterdir())

@@ -29,7 +29,7 @@ def flat_init(overrides, rank):
 def test_sync_exchange_matches_the_formula(cli, devices, alpha):
     """Workers start from different parameters; with lr 0 the only change is one elastic step:
     d_i = alpha (x_i - c);  x_i <- x_i - d_i;  c <- c + sum_i d_i  (c starts at rank 0's parameters)."""
-    overrides = [*ONE_EXCHANGE, f"devices={devices}", f"rule.alpha={alpha}"]
+    overrides = [*ONE_EXCHANGE, f"devices={devices}", f"rule.alpha={alpha}", "hardware.oversubscribe=true"]
     run = cli(*overrides)
     assert run.returncode == 0, run.output
     x = [flat_init(overrides, r) for r in range(devices)]
@@ -77,7 +77,15 @@ def test_async_with_one_worker_equals_sync_with_one_worker(cli):
 
 
 def test_async_with_several_workers_serves_every_exchange(cli):
-    run = cli("model=mlp", "rule=easgd", "rule.variant=async", "devices=3", "rule.tau=2", "train.epochs=1")
+    run = cli(
+        "model=mlp",
+        "rule=easgd",
+        "rule.variant=async",
+        "devices=3",
+        "rule.tau=2",
+        "train.epochs=1",
+        "hardware.oversubscribe=true",
+    )
     assert run.returncode == 0, run.output
     s = run.summary
     assert s["world_size"] == 4 and s["server_exchanges"] == 3 * s["exchanges_per_worker"]

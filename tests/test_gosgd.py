@@ -11,7 +11,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
 def test_weights_sum_to_one_after_training(cli):
-    run = cli("rule=gosgd", "rule.p=0.5", "devices=3", "model=mlp", "train.epochs=2")
+    run = cli(
+        "rule=gosgd", "rule.p=0.5", "devices=3", "model=mlp", "train.epochs=2", "hardware.oversubscribe=true"
+    )
     assert run.returncode == 0, run.output
     s = run.summary
     assert abs(s["weight_sum"] - 1.0) < 1e-12
@@ -23,6 +25,7 @@ def test_with_lr_0_spread_only_decreases_and_the_consensus_is_invariant(cli):
         "rule=gosgd",
         "rule.p=0.5",
         "devices=3",
+        "hardware.oversubscribe=true",
         "model=mlp",
         "optim.lr=0",
         "train.same_init=false",

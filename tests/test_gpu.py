@@ -18,7 +18,9 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 def test_each_rank_trains_on_its_planned_gpu(cli):
     ranks = min(GPUS, 4)
-    run = cli("hardware=gpu", f"devices={ranks}", "train.epochs=3", timeout=300)
+    run = cli(
+        "hardware=gpu", f"devices={ranks}", "train.epochs=3", "hardware.oversubscribe=true", timeout=300
+    )
     assert run.returncode == 0, run.output
     plan = json.loads((run.dir / "plan.json").read_text())
     report = json.loads((run.dir / "bindings.json").read_text())

@@ -58,11 +58,46 @@ def test_this_machine_shares_its_cores_among_the_ranks(cores):
     crowded = CPU(flavor="openmpi").plan_launch(4, Path("/run"))
     assert (crowded.threads, crowded.bind) == (2, "core")
     cores(2)
-    oversubscribed = CPU(flavor="openmpi", bind="numa").plan_launch(4, Path("/run"))
-    assert (oversubscribed.threads, oversubscribed.bind) == (
-        1,
-        "none",
-    ) and "--oversubscribe" in oversubscribed.argv
+    oversubscribed = CPU(flavor="openmpi", bind="numa", oversubscribe=True).plan_launch(4, Path("/run"))
+    assert (oversubscribed.threads, oversubscribed.bind) == (1, "none")
+    assert "--oversubscribe" in oversubscribed.argv
+
+
+def test_more_ranks_than_cores_are_refused_unless_oversubscribe(cores):
+    cores(2)
+    assert CPU(flavor="openmpi").plan_launch(2, Path("/run")).bind == "core", "one rank per core fits"
+    with pytest.raises(ValueError) as refused:
+        CPU(flavor="openmpi").plan_launch(3, Path("/run"))
+    message = str(refused.value)
+    assert message.startswith("devices: the job needs 3 ranks") and "2 usable cores" in message
+    assert "hardware.oversubscribe=true" in message
+    assert "--oversubscribe" in CPU(flavor="openmpi", oversubscribe=True).plan_launch(3, Path("/run")).argv
+
+
+def test_a_cluster_refuses_more_ranks_than_its_slots(cores, tmp_path):
+    cores(64)
+    with pytest.raises(ValueError, match=r"needs 5 ranks .*hardware.hosts=\['a:2', 'b:2'\] have 4 slots"):
+        Cluster(flavor="openmpi", hosts=["a:2", "b:2"]).plan_launch(5, Path("/run"))
+    assert Cluster(flavor="openmpi", hosts=["a:2", "b:2"], oversubscribe=True).plan_launch(5, Path("/run"))
+    counted = tmp_path / "counted"
+    counted.write_text("a slots=2\n")
+    with pytest.raises(ValueError, match=f"the hostfile {counted} has 2 slots"):
+        Cluster(flavor="openmpi", hostfile=str(counted)).plan_launch(3, Path("/run"))
+    uncounted = tmp_path / "uncounted"
+    uncounted.write_text("a\nb slots=1\n")
+    assert Cluster(flavor="openmpi", hostfile=str(uncounted)).plan_launch(16, Path("/run")), (
+        "a host without slots= has as many as mpirun finds cores there: not checked"
+    )
+
+
+def test_devices_beyond_this_machine_are_refused_before_anything_starts(tmp_path):
+    from runner.launch import prepare
+
+    with pytest.raises(ValueError, match="hardware.oversubscribe=true"):
+        prepare(compose_config(["devices=1000"]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    prepare(compose_config(["devices=1000", "hardware.oversubscribe=true"]), tmp_path / "ok")
+    assert "--oversubscribe" in (tmp_path / "ok" / "mpirun.txt").read_text()
 
 
 def test_a_cluster_shares_its_hosts_slots(cores, tmp_path):
@@ -175,6 +210,20 @@ def test_config_yaml_records_the_plan_and_loads_back(cores, tmp_path):
 def test_a_failure_summary_names_the_rule(tmp_path, rule):
     from runner.launch import write_failure_summary
 
-    write_failure_summary(compose_config([f"rule={rule}"]), tmp_path, 3, "rank 1 failed", 1.5)
+    write_failure_summary(compose_config([f"rule={rule}"]), tmp_path, "diverged", "rank 1 failed", 1.5)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert (summary["rule"], summary["status"], summary["exit_status"]) == (rule, "failed", 3)
+    assert (summary["rule"], summary["status"], summary["exit_status"]) == (rule, "diverged", 3)
+
+
+def test_slurm_takes_more_ranks_than_tasks_only_when_told(monkeypatch, tmp_path):
+    from runner.hardware.slurm import Slurm
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_CPUS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"needs 3 ranks .*hardware.oversubscribe=true"):
+        Slurm(flavor="openmpi").plan_launch(3, tmp_path)
+    assert "--oversubscribe" in Slurm(flavor="openmpi", oversubscribe=True).plan_launch(3, tmp_path).argv
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert "--overcommit" in Slurm(oversubscribe=True).plan_launch(3, tmp_path).argv, "srun's own flag"

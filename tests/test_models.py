@@ -24,6 +24,8 @@ from tests.conftest import ROOT, checked_config
 IMAGENET = [3, 224, 224]
 #: Overrides for images that every image model accepts.
 IMAGES = ["data=synthetic", "data.shape=[3,64,64]"]
+#: Sequences of length 12 with a vocabulary, as data=text gives (without needing a file).
+TOKENS = ["data=synthetic", "data.shape=[12]", "model.vocab_size=100"]
 
 # Parameter counts for 1000 classes: the ``num_params`` of the ImageNet weights in torchvision's model
 # documentation (pytorch.org/vision/stable/models.html); torchvision's GoogLeNet count leaves out the
@@ -129,7 +131,7 @@ def test_too_small_images_name_the_key():
         GoogLeNetConfig([3, 14, 14], 10)
     with pytest.raises(ValueError, match=r"input_shape=\[1, 1, 1\] is invalid: CNN(Config)? needs"):
         CNNConfig([1, 1, 1], 10)
-    with pytest.raises(ValueError, match=r"input_shape=\[64\] is invalid: expected \[C, H, W\]"):
+    with pytest.raises(ValueError, match=r"input_shape=\[64\] is invalid: ResNet expects \[C, H, W\]"):
         ResNetConfig([64], 10)
 
 
@@ -140,11 +142,45 @@ def test_too_small_images_name_the_key():
         pytest.param(VGGConfig, [3, 32, 32], marks=pytest.mark.slow),
         (GoogLeNetConfig, [3, 15, 15]),
         (CNNConfig, [1, 2, 2]),
+        (lambda shape, classes: ResNetConfig(shape, classes, depth=18), [1, 1, 1]),
+        (WideResNetConfig, [2, 1, 1]),
     ],
+    ids=["alexnet", "vgg", "googlenet", "cnn", "resnet18", "wide_resnet"],
 )
 def test_smallest_allowed_images_run(cfg, shape):
     model = cfg(shape, 10).build()
     _forward_backward(model, torch.randn(2, *shape), 10)
+
+
+@pytest.mark.parametrize(
+    "cfg,size", [(AlexNetConfig, 63), (GoogLeNetConfig, 15), (CNNConfig, 2), (VGGConfig, 32)]
+)
+def test_one_pixel_less_than_the_minimum_fails_in_torch(cfg, size):
+    """The limits are tight: one pixel less empties a feature map (the config refuses it first)."""
+    with pytest.raises(ValueError, match=f"needs height and width >= {size}"):
+        cfg([3, size - 1, size - 1], 10)
+    if cfg is VGGConfig:  # 138M parameters: the pools alone show it
+        model = torch.nn.Sequential(*[torch.nn.MaxPool2d(2) for _ in range(5)])
+    else:
+        model = cfg([3, size, size], 10).build()
+    model.eval()
+    with pytest.raises(RuntimeError):
+        model(torch.randn(1, 3, size - 1, size - 1))
+
+
+def test_lstm_needs_token_sequences_from_text_data(tmp_path):
+    with pytest.raises(ValueError, match=r"model\.vocab_size=None is invalid: model=lstm reads token ids"):
+        checked_config(["model=lstm"])  # digits: images, no vocabulary
+    with pytest.raises(ValueError, match=r"model\.vocab_size=None .*use data=text"):
+        checked_config(["model=lstm", "data=synthetic", "data.shape=[12]"])
+    with pytest.raises(
+        ValueError, match=r"model\.input_shape=\[3, 8, 8\] is invalid: the LSTM reads sequences"
+    ):
+        checked_config(["model=lstm", "data=synthetic", "data.shape=[3,8,8]", "model.vocab_size=100"])
+    train = tmp_path / "train.tsv"
+    train.write_text("pos\tgood film\nneg\tbad film\n")
+    with pytest.raises(ValueError, match=r"model\.input_shape=\[64\] is invalid: CNN expects \[C, H, W\]"):
+        checked_config(["model=cnn", "data=text", f"data.train_file={train}"])
 
 
 @pytest.mark.parametrize("depth,widen", [(16, 4), pytest.param(28, 10, marks=pytest.mark.slow)])
@@ -251,8 +287,6 @@ def test_yaml_defaults():
     assert checked_config(["model=resnet50"]).model.depth == 50
     assert checked_config(["model=resnet18"]).model.depth == 18
     assert checked_config().model == CNNConfig([1, 8, 8], 10, width=32, batch_norm=True)
-    # Without a text data set, vocab_size falls back to the default of oc.select.
-    assert checked_config(["model=lstm"]).model.vocab_size == 10000
 
 
 def test_lstm_reads_its_vocabulary_and_length_from_the_text_data(tmp_path):
@@ -278,8 +312,8 @@ def test_lstm_builds_directly():
         (["model=wide_resnet", "model.widen_factor=0", *IMAGES], "model.widen_factor"),
         (["model=alexnet", "model.dropout=1.0", *IMAGES], "model.dropout"),
         (["model=googlenet", "model.dropout=-0.1", *IMAGES], "model.dropout"),
-        (["model=lstm", "model.dropout=0.5"], "model.dropout"),
-        (["model=lstm", "model.vocab_size=1"], "model.vocab_size"),
+        (["model=lstm", *TOKENS, "model.dropout=0.5"], "model.dropout"),
+        (["model=lstm", *TOKENS, "model.vocab_size=1"], "model.vocab_size"),
         (["model=cnn", "model.width=0"], "model.width"),
         (["model=mlp", "model.hidden=[16,0]"], "model.hidden"),
         (["model=alexnet", "data=synthetic", "data.shape=[3,32,32]"], "model.input_shape"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -83,12 +84,13 @@ def test_preempted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, rule):
     status, out = interrupted(tmp_path / "cut", signal.SIGTERM, *args)
     cut = Run(subprocess.CompletedProcess([], status, out, ""), tmp_path / "cut")
     assert status == 5, out
-    assert cut.summary["status"] == "preempted" and cut.summary["steps"] < whole.summary["steps"]
+    preempted = cut.summary
+    assert preempted["status"] == "preempted" and preempted["steps"] < whole.summary["steps"]
     again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", timeout=240)
     assert again.returncode == 0, again.output
     resumed = Run(again.proc, tmp_path / "cut")
     assert resumed.summary["status"] == "ok"
-    assert resumed.summary["resumed_from_step"] == cut.summary["steps"]
+    assert resumed.summary["resumed_from_step"] == preempted["steps"]
     assert models_equal(whole.dir / "model.pt", resumed.dir / "model.pt") == []
     same_records(whole, resumed)
 
@@ -147,18 +149,30 @@ def test_resume_refuses_a_change_that_the_checkpoint_cannot_take(tmp_path):
 
 
 def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    run = run_cli(tmp_path / "nan", "optim.lr=1000", "train.epochs=3", "checkpoint.every=5")
+    run = run_cli(tmp_path / "nan", "optim.lr=1000", "train.epochs=3", "checkpoint.every=2")
     assert run.returncode == 3, run.output
     s = run.summary
-    assert s["status"] == "diverged" and "non-finite" in s["error"] and "at step" in s["error"]
+    assert s["status"] == "diverged" and "non-finite" in s["error"] and re.search(r"step \d+", s["error"])
     json.loads((run.dir / "summary.json").read_text(), parse_constant=pytest.fail)
     for line in (run.dir / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=pytest.fail)
     index = json.loads((run.dir / "checkpoints/checkpoint.json").read_text())["checkpoints"]
-    step = int(s["error"].split("at step ")[1].split()[0])
+    step = int(re.search(r"step (\d+)", s["error"]).group(1))
     assert index and index[-1]["step"] < step
     part = torch.load(run.dir / "checkpoints" / index[-1]["dir"] / "rank0.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in part["model"].values() if v.is_floating_point())
-    skipped = run_cli(tmp_path / "skip", "optim.lr=1000", "train.epochs=2", "train.on_nonfinite=skip")
-    assert skipped.returncode == 0, skipped.output
-    assert skipped.summary["skipped_steps"] > 0
+
+
+def test_skip_drops_a_non_finite_step_on_every_rank_and_trains_on(tmp_path):
+    """Rank 1's output is NaN at its 5th step: under BSP every rank drops that step (rank 0 too, which
+    saw a finite loss: the NaN came to it in the mean gradient) and the run trains on."""
+    searchpath = f"hydra.searchpath=[file://{ROOT / 'tests' / 'conf'}]"
+    run = run_cli(
+        tmp_path / "skip", searchpath, "model=nan_once", "train.epochs=3", "train.on_nonfinite=skip"
+    )
+    assert run.returncode == 0, run.output
+    assert run.summary["skipped_steps"] == 1 and run.summary["final_val_acc"] > 0.9
+    assert "step 5: non-finite" in run.output
+    stopped = run_cli(tmp_path / "stop", searchpath, "model=nan_once", "train.epochs=3")
+    assert stopped.returncode == 3 and stopped.summary["status"] == "diverged"
+    assert "at step 5 on rank" in stopped.summary["error"]

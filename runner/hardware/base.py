@@ -55,6 +55,7 @@ class HardwareConfig:
     gpus_per_node: int | None = None
     ranks_per_gpu: int = 1
     cuda_aware: bool | None = None
+    oversubscribe: bool = False  # allow more ranks than cores (hosts' slots, Slurm tasks): slower
 
     def __post_init__(self) -> None:
         one_of("device", self.device, ("cpu", "cuda"))
@@ -80,12 +81,26 @@ class HardwareConfig:
         Raises ValueError naming the key and the fix when the hardware cannot hold the job.
         """
         cores = self.cores()
+        self.check_fits(ranks, cores)
         placements = self.gpu_plan(ranks, threads_per_rank(self, ranks, cores))
         return self.mpirun_launch(ranks, run_dir, cores, placements)
 
     def cores(self) -> int:
         """Cores the ranks share: those this process may use (this machine)."""
         return usable_cores()
+
+    def where(self, cores: int) -> str:
+        """What holds the ranks, for messages."""
+        return f"this machine has {cores} usable core{'s' if cores != 1 else ''}"
+
+    def check_fits(self, ranks: int, cores: int) -> None:
+        """Refuse more ranks than ``cores`` (one rank per core) unless ``oversubscribe`` is set."""
+        if ranks > cores and not self.oversubscribe:
+            raise ValueError(
+                f"devices: the job needs {ranks} ranks (devices plus any server ranks of the rule) but "
+                f"{self.where(cores)}; lower devices, or set hardware.oversubscribe=true to run "
+                f"{ranks} ranks on {cores} (each gets a share of a core: slower, and timings mean little)"
+            )
 
     def gpu_plan(self, ranks: int, threads: int) -> list[Placement] | None:
         """With ``device=cuda``, each rank's GPU and cores on this machine (read from ``/sys``); else None."""

@@ -58,6 +58,22 @@ class Cluster(HardwareConfig):
         """The hosts' slots (this machine's cores when the hostfile gives none)."""
         return self.slots() or usable_cores()
 
+    def where(self, cores: int) -> str:
+        source = f"hardware.hosts={list(self.hosts)}" if self.hosts else f"the hostfile {self.hostfile}"
+        return f"{source} {'has' if self.hostfile else 'have'} {cores} slot{'s' if cores != 1 else ''}"
+
+    def check_fits(self, ranks: int, cores: int) -> None:
+        """As on one machine, against the hosts' slots; a hostfile line without ``slots=`` lets mpirun count
+        that host's cores, which the launcher cannot see, so such a hostfile is not checked here."""
+        if self.hostfile and not self.slots_given():
+            return
+        super().check_fits(ranks, cores)
+
+    def slots_given(self) -> bool:
+        """Whether every line of the hostfile says its ``slots=``."""
+        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
+        return all(any(w.startswith("slots=") for w in ln[1:]) for ln in lines if ln)
+
     def gpu_plan(self, ranks: int, threads: int) -> list[Placement] | None:
         """None: the launcher cannot see the other hosts; each rank takes its node-local rank's GPU."""
         return None

@@ -115,7 +115,7 @@ def build_argv(
             argv += ["--map-by", domain, "--bind-to", domain]
         if hw.report_bindings and bind != "none":
             argv.append("--report-bindings")
-        if oversubscribed:
+        if oversubscribed or hw.oversubscribe:
             argv.append("--oversubscribe")
         if as_root:
             argv.append("--allow-run-as-root")

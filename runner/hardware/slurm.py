@@ -69,7 +69,8 @@ class Slurm(HardwareConfig):
         launcher = choose_launcher(self.launcher, alloc)
         hw = replace(self, threads_per_rank=self.threads_per_rank or alloc.cpus_per_task)
         threads, bind = threads_per_rank(hw, ranks, alloc.cpus), effective_bind(hw, ranks, alloc.cpus)
-        check_fits(alloc, launcher, ranks, threads)
+        if not self.oversubscribe:
+            check_fits(alloc, launcher, ranks, threads)
         if launcher == "srun":
             argv = srun_argv(hw, ranks, threads, bind, rank_env(hw, threads), alloc, worker_argv(run_dir))
             return Launch(argv, threads, bind, "srun")
@@ -150,17 +151,19 @@ def choose_launcher(launcher: str, alloc: Allocation) -> str:
 
 
 def check_fits(alloc: Allocation, launcher: str, ranks: int, threads: int) -> None:
-    """Refuse a job that the allocation cannot hold (Slurm would queue the step forever or fail late)."""
+    """Refuse a job that the allocation cannot hold (Slurm would queue the step forever or fail late);
+    not called with ``hardware.oversubscribe=true``."""
     if launcher == "mpirun" and ranks > alloc.tasks:
         raise ValueError(
             f"devices: the job needs {ranks} ranks but {alloc.where} (SLURM_NTASKS); ask for more tasks "
-            f"(sbatch --ntasks={ranks}, or hydra.launcher.tasks_per_node with hydra/launcher=mpitrain_slurm) "
-            "or lower devices"
+            f"(sbatch --ntasks={ranks}, or hydra.launcher.tasks_per_node with "
+            "hydra/launcher=mpitrain_slurm), lower devices, or set hardware.oversubscribe=true"
         )
     if ranks * threads > alloc.cpus:
         raise ValueError(
             f"hardware.threads_per_rank: {ranks} ranks x {threads} threads need {ranks * threads} CPUs but "
-            f"{alloc.where}; ask for more CPUs (sbatch --cpus-per-task) or set hardware.threads_per_rank"
+            f"{alloc.where}; ask for more CPUs (sbatch --cpus-per-task), set hardware.threads_per_rank, or "
+            "hardware.oversubscribe=true"
         )
 
 
@@ -182,6 +185,8 @@ def srun_argv(
     argv += [f"--cpu-bind={CPU_BIND[bind]}", "--kill-on-bad-exit=1", "--unbuffered"]
     if alloc.in_step:
         argv.append("--overlap")
+    if hw.oversubscribe:
+        argv.append("--overcommit")
     if hw.device == "cuda" and alloc.gpus:
         argv += ["--gpus-per-task=1", "--gpu-bind=closest"]
     argv += list(hw.extra_args)

@@ -1,0 +1,323 @@
+"""Supervising a running job: its output, the launcher's signals, and the ranks' heartbeats.
+
+The job runs in a session of its own, so nothing reaches it but what the launcher sends:
+
+- **Output.** Everything the job prints goes to ``mpirun.log`` as it comes; the terminal gets the same
+  bytes (progress bars included) less what would bury the cause under noise: Open MPI's abort banners
+  (``MPI_ABORT was invoked``, ``prterun has exited due to ...``, ``... noticed that process rank``),
+  Python tracebacks and the ranks' own ``rank N failed:`` lines. The launcher's last line names the cause.
+- **Signals.** SIGTERM, SIGUSR1 (Slurm's ``--signal``, ``scancel``) and SIGINT (Ctrl-C) write
+  ``RUN_DIR/STOP`` holding the signal's name; the ranks then finish their step, write a checkpoint and
+  exit. A second signal, or :data:`GRACE_S` without the job ending, ends it at once.
+- **Stalls.** With ``train.stall_timeout`` set, the ranks' heartbeats (``logs/rank<r>.beat``) are read
+  every second; :func:`stall_check` decides, from them alone, whether and which ranks are stuck.
+
+Ending a job is SIGTERM to its process group, then SIGKILL after :data:`TERM_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from runner.watchdog import Stall, read_beats, stall_check
+
+#: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
+GRACE_S = 120.0
+#: Seconds between SIGTERM and SIGKILL when the launcher ends a job.
+TERM_TIMEOUT_S = 5.0
+#: Seconds between two readings of the heartbeats.
+WATCH_INTERVAL_S = 1.0
+STOP_FILE = "STOP"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@dataclass
+class Outcome:
+    """How a job ended. ``signal``: the first stop signal the launcher got; ``interrupted``: why the launcher
+    killed the job after one (a second signal, the grace period); ``stall``: the watchdog ended it."""
+
+    returncode: int
+    signal: str | None = None
+    interrupted: str | None = None
+    stall: Stall | None = None
+    log_start: int = 0  # where this job's output starts in mpirun.log (a resumed run appends to it)
+
+
+class EchoFilter:
+    """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks and
+    the ranks' ``rank N failed:`` lines (all kept in ``mpirun.log``).
+
+    Works on the raw chunks: a line is held back only while it could still be the start of something
+    hidden, so progress bars (``\\r`` updates without a newline) pass at once. A dashed line is held until
+    the next line says whether it opens an abort banner (hidden up to the closing dashes) or not (both are
+    shown)."""
+
+    DASHES = b"-" * 20
+    TRACEBACK = (
+        b"Traceback (most recent call last):",
+        b"During handling of the above exception",
+        b"The above exception was the direct cause",
+    )
+    BANNERS = (
+        b"MPI_ABORT was invoked",
+        b"has exited due to process rank",
+        b"noticed that process rank",
+        b"detected that one or more processes exited",
+    )
+    STARTS = (*TRACEBACK, b"rank ")
+
+    def __init__(self) -> None:
+        self.line = b""
+        self.passing = False
+        self.mode = "normal"
+        self.held: list[bytes] = []
+        self.tracebacks = 0
+
+    def _could_start(self, partial: bytes) -> bool:
+        tail = partial.rsplit(b"\r", 1)[-1]
+        if not tail.strip(b"-"):
+            return True
+        return any(s.startswith(tail) or tail.startswith(s) for s in self.STARTS)
+
+    def feed(self, data: bytes) -> bytes:
+        out = bytearray()
+        for piece in re.split(b"(?<=\n)", data.replace(b"\0", b"")):  # prterun ends with a NUL
+            if not piece:
+                continue
+            if self.passing:
+                out += piece
+                self.passing = not piece.endswith(b"\n")
+                continue
+            self.line += piece
+            if self.line.endswith(b"\n"):
+                line, self.line = self.line, b""
+                out += self._complete(line)
+            elif self.mode == "normal" and not self._could_start(self.line):
+                out += self.line
+                self.line, self.passing = b"", True
+        return bytes(out)
+
+    def flush(self) -> bytes:
+        """At the end of the output: what is still held and was not hidden."""
+        rest = b"" if self.mode in ("banner", "traceback") else b"".join(self.held) + self.line
+        self.held, self.line = [], b""
+        return rest
+
+    def _complete(self, line: bytes) -> bytes:
+        text = line.rstrip(b"\r\n")
+        dashes = text.startswith(self.DASHES) and not text.strip(b"-")
+        if self.mode == "banner":
+            self.mode = "normal" if dashes else "banner"
+            return b""
+        if self.mode == "traceback":
+            self.tracebacks += text.startswith(self.TRACEBACK[0])
+            continued = not text or text[:1] in (b" ", b"\t") or text.startswith(self.TRACEBACK)
+            if not continued:  # the exception's own line, the traceback's last
+                self.mode = "normal"
+            return b""
+        if self.mode == "pending":
+            released, self.held = b"".join(self.held), []
+            if any(b in text for b in self.BANNERS):
+                self.mode = "banner"
+                return b""
+            self.mode = "normal"
+            return released + self._complete(line)
+        if dashes:
+            self.mode, self.held = "pending", [line]
+            return b""
+        if text.startswith(self.TRACEBACK):
+            self.mode = "traceback"
+            self.tracebacks += text.startswith(self.TRACEBACK[0])
+            return b""
+        if text.startswith(b"rank ") and b" failed: " in text and text[5:].split(b" ", 1)[0].isdigit():
+            return b""
+        return line
+
+
+def _die_with_parent() -> None:
+    """In the mpirun child: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no job is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _say(text: str) -> None:
+    logging.getLogger("runner").warning(text)
+
+
+class Supervisor:
+    """Starts ``argv`` and watches it to the end (:meth:`run`). Call from the main thread to handle
+    signals (elsewhere, e.g. in a sweep launcher's thread, signals are left alone)."""
+
+    def __init__(self, argv: list[str], run_dir: Path, ranks: int, stall_timeout: float | None):
+        self.argv, self.run_dir, self.ranks, self.stall_timeout = argv, run_dir, ranks, stall_timeout
+        self.signals: list[str] = []
+        self.stop_time: float | None = None
+        self.ending_since: float | None = None
+        self.killed = False
+        self.interrupted: str | None = None
+        self.stall: Stall | None = None
+        self.warned: Stall | None = None
+        self.beats: dict[int, dict] = {}
+        self.next_watch = 0.0
+        self.filter = EchoFilter()
+
+    def run(self) -> Outcome:
+        """Run the job to its end and say how it ended. Any exception here ends the job first."""
+        previous = self._install_handlers()
+        self.proc: subprocess.Popen | None = None
+        log = self.run_dir / "mpirun.log"
+        log_start = log.stat().st_size if log.is_file() else 0
+        try:
+            self.launch_time = time.time()
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            reader = threading.Thread(target=self._copy_output, name="job-output", daemon=True)
+            reader.start()
+            while True:
+                try:
+                    status = self.proc.wait(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    self._tick(time.time())
+            reader.join(timeout=TERM_TIMEOUT_S)
+            if reader.is_alive():  # processes of the job that outlived mpirun still hold the output
+                self._signal_group(signal.SIGKILL)
+                reader.join(timeout=TERM_TIMEOUT_S)
+        except BaseException:
+            self._signal_group(signal.SIGKILL)
+            raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if status == 0 and self.filter.tracebacks:
+            _say(f"the job printed {self.filter.tracebacks} Python traceback(s): see mpirun.log")
+        first = self.signals[0] if self.signals else None
+        return Outcome(status, first, self.interrupted, self.stall, log_start)
+
+    def _install_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.signals.append(name)
+        if len(self.signals) > 1 or self.ending_since is not None:
+            return
+        self.stop_time = time.time()
+        try:
+            tmp = self.run_dir / f".{STOP_FILE}.tmp"
+            tmp.write_text(name + "\n")
+            os.replace(tmp, self.run_dir / STOP_FILE)
+        except OSError as err:
+            self._end(f"{name}, and the ranks could not be told to stop ({err})", interrupted=True)
+            return
+        _say(
+            f"{name}: the ranks will checkpoint and stop after their current step; a second signal, or "
+            f"{GRACE_S:.0f} s without the job ending, ends it at once"
+        )
+
+    def _tick(self, now: float) -> None:
+        if self.ending_since is not None:
+            if not self.killed and now - self.ending_since > TERM_TIMEOUT_S:
+                self._signal_group(signal.SIGKILL)
+                self.killed = True
+            return
+        if len(self.signals) > 1:
+            self._end(f"a second signal ({self.signals[1]})", interrupted=True)
+        elif self.stop_time is not None and now - self.stop_time > GRACE_S:
+            self._end(f"the job did not stop within {GRACE_S:.0f} s of {self.signals[0]}", interrupted=True)
+        elif self.stall_timeout and now >= self.next_watch:
+            self.next_watch = now + WATCH_INTERVAL_S
+            self._watch(now)
+
+    def _watch(self, now: float) -> None:
+        beats = read_beats(self.run_dir / "logs", self.ranks, self.launch_time, self.beats)
+        stall = stall_check(beats, now, self.launch_time, self.stall_timeout)
+        if stall is not None:
+            self.stall = stall
+            self._end(f"stalled: {stall.message}")
+            return
+        warning = stall_check(beats, now, self.launch_time, self.stall_timeout / 2)
+        if warning is not None and self.warned is None:
+            _say(
+                f"warning: {warning.message}; the job is ended after {self.stall_timeout:.0f} s without "
+                "progress (train.stall_timeout)"
+            )
+        self.warned = warning
+
+    def _end(self, reason: str, interrupted: bool = False) -> None:
+        if interrupted:
+            self.interrupted = reason
+        _say(f"ending the job: {reason}")
+        self.ending_since = time.time()
+        self._signal_group(signal.SIGTERM)
+
+    def _signal_group(self, signum: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _copy_output(self) -> None:
+        """Copy the job's output to mpirun.log and, filtered, to the terminal, until it ends. A log that
+        cannot be written (full disk) is reported once and dropped; the pipe is drained regardless, so
+        the job never blocks on its output."""
+        log: BinaryIO | None
+        try:
+            log = open(self.run_dir / "mpirun.log", "ab")
+        except OSError as err:
+            log = None
+            _say(f"cannot write {self.run_dir / 'mpirun.log'}: {err}; the output goes to the terminal only")
+        fd = self.proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            if log is not None:
+                try:
+                    log.write(chunk)
+                    log.flush()
+                except OSError as err:
+                    _say(f"cannot write {self.run_dir / 'mpirun.log'}: {err}; it stops here")
+                    _close_quietly(log)
+                    log = None
+            self._echo(self.filter.feed(chunk))
+        self._echo(self.filter.flush())
+        if log is not None:
+            _close_quietly(log)
+
+    def _echo(self, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _close_quietly(stream: BinaryIO) -> None:
+    try:
+        stream.close()
+    except OSError:
+        pass

@@ -1,0 +1,103 @@
+"""The stall watchdog's view of the ranks' heartbeats, and its decision.
+
+Every rank rewrites ``RUN_DIR/logs/rank<r>.beat`` once a second (JSON: ``rank``, ``pid``, ``host``, ``role``,
+``step``, ``progress_time``: when it last got somewhere, ``alive_time``: when it wrote this). A stopped or
+killed rank stops writing; a rank blocked in MPI keeps writing while its ``progress_time`` stands still.
+:func:`stall_check` is a pure function of what was read, so it is tested on beats made up by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: A rank whose heartbeat thread has not written for this long is stopped or dead, not merely waiting.
+NOT_RESPONDING_S = 10.0
+
+
+@dataclass
+class Stall:
+    """Ranks found stuck, and the line that says so."""
+
+    ranks: list[int]
+    message: str
+
+
+def _describe(rank: int, beat: Mapping[str, Any] | None) -> str:
+    if beat is None:
+        return f"rank {rank}"
+    role = "server rank" if beat.get("role") == "server" else "rank"
+    return f"{role} {rank} (host {beat.get('host', '?')}, pid {beat.get('pid', '?')})"
+
+
+def _since(step: int) -> str:
+    return f"since step {step}" if step >= 0 else "since before its first step"
+
+
+def stall_check(
+    beats: Mapping[int, Mapping[str, Any] | None], now: float, launch_time: float, timeout: float
+) -> Stall | None:
+    """The stuck ranks, or None. ``beats`` has every rank still running: its latest heartbeat, or None if
+    it never wrote one.
+
+    A rank has stalled when it made no progress for ``timeout`` seconds (with no heartbeat, since
+    ``launch_time``). Of the stalled ranks, those whose heartbeat thread stopped writing
+    (:data:`NOT_RESPONDING_S`) or never wrote are named; when every one still writes (blocked, e.g. in
+    MPI), those at the lowest step are: the others are waiting for them.
+    """
+    last = {r: (b["progress_time"] if b else launch_time) for r, b in beats.items()}
+    stale = sorted(r for r, t in last.items() if now - t >= timeout)
+    if not stale:
+        return None
+    silent = [r for r in stale if beats[r] is None or now - beats[r]["alive_time"] > NOT_RESPONDING_S]
+    parts = []
+    if silent:
+        for r in silent:
+            beat = beats[r]
+            if beat is None:
+                parts.append(f"rank {r} sent no heartbeat since the launch")
+            else:
+                parts.append(f"{_describe(r, beat)} not responding {_since(beat.get('step', -1))}")
+        named = silent
+    else:
+        low = min(beats[r].get("step", -1) for r in stale)
+        named = [r for r in stale if beats[r].get("step", -1) == low]
+        for r in named:
+            beat = beats[r]
+            where = "" if beat.get("role") == "server" else f" at step {low}"
+            parts.append(f"{_describe(r, beat)} stuck{where}")
+    idle = now - max(last[r] for r in stale)
+    if len(stale) == len(beats):
+        parts.append(f"no rank made progress for {idle:.0f} s")
+    else:
+        who = ", ".join(map(str, stale))
+        parts.append(f"rank{'s' if len(stale) > 1 else ''} {who} made no progress for {idle:.0f} s")
+    return Stall(named, "; ".join(parts))
+
+
+def read_beats(
+    logs: Path, ranks: int, launch_time: float, previous: dict[int, dict]
+) -> dict[int, dict | None]:
+    """Every running rank's heartbeat (None: none yet). A beat written before ``launch_time`` (a previous
+    job in this folder) counts as none; a rank whose beat says ``"done": true``, or whose beat file is gone
+    after it was seen, has finished and is left out. ``previous`` keeps the last good beats between calls."""
+    beats: dict[int, dict | None] = {}
+    for r in range(ranks):
+        try:
+            beat = json.loads((logs / f"rank{r}.beat").read_text())
+        except FileNotFoundError:
+            if r not in previous:
+                beats[r] = None
+            continue
+        except (OSError, ValueError):
+            beat = previous.get(r)
+        if beat is None or beat.get("alive_time", 0) < launch_time:
+            beats[r] = None
+            continue
+        previous[r] = beat
+        if not beat.get("done"):
+            beats[r] = beat
+    return beats

@@ -1,0 +1,340 @@
+"""How a job that does not end ok is reported: the cause named (a rank's exception, the signal that killed
+it), summary.json's status and fields, the exit status, and the run folder's I/O errors; then real jobs
+killed, stopped, preempted and failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import runner.launch
+from runner.launch import EXIT, JobEnded, RunFolderError, conclude, failure_report, prepare, write_atomic
+from runner.supervise import Outcome
+from runner.watchdog import Stall
+from tests.conftest import ROOT, compose_config
+
+#: Open MPI 5's report of a rank killed by ``kill -9``, as mpirun.log had it (wrapped before "signal").
+KILLED = """--------------------------------------------------------------------------
+prterun noticed that process rank 1 with PID 4084 on node vm exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+EXITED = """--------------------------------------------------------------------------
+prterun detected that one or more processes exited with non-zero status,
+thus causing the job to be terminated. The first process to do so was:
+
+   Process name: [prterun-vm-5536@1,1]
+   Exit code:    3
+--------------------------------------------------------------------------
+"""
+ABORTED = """--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+  Proc: [[50001,1],0]
+  Errorcode: 7
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+--------------------------------------------------------------------------
+"""
+
+
+def run_folder(tmp_path: Path, output: str = "", errors: dict[int, str] | None = None) -> Path:
+    """A run folder whose job printed ``output`` and whose ranks left ``errors`` (rank -> first line),
+    written in that order a second apart."""
+    (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "mpirun.log").write_text(output)
+    for i, (rank, line) in enumerate((errors or {}).items()):
+        path = tmp_path / "logs" / f"rank{rank}.error"
+        path.write_text(f"{line}\n\nTraceback (most recent call last):\n  ...\n")
+        os.utime(path, (1000 + i, 1000 + i))
+    return tmp_path
+
+
+def test_the_exit_table_in_the_docstring_is_the_one_used():
+    rows = re.findall(r"^(\d+)\s+(\w+|\(none\))\s", runner.launch.__doc__, re.M)
+    table = {("invalid" if status == "(none)" else status): int(code) for code, status in rows}
+    assert table == EXIT
+
+
+def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+    folder = run_folder(tmp_path, "epoch 3\n" + KILLED, {0: "RuntimeError: peer gone (comm.py:1)"})
+    failure = failure_report(folder, 137)
+    assert failure.message.startswith(
+        "rank 1 killed by signal 9 (SIGKILL), pid 4084 on vm (rank 0 failed after it); its output is in"
+    )
+    assert (failure.rank, failure.cause, failure.status) == (1, "killed by signal 9 (SIGKILL)", "failed")
+    resumed = failure_report(folder, 1, log_start=len("epoch 3\n" + KILLED))
+    assert resumed.rank == 0, "a previous attempt's output in mpirun.log is not this job's"
+
+
+def test_the_first_rank_to_raise_is_named_with_its_root_cause(tmp_path):
+    folder = run_folder(
+        tmp_path,
+        ABORTED,
+        {
+            2: "ValueError: data.root: /d/batch_1 is not a CIFAR-10 batch file (data/cifar10.py:88)",
+            0: "X: y",
+            1: "Z",
+        },
+    )
+    failure = failure_report(folder, 1)
+    assert failure.message == (
+        "rank 2 failed: ValueError: data.root: /d/batch_1 is not a CIFAR-10 batch file (data/cifar10.py:88) "
+        f"(ranks 0, 1 failed after it); traceback in {folder / 'logs' / 'rank2.log'}"
+    )
+    assert (failure.rank, failure.status) == (2, "failed")
+    diverged = failure_report(
+        run_folder(tmp_path / "d", "", {1: "Diverged: non-finite loss nan at step 27"}), 3
+    )
+    assert (diverged.rank, diverged.status, diverged.cause) == (
+        1,
+        "diverged",
+        "Diverged: non-finite loss nan at step 27",
+    )
+
+
+def test_ranks_that_exited_or_aborted_without_a_word_are_named(tmp_path):
+    assert failure_report(run_folder(tmp_path / "a", EXITED), 3)[1:] == (1, "exited with status 3", "failed")
+    assert failure_report(run_folder(tmp_path / "b", ABORTED), 7)[1:3] == (
+        0,
+        "called MPI_Abort (error code 7)",
+    )
+    unknown = failure_report(run_folder(tmp_path / "c"), 1)
+    assert unknown.rank is None and "exited with status 1 and no rank reported a cause" in unknown.message
+    assert failure_report(run_folder(tmp_path / "d"), -9).cause == "mpirun was killed by signal 9 (SIGKILL)"
+
+
+@pytest.fixture
+def cfg():
+    return compose_config()
+
+
+def summary(folder: Path) -> dict:
+    text = (folder / "summary.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text, "strict JSON"
+    return json.loads(text)
+
+
+def test_an_ok_job_gets_its_summary_completed_in_strict_json(cfg, tmp_path):
+    (tmp_path / "summary.json").write_text('{"status": "ok", "final_val_acc": 0.9, "final_val_loss": NaN}')
+    result = conclude(cfg, tmp_path, Outcome(0), 12.5)
+    assert result == summary(tmp_path)
+    assert (result["exit_status"], result["wall_time_s"], result["final_val_loss"]) == (0, 12.5, None)
+
+
+@pytest.mark.parametrize(
+    "job,outcome,status,expected",
+    [
+        (
+            {"status": "preempted", "checkpoint": "00003-step40", "steps": 40},
+            Outcome(0, "SIGTERM"),
+            "preempted",
+            "by SIGTERM: checkpoint 00003-step40 written after step 40; continue with: python -m runner",
+        ),
+        (
+            {"status": "diverged", "error": "non-finite loss at step 3"},
+            Outcome(0),
+            "diverged",
+            "non-finite loss",
+        ),
+        (
+            None,
+            Outcome(-9, "SIGINT", interrupted="a second signal (SIGINT)"),
+            "interrupted",
+            "a second signal (SIGINT); ended without a final checkpoint",
+        ),
+        (
+            None,
+            Outcome(-15, stall=Stall([1], "rank 1 (host h, pid 5) not responding since step 7")),
+            "stalled",
+            "rank 1 (host h, pid 5) not responding since step 7",
+        ),
+        ({"status": "ok"}, Outcome(1), "failed", "exited with status 1"),
+        (None, Outcome(0), "failed", "the job exited 0 but wrote no summary.json"),
+    ],
+    ids=["preempted", "diverged", "interrupted", "stalled", "failed", "no-summary"],
+)
+def test_each_way_a_job_ends_has_its_status_and_exit_status(cfg, tmp_path, job, outcome, status, expected):
+    (tmp_path / "logs").mkdir()
+    if job is not None:
+        (tmp_path / "summary.json").write_text(json.dumps(job))
+    with pytest.raises(JobEnded) as ended:
+        conclude(cfg, tmp_path, outcome, 3.0)
+    assert (ended.value.status, ended.value.code) == (status, EXIT[status])
+    assert expected in str(ended.value)
+    written = summary(tmp_path)
+    assert (written["status"], written["exit_status"]) == (status, EXIT[status])
+    if status == "stalled":
+        assert written["stalled_ranks"] == [1] and written["cause"] == expected
+    if outcome.signal:
+        assert written["signal"] == outcome.signal
+
+
+def test_a_summary_that_cannot_be_written_is_one_clear_line_and_loses_nothing(cfg, tmp_path):
+    """A full disk (the temporary file goes to /dev/full): the ranks' summary.json stays as it was."""
+    ranks = '{"status": "ok", "final_val_acc": 0.9}'
+    (tmp_path / "summary.json").write_text(ranks)
+    (tmp_path / ".summary.json.tmp").symlink_to("/dev/full")
+    with pytest.raises(RunFolderError) as failed:
+        conclude(cfg, tmp_path, Outcome(0), 1.0)
+    assert str(failed.value) == (
+        f"cannot write {tmp_path / 'summary.json'}: No space left on device; the job itself ended ok"
+    )
+    assert failed.value.code == 1 and (tmp_path / "summary.json").read_text() == ranks
+    (tmp_path / "summary.json").unlink()
+    (tmp_path / ".summary.json.tmp").symlink_to("/dev/full")
+    with pytest.raises(
+        RunFolderError, match=r"No space left on device; the job itself: failed: the job exited 0"
+    ):
+        conclude(cfg, tmp_path, Outcome(0), 1.0)
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_clear_line(cfg, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(
+        RunFolderError, match=r"cannot write the run folder .*/file/run: (Not a directory|File exists)"
+    ):
+        prepare(cfg, tmp_path / "file" / "run")
+    with pytest.raises(RunFolderError, match=r"cannot write .*/x\.json: Is a directory"):
+        (tmp_path / ".x.json.tmp").mkdir()
+        write_atomic(tmp_path / "x.json", "{}")
+
+
+# Real jobs: launcher, mpirun and ranks.
+
+
+class Job:
+    """``python -m runner`` started in the background, with the run folder ``dir``."""
+
+    def __init__(self, run_dir: Path, *overrides: str):
+        self.dir = run_dir
+        argv = [
+            sys.executable,
+            "-m",
+            "runner",
+            f"hydra.run.dir={run_dir}",
+            "train.progress=false",
+            *overrides,
+        ]
+        self.out = open(run_dir.parent / f"{run_dir.name}.out", "w+")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT, env=env)
+
+    def rank_pid(self, rank: int, timeout: float = 90) -> int:
+        """The pid of ``rank`` once the ranks are training (after their first validation)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            metrics = self.dir / "metrics.jsonl"
+            if metrics.exists() and '"kind": "val"' in metrics.read_text():
+                ranks = json.loads((self.dir / "bindings.json").read_text())["ranks"]
+                return next(b["pid"] for b in ranks if b["rank"] == rank)
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.2)
+        raise AssertionError("the job did not start training:\n" + self.output())
+
+    def wait(self, timeout: float = 120) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        self.out.flush()
+        return Path(self.out.name).read_text()
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.dir / "summary.json").read_text())
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs: list[Job] = []
+
+    def start(*overrides: str) -> Job:
+        jobs.append(Job(tmp_path / f"run{len(jobs)}", *overrides))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:
+        if j.proc.poll() is None:
+            j.proc.kill()
+            j.proc.wait()
+
+
+LONG = ["train.epochs=200", "model=mlp"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_a_rank_killed_by_a_signal_is_named(job):
+    run = job(*LONG)
+    os.kill(run.rank_pid(1), signal.SIGKILL)
+    assert run.wait() == 1, run.output()
+    last = run.output().strip().splitlines()[-1]
+    assert "job failed: rank 1 killed by signal 9 (SIGKILL), pid" in last, last
+    s = run.summary
+    assert (s["status"], s["failed_rank"], s["cause"]) == ("failed", 1, "killed by signal 9 (SIGKILL)")
+    assert "noticed that process rank 1" not in run.output(), "the banner stays in mpirun.log"
+    assert "noticed that process rank 1" in (run.dir / "mpirun.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_ends_the_job_as_stalled_naming_it(job):
+    run = job(*LONG, "train.stall_timeout=20")
+    pid = run.rank_pid(1)
+    beat = run.dir / "logs" / "rank1.beat"
+    while json.loads(beat.read_text())["step"] < 0:  # its heartbeat has seen it train
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGSTOP)
+    start = time.time()
+    try:
+        assert run.wait(timeout=60) == 4, run.output()
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert time.time() - start < 30
+    output = run.output()
+    assert f"warning: rank 1 (host {os.uname().nodename}, pid {pid})" in output, "at half the timeout"
+    assert f"job stalled: rank 1 (host {os.uname().nodename}, pid {pid}) not responding since step " in output
+    s = run.summary
+    assert (s["status"], s["exit_status"], s["stalled_ranks"]) == ("stalled", 4, [1])
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_checkpoints_and_exits_5(job, signum):
+    run = job(*LONG)
+    run.rank_pid(0)
+    run.proc.send_signal(signum)
+    assert run.wait() == 5, run.output()
+    name = signal.Signals(signum).name
+    assert (run.dir / "STOP").read_text().strip() == name
+    s = run.summary
+    assert (s["status"], s["exit_status"], s["signal"]) == ("preempted", 5, name)
+    assert s["checkpoint"] and f"continue with: python -m runner resume={run.dir}" in run.output()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_a_failing_rank_shows_its_cause_once_on_the_console(job):
+    run = job(f"hydra.searchpath=[file://{ROOT / 'tests' / 'conf'}]", "model=exploding", "train.epochs=3")
+    assert run.wait() == 1
+    output = run.output()
+    cause = "RuntimeError: injected failure at forward call 5"
+    assert output.count(cause) == 1, output
+    assert f"job failed: rank 1 failed: {cause} ({ROOT / 'tests' / 'faulty.py'}:" in output.splitlines()[-1]
+    assert "MPI_ABORT" not in output and "Traceback" not in output and "prterun" not in output, output
+    assert run.summary["failed_rank"] == 1 and run.summary["cause"].startswith(cause)

@@ -1,0 +1,248 @@
+"""The launcher's supervision of a job: the terminal echo, stop signals, the grace period, the stall
+watchdog. Jobs here are stand-in scripts (no MPI); the real-job tests are in test_failures.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import runner.supervise
+import runner.watchdog
+from runner.supervise import EchoFilter, Supervisor
+from runner.watchdog import read_beats, stall_check
+
+ABORT = b"""--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+  Proc: [[50001,1],0]
+  Errorcode: 1
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+You may or may not see output from other processes, depending on
+exactly when Open MPI kills them.
+--------------------------------------------------------------------------
+--------------------------------------------------------------------------
+prterun has exited due to process rank 0 with PID 0 on node vm calling
+"abort". This may have caused other processes in the application to be
+terminated by signals sent by prterun (as reported here).
+--------------------------------------------------------------------------
+"""
+KILLED = b"""--------------------------------------------------------------------------
+prterun noticed that process rank 1 with PID 4084 on node vm exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+TRACEBACK = b"""Traceback (most recent call last):
+  File "/work/main/runner/worker.py", line 163, in main
+    run(cfg, run_dir, comm, log_file, terminal)
+RuntimeError: injected failure
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+ValueError: bad
+"""
+WARNING = b"""--------------------------------------------------------------------------
+WARNING: a note from Open MPI that is not an abort
+--------------------------------------------------------------------------
+"""
+
+
+def echo(data: bytes, chunk: int | None = None) -> bytes:
+    f = EchoFilter()
+    step = chunk or len(data) or 1
+    out = b"".join(f.feed(data[i : i + step]) for i in range(0, len(data), step)) + f.flush()
+    assert f.tracebacks == data.count(b"Traceback (most recent call last):")
+    return out
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7])
+def test_the_echo_hides_abort_banners_tracebacks_and_failed_lines_whatever_the_chunks(chunk):
+    shown = b"epoch 0: val_acc 0.8\n"
+    data = shown + TRACEBACK + b"rank 0 failed: RuntimeError: injected failure (x.py:3)\n" + ABORT + KILLED
+    out = echo(data + b"last words\n\0", chunk)
+    assert out == shown + b"\nlast words\n", out
+    assert echo(WARNING, chunk) == WARNING, "other Open MPI notices are shown"
+    assert echo(b"rank 0/2 on vm, cores [0]\nranking 3\n", chunk) == b"rank 0/2 on vm, cores [0]\nranking 3\n"
+
+
+def test_progress_bars_pass_at_once():
+    f = EchoFilter()
+    assert f.feed(b"\r 10%|#         | 3/30") == b"\r 10%|#         | 3/30"
+    assert f.feed(b"\r 20%|##        | 6/30") == b"\r 20%|##        | 6/30"
+    assert f.feed(b"\n") == b"\n"
+    assert f.feed(b"--") == b"", "could open a banner: held"
+    assert f.feed(b"-" * 70 + b"\nnot a banner\n") == b"-" * 72 + b"\nnot a banner\n"
+    assert f.feed(b"half a line") == b"half a line" and f.flush() == b""
+
+
+def beat(step, progress, alive, **extra):
+    return {"rank": 0, "pid": 100, "host": "h", "role": "worker", "step": step, **extra} | {
+        "progress_time": progress,
+        "alive_time": alive,
+    }
+
+
+def test_a_stopped_rank_is_named_not_the_ones_waiting_for_it():
+    now = 1000.0
+    beats = {0: beat(57, 975, 999.5), 1: beat(57, 975, 980, pid=123)}
+    stall = stall_check(beats, now, launch_time=900, timeout=20)
+    assert stall.ranks == [1]
+    assert stall.message == (
+        "rank 1 (host h, pid 123) not responding since step 57; no rank made progress for 25 s"
+    )
+    assert stall_check(beats, now, 900, timeout=30) is None
+
+
+def test_blocked_ranks_name_the_lowest_step_and_a_server_that_does_not_answer():
+    now = 1000.0
+    behind = {0: beat(58, 970, 999), 1: beat(57, 970, 999, pid=7), 2: beat(58, 999, 999)}
+    stall = stall_check(behind, now, 900, 20)
+    assert stall.ranks == [1]
+    assert stall.message == "rank 1 (host h, pid 7) stuck at step 57; ranks 0, 1 made no progress for 30 s"
+    server = {0: beat(5, 970, 999), 1: beat(-1, 970, 999, role="server", pid=9)}
+    assert stall_check(server, now, 900, 20).message.startswith("server rank 1 (host h, pid 9) stuck;")
+
+
+def test_a_rank_that_never_beat_counts_from_the_launch():
+    beats = {0: beat(3, 995, 999), 1: None}
+    assert stall_check(beats, 1000, launch_time=990, timeout=20) is None
+    stall = stall_check(beats, 1000, launch_time=970, timeout=20)
+    assert stall.ranks == [1] and stall.message.startswith("rank 1 sent no heartbeat since the launch")
+
+
+def test_read_beats_skips_old_finished_and_torn_beats(tmp_path):
+    write = lambda r, b: (tmp_path / f"rank{r}.beat").write_text(json.dumps(b))  # noqa: E731
+    write(0, beat(1, 50, 50))
+    write(1, beat(4, 150, 150))
+    write(2, beat(9, 150, 150, done=True))
+    seen: dict[int, dict] = {}
+    beats = read_beats(tmp_path, 4, launch_time=100, previous=seen)
+    assert beats == {0: None, 1: beat(4, 150, 150), 3: None}, "rank 0's beat is a previous job's"
+    (tmp_path / "rank1.beat").write_text('{"rank": 1, "st')
+    assert read_beats(tmp_path, 2, 100, seen)[1] == beat(4, 150, 150), "a torn read keeps the last beat"
+    (tmp_path / "rank1.beat").unlink()
+    assert 1 not in read_beats(tmp_path, 2, 100, seen), "a beat file removed after it was seen: finished"
+
+
+STAND_IN = """
+import json, os, signal, sys, time
+run, mode = sys.argv[1], sys.argv[2]
+def beat(rank, step, progress):
+    path = os.path.join(run, "logs", f"rank{rank}.beat")
+    record = {"rank": rank, "pid": os.getpid(), "host": "h", "role": "worker", "step": step,
+              "progress_time": progress, "alive_time": time.time()}
+    open(path + ".tmp", "w").write(json.dumps(record)); os.replace(path + ".tmp", path)
+if mode == "chatty":
+    for i in range(20000):
+        print(f"line {i} " + "x" * 100)
+    sys.exit(0)
+if mode == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("started", flush=True)
+open(os.path.join(run, "ready"), "w").close()
+start = time.time()
+while time.time() - start < 60:
+    if mode == "preempt" and os.path.exists(os.path.join(run, "STOP")):
+        print("stopping on", open(os.path.join(run, "STOP")).read().strip(), flush=True)
+        json.dump({"status": "preempted"}, open(os.path.join(run, "summary.json"), "w"))
+        sys.exit(0)
+    if mode == "beats":
+        beat(0, 5, start)
+        if time.time() - start < 0.5:
+            beat(1, 5, start)
+    time.sleep(0.1)
+"""
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """Call with a mode: a Supervisor of the stand-in job in that mode, in ``tmp_path``."""
+    monkeypatch.setattr(runner.supervise, "TERM_TIMEOUT_S", 1.0)
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    (tmp_path / "logs").mkdir()
+
+    def make(mode: str, stall_timeout: float | None = None) -> Supervisor:
+        return Supervisor([sys.executable, str(script), str(tmp_path), mode], tmp_path, 2, stall_timeout)
+
+    return make
+
+
+def signal_when_ready(run_dir: Path, *signums: int) -> threading.Thread:
+    """Send this process ``signums`` (0.3 s apart) once the stand-in job has started."""
+
+    def send() -> None:
+        deadline = time.time() + 20
+        while not (run_dir / "ready").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        for signum in signums:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.3)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_a_stop_signal_asks_the_ranks_to_stop_and_the_job_goes_on_until_they_do(job, tmp_path, capfd, signum):
+    before = signal.getsignal(signum)
+    signal_when_ready(tmp_path, signum)
+    outcome = job("preempt").run()
+    name = signal.Signals(signum).name
+    assert (outcome.returncode, outcome.signal, outcome.interrupted) == (0, name, None)
+    assert (tmp_path / "STOP").read_text() == f"{name}\n"
+    assert f"stopping on {name}" in (tmp_path / "mpirun.log").read_text()
+    assert f"stopping on {name}" in capfd.readouterr().out
+    assert signal.getsignal(signum) == before, "the launcher's own handlers are put back"
+
+
+def test_a_job_that_does_not_stop_within_the_grace_period_is_ended(job, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.supervise, "GRACE_S", 1.0)
+    signal_when_ready(tmp_path, signal.SIGTERM)
+    start = time.time()
+    outcome = job("ignore").run()
+    assert outcome.returncode != 0 and outcome.signal == "SIGTERM"
+    assert outcome.interrupted == "the job did not stop within 1 s of SIGTERM"
+    assert time.time() - start < 10, "grace 1 s + SIGTERM ignored + SIGKILL after 1 s"
+
+
+def test_a_second_signal_ends_the_job_at_once(job, tmp_path):
+    signal_when_ready(tmp_path, signal.SIGINT, signal.SIGINT)
+    start = time.time()
+    outcome = job("ignore").run()
+    assert outcome.interrupted == "a second signal (SIGINT)" and outcome.returncode != 0
+    assert time.time() - start < 10
+
+
+def test_the_watchdog_ends_a_stalled_job_and_names_the_silent_rank(job, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(runner.watchdog, "NOT_RESPONDING_S", 0.5)
+    start = time.time()
+    outcome = job("beats", stall_timeout=2.0).run()
+    assert outcome.stall is not None and outcome.stall.ranks == [1], outcome
+    assert outcome.stall.message.startswith("rank 1 (host h, pid ") and "not responding since step 5" in (
+        outcome.stall.message
+    )
+    assert time.time() - start < 8
+    assert caplog.text.count("warning: rank 1 (host h") == 1, "one warning at half the timeout"
+    assert "ending the job: stalled: rank 1" in caplog.text
+
+
+def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tmp_path, capfd, caplog):
+    """Writing the log fails (the disk is full): said once, and the job's output is still drained (a
+    job whose pipe is not read blocks forever) and shown."""
+    (tmp_path / "mpirun.log").symlink_to("/dev/full")
+    outcome = job("chatty").run()
+    assert outcome.returncode == 0
+    assert (
+        caplog.text.count(f"cannot write {tmp_path / 'mpirun.log'}: [Errno 28] No space left on device") == 1
+    )
+    assert capfd.readouterr().out.count("\nline ") == 19999
