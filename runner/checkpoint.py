@@ -75,6 +75,9 @@ def save_atomic(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

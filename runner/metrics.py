@@ -35,7 +35,7 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: Path, enabled: bool, resume: tuple[int, int, float] | None = None):
-        self.enabled = enabled
+        self.enabled, self.dir = enabled, run_dir
         self.lines = 0
         self.start = time.time() - (resume[2] if resume else 0.0)
         self.file = self.tb = None
@@ -56,10 +56,15 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time() - self.start, 4), **values}
-        self.file.write(dumps(record) + "\n")
-        self.lines += 1
-        for key, value in _scalars(values):
-            self.tb.scalar(f"{kind}/{key}", value, step)
+        try:
+            self.file.write(dumps(record) + "\n")
+            self.lines += 1
+            for key, value in _scalars(values):
+                self.tb.scalar(f"{kind}/{key}", value, step)
+        except OSError as err:
+            raise OSError(
+                err.errno, f"cannot write the run's records in {self.dir}: {err.strerror}"
+            ) from None
 
     def flush(self) -> None:
         if self.enabled:
