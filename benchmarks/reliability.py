@@ -44,11 +44,12 @@ def measure(name: str, size: int, batch: int, repeat: int) -> dict[str, float]:
     optimizer = cfg.optim.build(model.parameters())
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, cfg.data.num_classes, (batch,))
     params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
 
     def step(guard: bool) -> None:
         optimizer.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        (poisoned(loss) if guard else loss).backward()
+        (poisoned(loss, buffers) if guard else loss).backward()
         if guard:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
             assert bool(torch.isfinite(norm)) and bool(torch.isfinite(loss))

@@ -19,10 +19,17 @@ from runner.metrics import MetricsLog
 from runner.rules.base import Rule
 
 
-def poisoned(loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` where finite, else NaN: backward then gives NaN gradients, so a rule that averages them
-    carries one rank's non-finite loss to every rank and all of them decide alike (no host sync)."""
-    return loss * torch.where(torch.isfinite(loss), 1.0, float("nan"))
+def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of ``tensors`` together: finite exactly when every element is (barring overflow)."""
+    return torch.nn.utils.get_total_norm(tensors, foreach=True) if tensors else torch.zeros(())
+
+
+def poisoned(loss: torch.Tensor, buffers: list[torch.Tensor]) -> torch.Tensor:
+    """``loss`` while it and the BatchNorm statistics its forward pass updated are finite, else NaN:
+    backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step to
+    every rank, and all of them decide alike (without a host sync)."""
+    ok = torch.isfinite(loss) & torch.isfinite(norm(buffers))
+    return loss * torch.where(ok, 1.0, float("nan"))
 
 
 def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
@@ -76,6 +83,8 @@ class Trainer:
         self.control, self.checkpoint, self.beat = control, checkpoint, beat
         self.criterion = nn.CrossEntropyLoss()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.kept: list[torch.Tensor] = []
         self.history: list[dict[str, float]] = []
         self.skipped = 0
         self.preempted = False
@@ -95,8 +104,9 @@ class Trainer:
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 self.rule.before_step(pos.step)
                 self.optimizer.zero_grad(set_to_none=False)
+                self.keep_buffers()
                 loss = self.criterion(self.model(x), y)
-                poisoned(loss).backward()
+                poisoned(loss, self.buffers).backward()
                 self.rule.after_backward(pos.step)
                 if self.finite(loss, pos.step):
                     self.optimizer.step()
@@ -136,12 +146,15 @@ class Trainer:
         return self.preempted
 
     def save(self, pos: Position, end: bool) -> None:
-        """Checkpoint, unless the parameters are no longer finite (a finite gradient times a large learning
-        rate can overflow them): then the run has diverged, and the last good checkpoint is kept."""
-        tensors = [t for t in self.model.state_dict().values() if t.is_floating_point()]
+        """Checkpoint, unless the model is no longer finite (a finite gradient times a large learning rate
+        can overflow a parameter, large activations a BatchNorm statistic): then the run has diverged, and
+        the last good checkpoint is kept."""
+        state = self.model.state_dict()
+        tensors = [t for t in state.values() if t.is_floating_point()]
         if tensors and not bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, foreach=True))):
+            bad = next(k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all())
             raise Diverged(
-                f"non-finite parameters after step {pos.step} on rank {self.workers.rank}; lower optim.lr; "
+                f"non-finite {bad} after step {pos.step} on rank {self.workers.rank}; lower optim.lr; "
                 "the last good checkpoint is kept"
             )
         self.checkpoint(pos, end)
@@ -150,14 +163,19 @@ class Trainer:
         return self.control.checkpointer.due(step)
 
     def finite(self, loss: torch.Tensor, step: int) -> bool:
-        """Whether the step may be applied: loss and gradients finite. Otherwise ``on_nonfinite=stop``
-        raises :class:`Diverged`; ``skip`` drops the step (and counts it). Rules that exchange gradients
-        (BSP) decide alike on every rank, since a non-finite loss poisons the gradient it sends."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-        if bool(torch.isfinite(norm)) and bool(torch.isfinite(loss)):
+        """Whether the step may be applied: loss, BatchNorm statistics and gradients finite. Otherwise
+        ``on_nonfinite=stop`` raises :class:`Diverged`; ``skip`` drops the step (its update and its
+        BatchNorm statistics) and counts it. Rules that exchange gradients (BSP) decide alike on every rank,
+        since a rank's non-finite step poisons the gradient it sends."""
+        grad_norm = norm([p.grad for p in self.params if p.grad is not None])
+        if bool(torch.isfinite(grad_norm)):
             return True
-        what = f"loss {loss.item()}" if not bool(torch.isfinite(loss)) else f"gradient norm {norm.item()}"
+        if not bool(torch.isfinite(loss)):
+            what = f"loss {loss.item()}"
+        elif not bool(torch.isfinite(norm(self.buffers))):
+            what = "BatchNorm statistics"
+        else:
+            what = f"gradient norm {grad_norm.item()}"
         if self.cfg.on_nonfinite == "stop":
             raise Diverged(
                 f"non-finite {what} at step {step + 1} on rank {self.workers.rank}; lower optim.lr, or "
@@ -165,9 +183,22 @@ class Trainer:
             )
         self.skipped += 1
         self.optimizer.zero_grad(set_to_none=False)
+        with torch.no_grad():
+            for buffer, kept in zip(self.buffers, self.kept, strict=True):
+                buffer.copy_(kept)
         if self.skipped <= 3 or self.skipped % 100 == 0:
             self.meter.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
         return False
+
+    def keep_buffers(self) -> None:
+        """With ``on_nonfinite=skip``, copy the BatchNorm statistics before the forward pass updates them, so
+        that a dropped step leaves no trace in them either."""
+        if self.cfg.on_nonfinite == "skip" and self.buffers:
+            if not self.kept:
+                self.kept = [b.clone() for b in self.buffers]
+            with torch.no_grad():
+                for kept, buffer in zip(self.kept, self.buffers, strict=True):
+                    kept.copy_(buffer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history, "skipped": self.skipped, "meter": self.meter.state_dict()}
