@@ -105,7 +105,7 @@ class Trainer:
                 self.rule.before_step(pos.step)
                 self.optimizer.zero_grad(set_to_none=False)
                 self.keep_buffers()
-                loss = self.criterion(self.model(x), y)
+                loss = self.forward(x, y, first=pos.step == start.step)
                 poisoned(loss, self.buffers).backward()
                 self.rule.after_backward(pos.step)
                 if self.finite(loss, pos.step):
@@ -136,6 +136,20 @@ class Trainer:
             self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
         self.rule.finish()
         return reported, self._summary(epochs, pos.step)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
+        """The loss of a batch. A model that does not take the data fails on the first batch with one line
+        naming the shapes (rather than deep inside torch)."""
+        try:
+            return self.criterion(self.model(x), y)
+        except (RuntimeError, IndexError) as err:
+            if not first:
+                raise
+            raise ValueError(
+                f"{type(self.model).__name__} does not take this data: inputs {list(x.shape)}, labels "
+                f"{list(y.shape)} up to {int(y.max())} failed with: {str(err).splitlines()[0]}; check "
+                "model.input_shape and model.num_classes against data.shape and data.num_classes"
+            ) from None
 
     def at_step_end(self, pos: Position) -> bool:
         """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""

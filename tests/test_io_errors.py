@@ -1,4 +1,5 @@
-"""Real jobs against bad files and full disks: the cause is named, nothing hangs, nothing written is lost."""
+"""Real jobs against bad files, full disks and a model that does not fit its data: the cause is named,
+nothing hangs, nothing written is lost."""
 
 from __future__ import annotations
 
@@ -78,3 +79,13 @@ def test_an_unwritable_checkpoint_folder_fails_clearly(tmp_path):
     assert run.returncode == 1, run.output
     assert "checkpoints" in run.summary["cause"] and "Error" in run.summary["cause"]
     assert Path(run_dir / "summary.json").exists()
+
+
+def test_a_model_that_does_not_take_the_data_fails_at_the_first_step_naming_the_shapes(tmp_path):
+    """model.input_shape set by hand, as a user's own model might get it wrong: not checkable before the
+    model exists, so the first step says what went in and what the model expected."""
+    run = run_cli(tmp_path / "run", "model=mlp", "model.input_shape=[100]", timeout=120)
+    assert run.returncode == 1, run.output
+    cause = run.summary["cause"]
+    assert "MLP does not take this data: inputs [32, 1, 8, 8]" in cause
+    assert "(32x64 and 100x128)" in cause and "model.input_shape" in cause
