@@ -97,6 +97,20 @@ def read_index(run_dir: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text())["checkpoints"]
 
 
+def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
+    """The newest complete checkpoint of ``run_dir``, checked against this job's number of ranks."""
+    entries = read_index(run_dir)
+    if not entries:
+        return None
+    entry = entries[-1]
+    if entry["world_size"] != world_size:
+        raise ValueError(
+            f"{run_dir}: its checkpoint {entry['dir']} was written by {entry['world_size']} ranks, this job "
+            f"has {world_size}; resume with the run's own devices and rule"
+        )
+    return entry
+
+
 def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]:
     """This rank's part of the checkpoint ``entry`` (an item of :func:`read_index`)."""
     path = run_dir / CKPT_DIR / entry["dir"] / f"rank{rank}.pt"

@@ -23,8 +23,8 @@ from runner import comm as mpi
 from runner.checkpoint import (
     Checkpointer,
     Control,
+    latest_checkpoint,
     load_part,
-    read_index,
     rng_state,
     save_atomic,
     set_rng_state,
@@ -233,20 +233,6 @@ def run(
             "worker_wall_time_s": time.time() - start,
         }
         write_json_atomic(strict(summary), run_dir / "summary.json")
-
-
-def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
-    """The newest complete checkpoint of ``run_dir``, checked against this job's number of ranks."""
-    entries = read_index(run_dir)
-    if not entries:
-        return None
-    entry = entries[-1]
-    if entry["world_size"] != world_size:
-        raise ValueError(
-            f"{run_dir}: its checkpoint {entry['dir']} was written by {entry['world_size']} ranks, this job "
-            f"has {world_size}; resume with the run's own devices and rule"
-        )
-    return entry
 
 
 def root_cause(err: BaseException) -> str:
