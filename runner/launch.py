@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import Config, schema_paths, validate
+from runner.identity import IDENTITY_FILE
 from runner.metrics import read_metrics, strict
 from runner.supervise import STOP_FILE, Outcome, Supervisor
 
@@ -84,7 +85,7 @@ def strict_json(obj: Any) -> str:
     return json.dumps(strict(obj), indent=1, allow_nan=False)
 
 
-def _prepare(cfg: DictConfig, run_dir: Path) -> tuple[list[str], Config]:
+def _prepare(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None = None) -> tuple[list[str], Config]:
     checked = validate(cfg)
     launch = checked.hardware.plan_launch(checked.world_size, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -98,6 +99,8 @@ def _prepare(cfg: DictConfig, run_dir: Path) -> tuple[list[str], Config]:
     except OSError as err:
         raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
     write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))
+    if ident is not None:
+        write_atomic(run_dir / IDENTITY_FILE, json.dumps(ident, indent=1))
     if launch.placements:
         write_atomic(run_dir / "plan.json", json.dumps([asdict(p) for p in launch.placements], indent=1))
     write_atomic(run_dir / "mpirun.txt", shlex.join(launch.argv) + "\n")
@@ -207,6 +210,7 @@ def write_failure_summary(
         "exit_status": EXIT[status],
         "error": reason,
         **fields,
+        **(_read_summary(run_dir / IDENTITY_FILE) or {}),
         "rule": schema_paths(cfg)["rule"].split(".")[-2],
         "devices": cfg.devices,
         "wall_time_s": wall,
@@ -277,14 +281,17 @@ def _complete(
     return job
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def launch(
+    cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None = None, label: str | None = None
+) -> dict[str, Any]:
     """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded
-    (ValueError on bad input, before anything starts)."""
-    argv, checked = _prepare(cfg, run_dir)
+    (ValueError on bad input, before anything starts). ``ident`` (:func:`runner.identity.identity`) goes to
+    ``run.json`` and the summary; ``label`` prefixes the job's lines on the terminal (a sweep's points)."""
+    argv, checked = _prepare(cfg, run_dir, ident)
     log.info("run folder: %s", run_dir)
     log.info("starting: %s", shlex.join(argv))
     start = time.time()
-    supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout)
+    supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout, label)
     try:
         outcome = supervisor.run()
     except BaseException as err:

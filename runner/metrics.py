@@ -66,6 +66,11 @@ class MetricsLog:
                 err.errno, f"cannot write the run's records in {self.dir}: {err.strerror}"
             ) from None
 
+    def hparams(self, values: dict[str, Any], metrics: dict[str, float]) -> None:
+        """The run's swept values and final metrics for TensorBoard's HParams dashboard."""
+        if self.enabled and values:
+            self.tb.hparams(values, metrics)
+
     def flush(self) -> None:
         if self.enabled:
             self.file.flush()
@@ -101,6 +106,19 @@ class EventFile:
         self.writer.write_event(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
         if time.time() - self.flushed > self.flush_secs:
             self.flush()
+
+    def hparams(self, values: dict[str, Any], metrics: dict[str, float]) -> None:
+        """tensorboardX's three hparams summaries (the experiment, the session's values, its end) and the
+        metrics as scalars under their own tags, as ``SummaryWriter.add_hparams`` writes them."""
+        from tensorboardX.summary import hparams
+
+        shown = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()}
+        finite = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        for summary in hparams(shown, finite):
+            self.writer.write_event(self.event(wall_time=time.time(), summary=summary))
+        for key, value in finite.items():
+            self.scalar(key, value, 0)
+        self.flush()
 
     def flush(self) -> None:
         self.writer.flush()

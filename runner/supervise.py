@@ -162,8 +162,17 @@ class Supervisor:
     """Starts ``argv`` and watches it to the end (:meth:`run`). Call from the main thread to handle
     signals (elsewhere, e.g. in a sweep launcher's thread, signals are left alone)."""
 
-    def __init__(self, argv: list[str], run_dir: Path, ranks: int, stall_timeout: float | None):
+    def __init__(
+        self,
+        argv: list[str],
+        run_dir: Path,
+        ranks: int,
+        stall_timeout: float | None,
+        label: str | None = None,
+    ):
         self.argv, self.run_dir, self.ranks, self.stall_timeout = argv, run_dir, ranks, stall_timeout
+        self.prefix = f"[{label}] ".encode() if label else b""
+        self.line_start = True
         self.signals: list[str] = []
         self.stop_time: float | None = None
         self.ending_since: float | None = None
@@ -307,8 +316,16 @@ class Supervisor:
             _close_quietly(log)
 
     def _echo(self, data: bytes) -> None:
+        """Write to the terminal; with a label (a sweep's point), at the start of every line."""
         if not data:
             return
+        if self.prefix:
+            lines = data.split(b"\n")
+            data = b"\n".join(
+                (self.prefix if (i > 0 or self.line_start) and line else b"") + line
+                for i, line in enumerate(lines)
+            )
+            self.line_start = data.endswith(b"\n")
         try:
             sys.stdout.buffer.write(data)
             sys.stdout.buffer.flush()

@@ -34,6 +34,7 @@ from runner.config import Config, load
 from runner.hardware.placement import place_rank
 from runner.hardware.topology import read_topology
 from runner.heartbeat import Heartbeat
+from runner.identity import IDENTITY_FILE
 from runner.loop import Diverged, Position, Trainer, broadcast_state
 from runner.meter import Meter
 from runner.metrics import MetricsLog, strict
@@ -210,6 +211,12 @@ def run(
         final = rule.final_metrics()
         if final:
             log.write("final", result["steps"], **final)
+        ident = (
+            json.loads((run_dir / IDENTITY_FILE).read_text()) if (run_dir / IDENTITY_FILE).is_file() else {}
+        )
+        log.hparams(
+            ident.get("swept", {}), {f"hparam/{k}": result[k] for k in ("final_val_acc", "best_val_acc")}
+        )
     finally:
         log.close()
     if train.save_model != "none" and comm.rank == 0:
@@ -219,6 +226,7 @@ def run(
     if comm.rank == 0:
         summary = {
             "status": "preempted" if trainer.preempted else "ok",
+            **ident,
             "rule": type(cfg.rule).__module__.rsplit(".", 1)[-1],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
             "data": f"{type(cfg.data).__module__}.{type(cfg.data).__qualname__.removesuffix('Config')}",
