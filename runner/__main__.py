@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import register
-from runner.identity import identity, sweep_overrides
+from runner.identity import concurrent_points, identity, sweep_overrides
 from runner.launch import EXIT, JobEnded, launch
 
 log = logging.getLogger("runner")
@@ -36,16 +36,16 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     single = hydra_cfg.mode == RunMode.RUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    ident = identity(
-        list(hydra_cfg.overrides.task), None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
-    )
+    sweep = None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
+    ident = identity(list(hydra_cfg.overrides.task), sweep)
+    share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
     try:
         if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
             from runner.resume import resume_config
 
             cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
             ident = None
-        summary = launch(cfg, run_dir, ident, label=None if single else ident["name"])
+        summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
     except (ValueError, OmegaConfBaseException) as err:
         if single:  # a user error, named with its key and fix: no traceback
             log.error("invalid input, nothing was started: %s", err)

@@ -45,3 +45,31 @@ def sweep_overrides(sweep_dir: Path) -> list[str] | None:
     if not path.is_file():
         return None
     return list(OmegaConf.load(path).hydra.overrides.task)
+
+
+def concurrent_points(launcher: Any, sweep: list[str] | None) -> int:
+    """How many points of a sweep run at once on this machine: those of Hydra's joblib launcher
+    (``n_jobs``) or submitit's local one (all), at most as many as the sweep has (when its overrides say:
+    lists of values); 1 for launchers that run points one after another or elsewhere."""
+    import os
+
+    target = str(launcher.get("_target_", ""))
+    if target.endswith("JoblibLauncher"):
+        limit = launcher.get("n_jobs") or 1
+        limit = os.cpu_count() or 1 if limit < 0 else limit
+    elif target.endswith("LocalLauncher"):  # submitit's local executor starts every point at once
+        limit = launcher.get("array_parallelism") or 1_000_000
+    else:
+        return 1
+    if sweep:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        points = 1
+        for override in OverridesParser.create().parse_overrides(list(sweep)):
+            if override.is_sweep_override():
+                try:
+                    points *= len(list(override.sweep_iterator()))
+                except Exception:  # a range to sample from (Optuna): no count
+                    return max(1, limit)
+        limit = min(limit, points)
+    return max(1, limit)

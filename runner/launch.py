@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import Config, schema_paths, validate
+from runner.hardware.base import Launch
 from runner.identity import IDENTITY_FILE
 from runner.metrics import read_metrics, strict
 from runner.supervise import STOP_FILE, Outcome, Supervisor
@@ -85,9 +86,25 @@ def strict_json(obj: Any) -> str:
     return json.dumps(strict(obj), indent=1, allow_nan=False)
 
 
-def _prepare(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None = None) -> tuple[list[str], Config]:
+def _prepare(
+    cfg: DictConfig,
+    run_dir: Path,
+    ident: dict[str, Any] | None = None,
+    reserve: bool = False,
+    share: int = 1,
+) -> tuple[Launch, Config]:
     checked = validate(cfg)
-    launch = checked.hardware.plan_launch(checked.world_size, run_dir)
+    launch = checked.hardware.plan_launch(checked.world_size, run_dir, reserve=reserve, share=share)
+    try:
+        _write_run_folder(cfg, run_dir, ident, launch)
+    except BaseException:
+        if launch.lease is not None:
+            launch.lease.release()
+        raise
+    return launch, checked
+
+
+def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None, launch: Launch) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["hardware"].update(threads_per_rank=launch.threads, bind=launch.bind)
     if "launcher" in resolved["hardware"]:
@@ -104,7 +121,6 @@ def _prepare(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None = None
     if launch.placements:
         write_atomic(run_dir / "plan.json", json.dumps([asdict(p) for p in launch.placements], indent=1))
     write_atomic(run_dir / "mpirun.txt", shlex.join(launch.argv) + "\n")
-    return launch.argv, checked
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
@@ -115,7 +131,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     ``mpirun.txt``. Raises ValueError naming the offending key (nothing has been started then), or
     RunFolderError when the folder cannot be written.
     """
-    return _prepare(cfg, run_dir)[0]
+    return _prepare(cfg, run_dir)[0].argv
 
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
@@ -282,13 +298,21 @@ def _complete(
 
 
 def launch(
-    cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None = None, label: str | None = None
+    cfg: DictConfig,
+    run_dir: Path,
+    ident: dict[str, Any] | None = None,
+    label: str | None = None,
+    share: int = 1,
 ) -> dict[str, Any]:
     """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded
     (ValueError on bad input, before anything starts). ``ident`` (:func:`runner.identity.identity`) goes to
-    ``run.json`` and the summary; ``label`` prefixes the job's lines on the terminal (a sweep's points)."""
-    argv, checked = _prepare(cfg, run_dir, ident)
+    ``run.json`` and the summary; ``label`` prefixes the job's lines on the terminal (a sweep's points);
+    ``share``: the jobs that run at once on this machine, which share its cores."""
+    planned, checked = _prepare(cfg, run_dir, ident, reserve=True, share=share)
+    argv = planned.argv
     log.info("run folder: %s", run_dir)
+    if planned.warning:
+        log.warning(planned.warning)
     log.info("starting: %s", shlex.join(argv))
     start = time.time()
     supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout, label)
@@ -301,6 +325,9 @@ def launch(
         except RunFolderError:
             pass
         raise
+    finally:
+        if planned.lease is not None:
+            planned.lease.release()
     summary = conclude(cfg, run_dir, outcome, time.time() - start)
     log.info(
         "done in %.1f s: final val_acc %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",

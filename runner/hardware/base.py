@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runner.hardware.cores import CoreLease
 from runner.hardware.mpirun import (
     build_argv,
     effective_bind,
@@ -37,6 +38,8 @@ class Launch:
     bind: str
     launcher: str = "mpirun"
     placements: list[Placement] | None = None
+    lease: CoreLease | None = None
+    warning: str | None = None
 
 
 @dataclass
@@ -75,8 +78,10 @@ class HardwareConfig:
         )
         require(self.ranks_per_gpu >= 1, "ranks_per_gpu", self.ranks_per_gpu, "at least one rank per GPU")
 
-    def plan_launch(self, ranks: int, run_dir: Path) -> Launch:
-        """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``.
+    def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
+        """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``. With ``reserve`` (the
+        launcher, about to start it), the cores it binds to are held against other jobs on this machine;
+        ``share``: how many jobs run at once here (a parallel sweep), each to get its share of the cores.
 
         Raises ValueError naming the key and the fix when the hardware cannot hold the job.
         """
@@ -123,9 +128,15 @@ class HardwareConfig:
         return []
 
     def mpirun_launch(
-        self, ranks: int, run_dir: Path, cores: int, placements: list[Placement] | None = None
+        self,
+        ranks: int,
+        run_dir: Path,
+        cores: int,
+        placements: list[Placement] | None = None,
+        pe_list: list[int] | None = None,
     ) -> Launch:
-        """The mpirun command for ``ranks`` ranks sharing ``cores`` cores, placed by ``placements``."""
+        """The mpirun command for ``ranks`` ranks sharing ``cores`` cores, placed by ``placements`` or, one
+        rank per core, on the cores ``pe_list``."""
         mpirun = find_mpirun(self.mpirun)
         argv = build_argv(
             self,
@@ -136,6 +147,7 @@ class HardwareConfig:
             cores=cores,
             as_root=os.geteuid() == 0,
             placements=placements,
+            pe_list=pe_list,
         )
         threads, bind = threads_per_rank(self, ranks, cores), effective_bind(self, ranks, cores)
         return Launch(argv, threads, bind, "mpirun", placements)

@@ -89,6 +89,7 @@ def build_argv(
     as_root: bool,
     python: str = sys.executable,
     placements: list[Placement] | None = None,
+    pe_list: list[int] | None = None,
 ) -> list[str]:
     """The mpirun command line that starts ``ranks`` workers with the placement of hardware group ``hw``.
 
@@ -96,7 +97,9 @@ def build_argv(
     oversubscribed and binding is switched off (Open MPI refuses to bind more ranks than cores). With GPU
     ``placements`` (``topology.plan``) ranks fill the NUMA nodes of their GPUs in order:
     ``--map-by ppr:K:numa:pe=T``, so rank r runs on the NUMA node of GPU r; MPICH's Hydra binds each rank
-    to its planned cores (``-bind-to user:0-3,4-7,...``). The hosts come from ``hw.host_args``.
+    to its planned cores (``-bind-to user:0-3,4-7,...``). With ``pe_list`` (one core per rank, held for
+    this job: :mod:`runner.hardware.cores`) rank r is bound to its r-th core. The hosts come from
+    ``hw.host_args``.
     """
     threads = threads_per_rank(hw, ranks, cores)
     oversubscribed = ranks * threads > cores
@@ -106,6 +109,8 @@ def build_argv(
     if flavor == "openmpi":
         if placements and bind != "none":
             argv += ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
+        elif bind == "core" and pe_list:
+            argv += ["--map-by", f"pe-list={','.join(map(str, pe_list))}:ordered", "--bind-to", "core"]
         elif bind == "core":
             argv += ["--map-by", f"slot:PE={threads}" if threads > 1 else "core", "--bind-to", "core"]
         elif bind == "none":
@@ -125,7 +130,9 @@ def build_argv(
         for key, value in env.items():
             argv += ["-x", f"{key}={value}"]
     else:
-        if placements and bind != "none":
+        if pe_list and bind == "core":
+            argv += ["-bind-to", "user:" + ",".join(map(str, pe_list))]
+        elif placements and bind != "none":
             argv += ["-bind-to", "user:" + ",".join(format_cpulist(p.cpus, "+") for p in placements)]
         else:
             argv += ["-bind-to", "none" if bind == "none" else f"core:{threads}"]

@@ -61,7 +61,7 @@ class Slurm(HardwareConfig):
             "an srun --mpi plugin, e.g. pmix (see srun --mpi=list)",
         )
 
-    def plan_launch(self, ranks: int, run_dir: Path) -> Launch:
+    def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
         """The job in this allocation: ``mpirun`` (which reads the nodes from Slurm) or ``srun``, with
         ``SLURM_CPUS_PER_TASK`` threads per rank unless ``threads_per_rank`` says otherwise; refused when the
         allocation cannot hold it. GPUs are planned only on a single node started by mpirun."""
