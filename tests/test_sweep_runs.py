@@ -104,12 +104,16 @@ def test_jobs_on_one_machine_hold_disjoint_cores(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_points_run_at_once_bind_to_different_cores(cli):
-    """submitit's local launcher starts both points at once: each gets its own core (the machine has 2)."""
+@pytest.mark.parametrize("launcher", ["hydra/launcher=submitit_local", "hydra/launcher=joblib"])
+def test_points_run_at_once_bind_to_different_cores(cli, launcher):
+    """submitit's local launcher and joblib's (n_jobs=2) run both points at once: each gets its own core
+    (the machine has 2)."""
     import json
 
+    extra = ["hydra.launcher.n_jobs=2"] if "joblib" in launcher else []
     run = cli(
-        "hydra/launcher=submitit_local",
+        launcher,
+        *extra,
         "optim.lr=0.01,0.05",
         "devices=1",
         "model=mlp",

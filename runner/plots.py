@@ -1,0 +1,311 @@
+"""The report's plots (PNG, matplotlib's Agg canvas; no pyplot, no display) and its HTML page.
+
+matplotlib is imported inside the functions: :mod:`runner.report` is imported by the launcher at the end of
+a multirun, and a launch that writes no report should not pay for it.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from runner.report import Report, Run
+
+#: The report's plots, in the order shown.
+PLOTS = ("curves", "heatmap", "scatter", "time_to_target", "bytes_per_worker", "rule_metrics")
+#: Per-epoch metrics of the rules, plotted over steps when a run recorded them: key -> (title, y label).
+RULE_METRICS = {
+    "center_distance": ("EASGD: distance of the workers to the center", "RMS distance to the center"),
+    "spread": ("GoSGD: spread of the workers around the consensus", "weighted RMS distance to the consensus"),
+}
+TITLES = {
+    "val_acc": "Validation accuracy",
+    "val_loss": "Validation loss",
+    "worker_mean_val_acc": "Validation accuracy of the workers' mean model",
+    "worker_mean_val_loss": "Validation loss of the workers' mean model",
+}
+LABELS = {
+    "val_acc": "validation accuracy (fraction correct)",
+    "val_loss": "validation loss (cross-entropy)",
+    "worker_mean_val_acc": "validation accuracy of the workers' mean model (fraction)",
+    "worker_mean_val_loss": "validation loss of the workers' mean model (cross-entropy)",
+}
+
+
+def metric_label(metric: str) -> str:
+    return LABELS.get(metric, metric)
+
+
+@dataclass
+class Grid:
+    """A 2-key sweep's best metric per cell: ``values[i][j]`` for ``rows[i]`` of ``row_key`` and
+    ``cols[j]`` of ``col_key`` (None: no run, or no value); ``status`` the cell's run's status."""
+
+    row_key: str
+    col_key: str
+    rows: list[Any]
+    cols: list[Any]
+    values: list[list[float | None]]
+    status: list[list[str | None]]
+
+
+def _order(value: Any) -> tuple:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (not number, value if number else str(value))
+
+
+def heatmap_grid(report: Report) -> Grid | None:
+    """The grid of a report over exactly two swept keys (None otherwise); a cell with several runs keeps the
+    best of them."""
+    if len(report.keys) != 2:
+        return None
+    rk, ck = report.keys
+    runs = [r for r in report.runs if rk in r.swept and ck in r.swept]
+    rows = sorted({r.swept[rk] for r in runs}, key=_order)
+    cols = sorted({r.swept[ck] for r in runs}, key=_order)
+    values: list[list[float | None]] = [[None] * len(cols) for _ in rows]
+    status: list[list[str | None]] = [[None] * len(cols) for _ in rows]
+    for run in runs:  # best first: the first run of a cell is its best
+        i, j = rows.index(run.swept[rk]), cols.index(run.swept[ck])
+        if status[i][j] is None:
+            values[i][j], status[i][j] = run.best, run.status
+    return Grid(rk, ck, rows, cols, values, status)
+
+
+def _figure(width: float, height: float) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _colors(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    return [colormaps["viridis"](i / max(1, n - 1)) for i in range(n)]
+
+
+def _tag(run: Run) -> str:
+    return run.name if run.ok else f"{run.name} ({run.status})"
+
+
+def _legend(fig: Figure, axes: Axes, count: int) -> None:
+    handles, labels = axes.get_legend_handles_labels()
+    if handles:
+        columns = 1 if count <= 4 else 2 if count <= 12 else 3
+        fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=9, frameon=False)
+
+
+def _curves(report: Report, colors: dict[str, Any]) -> Figure | None:
+    m = report.metric
+    series = [(run, [r for r in run.vals if isinstance(r.get(m), (int, float))]) for run in report.runs]
+    series = [(run, vals) for run, vals in series if vals]
+    if not series:
+        return None
+    fig = _figure(13, 5.2 + 0.22 * ((len(series) + 1) // (1 if len(series) <= 4 else 2)))
+    left, right = fig.subplots(1, 2, sharey=True)
+    for run, vals in series:
+        style = {
+            "color": colors[run.name],
+            "marker": "o",
+            "markersize": 4,
+            "linestyle": "-" if run.ok else "--",
+        }
+        left.plot([r.get("time") for r in vals], [r[m] for r in vals], label=_tag(run), **style)
+        right.plot([r.get("step") for r in vals], [r[m] for r in vals], **style)
+    for axes, xlabel in ((left, "wall time since training started (s)"), (right, "training steps")):
+        if report.target is not None:
+            axes.axhline(report.target, color="grey", linestyle=":", linewidth=1.2)
+        axes.set_xlabel(xlabel)
+        axes.grid(alpha=0.3)
+    if report.target is not None:
+        left.plot([], [], color="grey", linestyle=":", label=f"target {report.target:.4g}")
+    left.set_ylabel(metric_label(m))
+    left.set_title(f"{m} against wall time")
+    right.set_title(f"{m} against steps")
+    fig.suptitle(f"{TITLES.get(m, m)} ({m}) of each run", fontsize=13)
+    _legend(fig, left, len(series) + 1)
+    return fig
+
+
+def _tick(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _numeric(values: list[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _heatmap(report: Report) -> tuple[str, Figure] | None:
+    """A heatmap of the grid, or, for a sparse one (most cells without a run: Optuna's samples of
+    continuous ranges), a scatter of the runs over the two keys coloured by the metric."""
+    grid = heatmap_grid(report)
+    if grid is None or all(v is None for row in grid.values for v in row):
+        return None
+    import numpy as np
+
+    data = np.array([[np.nan if v is None else v for v in row] for row in grid.values], dtype=float)
+    low, high = np.nanmin(data), np.nanmax(data)
+    filled = sum(s is not None for row in grid.status for s in row)
+    sparse = 2 * filled < len(grid.rows) * len(grid.cols) and _numeric(grid.rows + grid.cols)
+    fig = _figure(7.5, 5.5) if sparse else _figure(max(5.5, 1.4 * len(grid.cols) + 3), len(grid.rows) + 2)
+    axes = fig.subplots()
+    cells = [(i, j, v) for i, row in enumerate(grid.values) for j, v in enumerate(row)]
+    if sparse:
+        points = [(grid.cols[j], grid.rows[i], v) for i, j, v in cells if v is not None]
+        xs, ys, vs = zip(*points, strict=True)
+        image = axes.scatter(xs, ys, c=vs, cmap="viridis", s=120, edgecolors="black")
+        for x, y, v in points:
+            axes.annotate(f"{v:.4f}", (x, y), xytext=(0, 9), textcoords="offset points", ha="center")
+        axes.grid(alpha=0.3)
+    else:
+        image = axes.imshow(data, cmap="viridis", origin="lower", aspect="auto")
+        for i, j, value in cells:
+            status = grid.status[i][j]
+            text = "no run" if status is None else "—" if value is None else f"{value:.4f}"
+            text += f"\n({status})" if status not in (None, "ok") else ""
+            dark = value is not None and high > low and (value - low) / (high - low) < 0.6
+            axes.text(j, i, text, ha="center", va="center", color="white" if dark else "black", fontsize=11)
+        axes.set_xticks(range(len(grid.cols)), [_tick(c) for c in grid.cols])
+        axes.set_yticks(range(len(grid.rows)), [_tick(r) for r in grid.rows])
+    axes.set(xlabel=grid.col_key, ylabel=grid.row_key)
+    fig.colorbar(image, ax=axes, label=f"best {report.metric}")
+    axes.set_title(f"Best {report.metric} over {grid.row_key} × {grid.col_key}")
+    return ("scatter" if sparse else "heatmap"), fig
+
+
+def _bars(
+    report: Report,
+    colors: dict[str, Any],
+    values: list[float | None],
+    notes: list[str],
+    xlabel: str,
+    title: str,
+) -> Figure:
+    runs = report.runs
+    fig = _figure(10, 1.6 + 0.45 * len(runs))
+    axes = fig.subplots()
+    ys = list(range(len(runs)))[::-1]
+    shown = [v or 0.0 for v in values]
+    bars = axes.barh(ys, shown, color=[colors[r.name] for r in runs], height=0.6)
+    for bar, run, note in zip(bars, runs, notes, strict=True):
+        if not run.ok:
+            bar.set_hatch("//")
+        axes.annotate(
+            note,
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            xytext=(4, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+        )
+    axes.set_yticks(ys, [_tag(r) for r in runs])
+    axes.set_xlabel(xlabel)
+    axes.set_xlim(0, max(shown + [1e-9]) * 1.18)
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_title(title)
+    return fig
+
+
+def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
+    present = [k for k in RULE_METRICS if any(k in r for run in report.runs for r in run.kind("epoch"))]
+    if not present:
+        return None
+    fig = _figure(7 * len(present), 5.2)
+    for axes, key in zip(fig.subplots(1, len(present), squeeze=False)[0], present, strict=True):
+        for run in report.runs:
+            points = [(r["step"], r[key]) for r in run.kind("epoch") if isinstance(r.get(key), (int, float))]
+            if points:
+                steps, values = zip(*points, strict=True)
+                axes.plot(
+                    steps,
+                    values,
+                    marker="o",
+                    markersize=4,
+                    color=colors[run.name],
+                    label=_tag(run),
+                    linestyle="-" if run.ok else "--",
+                )
+        title, ylabel = RULE_METRICS[key]
+        axes.set(title=title, xlabel="training steps", ylabel=f"{ylabel} ({key})")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    return fig
+
+
+def write_plots(report: Report) -> list[Path]:
+    """Write the report's PNGs into ``report.out`` (removing those of :data:`PLOTS` an earlier report left
+    there that this one has not); returns those written, in the order to show them. Bars need two runs; the
+    heatmap a sweep over exactly two keys; rule metrics a run that recorded them."""
+    runs = report.runs
+    colors = dict(zip((r.name for r in runs), _colors(len(runs)), strict=True))
+    figures: dict[str, Figure | None] = {"curves": _curves(report, colors)}
+    if (grid := _heatmap(report)) is not None:
+        figures[grid[0]] = grid[1]
+    if len(runs) > 1 and report.target is not None:
+        hits = [r.target_time_s for r in runs]
+        notes = [
+            f"{r.target_time_s:.3g} s, step {r.target_step}" if r.target_time_s is not None else "not reached"
+            for r in runs
+        ]
+        xlabel = "wall time from the start of training to the target (s)"
+        figures["time_to_target"] = _bars(
+            report, colors, hits, notes, xlabel, f"Time to {report.target_text()}"
+        )
+    mbs = [None if r.bytes_per_worker is None else r.bytes_per_worker / 1e6 for r in runs]
+    if len(runs) > 1 and any(v is not None for v in mbs):
+        notes = ["not recorded" if v is None else f"{v:.3g} MB" for v in mbs]
+        xlabel = "megabytes sent per worker over the run (MB, 10⁶ bytes)"
+        figures["bytes_per_worker"] = _bars(report, colors, mbs, notes, xlabel, "Bytes sent per worker")
+    figures["rule_metrics"] = _rule_metrics(report, colors)
+    written = []
+    for name in PLOTS:
+        path, fig = report.out / f"{name}.png", figures.get(name)
+        if fig is None:
+            path.unlink(missing_ok=True)
+        else:
+            fig.savefig(path, dpi=100)
+            written.append(path)
+    return written
+
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse}
+td,th{border:1px solid #ccc;padding:4px 8px}td.n{text-align:right}th{background:#eee}
+tr.bad td{color:#a00}img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
+
+
+def page(report: Report, plots: list[Path]) -> str:
+    """report.html: the table, the runs that did not end ok and the plots (relative paths); static."""
+    from runner.report import explanation, table
+
+    e = html.escape
+    header, cells = table(report)
+    best = report.best
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Report: {e(report.title)}</title>"]
+    parts.append(f"<style>{STYLE}</style></head><body><h1>Report: {e(report.title)}</h1>")
+    if best is not None:
+        where = f"{e(report.metric)} {best.best:.4f}, {e(str(best.dir))}"
+        parts.append(f"<p><b>Best run: {e(best.name)}</b> ({where})</p>")
+    parts.append(f"<p>{e(explanation(report))}</p><table>")
+    parts.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
+    for run, row in zip(report.runs, cells, strict=True):
+        tds = "".join(f"<td{'' if i < 2 else ' class=n'}>{e(c)}</td>" for i, c in enumerate(row))
+        parts.append(f"<tr class='{'ok' if run.ok else 'bad'}'>{tds}</tr>")
+    parts.append("</table>")
+    if report.failed:
+        parts.append("<h2>Runs that did not end ok</h2><ul>")
+        for r in report.failed:
+            parts.append(f"<li><b>{e(r.name)}</b> ({e(r.status)}, {e(str(r.dir))}): {e(r.cause or '')}</li>")
+        parts.append("</ul>")
+    if plots:
+        parts.append("<h2>Plots</h2>")
+        parts += [f"<p><img src='{e(p.name)}' alt='{e(p.stem)}'></p>" for p in plots]
+    parts.append("</body></html>\n")
+    return "\n".join(parts)

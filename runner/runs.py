@@ -1,0 +1,205 @@
+"""Run folders as the sweep report reads them: what each run recorded, and a name for each run from the
+keys its sweep varied (or, for runs started separately, the overrides whose values differ between them)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.identity import IGNORED
+
+#: Files that make a folder a run folder.
+RUN_FILES = ("summary.json", "metrics.jsonl", "run.json", ".hydra/overrides.yaml")
+
+
+class NoRuns(ValueError):
+    """A folder given to the report holds no run folder."""
+
+
+def finite_or_none(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_yaml(path: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+@dataclass
+class Run:
+    """One run folder: what it recorded, its swept values and name, and (once scored) its results. Rates
+    come from summary.json, else (a run that failed) from the mean of its epoch records."""
+
+    dir: Path
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+    given: dict[str, tuple[Any, str]]
+    swept: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    final: float | None = None
+    best: float | None = None
+    target_time_s: float | None = None
+    target_step: int | None = None
+    status: str = field(init=False)
+    cause: str | None = field(init=False)
+    wall_time_s: float | None = field(init=False)
+    samples_per_s: float | None = field(init=False)
+    comm_fraction: float | None = field(init=False)
+    bytes_per_worker: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.summary
+        self.status = str(s.get("status") or "unfinished")
+        self.cause = None if self.ok else s.get("error") or s.get("cause") or "no cause recorded"
+        if not s:
+            self.cause = "no summary.json: the run did not end (still running, or its launcher was killed)"
+        self.wall_time_s = finite_or_none(s.get("wall_time_s"))
+        self.samples_per_s = self._rate("samples_per_s", "samples_per_s")
+        self.comm_fraction = self._rate("comm_fraction", "comm_frac")
+        sent, devices = finite_or_none(s.get("bytes_sent")), finite_or_none(s.get("devices"))
+        self.bytes_per_worker = None if sent is None or not devices else sent / devices
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def kind(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("kind") == kind]
+
+    @property
+    def vals(self) -> list[dict[str, Any]]:
+        return self.kind("val") or [v for v in self.summary.get("validations") or [] if "step" in v]
+
+    def _rate(self, summary_key: str, epoch_key: str) -> float | None:
+        rates = [v for r in self.kind("epoch") if (v := finite_or_none(r.get(epoch_key))) is not None]
+        value = finite_or_none(self.summary.get(summary_key))
+        return value if value is not None or not rates else sum(rates) / len(rates)
+
+    def lookup(self, key: str) -> tuple[Any, str] | None:
+        """``(value, text)`` of ``key`` in this run: its override, else its config group's choice, summary
+        or config value (a key that another run overrode)."""
+        if key in self.given:
+            return self.given[key]
+        hydra = _read_yaml(self.dir / ".hydra" / "hydra.yaml") or {}
+        value = (((hydra.get("hydra") or {}).get("runtime") or {}).get("choices") or {}).get(key)
+        value = self.summary.get(key) if value is None else value
+        if value is None:
+            value = _read_yaml(self.dir / "config.yaml") or {}
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+        return None if value is None or isinstance(value, (dict, list)) else (value, str(value))
+
+
+def _parse(text: str) -> Any:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(text)
+    except Exception:
+        return None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, tuple[Any, str]]:
+    """``key -> (value, text)`` of Hydra override strings, less the ignored keys and deletions."""
+    out = {}
+    for text in overrides:
+        key, equals, raw = text.partition("=")
+        key = key.lstrip("+")
+        if equals and not key.startswith((*IGNORED, "~")):
+            o = _parse(text)
+            ok = o is not None and not o.is_sweep_override()
+            out[key] = (o.value(), o.get_value_element_as_str()) if ok else (raw, raw)
+    return out
+
+
+def declared_keys(folder: Path) -> list[str]:
+    """The keys a sweep folder's multirun.yaml says its sweep varied: its sweep overrides (lists, ranges,
+    Optuna's intervals) and ``hydra.sweeper.params``. (Without one, the keys whose values differ count.)"""
+    hydra = (_read_yaml(folder / "multirun.yaml") or {}).get("hydra") or {}
+    overrides = [o for t in (hydra.get("overrides") or {}).get("task") or [] if (o := _parse(str(t)))]
+    keys = [o.get_key_element().lstrip("+") for o in overrides if o.is_sweep_override()]
+    return list(dict.fromkeys(keys + [str(k) for k in (hydra.get("sweeper") or {}).get("params") or {}]))
+
+
+def _is_run(path: Path) -> bool:
+    return any((path / f).exists() for f in RUN_FILES)
+
+
+def run_folders(folder: Path) -> list[Path]:
+    """``folder`` itself if it is a run folder, else its run subfolders (numbered ones in order)."""
+    if _is_run(folder):
+        return [folder]
+    subs = [p for p in folder.iterdir() if p.is_dir() and _is_run(p)] if folder.is_dir() else []
+    return sorted(subs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+
+
+def load_run(path: Path) -> Run:
+    from runner.metrics import read_metrics
+
+    summary, ident = _read_json(path / "summary.json"), _read_json(path / "run.json")
+    overrides = summary.get("overrides") or ident.get("overrides")
+    if overrides is None:
+        overrides = _read_yaml(path / ".hydra" / "overrides.yaml") or []
+    given = parse_overrides([str(o) for o in overrides])
+    for key, value in (summary.get("swept") or ident.get("swept") or {}).items():
+        given[key] = (value, given[key][1] if key in given else str(value))
+    run = Run(path, summary, read_metrics(path / "metrics.jsonl"), given)
+    run.name = summary.get("name") or ident.get("name") or ""
+    return run
+
+
+def _short(value: Any, text: str) -> str:
+    return f"{value:.4g}" if isinstance(value, float) and len(text) > 8 else text
+
+
+def label(runs: list[Run], declared: list[str]) -> list[str]:
+    """Set each run's ``swept`` and ``name`` from the ``declared`` keys and those whose values differ
+    between the runs; returns the keys. A name the run recorded is kept when it names the same keys."""
+    keys = list(declared)
+    seen = list(dict.fromkeys(k for run in runs for k in run.given))
+    for key in seen:
+        if key not in keys and len({repr((run.lookup(key) or [None])[0]) for run in runs}) > 1:
+            keys.append(key)
+    for run in runs:
+        values = {k: v for k in keys if (v := run.lookup(k)) is not None}
+        run.swept = {k: v[0] for k, v in values.items()}
+        if values and (not run.name or set(run.summary.get("swept") or ()) != set(keys)):
+            run.name = ",".join(f"{k}={_short(*v)}" for k, v in values.items())
+        run.name = run.name or ",".join(f"{k}={_short(*v)}" for k, v in run.given.items()) or run.dir.name
+    names = [run.name for run in runs]
+    for run in runs:
+        if names.count(run.name) > 1:
+            run.name = f"{run.name} [{run.dir.name}]"
+    return keys
+
+
+def load_runs(dirs: list[Path]) -> tuple[list[Run], list[str]]:
+    """The runs of ``dirs`` (sweep folders, folders of runs, run folders), named; and the swept keys."""
+    runs, declared = [], []
+    for folder in dirs:
+        found = run_folders(folder)
+        if not found:
+            raise NoRuns(
+                f"{folder}: no run folders in it (no summary.json, metrics.jsonl or .hydra/overrides.yaml "
+                "there or in its subfolders); give a sweep folder (outputs/multirun/DATE/TIME) or run folders"
+            )
+        declared += declared_keys(folder) if found != [folder] else []
+        runs += [load_run(p) for p in found]
+    return runs, label(runs, list(dict.fromkeys(declared)))
