@@ -21,9 +21,11 @@ def test_weights_sum_to_one_after_training(cli):
 
 
 def test_with_lr_0_spread_only_decreases_and_the_consensus_is_invariant(cli):
+    """A merge is a weighted mean, so without training the spread around the consensus never grows (up to
+    float32 rounding, about 1e-6 here: at p=0.5 it gets there within an epoch, hence the small p)."""
     overrides = [
         "rule=gosgd",
-        "rule.p=0.5",
+        "rule.p=0.05",
         "devices=3",
         "hardware.oversubscribe=true",
         "model=mlp",
@@ -34,8 +36,8 @@ def test_with_lr_0_spread_only_decreases_and_the_consensus_is_invariant(cli):
     run = cli(*overrides)
     assert run.returncode == 0, run.output
     spreads = [r["spread"] for r in run.records("epoch")]
-    assert all(b <= a + 1e-9 for a, b in zip(spreads, spreads[1:], strict=False)), spreads
-    assert spreads[-1] < spreads[0]
+    assert all(b <= a + 1e-6 for a, b in zip(spreads, spreads[1:], strict=False)), spreads
+    assert spreads[-1] < 0.5 * spreads[0], spreads
     x = [{k: v.detach() for k, v in initial_model(overrides, r).named_parameters()} for r in range(3)]
     mean = {k: sum(xi[k] for xi in x) / 3 for k in x[0]}
     assert_close(params_of(run.dir / "model.pt"), mean, atol=1e-6)
