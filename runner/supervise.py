@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from runner.echo import EchoFilter
 from runner.watchdog import Stall, read_beats, stall_check
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
@@ -51,97 +51,6 @@ class Outcome:
     interrupted: str | None = None
     stall: Stall | None = None
     log_start: int = 0  # where this job's output starts in mpirun.log (a resumed run appends to it)
-
-
-class EchoFilter:
-    """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks and
-    the ranks' ``rank N failed:`` lines (all kept in ``mpirun.log``).
-
-    Works on the raw chunks: a line is held back only while it could still be the start of something
-    hidden, so progress bars (``\\r`` updates without a newline) pass at once. A dashed line is held until
-    the next line says whether it opens an abort banner (hidden up to the closing dashes) or not (both are
-    shown)."""
-
-    DASHES = b"-" * 20
-    TRACEBACK = (
-        b"Traceback (most recent call last):",
-        b"During handling of the above exception",
-        b"The above exception was the direct cause",
-    )
-    BANNERS = (
-        b"MPI_ABORT was invoked",
-        b"has exited due to process rank",
-        b"noticed that process rank",
-        b"detected that one or more processes exited",
-    )
-    STARTS = (*TRACEBACK, b"rank ")
-
-    def __init__(self) -> None:
-        self.line = b""
-        self.passing = False
-        self.mode = "normal"
-        self.held: list[bytes] = []
-        self.tracebacks = 0
-
-    def _could_start(self, partial: bytes) -> bool:
-        tail = partial.rsplit(b"\r", 1)[-1]
-        if not tail.strip(b"-"):
-            return True
-        return any(s.startswith(tail) or tail.startswith(s) for s in self.STARTS)
-
-    def feed(self, data: bytes) -> bytes:
-        out = bytearray()
-        for piece in re.split(b"(?<=\n)", data.replace(b"\0", b"")):  # prterun ends with a NUL
-            if not piece:
-                continue
-            if self.passing:
-                out += piece
-                self.passing = not piece.endswith(b"\n")
-                continue
-            self.line += piece
-            if self.line.endswith(b"\n"):
-                line, self.line = self.line, b""
-                out += self._complete(line)
-            elif self.mode == "normal" and not self._could_start(self.line):
-                out += self.line
-                self.line, self.passing = b"", True
-        return bytes(out)
-
-    def flush(self) -> bytes:
-        """At the end of the output: what is still held and was not hidden."""
-        rest = b"" if self.mode in ("banner", "traceback") else b"".join(self.held) + self.line
-        self.held, self.line = [], b""
-        return rest
-
-    def _complete(self, line: bytes) -> bytes:
-        text = line.rstrip(b"\r\n")
-        dashes = text.startswith(self.DASHES) and not text.strip(b"-")
-        if self.mode == "banner":
-            self.mode = "normal" if dashes else "banner"
-            return b""
-        if self.mode == "traceback":
-            self.tracebacks += text.startswith(self.TRACEBACK[0])
-            continued = not text or text[:1] in (b" ", b"\t") or text.startswith(self.TRACEBACK)
-            if not continued:  # the exception's own line, the traceback's last
-                self.mode = "normal"
-            return b""
-        if self.mode == "pending":
-            released, self.held = b"".join(self.held), []
-            if any(b in text for b in self.BANNERS):
-                self.mode = "banner"
-                return b""
-            self.mode = "normal"
-            return released + self._complete(line)
-        if dashes:
-            self.mode, self.held = "pending", [line]
-            return b""
-        if text.startswith(self.TRACEBACK):
-            self.mode = "traceback"
-            self.tracebacks += text.startswith(self.TRACEBACK[0])
-            return b""
-        if text.startswith(b"rank ") and b" failed: " in text and text[5:].split(b" ", 1)[0].isdigit():
-            return b""
-        return line
 
 
 def _die_with_parent() -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import runner.launch
-from runner.launch import EXIT, JobEnded, RunFolderError, conclude, failure_report, prepare, write_atomic
+from runner.failures import failure_report
+from runner.launch import EXIT, JobEnded, RunFolderError, conclude, prepare, write_atomic
 from runner.supervise import Outcome
 from runner.watchdog import Stall
 from tests.conftest import ROOT, compose_config

@@ -15,7 +15,8 @@ import pytest
 
 import runner.supervise
 import runner.watchdog
-from runner.supervise import EchoFilter, Supervisor
+from runner.echo import EchoFilter
+from runner.supervise import Supervisor
 from runner.watchdog import read_beats, stall_check
 
 ABORT = b"""--------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""Why a job failed, from what it left: the ranks' ``logs/rank<r>.error`` files (each one's first line is
+its root cause) and Open MPI's own reports in ``mpirun.log`` (a rank killed by a signal, one that exited
+with a non-zero status or called MPI_Abort)."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+from typing import NamedTuple
+
+#: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
+KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
+#: Open MPI's report of a rank that exited with a non-zero status without MPI_Abort.
+EXITED = re.compile(r"Process name:\s*\[.*?,(\d+)\]\s+Exit code:\s*(\d+)")
+ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+)[^\n]*\n(?:.*\n)*?\s*Errorcode:\s*(\d+)")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
+class Failure(NamedTuple):
+    """Why a job failed: the launcher's line, the rank (None: unknown), its cause, and the status."""
+
+    message: str
+    rank: int | None
+    cause: str
+    status: str = "failed"
+
+
+def _after(ranks: list[int]) -> str:
+    if not ranks:
+        return ""
+    return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed after it)"
+
+
+def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
+    """Why the job ended with mpirun status ``status``.
+
+    In order: a rank killed by a signal (Open MPI's report in ``mpirun.log``; that rank could not report
+    it itself, and ranks that raised afterwards are listed); the first ``logs/rank<r>.error`` (its first
+    line is the root cause, ``Type: message (file:line)``; one starting ``Diverged:`` means status
+    diverged); a rank that exited with a non-zero status or called MPI_Abort; else mpirun's status.
+    Only the output from ``log_start`` on is this job's (a resumed run appends to ``mpirun.log``).
+    """
+    logs = run_dir / "logs"
+    try:
+        errors = sorted(logs.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
+        causes = {int(p.name[4:-6]): (p.read_text(errors="replace").splitlines() or [""])[0] for p in errors}
+    except (OSError, ValueError):
+        causes = {}
+    try:
+        with open(run_dir / "mpirun.log", "rb") as log:
+            log.seek(log_start)
+            output = log.read().decode(errors="replace")
+    except OSError:
+        output = ""
+    if killed := KILLED.search(output):
+        rank, pid, node, number = killed.group(1, 2, 3, 4)
+        cause = f"killed by signal {number} ({_signal_name(int(number))})"
+        also = _after([r for r in causes if r != int(rank)])
+        log = logs / f"rank{rank}.log"
+        return Failure(
+            f"rank {rank} {cause}, pid {pid} on {node}{also}; its output is in {log}", int(rank), cause
+        )
+    if causes:
+        rank, cause = next(iter(causes.items()))
+        message = (
+            f"rank {rank} failed: {cause}{_after(list(causes)[1:])}; traceback in {logs / f'rank{rank}.log'}"
+        )
+        return Failure(message, rank, cause, "diverged" if cause.startswith("Diverged:") else "failed")
+    if exited := EXITED.search(output):
+        cause = f"exited with status {exited.group(2)}"
+        return Failure(f"rank {exited.group(1)} {cause}; see {logs}", int(exited.group(1)), cause)
+    mpirun_log = run_dir / "mpirun.log"
+    if aborted := ABORTED.search(output):
+        cause = f"called MPI_Abort (error code {aborted.group(2)})"
+        return Failure(f"rank {aborted.group(1)} {cause}; see {mpirun_log}", int(aborted.group(1)), cause)
+    if status < 0:
+        cause = f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
+    else:
+        cause = f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
+    return Failure(f"{cause}; see {mpirun_log}", None, cause)
