@@ -2,14 +2,17 @@
 
 Layout of a run folder::
 
-    checkpoints/step-000120/rank0.pt ... rank<N-1>.pt    one file per rank (workers and servers)
-    checkpoints/checkpoint.json                            the index: complete checkpoints, newest last
+    checkpoints/00003-step120/rank0.pt ... rank<N-1>.pt  the 3rd checkpoint, after step 120: one file per
+                                                         rank (workers and servers)
+    checkpoints/checkpoint.json                          the index: complete checkpoints, newest last
+    STOP                                                 the launcher's request to checkpoint and stop
 
 Every rank writes its own part (``torch.save`` to a temporary file, then ``os.replace``); all ranks then
 meet in a barrier, and only then rank 0 adds the checkpoint to the index (also replaced atomically) and
 removes the oldest beyond ``checkpoint.keep``. So the index only ever names complete checkpoints, and the
 previous one stays until the new one is complete. A part holds only tensors, numbers, strings, lists and
-dicts, so ``torch.load(..., weights_only=True)`` reads it.
+dicts, so ``torch.load(..., weights_only=True)`` reads it. torch and numpy are imported where used: the
+launcher reads the index and the file names from here.
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+from runner.lazy import lazy_import
+from runner.metrics import dumps, write_atomic
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from runner.comm import Comm
     from runner.config import CheckpointConfig
+else:
+    np, torch = lazy_import("numpy"), lazy_import("torch")
 
 CKPT_DIR = "checkpoints"
 INDEX = "checkpoint.json"
@@ -81,12 +89,6 @@ def save_atomic(obj: Any, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def write_json_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def read_index(run_dir: Path) -> list[dict[str, Any]]:
@@ -163,7 +165,7 @@ class Checkpointer:
                 **(info or {}),
             }
         )
-        write_json_atomic({"checkpoints": entries[-self.cfg.keep :]}, self.root / INDEX)
+        write_atomic(self.root / INDEX, dumps({"checkpoints": entries[-self.cfg.keep :]}, indent=1))
         for old in entries[: -self.cfg.keep]:
             shutil.rmtree(self.root / old["dir"], ignore_errors=True)
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from runner.metrics import write_atomic
+
 INTERVAL_S = 1.0
 
 
@@ -51,10 +53,8 @@ class Heartbeat:
             "progress_time": self.progress_time,
             "alive_time": time.time(),
         }
-        tmp = self.path.with_suffix(".beat.tmp")
         try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(record))
         except OSError:
             pass  # a full or read-only disk: the watchdog then sees this rank as silent, which it reports
 

@@ -11,7 +11,8 @@ IGNORED = ("hydra.", "hydra/", "train.progress", "resume")
 IDENTITY_FILE = "run.json"
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """The key of a Hydra override string: ``+train.seed=3`` → ``train.seed``."""
     return override.split("=", 1)[0].lstrip("+~")
 
 
@@ -21,7 +22,7 @@ def identity(task: list[str], sweep: list[str] | None = None) -> dict[str, Any]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    mine = [o for o in task if not _key(o).startswith(IGNORED)]
+    mine = [o for o in task if not override_key(o).startswith(IGNORED)]
     varied = None
     if sweep is not None:
         varied = {o.key_or_group for o in parser.parse_overrides(list(sweep)) if o.is_sweep_override()}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 import time
 from dataclasses import asdict
@@ -36,12 +35,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import metrics
+from runner.checkpoint import STOP_FILE
 from runner.config import Config, schema_paths, validate
 from runner.failures import Failure, failure_report
 from runner.hardware.base import Launch
 from runner.identity import IDENTITY_FILE
 from runner.metrics import read_metrics, strict
-from runner.supervise import STOP_FILE, Outcome, Supervisor
+from runner.supervise import Outcome, Supervisor
 
 log = logging.getLogger("runner")
 
@@ -67,22 +68,10 @@ class RunFolderError(JobEnded):
 def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all (a temporary file, then rename: an earlier ``path`` stays intact
     when writing fails); raises RunFolderError naming the file and the OS error."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
+        metrics.write_atomic(path, text)
     except OSError as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise RunFolderError(f"cannot write {path}: {err.strerror or err}") from None
-
-
-def strict_json(obj: Any) -> str:
-    """Strict JSON (non-finite numbers written as null)."""
-    return json.dumps(strict(obj), indent=1, allow_nan=False)
+        raise RunFolderError(str(err.strerror)) from None
 
 
 def _prepare(
@@ -156,7 +145,7 @@ def write_failure_summary(
     accs = [v["val_acc"] for v in vals if isinstance(v.get("val_acc"), (int, float))]
     if accs:
         summary.update(final_val_acc=vals[-1].get("val_acc"), best_val_acc=max(accs))
-    write_atomic(run_dir / "summary.json", strict_json(summary))
+    write_atomic(run_dir / "summary.json", metrics.dumps(summary, indent=1))
 
 
 def _read_summary(path: Path) -> dict[str, Any] | None:
@@ -204,7 +193,7 @@ def _complete(
     if outcome.signal:
         job["signal"] = outcome.signal
     try:
-        write_atomic(path, strict_json(job))
+        write_atomic(path, metrics.dumps(job, indent=1))
     except RunFolderError as err:
         raise RunFolderError(f"{err}; the job itself ended {status}") from None
     if status == "preempted":

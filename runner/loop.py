@@ -165,7 +165,7 @@ class Trainer:
         the last good checkpoint is kept."""
         state = self.model.state_dict()
         tensors = [t for t in state.values() if t.is_floating_point()]
-        if tensors and not bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, foreach=True))):
+        if not bool(torch.isfinite(norm(tensors))):
             bad = next(k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all())
             raise Diverged(
                 f"non-finite {bad} after step {pos.step} on rank {self.workers.rank}; lower optim.lr; "

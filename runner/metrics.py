@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,21 @@ def strict(value: Any) -> Any:
 def dumps(obj: Any, **kwargs: Any) -> str:
     """Strict JSON (NaN and infinities become null)."""
     return json.dumps(strict(obj), allow_nan=False, **kwargs)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then a rename, so an earlier
+    ``path`` stays intact when writing fails. The OSError raised names the file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
 
 
 class MetricsLog:

@@ -7,12 +7,13 @@ Read by the launcher, so nothing here imports torch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.checkpoint import CKPT_DIR, INDEX, read_index
 from runner.config import load_structured
+from runner.identity import override_key
 
 #: Keys (or key prefixes, ending in ".") that a resumed run may change.
 SAFE_TO_CHANGE = (
@@ -40,8 +41,8 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     """The config and run folder to resume ``cfg.resume`` with: the run's own config plus the command
     line's safe ``overrides`` (Hydra's ``key=value`` strings, whose values ``cfg`` holds parsed).
 
-    Raises ValueError naming the key or file and the fix. Clears the folder's stop request and sets aside
-    the previous attempt's error files, so they are not taken for this attempt's.
+    Raises ValueError naming the key or file and the fix. Sets aside the previous attempt's error files, so
+    they are not taken for this attempt's (the launcher removes its stop request, as for every job).
     """
     run_dir = Path(cfg.resume).expanduser()
     if not (run_dir / "config.yaml").is_file():
@@ -49,14 +50,14 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             f"resume={cfg.resume}: {run_dir / 'config.yaml'} does not exist; give the folder of a run "
             "(e.g. resume=outputs/2026-01-31/12-00-00)"
         )
-    index = run_dir / "checkpoints" / "checkpoint.json"
-    if not index.is_file() or not json.loads(index.read_text())["checkpoints"]:
+    if not read_index(run_dir):
+        index = run_dir / CKPT_DIR / INDEX
         raise ValueError(
             f"resume={cfg.resume}: the run has no complete checkpoint ({index} is missing): it stopped "
             "before its first one, so start it again (checkpoint.every=N checkpoints every N steps)"
         )
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key = override_key(override)
         if not _safe(key):
             raise ValueError(
                 f"{key}: cannot change when resuming (the checkpoint was trained with the run's own value); "
@@ -65,11 +66,10 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             )
     resumed = load_structured(run_dir / "config.yaml")
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key = override_key(override)
         if not key.startswith("hydra.") and key != "resume":
             OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
     resumed.resume = str(run_dir)
-    (run_dir / "STOP").unlink(missing_ok=True)
     for error in (run_dir / "logs").glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir

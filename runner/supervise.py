@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from runner.checkpoint import STOP_FILE
 from runner.echo import EchoFilter
+from runner.metrics import write_atomic
 from runner.watchdog import Stall, read_beats, stall_check
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
@@ -37,7 +39,6 @@ GRACE_S = 120.0
 TERM_TIMEOUT_S = 5.0
 #: Seconds between two readings of the heartbeats.
 WATCH_INTERVAL_S = 1.0
-STOP_FILE = "STOP"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -144,9 +145,7 @@ class Supervisor:
             return
         self.stop_time = time.time()
         try:
-            tmp = self.run_dir / f".{STOP_FILE}.tmp"
-            tmp.write_text(name + "\n")
-            os.replace(tmp, self.run_dir / STOP_FILE)
+            write_atomic(self.run_dir / STOP_FILE, name + "\n")
         except OSError as err:
             self._end(f"{name}, and the ranks could not be told to stop ({err})", interrupted=True)
             return

@@ -28,7 +28,6 @@ from runner.checkpoint import (
     rng_state,
     save_atomic,
     set_rng_state,
-    write_json_atomic,
 )
 from runner.config import Config, load
 from runner.hardware.placement import place_rank
@@ -37,7 +36,7 @@ from runner.heartbeat import Heartbeat
 from runner.identity import IDENTITY_FILE
 from runner.loop import Diverged, Position, Trainer, broadcast_state
 from runner.meter import Meter
-from runner.metrics import MetricsLog, strict
+from runner.metrics import MetricsLog, dumps, write_atomic
 from runner.rules.base import RuleContext, split_roles
 
 #: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
@@ -240,7 +239,7 @@ def run(
             **final,
             "worker_wall_time_s": time.time() - start,
         }
-        write_json_atomic(strict(summary), run_dir / "summary.json")
+        write_atomic(run_dir / "summary.json", dumps(summary, indent=1))
 
 
 def root_cause(err: BaseException) -> str:
