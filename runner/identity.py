@@ -16,26 +16,46 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def _parse(text: str) -> Any:
+    """Hydra's parsed override, or None for a string it does not parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(text)
+    except Exception:
+        return None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, tuple[Any, str]]:
+    """``key -> (value, text)`` of Hydra override strings, less the ignored keys and deletions (a sweep, or
+    a string Hydra does not parse, keeps its raw text as the value)."""
+    out = {}
+    for text in overrides:
+        key, equals, raw = text.partition("=")
+        key = key.lstrip("+")
+        if equals and not key.startswith((*IGNORED, "~")):
+            o = _parse(text)
+            ok = o is not None and not o.is_sweep_override()
+            out[key] = (o.value(), o.get_value_element_as_str()) if ok else (raw, raw)
+    return out
+
+
+def varied_keys(sweep: list[str]) -> list[str]:
+    """The keys a sweep's overrides vary: lists of values, ranges, Optuna's intervals."""
+    return [o.key_or_group for t in sweep if (o := _parse(str(t))) is not None and o.is_sweep_override()]
+
+
 def identity(task: list[str], sweep: list[str] | None = None) -> dict[str, Any]:
     """``overrides`` (``task`` less the ignored ones), ``swept`` (each key the ``sweep`` overrides vary,
     with this run's value; without a sweep, every override) and ``name``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
     mine = [o for o in task if not override_key(o).startswith(IGNORED)]
-    varied = None
-    if sweep is not None:
-        varied = {o.key_or_group for o in parser.parse_overrides(list(sweep)) if o.is_sweep_override()}
-    swept: dict[str, Any] = {}
-    parts = []
-    for override in parser.parse_overrides(mine):
-        key = override.key_or_group
-        if varied is not None and key not in varied:
-            continue
-        value = override.value()
-        swept[key] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
-        parts.append(f"{key}={override.get_value_element_as_str()}")
-    return {"overrides": mine, "swept": swept, "name": ",".join(parts) or "defaults"}
+    varied = None if sweep is None else set(varied_keys(sweep))
+    chosen = {k: v for k, v in parse_overrides(mine).items() if varied is None or k in varied}
+    swept = {
+        k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v) for k, (v, _) in chosen.items()
+    }
+    name = ",".join(f"{k}={text}" for k, (_, text) in chosen.items())
+    return {"overrides": mine, "swept": swept, "name": name or "defaults"}
 
 
 def sweep_overrides(sweep_dir: Path) -> list[str] | None:
@@ -63,10 +83,8 @@ def concurrent_points(launcher: Any, sweep: list[str] | None) -> int:
     else:
         return 1
     if sweep:
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
         points = 1
-        for override in OverridesParser.create().parse_overrides(list(sweep)):
+        for override in filter(None, map(_parse, sweep)):
             if override.is_sweep_override():
                 try:
                     points *= len(list(override.sweep_iterator()))

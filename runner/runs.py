@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.identity import IGNORED
+from runner.identity import parse_overrides, varied_keys
 
 #: Files that make a folder a run folder.
 RUN_FILES = ("summary.json", "metrics.jsonl", "run.json", ".hydra/overrides.yaml")
@@ -107,34 +107,11 @@ class Run:
         return None if value is None or isinstance(value, (dict, list)) else (value, str(value))
 
 
-def _parse(text: str) -> Any:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        return OverridesParser.create().parse_override(text)
-    except Exception:
-        return None
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, tuple[Any, str]]:
-    """``key -> (value, text)`` of Hydra override strings, less the ignored keys and deletions."""
-    out = {}
-    for text in overrides:
-        key, equals, raw = text.partition("=")
-        key = key.lstrip("+")
-        if equals and not key.startswith((*IGNORED, "~")):
-            o = _parse(text)
-            ok = o is not None and not o.is_sweep_override()
-            out[key] = (o.value(), o.get_value_element_as_str()) if ok else (raw, raw)
-    return out
-
-
 def declared_keys(folder: Path) -> list[str]:
     """The keys a sweep folder's multirun.yaml says its sweep varied: its sweep overrides (lists, ranges,
     Optuna's intervals) and ``hydra.sweeper.params``. (Without one, the keys whose values differ count.)"""
     hydra = (_read_yaml(folder / "multirun.yaml") or {}).get("hydra") or {}
-    overrides = [o for t in (hydra.get("overrides") or {}).get("task") or [] if (o := _parse(str(t)))]
-    keys = [o.get_key_element().lstrip("+") for o in overrides if o.is_sweep_override()]
+    keys = varied_keys((hydra.get("overrides") or {}).get("task") or [])
     return list(dict.fromkeys(keys + [str(k) for k in (hydra.get("sweeper") or {}).get("params") or {}]))
 
 
