@@ -154,7 +154,7 @@ class Checkpointer:
         self.last_time = time.time()
         if self.world.rank != 0:
             return
-        entries = [e for e in read_index(self.root.parent) if e["dir"] != name]
+        entries = read_index(self.root.parent)
         entries.append(
             {
                 "step": step,

@@ -155,7 +155,7 @@ class Trainer:
         """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""
         decision = self.control.poll(pos.step)
         self.preempted = decision.stop
-        if decision.stop or decision.checkpoint or self.checkpoint_due(pos.step):
+        if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
             self.save(pos, False)
         return self.preempted
 
@@ -172,9 +172,6 @@ class Trainer:
                 "the last good checkpoint is kept"
             )
         self.checkpoint(pos, end)
-
-    def checkpoint_due(self, step: int) -> bool:
-        return self.control.checkpointer.due(step)
 
     def finite(self, loss: torch.Tensor, step: int) -> bool:
         """Whether the step may be applied: loss, BatchNorm statistics and gradients finite. Otherwise
