@@ -41,7 +41,7 @@ from runner.config import Config, schema_paths, validate
 from runner.failures import Failure, failure_report
 from runner.hardware.base import Launch
 from runner.identity import IDENTITY_FILE
-from runner.metrics import read_metrics, strict
+from runner.metrics import read_json, read_metrics, strict
 from runner.supervise import Outcome, Supervisor
 
 log = logging.getLogger("runner")
@@ -136,7 +136,7 @@ def write_failure_summary(
         "exit_status": EXIT[status],
         "error": reason,
         **fields,
-        **(_read_summary(run_dir / IDENTITY_FILE) or {}),
+        **read_json(run_dir / IDENTITY_FILE),
         "rule": schema_paths(cfg)["rule"].split(".")[-2],
         "devices": cfg.devices,
         "wall_time_s": wall,
@@ -148,26 +148,19 @@ def write_failure_summary(
     write_atomic(run_dir / "summary.json", metrics.dumps(summary, indent=1))
 
 
-def _read_summary(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
     """Record how the job ended in summary.json (the ranks' own, completed, or one written here); returns
     it when the job ended ok, else raises JobEnded (RunFolderError when summary.json cannot be written)."""
     summary_path = run_dir / "summary.json"
     sent = {"signal": outcome.signal} if outcome.signal else {}
-    job = _read_summary(summary_path) if outcome.returncode == 0 else None
+    job = read_json(summary_path) if outcome.returncode == 0 else {}
     if outcome.stall is not None:
         status, reason = "stalled", outcome.stall.message
         fields: dict[str, Any] = {"stalled_ranks": outcome.stall.ranks, "cause": outcome.stall.message}
     elif outcome.interrupted is not None:
         status, reason = "interrupted", f"{outcome.interrupted}; ended without a final checkpoint"
         fields = {"cause": outcome.interrupted}
-    elif job is not None and job.get("status") in ("ok", "preempted", "diverged"):
+    elif job.get("status") in ("ok", "preempted", "diverged"):
         return _complete(job, summary_path, run_dir, outcome, wall)
     else:
         failure = (

@@ -155,6 +155,15 @@ def _scalars(values: dict[str, Any], prefix: str = "") -> list[tuple[str, float]
     return out
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A run-folder JSON object (summary.json, run.json), or {} when it is missing, torn or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl (a torn last line, from a killed job, is skipped)."""
     if not path.exists():

@@ -3,13 +3,13 @@ keys its sweep varied (or, for runs started separately, the overrides whose valu
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.identity import parse_overrides, varied_keys
+from runner.metrics import read_json, read_metrics
 
 #: Files that make a folder a run folder.
 RUN_FILES = ("summary.json", "metrics.jsonl", "run.json", ".hydra/overrides.yaml")
@@ -23,14 +23,6 @@ def finite_or_none(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _read_yaml(path: Path) -> Any:
@@ -128,9 +120,7 @@ def run_folders(folder: Path) -> list[Path]:
 
 
 def load_run(path: Path) -> Run:
-    from runner.metrics import read_metrics
-
-    summary, ident = _read_json(path / "summary.json"), _read_json(path / "run.json")
+    summary, ident = read_json(path / "summary.json"), read_json(path / "run.json")
     overrides = summary.get("overrides") or ident.get("overrides")
     if overrides is None:
         overrides = _read_yaml(path / ".hydra" / "overrides.yaml") or []

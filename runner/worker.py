@@ -36,7 +36,7 @@ from runner.heartbeat import Heartbeat
 from runner.identity import IDENTITY_FILE
 from runner.loop import Diverged, Position, Trainer, broadcast_state
 from runner.meter import Meter
-from runner.metrics import MetricsLog, dumps, write_atomic
+from runner.metrics import MetricsLog, dumps, read_json, write_atomic
 from runner.rules.base import RuleContext, split_roles
 
 #: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
@@ -210,9 +210,7 @@ def run(
         final = rule.final_metrics()
         if final:
             log.write("final", result["steps"], **final)
-        ident = (
-            json.loads((run_dir / IDENTITY_FILE).read_text()) if (run_dir / IDENTITY_FILE).is_file() else {}
-        )
+        ident = read_json(run_dir / IDENTITY_FILE)
         log.hparams(
             ident.get("swept", {}), {f"hparam/{k}": result[k] for k in ("final_val_acc", "best_val_acc")}
         )
