@@ -13,6 +13,7 @@ batches while the current one trains; with a GPU, batches come in pinned memory 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,12 @@ class ShardSampler(DistributedSampler):
 
     def start_at(self, samples: int) -> None:
         self.start = samples
+
+    def reshard(self, rank: int, replicas: int) -> None:
+        """Deal the next epochs to ``replicas`` ranks, this one being ``rank`` (after workers were lost)."""
+        self.rank, self.num_replicas = rank, replicas
+        self.num_samples = math.ceil(len(self.dataset) / replicas)
+        self.total_size = self.num_samples * replicas
 
     def __iter__(self):
         indices = list(super().__iter__())[self.start :]

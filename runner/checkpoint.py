@@ -131,6 +131,7 @@ class Checkpointer:
         self.last_time = time.time()
         self.count = resumed["seq"] if resumed else 0
         self.latest: str | None = resumed["dir"] if resumed else None
+        self.fault_tolerant = False  # the job goes on when ranks die: the parts are those of the survivors
 
     def due(self, step: int) -> bool:
         """Whether the step count alone asks for a checkpoint after ``step`` steps (the same on all ranks)."""
@@ -144,6 +145,8 @@ class Checkpointer:
         """Write this rank's ``part`` of the job's next checkpoint, taken after ``step`` steps; once every
         rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
         checkpoints, so the k-th is in the same folder everywhere."""
+        if self.fault_tolerant:
+            self.world.fault_barrier()
         self.count += 1
         name = f"{self.count:05d}-step{step}"
         folder = self.root / name
@@ -186,23 +189,35 @@ class Control:
     use ``interval`` 1; asynchronous ones a longer one, so workers drift at most that many steps apart.
     """
 
-    def __init__(self, workers: Comm, run_dir: Path, checkpointer: Checkpointer, interval: int):
-        self.comm = workers.split(0)
-        self.stop_file = run_dir / STOP_FILE
+    def __init__(
+        self, workers: Comm, run_dir: Path, checkpointer: Checkpointer, interval: int, start: int = 0
+    ):
+        self.workers, self.stop_file = workers, run_dir / STOP_FILE
         self.checkpointer, self.interval = checkpointer, interval
-        self.leader = workers.rank == 0
         self.flags = torch.zeros(2, dtype=torch.float64)
+        self.reset((start // interval + 1) * interval, forced=False)
+
+    def reset(self, next_poll: int, forced: bool = True) -> None:
+        """Start over on the workers' communicator as it is now (after workers were lost): the next
+        agreement is after ``next_poll`` steps (the same on every worker), and with ``forced`` it decides
+        a checkpoint there."""
+        self.comm = self.workers.split(0)
+        self.next_poll, self.forced = next_poll, forced
         self.request = None
 
     def poll(self, step: int) -> Decision:
         """Call after every step (``step`` steps done); the decision is the same on every worker."""
-        if step % self.interval:
+        if step != self.next_poll:
             return Decision()
-        decision = Decision()
+        self.next_poll += self.interval
+        decision = Decision(checkpoint=self.forced)
+        self.forced = False
         if self.request is not None:
             self.request.wait()
-            decision = Decision(checkpoint=bool(self.flags[0] > 0), stop=bool(self.flags[1] > 0))
-        if self.leader:
+            decision = Decision(
+                checkpoint=bool(self.flags[0] > 0) or decision.checkpoint, stop=bool(self.flags[1] > 0)
+            )
+        if self.workers.rank == 0:
             self.flags[0] = float(self.checkpointer.time_due())
             self.flags[1] = float(self.stop_file.exists())
         else:

@@ -10,12 +10,13 @@ training loop can split a step into compute and communication.
 from __future__ import annotations
 
 import atexit
+import functools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import mpi4py
 import numpy as np
@@ -31,6 +32,35 @@ from runner.staging import HostBuffers, Staged, cuda_aware_mpi  # noqa: E402
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
+#: ULFM's error classes: a peer failed (75, 76 for a pending wildcard receive) or revoked the communicator.
+_FAULTS = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PeerLost(RuntimeError):
+    """A process of the communicator died, or a survivor revoked the communicator after seeing one die.
+
+    Raised by every communication call when the job runs with ``hardware.fault_tolerance=continue``
+    (MPI's ULFM, errors returned instead of aborting); without it a lost process aborts the job in MPI.
+    """
+
+
+def _faults(fn: F) -> F:
+    """Turn ULFM's failure errors of an MPI call into :class:`PeerLost`; under fault tolerance, any error
+    (a collective cut short by a peer's death may fail with a generic class): the survivors' recovery
+    then finds out whether a process was lost."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except MPI.Exception as err:
+            comm = self if isinstance(self, Comm) else self._comm
+            if err.Get_error_class() in _FAULTS or comm.tolerant:
+                raise PeerLost(f"{fn.__name__}: {err.Get_error_string()}") from None
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _view(t: torch.Tensor) -> np.ndarray:
@@ -56,6 +86,7 @@ class Request:
     def __init__(self, comm: Comm, req: MPI.Request, staged: Staged | None, buffer: Any):
         self._comm, self._req, self._staged, self._buffer = comm, req, staged, buffer
 
+    @_faults
     def test(self) -> bool:
         t0 = time.perf_counter()
         done = self._req.Test()
@@ -69,6 +100,7 @@ class Request:
             self._staged.finish()
         self._staged = self._buffer = None
 
+    @_faults
     def wait(self) -> None:
         t0 = time.perf_counter()
         self._req.Wait()
@@ -82,9 +114,11 @@ class BackgroundRequest:
     def __init__(self, comm: Comm):
         self._comm, self._done, self.error = comm, threading.Event(), None
 
+    @_faults
     def test(self) -> bool:
         return self._done.is_set()
 
+    @_faults
     def wait(self) -> None:
         t0 = time.perf_counter()
         self._done.wait()
@@ -111,6 +145,8 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self._thread: threading.Thread | None = None
         self._node_comm: Any = None
+        self._children: list[Comm] = []
+        self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
         """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
@@ -140,6 +176,7 @@ class Comm:
             self._sent(t, 2 * (self.size - 1) / self.size)
 
     # -- collectives ------------------------------------------------------------------------------
+    @_faults
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``."""
         t0 = time.perf_counter()
@@ -151,6 +188,7 @@ class Comm:
         self.stats.seconds += time.perf_counter() - t0
         return t
 
+    @_faults
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
         """Start an in-place allreduce of ``t``; the result is valid after ``Request.wait``."""
         t0 = time.perf_counter()
@@ -181,14 +219,20 @@ class Comm:
         while True:
             t, op, request = self._queue.get()
             try:
-                buf, staged = self._buffer(t)
-                self._c.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
-                if staged is not None:
-                    staged.finish()
+                if t is not None:
+                    self._allreduce_now(t, op)
             except BaseException as err:  # handed to the waiting thread
                 request.error = err
             request._done.set()
 
+    @_faults
+    def _allreduce_now(self, t: torch.Tensor, op: str) -> None:
+        buf, staged = self._buffer(t)
+        self._c.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        if staged is not None:
+            staged.finish()
+
+    @_faults
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
         t0 = time.perf_counter()
@@ -201,10 +245,12 @@ class Comm:
         self.stats.seconds += time.perf_counter() - t0
         return t
 
+    @_faults
     def barrier(self) -> None:
         self._c.Barrier()
 
     # -- point to point ---------------------------------------------------------------------------
+    @_faults
     def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
         t0 = time.perf_counter()
         buf, _ = self._buffer(t)
@@ -212,6 +258,7 @@ class Comm:
         self._sent(t)
         self.stats.seconds += time.perf_counter() - t0
 
+    @_faults
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
         """Start sending ``t``; ``t`` must not change until the request completes."""
         t0 = time.perf_counter()
@@ -221,6 +268,7 @@ class Comm:
         self.stats.seconds += time.perf_counter() - t0
         return Request(self, req, None, buf)
 
+    @_faults
     def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
         """Receive into ``t``; returns ``(source, tag)`` of the message."""
         t0 = time.perf_counter()
@@ -232,6 +280,7 @@ class Comm:
         self.stats.seconds += time.perf_counter() - t0
         return status.Get_source(), status.Get_tag()
 
+    @_faults
     def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int] | None:
         """Non-blocking probe: ``(source, tag)`` of a waiting message, or None."""
         t0 = time.perf_counter()
@@ -240,6 +289,7 @@ class Comm:
         self.stats.seconds += time.perf_counter() - t0
         return (status.Get_source(), status.Get_tag()) if found else None
 
+    @_faults
     def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
         """Blocking probe: ``(source, tag)`` of the next matching message."""
         t0 = time.perf_counter()
@@ -249,12 +299,15 @@ class Comm:
         return status.Get_source(), status.Get_tag()
 
     # -- small Python objects (pickled; not for tensors) --------------------------------------------
+    @_faults
     def allgather_object(self, obj: Any) -> list[Any]:
         return self._c.allgather(obj)
 
+    @_faults
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self._c.bcast(obj, root=root)
 
+    @_faults
     def allreduce_values(self, values: Sequence[float], op: str = "sum") -> list[float]:
         """Allreduce a short list of floats (metrics) in float64."""
         arr = np.asarray(values, dtype=np.float64)
@@ -263,8 +316,71 @@ class Comm:
 
     # -- structure --------------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None) -> Comm:
-        """A sub-communicator of the ranks that pass the same ``color``."""
-        return Comm(self._c.Split(color, self.rank if key is None else key), self.cuda_aware, self.stats)
+        """A sub-communicator of the ranks that pass the same ``color`` (revoked with this one)."""
+        child = Comm(self._c.Split(color, self.rank if key is None else key), self.cuda_aware, self.stats)
+        child.tolerant = self.tolerant
+        self._children.append(child)
+        return child
+
+    # -- fault tolerance (ULFM; hardware.fault_tolerance=continue) -----------------------------------------
+    def return_errors(self) -> None:
+        """Failures of peers raise :class:`PeerLost` instead of aborting the job (call before splitting:
+        communicators made from this one inherit it)."""
+        self._c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.tolerant = True
+
+    def launch_rank(self, rank: int | None = None) -> int:
+        """The rank in the job as launched (``MPI.COMM_WORLD``) of this communicator's ``rank``."""
+        rank = self.rank if rank is None else rank
+        return MPI.Group.Translate_ranks(self._c.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
+
+    def revoke(self) -> None:
+        """Revoke this communicator and those split from it: every survivor's pending and later calls on
+        them raise :class:`PeerLost`, wherever it is, so all of them come to recover."""
+        for comm in [self, *self._children]:
+            try:
+                comm._c.Revoke()
+            except MPI.Exception:
+                pass  # revoked already, by a peer
+
+    def _failed(self) -> list[int]:
+        """Acknowledge the failures this process knows of; the failed ranks, in this communicator."""
+        self._c.Ack_failed()
+        group = self._c.Get_failed()
+        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
+
+    def shrink(self) -> list[int]:
+        """Replace the communicator, in place, by one of its survivors (ranks renumbered in order); returns
+        the lost ranks, numbered as before. Collective over the survivors. Split communicators are dropped:
+        split anew. The background thread is idle first (its calls on the revoked communicator fail)."""
+        if self._thread is not None:
+            marker = BackgroundRequest(self)
+            self._queue.put((None, None, marker))
+            marker._done.wait()
+        before = [self.launch_rank(r) for r in range(self.size)]
+        self._c = self._c.Shrink()
+        self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
+        after = {self.launch_rank(r) for r in range(self.size)}
+        self._children, self._node_comm = [], None
+        return [r for r, launched in enumerate(before) if launched not in after]
+
+    def fault_barrier(self) -> list[int]:
+        """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``),
+        then shrinks the communicator if any had; returns the lost ranks (numbered as before)."""
+        while True:
+            try:
+                self._c.Agree(1)
+                break
+            except MPI.Exception as err:
+                if err.Get_error_class() not in _FAULTS:
+                    raise
+                self._failed()
+        return self.shrink() if self._failed() else []
+
+    def lost_peers(self) -> list[int]:
+        """Server ranks: the ranks of this communicator known to have died (acknowledged), so that
+        wildcard receives go on among the living."""
+        return self._failed()
 
     def local_size(self) -> int:
         """Number of ranks of this communicator on this node."""

@@ -6,8 +6,8 @@ import re
 
 
 class EchoFilter:
-    """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks and
-    the ranks' ``rank N failed:`` lines (all kept in ``mpirun.log``).
+    """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks, the
+    ranks' ``rank N failed:`` lines and Open MPI's notes on revoked collectives (all kept in ``mpirun.log``).
 
     Works on the raw chunks: a line is held back only while it could still be the start of something
     hidden, so progress bars (``\\r`` updates without a newline) pass at once. A dashed line is held until
@@ -26,7 +26,10 @@ class EchoFilter:
         b"noticed that process rank",
         b"detected that one or more processes exited",
     )
-    STARTS = (*TRACEBACK, b"rank ")
+    #: Open MPI's notes on non-blocking collectives cut short when survivors of a lost rank revoke them
+    #: (fault tolerance), each followed by an empty line: the runner says what happened instead.
+    REVOKED = b"NBC_Progress: an error"
+    STARTS = (*TRACEBACK, b"rank ", REVOKED)
 
     def __init__(self) -> None:
         self.line = b""
@@ -68,6 +71,13 @@ class EchoFilter:
     def _complete(self, line: bytes) -> bytes:
         text = line.rstrip(b"\r\n")
         dashes = text.startswith(self.DASHES) and not text.strip(b"-")
+        if self.mode == "revoked":
+            self.mode = "normal"
+            if not text:
+                return b""
+        if text.startswith(self.REVOKED):
+            self.mode = "revoked"
+            return b""
         if self.mode == "banner":
             self.mode = "normal" if dashes else "banner"
             return b""

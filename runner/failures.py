@@ -4,10 +4,13 @@ with a non-zero status or called MPI_Abort)."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
 from typing import NamedTuple
+
+from runner.watchdog import LOST_FILE
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
@@ -42,7 +45,8 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
     """Why the job ended with mpirun status ``status``.
 
     In order: a rank killed by a signal (Open MPI's report in ``mpirun.log``; that rank could not report
-    it itself, and ranks that raised afterwards are listed); the first ``logs/rank<r>.error`` (its first
+    it itself, and ranks that raised afterwards are listed), unless the others went on without it
+    (``logs/lost.json``); the first ``logs/rank<r>.error`` (its first
     line is the root cause, ``Type: message (file:line)``; one starting ``Diverged:`` means status
     diverged); a rank that exited with a non-zero status or called MPI_Abort; else mpirun's status.
     Only the output from ``log_start`` on is this job's (a resumed run appends to ``mpirun.log``).
@@ -59,8 +63,13 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
             output = log.read().decode(errors="replace")
     except OSError:
         output = ""
-    if killed := KILLED.search(output):
-        rank, pid, node, number = killed.group(1, 2, 3, 4)
+    try:
+        tolerated = set(json.loads((logs / LOST_FILE).read_text())["lost"])
+    except (OSError, ValueError, KeyError):
+        tolerated = set()
+    kills = [k for k in KILLED.finditer(output) if int(k.group(1)) not in tolerated]
+    if kills:
+        rank, pid, node, number = kills[0].group(1, 2, 3, 4)
         cause = f"killed by signal {number} ({_signal_name(int(number))})"
         also = _after([r for r in causes if r != int(rank)])
         log = logs / f"rank{rank}.log"

@@ -43,6 +43,7 @@ from runner.hardware.base import Launch
 from runner.identity import IDENTITY_FILE
 from runner.metrics import read_json, read_metrics, strict
 from runner.supervise import Outcome, Supervisor
+from runner.watchdog import LOST_FILE
 
 log = logging.getLogger("runner")
 
@@ -101,6 +102,7 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STOP_FILE).unlink(missing_ok=True)  # a previous job's stop request
+        (run_dir / "logs" / LOST_FILE).unlink(missing_ok=True)  # and the ranks it lost
     except OSError as err:
         raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
     write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))

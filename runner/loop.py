@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.checkpoint import Control
-from runner.comm import Comm, CommStats
+from runner.comm import Comm, CommStats, PeerLost
 from runner.config import TrainConfig
 from runner.heartbeat import Heartbeat
 from runner.meter import Meter
 from runner.metrics import MetricsLog
 from runner.rules.base import Rule
+
+if TYPE_CHECKING:
+    from runner.recovery import Recovery
 
 
 def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -76,11 +79,13 @@ class Trainer:
         control: Control,
         checkpoint: Callable[[Position, bool], None],
         beat: Heartbeat,
+        recovery: Recovery | None = None,
     ):
         self.cfg, self.model, self.optimizer, self.rule = cfg, model, optimizer, rule
         self.train_loader, self.val_loader = loaders
         self.workers, self.stats, self.device, self.log, self.meter = workers, stats, device, log, meter
-        self.control, self.checkpoint, self.beat = control, checkpoint, beat
+        self.control, self.checkpoint, self.beat, self.recovery = control, checkpoint, beat, recovery
+        self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         self.criterion = nn.CrossEntropyLoss()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -88,54 +93,99 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.skipped = 0
         self.preempted = False
+        self.first_step, self.last_loss = 0, float("nan")
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
         results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
         pos, reported = Position(start.step, start.epoch, start.batch), self.model
+        sampler, self.first_step = self.train_loader.sampler, start.step
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
-            self.train_loader.sampler.set_epoch(epoch)
-            self.train_loader.sampler.start_at(pos.batch * self.cfg.batch_size)
+            plan = self.shard_plan if epoch == start.epoch and self.shard_plan else None
+            sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
+            if self.recovery is not None and self.cfg.max_steps is None:  # survivors: longer epochs
+                max_steps = pos.step - pos.batch + (epochs - epoch) * len(self.train_loader)
+            sampler.set_epoch(epoch)
+            sampler.start_at(pos.batch * self.cfg.batch_size)
             self.model.train()
             for x, y in self.meter.batches(self.train_loader):
                 if pos.step >= max_steps:
                     break
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                self.rule.before_step(pos.step)
-                self.optimizer.zero_grad(set_to_none=False)
-                self.keep_buffers()
-                loss = self.forward(x, y, first=pos.step == start.step)
-                poisoned(loss, self.buffers).backward()
-                self.rule.after_backward(pos.step)
-                if self.finite(loss, pos.step):
-                    self.optimizer.step()
-                self.rule.after_step(pos.step)
+                while not self.step(x, y, pos):
+                    pass
                 pos.step, pos.batch = pos.step + 1, pos.batch + 1
                 self.beat.progress(pos.step)
                 self.meter.step_done(
-                    pos.step, epoch, loss.item(), len(x), self.optimizer.param_groups[0]["lr"]
+                    pos.step, epoch, self.last_loss, len(x), self.optimizer.param_groups[0]["lr"]
                 )
-                if self.at_step_end(pos) or pos.step >= max_steps:
+                if self.tolerant(self.at_step_end, pos) or pos.step >= max_steps:
                     break
             if self.preempted:
                 self.meter.epoch_done()
                 break
-            self.rule.on_epoch_end(epoch)
             span = self.meter.epoch_done()
-            if (epoch + 1) % self.cfg.val_every == 0 or epoch == epochs - 1:
-                reported = self.validate(epoch, pos.step)
-            mean_loss = span.loss / max(1, span.steps)
-            train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
-            rates, extra = span.rates(self.workers.size), self.rule.metrics()
-            self.log.write("epoch", pos.step, epoch=epoch, train_loss=train_loss, **rates, **extra)
+            reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
             pos.batch = 0
-        self.control.close()
         self.meter.close()
+        self.tolerant(self.end, pos, epochs, start)
+        return reported, self._summary(epochs, pos.step)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, pos: Position) -> bool:
+        """One training step on a batch; False when it must be redone (workers were lost during it)."""
+        applied = False
+        try:
+            self.rule.before_step(pos.step)
+            self.optimizer.zero_grad(set_to_none=False)
+            self.keep_buffers()
+            loss = self.forward(x, y, first=pos.step == self.first_step)
+            poisoned(loss, self.buffers).backward()
+            self.rule.after_backward(pos.step)
+            if self.finite(loss, pos.step):
+                self.optimizer.step()
+            applied = True
+            self.rule.after_step(pos.step)
+            self.last_loss = loss.item()
+            return True
+        except PeerLost:
+            if self.recovery is None:
+                raise
+            done = self.recovery.recover(self, pos, holding=True, applied=applied)
+            if not done:
+                self.restore_buffers()
+            if applied:
+                self.last_loss = loss.item()
+            return done
+
+    def tolerant(self, fn: Callable[..., Any], pos: Position, *args: Any) -> Any:
+        """``fn(pos, *args)``, recovering from lost workers and calling it again (not within a step)."""
+        while True:
+            try:
+                return fn(pos, *args)
+            except PeerLost:
+                if self.recovery is None:
+                    raise
+                self.recovery.recover(self, pos, holding=False, applied=True)
+
+    def end_epoch(self, pos: Position, epochs: int, span: Any) -> nn.Module | None:
+        """The epoch's records, after validation when due; the model validated (None: no validation)."""
+        self.rule.on_epoch_end(pos.epoch)
+        reported = None
+        if (pos.epoch + 1) % self.cfg.val_every == 0 or pos.epoch == epochs - 1:
+            reported = self.validate(pos.epoch, pos.step)
+        mean_loss = span.loss / max(1, span.steps)
+        train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
+        rates, extra = span.rates(self.workers.size), self.rule.metrics()
+        self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
+        return reported
+
+    def end(self, pos: Position, epochs: int, start: Position) -> None:
+        """The end of training: the last agreement, the final checkpoint, the rule's last exchanges."""
+        self.control.close()
         if not self.preempted:
             self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
         self.rule.finish()
-        return reported, self._summary(epochs, pos.step)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
         """The loss of a batch. A model that does not take the data fails on the first batch with one line
@@ -194,29 +244,40 @@ class Trainer:
             )
         self.skipped += 1
         self.optimizer.zero_grad(set_to_none=False)
-        with torch.no_grad():
-            for buffer, kept in zip(self.buffers, self.kept, strict=True):
-                buffer.copy_(kept)
+        self.restore_buffers()
         if self.skipped <= 3 or self.skipped % 100 == 0:
             self.meter.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
         return False
 
     def keep_buffers(self) -> None:
-        """With ``on_nonfinite=skip``, copy the BatchNorm statistics before the forward pass updates them, so
-        that a dropped step leaves no trace in them either."""
-        if self.cfg.on_nonfinite == "skip" and self.buffers:
+        """With ``on_nonfinite=skip`` or fault tolerance, copy the BatchNorm statistics before the forward
+        pass updates them, so that a dropped or redone step leaves no trace in them either."""
+        if (self.cfg.on_nonfinite == "skip" or self.recovery is not None) and self.buffers:
             if not self.kept:
                 self.kept = [b.clone() for b in self.buffers]
             with torch.no_grad():
                 for kept, buffer in zip(self.kept, self.buffers, strict=True):
                     kept.copy_(buffer)
 
+    @torch.no_grad()
+    def restore_buffers(self) -> None:
+        for buffer, kept in zip(self.buffers, self.kept, strict=True):
+            buffer.copy_(kept)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "skipped": self.skipped, "meter": self.meter.state_dict()}
+        sampler = self.train_loader.sampler
+        return {
+            "history": self.history,
+            "skipped": self.skipped,
+            "meter": self.meter.state_dict(),
+            "shard": [sampler.rank, sampler.num_replicas],
+        }
 
     def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
         self.history, self.skipped = list(state["history"]), state["skipped"]
         self.meter.load_state_dict(state["meter"], step, mid_epoch)
+        if mid_epoch and "shard" in state:
+            self.shard_plan = tuple(state["shard"])
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> tuple[float, float]:

@@ -65,6 +65,19 @@ class MetricsLog:
         self.file = open(path, "a", buffering=1)
         self.tb = EventFile(run_dir / "tb", purge_step=resume[1] + 1 if resume else None)
 
+    def take_over(self) -> None:
+        """This rank writes the records from now on (the writing rank was lost): append to what it wrote,
+        without a line it may have left half-written."""
+        path = self.dir / "metrics.jsonl"
+        text = path.read_text() if path.exists() else ""
+        kept = text.splitlines(keepends=True)
+        if kept and not kept[-1].endswith("\n"):
+            kept.pop()
+            path.write_text("".join(kept))
+        self.lines, self.enabled = len(kept), True
+        self.file = open(path, "a", buffering=1)
+        self.tb = EventFile(self.dir / "tb")
+
     def elapsed(self) -> float:
         return time.time() - self.start
 

@@ -7,6 +7,7 @@ Read by the launcher, so nothing here imports torch.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -69,6 +70,16 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
         key = override_key(override)
         if not key.startswith("hydra.") and key != "resume":
             OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
+    latest = read_index(run_dir)[-1]
+    ranks = resumed.devices + OmegaConf.to_object(resumed.rule).extra_ranks()
+    if latest["world_size"] < ranks:  # the run went on without lost workers (fault tolerance)
+        resumed.devices -= ranks - latest["world_size"]
+        logging.getLogger("runner").info(
+            "the run had lost %d worker(s) by its checkpoint %s: resuming with devices=%d",
+            ranks - latest["world_size"],
+            latest["dir"],
+            resumed.devices,
+        )
     resumed.resume = str(run_dir)
     for error in (run_dir / "logs").glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))

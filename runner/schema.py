@@ -203,7 +203,10 @@ class SchemaSource(ConfigSource):
         if len(parts) != 3 or parts[0] != "schema" or parts[1] not in GROUPS:
             return False
         if "." in parts[2]:
-            return importlib.util.find_spec(parts[2]) is not None
+            try:
+                return importlib.util.find_spec(parts[2]) is not None
+            except ModuleNotFoundError:  # its package is not importable from here: Hydra names the config
+                return False
         return parts[2] in option_modules(parts[1])
 
     def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:

@@ -39,6 +39,9 @@ GRACE_S = 120.0
 TERM_TIMEOUT_S = 5.0
 #: Seconds between two readings of the heartbeats.
 WATCH_INTERVAL_S = 1.0
+#: A rank that failed with an error aborts the job (MPI_Abort); under ULFM (fault_tolerance=continue) the
+#: other ranks are not stopped by it, so the job is ended this long after the rank's error file appeared.
+FAILED_RANK_GRACE_S = 3.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -92,6 +95,7 @@ class Supervisor:
         self.warned: Stall | None = None
         self.beats: dict[int, dict] = {}
         self.next_watch = 0.0
+        self.failed_since: float | None = None
         self.filter = EchoFilter()
 
     def run(self) -> Outcome:
@@ -164,9 +168,20 @@ class Supervisor:
             self._end(f"a second signal ({self.signals[1]})", interrupted=True)
         elif self.stop_time is not None and now - self.stop_time > GRACE_S:
             self._end(f"the job did not stop within {GRACE_S:.0f} s of {self.signals[0]}", interrupted=True)
-        elif self.stall_timeout and now >= self.next_watch:
+        elif now >= self.next_watch:
             self.next_watch = now + WATCH_INTERVAL_S
-            self._watch(now)
+            self._check_errors(now)
+            if self.stall_timeout and self.ending_since is None:
+                self._watch(now)
+
+    def _check_errors(self, now: float) -> None:
+        """End a job that goes on after one of its ranks failed with an error."""
+        if self.failed_since is None:
+            errors = (self.run_dir / "logs").glob("rank*.error")
+            if any(e.stat().st_mtime >= self.launch_time for e in errors):
+                self.failed_since = now
+        elif now - self.failed_since > FAILED_RANK_GRACE_S:
+            self._end("a rank failed with an error and the others did not stop")
 
     def _watch(self, now: float) -> None:
         beats = read_beats(self.run_dir / "logs", self.ranks, self.launch_time, self.beats)

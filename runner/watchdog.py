@@ -16,6 +16,8 @@ from typing import Any
 
 #: A rank whose heartbeat thread has not written for this long is stopped or dead, not merely waiting.
 NOT_RESPONDING_S = 10.0
+#: ``logs/lost.json``: ``{"lost": [ranks]}``, workers the survivors went on without (fault tolerance).
+LOST_FILE = "lost.json"
 
 
 @dataclass
@@ -83,9 +85,16 @@ def read_beats(
 ) -> dict[int, dict | None]:
     """Every running rank's heartbeat (None: none yet). A beat written before ``launch_time`` (a previous
     job in this folder) counts as none; a rank whose beat says ``"done": true``, or whose beat file is gone
-    after it was seen, has finished and is left out. ``previous`` keeps the last good beats between calls."""
+    after it was seen, has finished and is left out, as are the ranks in ``lost.json``, which the others went
+    on without. ``previous`` keeps the last good beats between calls."""
     beats: dict[int, dict | None] = {}
+    try:
+        lost = set(json.loads((logs / LOST_FILE).read_text())["lost"])
+    except (OSError, ValueError, KeyError):
+        lost = set()
     for r in range(ranks):
+        if r in lost:
+            continue
         try:
             beat = json.loads((logs / f"rank{r}.beat").read_text())
         except FileNotFoundError:

@@ -37,6 +37,7 @@ from runner.identity import IDENTITY_FILE
 from runner.loop import Diverged, Position, Trainer, broadcast_state
 from runner.meter import Meter
 from runner.metrics import MetricsLog, dumps, read_json, write_atomic
+from runner.recovery import Recovery
 from runner.rules.base import RuleContext, split_roles
 
 #: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
@@ -103,10 +104,15 @@ def run(
         print(f"versions: {json.dumps(env)}")
         print(f"topology: {json.dumps(topo.to_dict())}")
     device, _ = place_rank(cfg.hardware, comm, run_dir)
+    tolerant = cfg.hardware.fault_tolerance == "continue"
+    if tolerant:
+        comm.return_errors()
+        hosts = comm.allgather_object(platform.node())
     workers = split_roles(comm, cfg.rule.extra_ranks())
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
+    checkpointer.fault_tolerant = tolerant
     train = cfg.train
     torch.manual_seed(train.seed + (0 if train.same_init else comm.rank))
     model = cfg.model.build().to(device)
@@ -125,6 +131,8 @@ def run(
             set_rng_state(part["rng"])
         print(f"rank {comm.rank}: server of {type(rule).__name__}")
         rule.serve()
+        if tolerant:
+            comm.fault_barrier()
         rule.final_metrics()
         return
     data = cfg.data.build()
@@ -155,7 +163,20 @@ def run(
         log_file=log_file,
         progress=train.progress,
     )
-    control = Control(workers, run_dir, checkpointer, 1 if rule.synchronous else ASYNC_CONTROL_INTERVAL)
+    interval = 1 if rule.synchronous else ASYNC_CONTROL_INTERVAL
+    control = Control(workers, run_dir, checkpointer, interval, part["loop"]["step"] if part else 0)
+    recovery = None
+    if tolerant:
+        recovery = Recovery(
+            workers,
+            comm,
+            cfg.rule.extra_ranks(),
+            run_dir,
+            cfg.hardware.min_workers,
+            terminal,
+            lambda r, n: data.val_loader(r, n, train.val_batch_size, pin_memory=pin),
+            hosts,
+        )
     trainer: Trainer
 
     def checkpoint(pos: Position, end: bool) -> None:
@@ -196,6 +217,7 @@ def run(
             control,
             checkpoint,
             beat,
+            recovery,
         )
         if part:
             model.load_state_dict(part["model"])
@@ -207,6 +229,9 @@ def run(
             set_rng_state(part["rng"])
             meter.echo(f"resumed from the checkpoint after step {start_at.step} ({entry['dir']})")
         reported, result = trainer.fit(max_steps, epochs, start_at)
+        if recovery is not None:
+            comm.fault_barrier()
+            result.update(recovery.summary())
         final = rule.final_metrics()
         if final:
             log.write("final", result["steps"], **final)

@@ -257,6 +257,10 @@ class FakeComm:
             group, rank = self._collective(("split",), mine, combine)(True)[1][self.rank]
         return FakeComm(group, rank, self.stats)
 
+    def launch_rank(self, rank: int | None = None) -> int:
+        """The rank as launched: a fake world is never shrunk, so the rank itself."""
+        return self.rank if rank is None else rank
+
     def local_size(self) -> int:
         return self.size
 

@@ -74,6 +74,14 @@ def test_the_echo_hides_abort_banners_tracebacks_and_failed_lines_whatever_the_c
     assert echo(b"rank 0/2 on vm, cores [0]\nranking 3\n", chunk) == b"rank 0/2 on vm, cores [0]\nranking 3\n"
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 5])
+def test_the_echo_hides_open_mpis_notes_on_revoked_collectives(chunk):
+    note = b"NBC_Progress: an error 77 was found during schedule 0x56 - aborting the schedule\n"
+    lost = b"rank 2 (vm) lost at step 29; continuing with 3 workers (recovered in 0.01 s)\n"
+    data = b"epoch 1: val_acc 0.8\n" + (note + b"\n") * 3 + lost + b"\nepoch 2\n"
+    assert echo(data, chunk) == b"epoch 1: val_acc 0.8\n" + lost + b"\nepoch 2\n"
+
+
 def test_progress_bars_pass_at_once():
     f = EchoFilter()
     assert f.feed(b"\r 10%|#         | 3/30") == b"\r 10%|#         | 3/30"

@@ -14,6 +14,7 @@ from pathlib import Path
 from runner.hardware.cores import CoreLease
 from runner.hardware.mpirun import (
     build_argv,
+    check_ulfm,
     effective_bind,
     find_mpirun,
     mpi_flavor,
@@ -59,6 +60,8 @@ class HardwareConfig:
     ranks_per_gpu: int = 1
     cuda_aware: bool | None = None
     oversubscribe: bool = False  # allow more ranks than cores (hosts' slots, Slurm tasks): slower
+    fault_tolerance: str = "none"  # continue: survivors go on when a worker dies (Open MPI's ULFM)
+    min_workers: int = 1  # with fault_tolerance=continue: fewer survivors end the job, with a checkpoint
 
     def __post_init__(self) -> None:
         one_of("device", self.device, ("cpu", "cuda"))
@@ -77,6 +80,8 @@ class HardwareConfig:
             "use null (every visible GPU) or a positive count",
         )
         require(self.ranks_per_gpu >= 1, "ranks_per_gpu", self.ranks_per_gpu, "at least one rank per GPU")
+        one_of("fault_tolerance", self.fault_tolerance, ("none", "continue"))
+        require(self.min_workers >= 1, "min_workers", self.min_workers, "at least one worker must survive")
 
     def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
         """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``. With ``reserve`` (the
@@ -138,12 +143,15 @@ class HardwareConfig:
         """The mpirun command for ``ranks`` ranks sharing ``cores`` cores, placed by ``placements`` or, one
         rank per core, on the cores ``pe_list``."""
         mpirun = find_mpirun(self.mpirun)
+        flavor = mpi_flavor(mpirun) if self.flavor == "auto" else self.flavor
+        if self.fault_tolerance == "continue":
+            check_ulfm(mpirun, flavor)
         argv = build_argv(
             self,
             ranks,
             run_dir,
             mpirun=mpirun,
-            flavor=mpi_flavor(mpirun) if self.flavor == "auto" else self.flavor,
+            flavor=flavor,
             cores=cores,
             as_root=os.geteuid() == 0,
             placements=placements,

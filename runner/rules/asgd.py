@@ -85,7 +85,6 @@ class ASGD(Rule):
         self.synchronous = False
         self.n_push, self.n_fetch = cfg.n_push, cfg.n_fetch
         self.policy, self.max_staleness = cfg.staleness, cfg.max_staleness
-        self.server_ranks = list(range(self.num_workers, self.comm.size))
         self.pushes = self.fetches = 0
         flat = FlatTensors(self.model.parameters())
         if len(flat.buffers) != 1:
@@ -105,6 +104,11 @@ class ASGD(Rule):
             self.x[self.slices[self.comm.rank - self.num_workers]].clone() if self.is_server else None
         )
         self.version, self.dropped, self.histogram = 0, 0, Counter()
+
+    @property
+    def server_ranks(self) -> list[int]:
+        """The servers: the last ranks (renumbered when lost workers are dropped from the job)."""
+        return list(range(self.comm.size - self.num_servers, self.comm.size))
 
     def after_step(self, step: int) -> None:
         if (step + 1) % self.n_push == 0:
@@ -201,35 +205,26 @@ class ASGD(Rule):
     @no_grad
     def serve(self) -> None:
         """Hold one shard; apply pushes and answer fetches in arrival order until every worker is done."""
-        shard = self.shard
-        incoming = torch.empty_like(shard)
-        header = self.header
-        done = checkpoints = 0
-        while done < self.num_workers:
-            source, tag = self.comm.probe()
-            self.comm.recv(header, source, tag)
-            if tag == DONE:
-                done += 1
-            elif tag == CHECKPOINT:
-                checkpoints += 1
-                if checkpoints == self.num_workers:
-                    self.save(int(header), self.state_dict())
-                    checkpoints = 0
-            elif tag == FETCH:
-                header.fill_(self.version)
-                self.comm.send(header, source, REPLY)
-                self.comm.send(shard, source, REPLY)
-            else:
-                assert tag == PUSH, f"unexpected message tag {tag} from rank {source}"
-                self.comm.recv(incoming, source, PUSH_DATA)
-                staleness = self.version - int(header)
-                self.histogram[staleness] += 1
-                if self.policy == "drop" and staleness > self.max_staleness:
-                    self.dropped += 1
-                    continue
-                shard.add_(incoming, alpha=1.0 / (1 + staleness) if self.policy == "scale" else 1.0)
-                self.version += 1
-        assert self.comm.iprobe() is None, "a message was left in flight"
+        incoming = torch.empty_like(self.shard)
+
+        def handle(source: int, tag: int) -> None:
+            self.comm.recv(self.header, source, tag)
+            if tag == FETCH:
+                self.header.fill_(self.version)
+                self.comm.send(self.header, source, REPLY)
+                self.comm.send(self.shard, source, REPLY)
+                return
+            assert tag == PUSH, f"unexpected message tag {tag} from rank {source}"
+            self.comm.recv(incoming, source, PUSH_DATA)
+            staleness = self.version - int(self.header)
+            self.histogram[staleness] += 1
+            if self.policy == "drop" and staleness > self.max_staleness:
+                self.dropped += 1
+                return
+            self.shard.add_(incoming, alpha=1.0 / (1 + staleness) if self.policy == "scale" else 1.0)
+            self.version += 1
+
+        self._serve_workers(handle, DONE, CHECKPOINT)
 
     def final_metrics(self) -> dict[str, object]:
         """Collective: the servers' staleness histogram and drops (counted per shard push) and versions."""

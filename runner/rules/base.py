@@ -128,6 +128,46 @@ class Rule:
         """Collective over all ranks (workers and servers) after training: metrics for summary.json."""
         return {}
 
+    # -- fault tolerance (hardware.fault_tolerance=continue; runner/recovery.py) ----------------------------
+    def abandon(self) -> None:
+        """Workers, when a worker was lost and the communicator is revoked: complete or forget the
+        operations in flight (they fail), leaving the local state as it was before them."""
+
+    def recover(self) -> None:
+        """Workers, once the communicator holds the survivors only (and, for synchronous rules, all are at
+        the same step): make the rule's state consistent again, by the rule's own math."""
+
+    # -- servers --------------------------------------------------------------------------------------------
+    def _serve_workers(self, handle: Callable[[int, int], None], done: int, checkpoint: int) -> None:
+        """Server ranks: ``handle(source, tag)`` each message of the workers in arrival order until every
+        worker has sent tag ``done`` or was lost; when every living worker has sent tag ``checkpoint``
+        (a float64 header: the step), save this server's state. A lost worker (its messages fail, or it dies
+        while the server waits) is no longer served, and a push or exchange it did not finish is dropped."""
+        from runner.comm import PeerLost
+
+        header = torch.zeros(1, dtype=torch.float64)
+        finished: set[int] = set()
+        lost: set[int] = set()
+        asked = 0
+        while len(finished | lost) < self.num_workers:
+            try:
+                source, tag = self.comm.probe()
+                if tag in (done, checkpoint):
+                    self.comm.recv(header, source, tag)
+                if tag == done:
+                    finished.add(self.comm.launch_rank(source))
+                elif tag == checkpoint:
+                    asked += 1
+                    if asked >= self.num_workers - len(lost):
+                        asked = 0
+                        self.save(int(header), self.state_dict())
+                else:
+                    handle(source, tag)
+            except PeerLost:
+                dead = {self.comm.launch_rank(r) for r in self.comm.lost_peers()}
+                lost |= {r for r in dead if r < self.num_workers} - finished
+        assert self.comm.iprobe() is None, "a message was left in flight"
+
     # -- helpers for rules that report a model other than the local one -----------------------------------
     @no_grad
     def _workers_mean(self, local: FlatTensors, weight: float) -> tuple[torch.nn.Module, FlatTensors]:
@@ -141,6 +181,15 @@ class Rule:
             self.workers.allreduce(m)
         self._average_buffers_into(model)
         return model, flat
+
+    @no_grad
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        """Set each of ``tensors`` to its mean over the workers. Reduced in a copy, so that a failed
+        all-reduce (a lost worker) leaves them as they were."""
+        for t in tensors:
+            total = t.clone()
+            self.workers.allreduce(total)
+            t.copy_(total.mul_(1.0 / self.workers.size))
 
     @no_grad
     def _average_buffers_into(self, target: torch.nn.Module) -> None:

@@ -198,10 +198,6 @@ class BSP(Rule):
         self.next_launch = 0
 
     # -- mode: params ----------------------------------------------------------------------------------
-    def _average(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            self.comm.allreduce(t).mul_(1.0 / self.comm.size)
-
     def after_step(self, step: int) -> None:
         if self.flat is not None and (step + 1) % self.cfg.avg_freq == 0:
             self._average(self.flat.buffers)
@@ -213,3 +209,24 @@ class BSP(Rule):
             self._average(self.flat.buffers)
         self._average(float_buffers(self.model))
         return {"": self.model}
+
+    # -- lost workers --------------------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """Let the bucket all-reduces in flight fail (the gradients are recomputed: the step is redone)."""
+        from runner.comm import PeerLost
+
+        for bucket in self.buckets:
+            if bucket.request is not None:
+                try:
+                    bucket.request.wait()
+                except PeerLost:
+                    pass
+            bucket.request = None
+            bucket.packed.clear()
+        self.next_launch = 0
+
+    def recover(self) -> None:
+        """``grads``: nothing (from now on the mean is over the survivors, and ``lr_scaling`` scales by their
+        number). ``params``: the survivors average their parameters at once, so all start equal again."""
+        if self.flat is not None:
+            self._average(self.flat.buffers)

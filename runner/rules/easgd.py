@@ -104,7 +104,6 @@ class EASGD(Rule):
         self.cfg = cfg
         self.alpha = cfg.alpha_for(self.num_workers)
         self.center_alpha = self.alpha if cfg.center_alpha is None else cfg.center_alpha
-        self.server = self.comm.size - 1
         self.synchronous = cfg.variant == "sync"
         self.exchanges = 0
         self.served = 0
@@ -118,6 +117,11 @@ class EASGD(Rule):
             self.comm.broadcast(buf, root=0)
         return center_model, center
 
+    @property
+    def server(self) -> int:
+        """Async: the center's rank, the last (renumbered when lost workers are dropped from the job)."""
+        return self.comm.size - 1
+
     # -- workers -------------------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
         if (step + 1) % self.cfg.tau == 0:
@@ -128,10 +132,13 @@ class EASGD(Rule):
         """One elastic step between this worker and the center."""
         self.exchanges += 1
         if self.cfg.variant == "sync":
-            for x, c in zip(self.local.buffers, self.center.buffers, strict=True):
-                d = (x - c).mul_(self.alpha)
+            pulls = [
+                (x - c).mul_(self.alpha) for x, c in zip(self.local.buffers, self.center.buffers, strict=True)
+            ]
+            sums = [self.comm.allreduce(d.clone()) for d in pulls]  # a lost worker: nothing applied yet
+            for x, c, d, total in zip(self.local.buffers, self.center.buffers, pulls, sums, strict=True):
                 x.sub_(d)
-                c.add_(self.comm.allreduce(d))
+                c.add_(total)
             return
         for x, c in zip(self.local.buffers, self.center.buffers, strict=True):
             self.comm.send(x, self.server, EXCHANGE)
@@ -143,7 +150,7 @@ class EASGD(Rule):
         if self.cfg.variant == "async":
             self.workers.barrier()
             if self.workers.rank == 0:
-                self.comm.send(torch.zeros(1), self.server, FETCH)
+                self.comm.send(torch.zeros(1, dtype=torch.float64), self.server, FETCH)
                 for c in self.center.buffers:
                     self.comm.recv(c, self.server, FETCH)
             for c in self.center.buffers:
@@ -166,12 +173,12 @@ class EASGD(Rule):
 
     def finish(self) -> None:
         if self.cfg.variant == "async":
-            self.comm.send(torch.zeros(1), self.server, DONE)
+            self.comm.send(torch.zeros(1, dtype=torch.float64), self.server, DONE)
 
     def before_checkpoint(self, step: int) -> None:
         """Async: tell the server; it saves the center once every worker's earlier exchanges are applied."""
         if self.cfg.variant == "async":
-            self.comm.send(torch.tensor([float(step)]), self.server, CHECKPOINT)
+            self.comm.send(torch.tensor([float(step)], dtype=torch.float64), self.server, CHECKPOINT)
 
     def state_dict(self) -> dict[str, object]:
         """The center (sync: this worker's replica; async: the server's) and the exchange counts."""
@@ -187,36 +194,37 @@ class EASGD(Rule):
             c.copy_(saved)
         self.exchanges, self.served = state["exchanges"], state["served"]
 
+    @no_grad
+    def recover(self) -> None:
+        """Sync: the survivors' center replicas are made identical (the lowest survivor's, broadcast), and
+        the center goes on with their pulls only (alpha unchanged: beta = alpha × survivors). Async: a lost
+        worker is no longer served (the server counts it out)."""
+        if self.cfg.variant == "sync":
+            for c in self.center.buffers:
+                self.comm.broadcast(c, root=0)
+
     # -- server (async) ------------------------------------------------------------------------------------
     @no_grad
     def serve(self) -> None:
-        """Hold the center; answer exchanges and fetches in arrival order until every worker is done."""
+        """Hold the center; answer exchanges and fetches in arrival order until every worker is done. An
+        exchange with a worker lost midway is not applied (the center moves once all of it has arrived)."""
         center = self.center
         incoming = [torch.empty_like(c) for c in center.buffers]
-        header = torch.empty(1)
-        done = checkpoints = 0
-        while done < self.num_workers:
-            source, tag = self.comm.probe()
-            if tag == DONE:
-                self.comm.recv(header, source, DONE)
-                done += 1
-            elif tag == CHECKPOINT:
-                self.comm.recv(header, source, CHECKPOINT)
-                checkpoints += 1
-                if checkpoints == self.num_workers:
-                    self.save(int(header), self.state_dict())
-                    checkpoints = 0
-            elif tag == FETCH:
-                self.comm.recv(torch.empty(1), source, FETCH)
+
+        def handle(source: int, tag: int) -> None:
+            if tag == FETCH:
+                self.comm.recv(torch.empty(1, dtype=torch.float64), source, FETCH)
                 for c in center.buffers:
                     self.comm.send(c, source, FETCH)
-            else:
-                for c, x in zip(center.buffers, incoming, strict=True):
-                    self.comm.recv(x, source, EXCHANGE)
-                    self.comm.send(c, source, EXCHANGE)
-                    c.add_((x - c).mul_(self.center_alpha))
-                self.served += 1
-        assert self.comm.iprobe() is None, "a message was left in flight"
+                return
+            for c, x in zip(center.buffers, incoming, strict=True):
+                self.comm.recv(x, source, EXCHANGE)
+                self.comm.send(c, source, EXCHANGE)
+            for c, x in zip(center.buffers, incoming, strict=True):
+                c.add_((x - c).mul_(self.center_alpha))
+            self.served += 1
+
+        self._serve_workers(handle, DONE, CHECKPOINT)
 
     def final_metrics(self) -> dict[str, object]:
         if self.cfg.variant != "async":

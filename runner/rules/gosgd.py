@@ -68,6 +68,7 @@ class GoSGD(Rule):
         self.rng = random.Random(cfg.seed * 100_003 + self.comm.rank)
         self.weight = 1.0 / self.comm.size
         self.pushes = self.merges = 0
+        self.received = 0  # pushes merged since the workers last changed (sent_to counts the same span)
         self.sent_to = [0] * self.comm.size
         self.inflight: list[tuple[list[Request], list[torch.Tensor]]] = []
         self.free: list[list[torch.Tensor]] = []
@@ -83,13 +84,15 @@ class GoSGD(Rule):
         while (found := self.comm.iprobe(tag=WEIGHT)) is not None:
             source = found[0]
             self.comm.recv(self.weight_in, source, WEIGHT)
+            for buf in self.incoming:  # all of the push before any of it is merged (its sender may die)
+                self.comm.recv(buf, source, PARAMS)
             theirs = float(self.weight_in)
             total = self.weight + theirs
             for x, buf in zip(self.local.buffers, self.incoming, strict=True):
-                self.comm.recv(buf, source, PARAMS)
                 x.mul_(self.weight / total).add_(buf, alpha=theirs / total)
             self.weight = total
             self.merges += 1
+            self.received += 1
 
     def _reap(self, keep: int) -> None:
         """Recycle the buffers of received pushes; drain until at most ``keep`` pushes are in flight."""
@@ -145,7 +148,7 @@ class GoSGD(Rule):
         while not request.test():
             self.drain()
         expected = int(counts[self.comm.rank])
-        while self.merges < expected:
+        while self.received < expected:
             self.drain()
         self._reap(0)
 
@@ -183,6 +186,7 @@ class GoSGD(Rule):
             "rng": [version, list(internal), gauss],
             "pushes": self.pushes,
             "merges": self.merges,
+            "received": self.received,
             "sent_to": list(self.sent_to),
             "spread": self.spread,
             "weight_sum": self.weight_sum,
@@ -192,8 +196,30 @@ class GoSGD(Rule):
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.weight, self.pushes, self.merges = state["weight"], state["pushes"], state["merges"]
+        self.received = state.get("received", self.merges)
         self.sent_to = list(state["sent_to"])
         self.spread, self.weight_sum = state["spread"], state["weight_sum"]
+
+    def abandon(self) -> None:
+        """Pushes in flight on the revoked communicator are lost, with their weight."""
+        from runner.comm import PeerLost
+
+        for requests, buffers in self.inflight:
+            for r in requests:
+                try:
+                    r.wait()
+                except PeerLost:
+                    pass
+            self.free.append(buffers)
+        self.inflight = []
+
+    def recover(self) -> None:
+        """The weight mass of the lost worker and of the pushes lost in flight is gone: the survivors divide
+        their weights by the sum of what is left, so that Σ a_i = 1 again; peers are drawn among them."""
+        self.sent_to, self.received = [0] * self.comm.size, 0
+        total = self.comm.allreduce_values([self.weight])[0]
+        self.weight /= total
+        self.weight_sum = self.comm.allreduce_values([self.weight])[0]
 
     def finish(self) -> None:
         self.quiesce()

@@ -1,0 +1,124 @@
+"""What fault tolerance (``hardware.fault_tolerance=continue``) costs: the time from a worker's death to the
+survivors' next step, and the step time with and without it.
+
+    python benchmarks/fault_tolerance.py                  # BSP, 4 workers, 5 kills; 3 rounds of step times
+    python benchmarks/fault_tolerance.py --rule gosgd --kills 3
+
+Recovery: each job trains the CNN on digits with 4 workers (oversubscribed on a small machine) and worker 2
+kills itself (SIGKILL, ``tests/dies.py``) at its 20th step, writing the time first. From ``metrics.jsonl``
+(one record per step) and ``summary.json``: *detect* is from the kill to the survivors' recovery starting
+(their pending call failing), *recover* the revoke, shrink, agreement and rule fix-up
+(``recovery_time_s``), *first step* from the kill to the end of the survivors' first step after it.
+
+Step time: the same job without a kill, ``fault_tolerance=none`` against ``continue`` (mpirun
+``--with-ft ulfm``, errors returned, BatchNorm statistics kept each step), alternated in rounds; medians of
+the per-step times of rank 0 (from its step records, the first epoch left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["hydra.searchpath=[file://tests/conf]", "model=dies", "train.progress=false", "train.log_every=1"]
+
+
+def job(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[dict, list[dict]]:
+    argv = [sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", *BASE, *overrides]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((run_dir / "summary.json").read_text()), records
+
+
+def recovery(scratch: Path, rule: str, kills: int) -> list[dict[str, float]]:
+    import os
+
+    results = []
+    for i in range(kills):
+        run_dir, stamp = scratch / f"kill{i}", scratch / f"kill{i}.stamp"
+        env = {**os.environ, "MPITRAIN_KILL_STAMP": str(stamp)}
+        summary, records = job(
+            run_dir,
+            f"rule={rule}",
+            "devices=4",
+            "hardware.oversubscribe=true",
+            "hardware.fault_tolerance=continue",
+            "model.die_rank=2",
+            "model.die_at=20",
+            "train.epochs=3",
+            env=env,
+        )
+        killed = float(stamp.read_text())
+        [failure] = summary["failures"]
+        [event] = [r for r in records if r["kind"] == "failure"]
+        offset = failure["time"] + failure_recovery(summary) - event["time"]  # wall = relative + offset
+        after = min(r["time"] for r in records if r["kind"] == "step" and r["step"] > event["step"])
+        results.append(
+            {
+                "detect": failure["time"] - killed,
+                "recover": failure_recovery(summary),
+                "first_step": after + offset - killed,
+            }
+        )
+    return results
+
+
+def failure_recovery(summary: dict) -> float:
+    return summary["recovery_time_s"]
+
+
+def step_times(scratch: Path, rule: str, tolerance: str, round_: int, devices: int) -> list[float]:
+    _, records = job(
+        scratch / f"{tolerance}{round_}",
+        f"rule={rule}",
+        f"devices={devices}",
+        f"hardware.fault_tolerance={tolerance}",
+        "model.die_at=0",
+        "train.epochs=4",
+    )
+    steps = [r for r in records if r["kind"] == "step"]
+    first_epoch = [r for r in records if r["kind"] == "epoch"][0]["step"]
+    return [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if a["step"] >= first_epoch]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rule", default="bsp")
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--devices", type=int, default=2, help="workers of the step-time jobs")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        kills = recovery(scratch, args.rule, args.kills)
+        times: dict[str, list[float]] = {"none": [], "continue": []}
+        for r in range(args.rounds):
+            for tolerance in times:
+                times[tolerance] += step_times(scratch, args.rule, tolerance, r, args.devices)
+    print(f"rule={args.rule}: a worker of 4 killed at its 20th step, {args.kills} jobs (medians, ms)")
+    print("| from the kill to | median | min | max |")
+    print("| --- | --- | --- | --- |")
+    for key, label in (
+        ("detect", "recovery start"),
+        ("recover", "(recovery itself)"),
+        ("first_step", "first step"),
+    ):
+        values = [k[key] * 1e3 for k in kills]
+        print(f"| {label} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
+    none, cont = (statistics.median(times[t]) * 1e3 for t in ("none", "continue"))
+    print(f"\nstep time, {args.devices} workers, {args.rounds} rounds alternated (median ms per step)")
+    print("| fault_tolerance=none | continue | ratio |")
+    print("| --- | --- | --- |")
+    print(f"| {none:.2f} | {cont:.2f} | {cont / none:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

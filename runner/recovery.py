@@ -1,0 +1,177 @@
+"""Going on when workers die (``hardware.fault_tolerance=continue``), on MPI's ULFM.
+
+A lost worker surfaces as :class:`~runner.comm.PeerLost` in whatever communication call a survivor is
+making: the gradient all-reduce, a gossip push, the stop/checkpoint agreement, a validation sum. That
+survivor revokes the workers' communicator, so every other survivor's next (or pending) call fails too and
+all of them come here, wherever they were. Then, collectively over the survivors (:meth:`Recovery.recover`):
+
+1. the rule abandons what it had in flight, and the communicator is shrunk to the survivors (ranks
+   renumbered in order: the lowest survivor is the new rank 0 and takes over the run's records);
+2. synchronous rules agree on the step to continue from. A survivor whose step's collective completed
+   (``done`` = the steps it applied) is at most one step ahead of one whose collective failed; the one
+   behind takes the whole state (model, optimizer, rule, position) of the lowest survivor ahead, so no step
+   is half-applied. If none is ahead, the step in flight is redone by every survivor on the same batch
+   (BatchNorm statistics restored first), now over the survivors. Asynchronous rules keep each worker's
+   own position;
+3. the rule continues by its own math (``Rule.recover``); the validation data is split among the survivors
+   at once, the training data from the next epoch (this epoch, each survivor finishes its own shard and the
+   lost worker's remaining batches are not trained on: re-dealing them mid-epoch would change the batches
+   every survivor sees and give some samples twice);
+4. the next stop/checkpoint agreement step is agreed, and a checkpoint of the recovered state is taken
+   there; the failure is recorded (``metrics.jsonl``, ``summary.json``, the console and ``logs/lost.json``,
+   which tells the launcher's watchdog not to wait for the lost rank).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from runner.comm import Comm
+from runner.loop import Position, broadcast_state
+from runner.metrics import dumps, write_atomic
+from runner.watchdog import LOST_FILE
+
+if TYPE_CHECKING:
+    from runner.loop import Trainer
+
+
+class TooFewWorkers(RuntimeError):
+    """Fewer workers survive than ``hardware.min_workers``: the job ends after a checkpoint."""
+
+
+class ServerLost(RuntimeError):
+    """A server rank died: it held state no other rank has, so the job ends with the last checkpoint."""
+
+
+class Recovery:
+    """The survivors' side of fault tolerance for one worker: detect, shrink, agree, continue, record.
+
+    ``servers``: the rule's server ranks, the last ones of ``world``; ``val_loader(rank, size)`` makes the
+    loader of a share of the validation data; ``hosts``: every rank's host, by launch rank."""
+
+    def __init__(
+        self,
+        workers: Comm,
+        world: Comm,
+        servers: int,
+        run_dir: Path,
+        min_workers: int,
+        terminal: TextIO,
+        val_loader: Callable[[int, int], Any],
+        hosts: list[str],
+    ):
+        self.workers, self.world, self.servers, self.run_dir = workers, world, servers, run_dir
+        self.min_workers, self.terminal, self.val_loader = min_workers, terminal, val_loader
+        self.hosts = hosts
+        self.failures: list[dict[str, Any]] = []
+        self.seconds = 0.0
+
+    def recover(self, trainer: Trainer, pos: Position, holding: bool, applied: bool) -> bool:
+        """Collective over the surviving workers. ``holding``: the failure came inside a step, on a batch
+        this rank had not finished (``applied``: its optimizer step was taken). Returns True when that batch
+        counts as done, False when it must be redone."""
+        start = time.time()
+        self._check_servers(pos)
+        self.workers.revoke()
+        trainer.rule.abandon()
+        before = [self.workers.launch_rank(r) for r in range(self.workers.size)]
+        lost = [before[r] for r in self.workers.shrink()]
+        if not lost:
+            raise RuntimeError(
+                "a communication call failed on a worker although no worker was lost (see the ranks' logs)"
+            )
+        adopted = False
+        if trainer.rule.synchronous:
+            adopted = self._agree(trainer, pos, holding, pos.step + int(holding and applied))
+        if self.workers.size < self.min_workers:
+            if trainer.rule.synchronous:  # asynchronous workers stand at different steps: the last one stays
+                trainer.save(pos, False)
+            raise TooFewWorkers(
+                f"{self.workers.size} worker(s) left after losing rank(s) {lost}, fewer than "
+                f"hardware.min_workers={self.min_workers}; the job ends, resume=RUN_DIR continues it from "
+                "its last checkpoint"
+            )
+        trainer.rule.recover()
+        trainer.val_loader = self.val_loader(self.workers.rank, self.workers.size)
+        interval = trainer.control.interval
+        next_poll = self.workers.allreduce_values([(pos.step // interval + 1) * interval], "max")[0]
+        trainer.control.reset(int(next_poll))
+        trainer.meter.world = self.workers.size
+        seconds = time.time() - start
+        self.seconds += seconds
+        self._record(trainer, lost, pos.step, start, seconds)
+        return adopted or applied
+
+    def _check_servers(self, pos: Position) -> None:
+        """A lost server ends the job (its part of the state is nowhere else)."""
+        if self.servers == 0:
+            return
+        dead = [r for r in self.world.lost_peers() if r >= self.world.size - self.servers]
+        if dead:
+            names = ", ".join(f"{r} ({self.hosts[self.world.launch_rank(r)]})" for r in dead)
+            raise ServerLost(
+                f"server rank {names} was lost at step {pos.step}: it held state no other rank has, so the "
+                "job ends; resume=RUN_DIR continues from the last checkpoint"
+            )
+
+    def _agree(self, trainer: Trainer, pos: Position, holding: bool, done: int) -> bool:
+        """Bring every survivor to the state of the most advanced one (``done``: steps applied); True if
+        this one took it. The loop counts a held batch as a step when this returns True."""
+        w = self.workers
+        top = int(w.allreduce_values([done], "max")[0])
+        if not w.allreduce_values([float(done != top)], "max")[0]:
+            return False
+        src = int(w.allreduce_values([w.rank if done == top else w.size], "min")[0])
+        broadcast_state(trainer.model, w, root=src)
+        opt, rule, where = w.broadcast_object(
+            (
+                trainer.optimizer.state_dict(),
+                trainer.rule.state_dict(),
+                (top, pos.epoch, pos.batch + top - pos.step),
+            ),
+            root=src,
+        )
+        if done == top:
+            return False
+        trainer.optimizer.load_state_dict(opt)
+        trainer.rule.load_state_dict(rule)
+        pos.step, pos.epoch, pos.batch = where
+        if holding:
+            pos.step, pos.batch = pos.step - 1, pos.batch - 1
+        return True
+
+    def _record(self, trainer: Trainer, lost: list[int], step: int, when: float, seconds: float) -> None:
+        for rank in lost:
+            self.failures.append(
+                {"rank": rank, "host": self.hosts[rank], "step": step, "time": when, "cause": LOST_CAUSE}
+            )
+        if self.workers.rank != 0:
+            return
+        if not trainer.log.enabled:
+            trainer.log.take_over()
+            trainer.meter.terminal = self.terminal
+        ranks = ", ".join(f"rank {r} ({self.hosts[r]})" for r in lost)
+        trainer.log.write("failure", step, lost=lost, workers=self.workers.size, recovery_s=round(seconds, 4))
+        trainer.meter.echo(
+            f"{ranks} lost at step {step}; continuing with {self.workers.size} workers "
+            f"(recovered in {seconds:.2f} s)"
+        )
+        lost_all = sorted({f["rank"] for f in self.failures})
+        write_atomic(self.run_dir / "logs" / LOST_FILE, dumps({"lost": lost_all}))
+
+    def summary(self) -> dict[str, Any]:
+        """The fields summary.json gets."""
+        return {
+            "failures": self.failures,
+            "workers_at_end": self.workers.size,
+            "recovery_time_s": self.seconds,
+        }
+
+
+#: What the survivors know of a lost rank's end: nothing (a rank that fails with an error ends the job).
+LOST_CAUSE = (
+    "the process ended without an error of its own: killed (kill -9, the OOM killer) or its node lost"
+)

