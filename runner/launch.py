@@ -165,11 +165,9 @@ def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> d
     elif job.get("status") in ("ok", "preempted", "diverged"):
         return _complete(job, summary_path, run_dir, outcome, wall)
     else:
-        failure = (
-            failure_report(run_dir, outcome.returncode, outcome.log_start)
-            if outcome.returncode
-            else Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
-        )
+        failure = failure_report(run_dir, outcome.returncode, outcome.log_start)
+        if failure.rank is None and outcome.returncode == 0:  # (under ULFM an MPI_Abort exits 0)
+            failure = Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
         status, reason = failure.status, failure.message
         fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}
     try:

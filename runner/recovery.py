@@ -82,7 +82,7 @@ class Recovery:
         if not lost:
             raise RuntimeError(
                 "a communication call failed on a worker although no worker was lost (see the ranks' logs)"
-            )
+            ) from None
         adopted = False
         if trainer.rule.synchronous:
             adopted = self._agree(trainer, pos, holding, pos.step + int(holding and applied))
@@ -93,7 +93,7 @@ class Recovery:
                 f"{self.workers.size} worker(s) left after losing rank(s) {lost}, fewer than "
                 f"hardware.min_workers={self.min_workers}; the job ends, resume=RUN_DIR continues it from "
                 "its last checkpoint"
-            )
+            ) from None
         trainer.rule.recover()
         trainer.val_loader = self.val_loader(self.workers.rank, self.workers.size)
         interval = trainer.control.interval
@@ -115,7 +115,7 @@ class Recovery:
             raise ServerLost(
                 f"server rank {names} was lost at step {pos.step}: it held state no other rank has, so the "
                 "job ends; resume=RUN_DIR continues from the last checkpoint"
-            )
+            ) from None
 
     def _agree(self, trainer: Trainer, pos: Position, holding: bool, done: int) -> bool:
         """Bring every survivor to the state of the most advanced one (``done``: steps applied); True if

@@ -76,24 +76,24 @@ def lost_once(run, rank: int) -> dict:
 @pytest.mark.parametrize(
     "rule, die",
     [
-        (["rule=bsp"], 2),
         (["rule=easgd"], 1),
         (["rule=gosgd"], 3),
         (["rule=asgd"], 2),
         (["rule=easgd", "rule.variant=async"], 1),
     ],
-    ids=["bsp", "easgd-sync", "gosgd", "asgd", "easgd-async"],
+    ids=["easgd-sync", "gosgd", "asgd", "easgd-async"],
 )
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
+    """(BSP: in the exactness test below.)"""
     run = run_cli(
         tmp_path / "run",
         *TOLERANT,
         *rule,
         f"model.die_rank={die}",
         "model.die_at=20",
-        "train.epochs=5",
+        "train.epochs=4",
         timeout=240,
     )
     failure = lost_once(run, die)
@@ -109,12 +109,12 @@ def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
 @pytest.mark.mpi
 def test_bsp_goes_on_without_rank_0_and_keeps_complete_records(tmp_path):
     run = run_cli(
-        tmp_path / "run", *TOLERANT, "model.die_rank=0", "model.die_at=20", "train.epochs=4", timeout=240
+        tmp_path / "run", *TOLERANT, "model.die_rank=0", "model.die_at=20", "train.epochs=3", timeout=240
     )
     lost_once(run, 0)
     epochs = [r["epoch"] for r in run.records("epoch")]
-    assert epochs == [0, 1, 2, 3], "every epoch recorded once, before and after rank 0 was lost"
-    assert len(run.summary["validations"]) == 4
+    assert epochs == [0, 1, 2], "every epoch recorded once, before and after rank 0 was lost"
+    assert len(run.summary["validations"]) == 3
     assert (run.dir / "model.pt").exists() and read_index(run.dir)[-1]["end"]
 
 
@@ -126,6 +126,7 @@ def test_bsp_after_the_loss_is_exactly_bsp_over_the_survivors(tmp_path):
     overrides = [*TOLERANT, "model.die_rank=3", "model.die_at=16", "train.epochs=3", "checkpoint.keep=5"]
     run = run_cli(tmp_path / "tolerant", *overrides, timeout=240)
     failure = lost_once(run, 3)  # mid-epoch: the resumed job must finish the epoch on the same shards
+    assert run.summary["final_val_acc"] >= 0.93, run.summary
     entries = read_index(run.dir)
     recovered = next(e for e in entries if e["world_size"] == 3 and not e["end"])
     assert recovered["step"] == failure["step"] + 1, "checkpointed at the first agreement after recovery"
