@@ -103,16 +103,18 @@ def main() -> None:
         for r in range(args.rounds):
             for tolerance in times:
                 times[tolerance] += step_times(scratch, args.rule, tolerance, r, args.devices)
-    print(f"rule={args.rule}: a worker of 4 killed at its 20th step, {args.kills} jobs (medians, ms)")
-    print("| from the kill to | median | min | max |")
-    print("| --- | --- | --- | --- |")
-    for key, label in (
-        ("detect", "recovery start"),
-        ("recover", "(recovery itself)"),
-        ("first_step", "first step"),
-    ):
-        values = [k[key] * 1e3 for k in kills]
-        print(f"| {label} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
+    if kills:
+        print(f"rule={args.rule}: a worker of 4 killed at its 20th step, {args.kills} jobs (medians, ms)")
+        print("| from the kill to | median | min | max |")
+        print("| --- | --- | --- | --- |")
+        for key, label in (
+            ("detect", "recovery start"),
+            ("recover", "(recovery itself)"),
+            ("first_step", "first step"),
+        ):
+            values = [k[key] * 1e3 for k in kills]
+            print(f"| {label} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
+
     none, cont = (statistics.median(times[t]) * 1e3 for t in ("none", "continue"))
     print(f"\nstep time, {args.devices} workers, {args.rounds} rounds alternated (median ms per step)")
     print("| fault_tolerance=none | continue | ratio |")

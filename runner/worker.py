@@ -10,6 +10,7 @@ log, and aborts the whole job (``MPI_Abort``), so no peer waits forever for a ra
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -314,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         beat.close()
     sys.stdout.flush()
     sys.stderr.flush()
+    if comm.tolerant:  # after a lost rank, ULFM's MPI_Finalize (or loader shutdown) was seen to hang
+        log_file.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
