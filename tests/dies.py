@@ -25,7 +25,7 @@ class Dies(torch.nn.Module):
         self.inner, self.rank, self.at, self.calls = inner, rank, at, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and not os.environ.get("MPITRAIN_TEST_NO_DIE"):  # (set: a resumed run lives on)
             self.calls += 1
             if self.calls == self.at and int(os.environ.get("OMPI_COMM_WORLD_RANK", -1)) == self.rank:
                 stamp = os.environ.get("MPITRAIN_KILL_STAMP")  # benchmarks/fault_tolerance.py: when
