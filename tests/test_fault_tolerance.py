@@ -76,17 +76,17 @@ def lost_once(run, rank: int) -> dict:
 @pytest.mark.parametrize(
     "rule, die",
     [
+        (["rule=bsp"], 2),
         (["rule=easgd"], 1),
         (["rule=gosgd"], 3),
         (["rule=asgd"], 2),
         (["rule=easgd", "rule.variant=async"], 1),
     ],
-    ids=["easgd-sync", "gosgd", "asgd", "easgd-async"],
+    ids=["bsp", "easgd-sync", "gosgd", "asgd", "easgd-async"],
 )
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
-    """(BSP: in the exactness test below.)"""
     run = run_cli(
         tmp_path / "run",
         *TOLERANT,
