@@ -289,7 +289,7 @@ def test_a_rank_killed_by_a_signal_is_named(job):
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
 def test_a_stopped_rank_ends_the_job_as_stalled_naming_it(job):
-    run = job(*LONG, "train.stall_timeout=20")
+    run = job(*LONG, "train.stall_timeout=13")
     pid = run.rank_pid(1)
     beat = run.dir / "logs" / "rank1.beat"
     while json.loads(beat.read_text())["step"] < 0:  # its heartbeat has seen it train
@@ -303,7 +303,7 @@ def test_a_stopped_rank_ends_the_job_as_stalled_naming_it(job):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert time.time() - start < 30
+    assert time.time() - start < 25
     output = run.output()
     assert f"warning: rank 1 (host {os.uname().nodename}, pid {pid})" in output, "at half the timeout"
     assert f"job stalled: rank 1 (host {os.uname().nodename}, pid {pid}) not responding since step " in output

@@ -231,6 +231,13 @@ def test_a_real_two_by_two_sweep_leaves_its_report(tmp_path):
         assert (sweep / name).is_file(), name
     with open(sweep / "report.csv", newline="") as f:
         rows = list(csv.DictReader(f))
+    combos = set()
+    for job in range(4):  # one folder per combination, each with its own values
+        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        assert summary["status"] == "ok" and summary["rule"] == "easgd"
+        config = (sweep / str(job) / "config.yaml").read_text()
+        combos.add((config.split("alpha: ")[1].split()[0], config.split("lr: ")[1].split()[0]))
+    assert combos == {("0.1", "0.01"), ("0.1", "0.05"), ("0.5", "0.01"), ("0.5", "0.05")}
     assert sorted((float(r["rule.alpha"]), float(r["optim.lr"])) for r in rows) == [
         (0.1, 0.01),
         (0.1, 0.05),
