@@ -81,7 +81,8 @@ def job(model: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict[str
 
 
 def plain(model: str, args: argparse.Namespace) -> float:
-    """Seconds per 5,120 images of plain single-process PyTorch (no MPI, no runner)."""
+    """Seconds per 5,120 images of plain single-process PyTorch (no MPI, no runner), on the device the
+    jobs use (``hardware=gpu``: the first GPU)."""
     import torch
     from hydra import compose, initialize_config_dir
 
@@ -97,19 +98,24 @@ def plain(model: str, args: argparse.Namespace) -> float:
                     "data=synthetic",
                     f"data.shape=[3,{args.size},{args.size}]",
                     "data.num_classes=1000",
+                    *args.overrides,
                 ],
             )
         )
-    net = cfg.model.build()
+    device = torch.device(cfg.hardware.device)
+    net = cfg.model.build().to(device)
     opt = cfg.optim.build(net.parameters())
     batch = BATCH[model]
-    x, y = torch.randn(batch, 3, args.size, args.size), torch.randint(0, 1000, (batch,))
+    x = torch.randn(batch, 3, args.size, args.size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
     times = []
     for _ in range(args.steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return IMAGES / batch * sum(times[1:]) / args.steps
 
