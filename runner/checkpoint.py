@@ -131,7 +131,6 @@ class Checkpointer:
         self.last_time = time.time()
         self.count = resumed["seq"] if resumed else 0
         self.latest: str | None = resumed["dir"] if resumed else None
-        self.fault_tolerant = False  # the job goes on when ranks die: the parts are those of the survivors
 
     def due(self, step: int) -> bool:
         """Whether the step count alone asks for a checkpoint after ``step`` steps (the same on all ranks)."""
@@ -145,7 +144,7 @@ class Checkpointer:
         """Write this rank's ``part`` of the job's next checkpoint, taken after ``step`` steps; once every
         rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
         checkpoints, so the k-th is in the same folder everywhere."""
-        if self.fault_tolerant:
+        if self.world.tolerant:  # ranks may have died: the parts are the survivors', renumbered
             self.world.fault_barrier()
         self.count += 1
         name = f"{self.count:05d}-step{step}"

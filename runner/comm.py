@@ -114,11 +114,9 @@ class BackgroundRequest:
     def __init__(self, comm: Comm):
         self._comm, self._done, self.error = comm, threading.Event(), None
 
-    @_faults
     def test(self) -> bool:
         return self._done.is_set()
 
-    @_faults
     def wait(self) -> None:
         t0 = time.perf_counter()
         self._done.wait()
@@ -343,16 +341,18 @@ class Comm:
             except MPI.Exception:
                 pass  # revoked already, by a peer
 
-    def _failed(self) -> list[int]:
-        """Acknowledge the failures this process knows of; the failed ranks, in this communicator."""
+    def lost_peers(self) -> list[int]:
+        """Acknowledge the failures this process knows of (so that wildcard receives go on among the
+        living); the failed ranks, in this communicator."""
         self._c.Ack_failed()
         group = self._c.Get_failed()
         return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
 
     def shrink(self) -> list[int]:
         """Replace the communicator, in place, by one of its survivors (ranks renumbered in order); returns
-        the lost ranks, numbered as before. Collective over the survivors. Split communicators are dropped:
-        split anew. The background thread is idle first (its calls on the revoked communicator fail)."""
+        the lost ones' ranks as launched (:meth:`launch_rank`). Collective over the survivors. Split
+        communicators are dropped: split anew. The background thread is idle first (its calls on the
+        revoked communicator fail)."""
         if self._thread is not None:
             marker = BackgroundRequest(self)
             self._queue.put((None, None, marker))
@@ -362,11 +362,11 @@ class Comm:
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
         after = {self.launch_rank(r) for r in range(self.size)}
         self._children, self._node_comm = [], None
-        return [r for r, launched in enumerate(before) if launched not in after]
+        return [launched for launched in before if launched not in after]
 
     def fault_barrier(self) -> list[int]:
         """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``),
-        then shrinks the communicator if any had; returns the lost ranks (numbered as before)."""
+        then shrinks the communicator if any had; returns the lost ones' ranks as launched."""
         while True:
             try:
                 self._c.Agree(1)
@@ -374,13 +374,8 @@ class Comm:
             except MPI.Exception as err:
                 if err.Get_error_class() not in _FAULTS:
                     raise
-                self._failed()
-        return self.shrink() if self._failed() else []
-
-    def lost_peers(self) -> list[int]:
-        """Server ranks: the ranks of this communicator known to have died (acknowledged), so that
-        wildcard receives go on among the living."""
-        return self._failed()
+                self.lost_peers()
+        return self.shrink() if self.lost_peers() else []
 
     def local_size(self) -> int:
         """Number of ranks of this communicator on this node."""

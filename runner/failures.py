@@ -4,13 +4,12 @@ with a non-zero status or called MPI_Abort)."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from pathlib import Path
 from typing import NamedTuple
 
-from runner.watchdog import LOST_FILE
+from runner.watchdog import read_lost
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
@@ -63,10 +62,7 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
             output = log.read().decode(errors="replace")
     except OSError:
         output = ""
-    try:
-        tolerated = set(json.loads((logs / LOST_FILE).read_text())["lost"])
-    except (OSError, ValueError, KeyError):
-        tolerated = set()
+    tolerated = read_lost(logs)
     kills = [k for k in KILLED.finditer(output) if int(k.group(1)) not in tolerated]
     if kills:
         rank, pid, node, number = kills[0].group(1, 2, 3, 4)

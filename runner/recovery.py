@@ -77,8 +77,7 @@ class Recovery:
         self._check_servers(pos)
         self.workers.revoke()
         trainer.rule.abandon()
-        before = [self.workers.launch_rank(r) for r in range(self.workers.size)]
-        lost = [before[r] for r in self.workers.shrink()]
+        lost = self.workers.shrink()
         if not lost:
             raise RuntimeError(
                 "a communication call failed on a worker although no worker was lost (see the ranks' logs)"

@@ -80,6 +80,14 @@ def stall_check(
     return Stall(named, "; ".join(parts))
 
 
+def read_lost(logs: Path) -> set[int]:
+    """The ranks the others went on without (``logs/lost.json``; empty if none)."""
+    try:
+        return set(json.loads((logs / LOST_FILE).read_text())["lost"])
+    except (OSError, ValueError, KeyError):
+        return set()
+
+
 def read_beats(
     logs: Path, ranks: int, launch_time: float, previous: dict[int, dict]
 ) -> dict[int, dict | None]:
@@ -88,10 +96,7 @@ def read_beats(
     after it was seen, has finished and is left out, as are the ranks in ``lost.json``, which the others went
     on without. ``previous`` keeps the last good beats between calls."""
     beats: dict[int, dict | None] = {}
-    try:
-        lost = set(json.loads((logs / LOST_FILE).read_text())["lost"])
-    except (OSError, ValueError, KeyError):
-        lost = set()
+    lost = read_lost(logs)
     for r in range(ranks):
         if r in lost:
             continue

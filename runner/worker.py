@@ -113,7 +113,6 @@ def run(
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
-    checkpointer.fault_tolerant = tolerant
     train = cfg.train
     torch.manual_seed(train.seed + (0 if train.same_init else comm.rank))
     model = cfg.model.build().to(device)

@@ -257,6 +257,8 @@ class FakeComm:
             group, rank = self._collective(("split",), mine, combine)(True)[1][self.rank]
         return FakeComm(group, rank, self.stats)
 
+    tolerant = False  # no process of a fake world dies
+
     def launch_rank(self, rank: int | None = None) -> int:
         """The rank as launched: a fake world is never shrunk, so the rank itself."""
         return self.rank if rank is None else rank
