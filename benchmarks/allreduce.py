@@ -5,9 +5,10 @@
 
 Starts itself under mpirun. For each buffer size every method reduces the same number of float32 values:
 ``raw``: one ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` on a numpy array (the floor for MPI); ``ours``: BSP's
-``after_backward`` over a model whose gradients total that size, in 1 MB parameter tensors (pack into
-buckets, non-blocking all-reduce per bucket, wait, scale by 1/N, hand the gradients back); ``gloo``:
-``torch.distributed.all_reduce``. Times are medians over repetitions, ratios are against ``raw``.
+``after_backward`` over a model whose gradients total that size, in 1 MB parameter tensors, as a training
+step leaves them (views of the buckets, already divided by N through the loss): all-reduce each bucket and
+hand the gradients back; ``gloo``: ``torch.distributed.all_reduce``. Times are medians over repetitions,
+ratios are against ``raw``. With several ``--bucket-mb`` values, one ``ours`` column per bucket size.
 A second table times whole BSP training steps with the all-reduce overlapped with backward or not.
 """
 
@@ -29,7 +30,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="buffer sizes in MB")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0], help="BSP bucket sizes in MB")
     p.add_argument(
         "--ring", action="store_true", help="use Open MPI's ring allreduce (coll_tuned algorithm 4)"
     )
@@ -63,6 +64,44 @@ def relaunch(args: argparse.Namespace) -> int:
     return subprocess.call(argv)
 
 
+def alternated(methods: dict, reps: int, barrier) -> dict:
+    """Median seconds of each of ``methods``, timed in rounds that run every method once, so that all of
+    them see the same state of the machine."""
+    for fn in methods.values():
+        fn()
+    times: dict = {name: [] for name in methods}
+    for _ in range(reps):
+        for name, fn in methods.items():
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bsp_exchange(comm, numel: int, bucket_mb: float):
+    """BSP's gradient exchange over a model of ``numel`` parameters in 1 MB tensors, checked to sum."""
+    import torch
+
+    from runner.rules.base import RuleContext
+    from runner.rules.bsp import BSPConfig
+
+    chunk = min(numel, 2**18)
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.zeros(min(chunk, numel - i))) for i in range(0, numel, chunk)
+    )
+    for p in model:
+        p.grad = torch.full_like(p, comm.rank + 1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    rule = BSPConfig(bucket_mb=bucket_mb, overlap="none").build(
+        RuleContext(comm, comm, model, optimizer, steps_per_epoch=1)
+    )
+    rule.after_backward(0)
+    n = comm.size
+    assert all(float(p.grad[0]) == n * (n + 1) / 2 for p in model), "not the sum over the ranks"
+    return lambda: rule.after_backward(0)
+
+
 def median_time(fn, reps: int, barrier) -> float:
     fn()
     times = []
@@ -81,7 +120,6 @@ def bench(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     from runner.comm import Comm
-    from runner.rules.bsp import BSP
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
@@ -94,43 +132,36 @@ def bench(args: argparse.Namespace) -> None:
     rows = []
     for mb in args.sizes:
         numel = int(mb * 2**20 / 4)
-        reps = args.reps or max(3, min(50, int(200 / mb)))
+        reps = args.reps or max(5, min(50, int(400 / mb)))
         raw = np.ones(numel, dtype=np.float32)
-        t_raw = median_time(lambda raw=raw: world.Allreduce(MPI.IN_PLACE, raw), reps, world.Barrier)
-
-        chunk = min(numel, 2**18)
-        model = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.zeros(min(chunk, numel - i))) for i in range(0, numel, chunk)
-        )
-        for p in model:
-            p.grad = torch.ones_like(p)
-        rule = BSP(comm, mode="grads", bucket_mb=args.bucket_mb, overlap="none")
-        rule.setup(model, torch.optim.SGD(model.parameters(), lr=0.0), steps_per_epoch=1)
-        t_ours = median_time(lambda rule=rule: rule.after_backward(0), reps, world.Barrier)
-        assert torch.allclose(model[0].grad, torch.ones(1)), "the mean of equal gradients must be unchanged"
-
-        t_gloo = float("nan")
+        methods = {"raw": lambda raw=raw: world.Allreduce(MPI.IN_PLACE, raw)}
+        for bucket_mb in args.bucket_mb:
+            methods[bucket_mb] = bsp_exchange(comm, numel, bucket_mb)
         if not args.no_gloo:
             buf = torch.ones(numel)
-            t_gloo = median_time(lambda buf=buf: dist.all_reduce(buf), reps, world.Barrier)
-        rows.append((mb, reps, t_raw, t_ours, t_gloo))
-        del raw, model, rule
+            methods["gloo"] = lambda buf=buf: dist.all_reduce(buf)
+        times = alternated(methods, reps, world.Barrier)
+        t_gloo = times.pop("gloo", float("nan"))
+        t_raw = times.pop("raw")
+        rows.append((mb, reps, t_raw, list(times.values()), t_gloo))
+        del raw, methods
 
     if rank == 0:
         algo = "ring" if args.ring else "Open MPI default"
+        buckets = ", ".join(f"{b:g}" for b in args.bucket_mb)
         print(
-            f"\nallreduce of float32 buffers, {n} ranks, {algo} algorithm, bucket {args.bucket_mb} MB, "
+            f"\nallreduce of float32 buffers, {n} ranks, {algo} algorithm, buckets of {buckets} MB, "
             f"median seconds (bus bandwidth = 2(N-1)/N · size / time)"
         )
+        ours_heads = "".join(f"{'ours ' + format(b, 'g'):>10} {'/raw':>6}" for b in args.bucket_mb)
         print(
-            f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11} {'ours':>10} {'gloo':>10} {'ours/raw':>9} "
-            f"{'gloo/raw':>9} {'raw GB/s':>9} {'ours GB/s':>9}"
+            f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} {'raw GB/s':>9}"
         )
         for mb, reps, t_raw, t_ours, t_gloo in rows:
             bus = 2 * (n - 1) / n * mb * 2**20 / 1e9
+            ours = "".join(f"{t:10.5f} {t / t_raw:6.2f}" for t in t_ours)
             print(
-                f"{mb:6g} {reps:4d} {t_raw:11.5f} {t_ours:10.5f} {t_gloo:10.5f} {t_ours / t_raw:9.2f} "
-                f"{t_gloo / t_raw:9.2f} {bus / t_raw:9.2f} {bus / t_ours:9.2f}"
+                f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} {bus / t_raw:9.2f}"
             )
     overlap_table(comm, rank, n, world)
     if not args.no_gloo:
@@ -142,7 +173,8 @@ def overlap_table(comm, rank: int, n: int, world) -> None:
     """Seconds per BSP training step of an MLP with about 40 MB of gradients, for each overlap mode."""
     import torch
 
-    from runner.rules.bsp import BSP
+    from runner.rules.base import RuleContext
+    from runner.rules.bsp import BSPConfig
 
     results = {}
     for overlap in ("none", "nonblocking", "thread"):
@@ -152,13 +184,12 @@ def overlap_table(comm, rank: int, n: int, world) -> None:
             torch.nn.Linear(1024, 10),
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        rule = BSP(comm, bucket_mb=4.0, overlap=overlap)
-        rule.setup(model, opt, steps_per_epoch=1)
+        rule = BSPConfig(bucket_mb=4.0, overlap=overlap).build(RuleContext(comm, comm, model, opt, 1))
         x, y = torch.randn(64, 1024), torch.randint(0, 10, (64,))
 
         def step(model=model, opt=opt, rule=rule, x=x, y=y):
             opt.zero_grad(set_to_none=False)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            (torch.nn.functional.cross_entropy(model(x), y) * rule.loss_scale).backward()
             rule.after_backward(0)
             opt.step()
 

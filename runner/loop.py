@@ -27,12 +27,13 @@ def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors, foreach=True) if tensors else torch.zeros(())
 
 
-def poisoned(loss: torch.Tensor, buffers: list[torch.Tensor]) -> torch.Tensor:
-    """``loss`` while it and the BatchNorm statistics its forward pass updated are finite, else NaN:
-    backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step to
-    every rank, and all of them decide alike (without a host sync)."""
+def poisoned(loss: torch.Tensor, buffers: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """``scale · loss`` while the loss and the BatchNorm statistics its forward pass updated are finite, else
+    NaN: backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step
+    to every rank, and all of them decide alike (without a host sync). ``scale`` is the rule's
+    :attr:`~runner.rules.base.Rule.loss_scale`, applied in the same multiplication at no cost."""
     ok = torch.isfinite(loss) & torch.isfinite(norm(buffers))
-    return loss * torch.where(ok, 1.0, float("nan"))
+    return loss * torch.where(ok, scale, float("nan"))
 
 
 def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
@@ -140,7 +141,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=False)
             self.keep_buffers()
             loss = self.forward(x, y, first=pos.step == self.first_step)
-            poisoned(loss, self.buffers).backward()
+            poisoned(loss, self.buffers, self.rule.loss_scale).backward()
             self.rule.after_backward(pos.step)
             if self.finite(loss, pos.step):
                 self.optimizer.step()

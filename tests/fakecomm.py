@@ -206,6 +206,9 @@ class FakeComm:
 
     allreduce_background = iallreduce
 
+    def keep(self, t: torch.Tensor) -> None:
+        """Nothing to prepare in-process."""
+
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.iallreduce(t, op).wait()
         return t

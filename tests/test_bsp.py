@@ -93,6 +93,9 @@ class _FakeComm:
     def __init__(self, size):
         self.size, self.rank = size, 0
 
+    def keep(self, t):
+        pass
+
 
 @pytest.mark.parametrize(
     "scaling,warmup,step,expected",

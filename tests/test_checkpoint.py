@@ -51,7 +51,7 @@ def train(world: FakeWorld, cfg, start=None, cut: int | None = None):
             x, y = batch(8, seed=100 * comm.rank + step)
             rule.before_step(step)
             optimizer.zero_grad(set_to_none=False)
-            F.cross_entropy(model(x), y).backward()
+            (F.cross_entropy(model(x), y) * rule.loss_scale).backward()
             rule.after_backward(step)
             optimizer.step()
             rule.after_step(step)

@@ -68,7 +68,7 @@ def fit(rule, model, optimizer, batches, probe=None) -> None:
     for step, (x, y) in enumerate(batches):
         rule.before_step(step)
         optimizer.zero_grad(set_to_none=False)
-        F.cross_entropy(model(x), y).backward()
+        (F.cross_entropy(model(x), y) * rule.loss_scale).backward()
         rule.after_backward(step)
         optimizer.step()
         if probe:
@@ -185,7 +185,7 @@ def test_bsp_grads_exchanges_the_mean_of_the_gradients(overlap):
         model = mlp()
         optimizer = sgd(model)
         rule = build(comm, BSPConfig(overlap=overlap, bucket_mb=1e-4), model, optimizer)
-        F.cross_entropy(model(x[comm.rank :: N]), y[comm.rank :: N]).backward()
+        (F.cross_entropy(model(x[comm.rank :: N]), y[comm.rank :: N]) * rule.loss_scale).backward()
         rule.after_backward(0)
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 

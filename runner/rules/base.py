@@ -91,6 +91,12 @@ class Rule:
         """Server ranks only: serve the workers until all of them are done."""
         raise NotImplementedError(f"{type(self).__name__} has no server ranks")
 
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loop multiplies the loss by before backward, so gradients arrive scaled (BSP: 1/N,
+        so the all-reduced sum is the mean with no pass of its own over the gradients)."""
+        return 1.0
+
     def before_step(self, step: int) -> None:
         """Called before the forward pass of global step ``step`` (0-based)."""
 

@@ -6,8 +6,10 @@ the N ranks computes its gradient g_i on its own batch of b samples and all rank
     g = (1/N) Σ_i g_i,
 
 which is the gradient of the mean loss over the global batch of N·b samples: N ranks with batch b follow
-exactly the trajectory of one process with batch N·b. Each gradient is divided by N as it is packed into a
-bucket of ``bucket_mb`` megabytes, and the buckets are summed by all-reduce. With ``overlap: thread`` each
+exactly the trajectory of one process with batch N·b. The 1/N is folded into the loss (``loss_scale``), so
+backward produces g_i/N directly into buckets of ``bucket_mb`` megabytes (the gradients are views of the
+buckets from the second step on) and the buckets are summed by all-reduce: no pass over the gradients
+besides the all-reduce itself. With ``overlap: thread`` each
 bucket's all-reduce starts, on a communication thread, as soon as backward has produced all of its gradients,
 so communication overlaps the rest of backward; ``nonblocking`` uses MPI's non-blocking all-reduce instead,
 ``none`` all-reduces after backward, and ``auto`` picks by the hardware (see ``BSP.auto_overlap``).
@@ -94,6 +96,8 @@ class BSP(Rule):
         grads = cfg.mode == "grads" and not self.alone
         self.buckets = self._make_buckets(params, int(cfg.bucket_mb * 2**20)) if grads else []
         self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for bucket in self.buckets:
+            self.comm.keep(bucket.buffer)
         self.next_launch = 0
         if grads and self.overlap != "none":
             for p in params:
@@ -142,15 +146,18 @@ class BSP(Rule):
             group["lr"] = lr * factor
 
     # -- mode: grads -----------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 / self.comm.size if self.buckets else 1.0
+
     def _pack(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
-        """Put gradient ``i`` of ``bucket``, already divided by N, into the bucket's buffer."""
+        """Put gradient ``i`` of ``bucket`` (already divided by N through the loss) into the bucket's buffer,
+        unless backward wrote it there."""
         view = bucket.views[i]
         if grad is None:
             view.zero_()
-        elif grad.data_ptr() == view.data_ptr():
-            view.mul_(1.0 / self.comm.size)
-        else:
-            torch.mul(grad, 1.0 / self.comm.size, out=view)
+        elif grad is not view and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         bucket, i = self.slot[id(p)]
@@ -180,8 +187,8 @@ class BSP(Rule):
         if not self.buckets:
             return
         for bucket in self.buckets[self.next_launch :]:
-            for i, p in enumerate(bucket.params):
-                if i not in bucket.packed:
+            for i, (p, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
+                if p.grad is not view and i not in bucket.packed:
                     self._pack(bucket, i, p.grad)
             if self.overlap == "thread":
                 bucket.request = self.comm.allreduce_background(bucket.buffer)
@@ -193,7 +200,7 @@ class BSP(Rule):
             bucket.request = None
             bucket.packed.clear()
             for p, view in zip(bucket.params, bucket.views, strict=True):
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not view:
                     p.grad = view
         self.next_launch = 0
 
