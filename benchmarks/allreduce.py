@@ -155,13 +155,15 @@ def bench(args: argparse.Namespace) -> None:
         )
         ours_heads = "".join(f"{'ours ' + format(b, 'g'):>10} {'/raw':>6}" for b in args.bucket_mb)
         print(
-            f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} {'raw GB/s':>9}"
+            f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} "
+            f"{'raw GB/s':>9}"
         )
         for mb, reps, t_raw, t_ours, t_gloo in rows:
             bus = 2 * (n - 1) / n * mb * 2**20 / 1e9
             ours = "".join(f"{t:10.5f} {t / t_raw:6.2f}" for t in t_ours)
             print(
-                f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} {bus / t_raw:9.2f}"
+                f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} "
+                f"{bus / t_raw:9.2f}"
             )
     overlap_table(comm, rank, n, world)
     if not args.no_gloo:
