@@ -28,6 +28,7 @@ mpi4py.rc.finalize = False  # processes that import it never do); init() arrange
 from mpi4py import MPI  # noqa: E402
 
 from runner.staging import HostBuffers, Staged, cuda_aware_mpi  # noqa: E402
+from runner.wire import allreduce as wire_allreduce  # noqa: E402
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -66,6 +67,8 @@ def _faults(fn: F) -> F:
 def _view(t: torch.Tensor) -> np.ndarray:
     """A numpy array sharing memory with the contiguous CPU tensor ``t``."""
     assert t.is_contiguous() and t.device.type == "cpu", "comm buffers must be contiguous CPU tensors"
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: moved as 16-bit integers, never reduced
+        t = t.view(torch.int16)
     return t.detach().numpy()
 
 
@@ -145,6 +148,7 @@ class Comm:
         self._node_comm: Any = None
         self._children: list[Comm] = []
         self._ready: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.scratch: dict[Any, Any] = {}  # runner/wire.py's 16-bit buffers
         self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
@@ -185,15 +189,16 @@ class Comm:
             self._sent(t, 2 * (self.size - 1) / self.size)
 
     # -- collectives ------------------------------------------------------------------------------
-    @_faults
-    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``."""
+    def allreduce(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None) -> torch.Tensor:
+        """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``. ``wire``: a 16-bit type
+        the sum travels in, accumulated in float32 (:mod:`runner.wire`)."""
         t0 = time.perf_counter()
-        buf, staged = self._buffer(t)
-        self._c.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
-        if staged is not None:
-            staged.finish()
-        self._allreduce_bytes(t)
+        if wire is not None and self.size > 1:
+            assert op == "sum", "16-bit exchange sums"
+            wire_allreduce(self, t, wire)
+        else:
+            self._allreduce_now(t, op)
+            self._allreduce_bytes(t)
         self.stats.seconds += time.perf_counter() - t0
         return t
 
@@ -207,7 +212,9 @@ class Comm:
         self.stats.seconds += time.perf_counter() - t0
         return Request(self, req, staged, buf)
 
-    def allreduce_background(self, t: torch.Tensor, op: str = "sum") -> BackgroundRequest:
+    def allreduce_background(
+        self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None
+    ) -> BackgroundRequest:
         """Queue a blocking in-place allreduce of ``t`` on this communicator's background thread.
 
         Open MPI's non-blocking collectives progress only inside MPI calls and use slower algorithms; a
@@ -220,15 +227,18 @@ class Comm:
             self._thread = threading.Thread(target=self._serve, name="mpitrain-comm", daemon=True)
             self._thread.start()
         request = BackgroundRequest(self)
-        self._queue.put((t, op, request))
-        self._allreduce_bytes(t)
+        self._queue.put((t, op, wire, request))
+        if wire is None:
+            self._allreduce_bytes(t)
         return request
 
     def _serve(self) -> None:
         while True:
-            t, op, request = self._queue.get()
+            t, op, wire, request = self._queue.get()
             try:
-                if t is not None:
+                if t is not None and wire is not None and self.size > 1:
+                    wire_allreduce(self, t, wire)
+                elif t is not None:
                     self._allreduce_now(t, op)
             except BaseException as err:  # handed to the waiting thread
                 request.error = err
@@ -258,19 +268,36 @@ class Comm:
     def barrier(self) -> None:
         self._c.Barrier()
 
-    # -- point to point ---------------------------------------------------------------------------
     @_faults
-    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Rank r's i-th of ``size`` equal chunks of ``send`` becomes chunk r of rank i's ``recv``."""
+        self._c.Alltoall(self._buffer(send)[0], self._buffer(recv, copy_in=False)[0])
+        self._sent(send, (self.size - 1) / self.size)
+
+    @_faults
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Every rank's ``send``, in rank order, into each rank's ``recv`` (``size`` times as long)."""
+        self._c.Allgather(self._buffer(send)[0], self._buffer(recv, copy_in=False)[0])
+        self._sent(send, self.size - 1)
+
+    # -- point to point (``wire``: a 16-bit type to send float tensors in) ----------------------------
+    @_faults
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0, wire: torch.dtype | None = None) -> None:
         t0 = time.perf_counter()
+        if wire is not None:
+            t = t.to(wire)
         buf, _ = self._buffer(t)
         self._c.Send(buf, dest=dest, tag=tag)
         self._sent(t)
         self.stats.seconds += time.perf_counter() - t0
 
     @_faults
-    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
-        """Start sending ``t``; ``t`` must not change until the request completes."""
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, wire: torch.dtype | None = None) -> Request:
+        """Start sending ``t``; ``t`` must not change until the request completes (with ``wire``, a copy
+        is sent and ``t`` is free at once)."""
         t0 = time.perf_counter()
+        if wire is not None:
+            t = t.to(wire)
         buf, _ = self._buffer(t)
         req = self._c.Isend(buf, dest=dest, tag=tag)
         self._sent(t)
@@ -278,14 +305,19 @@ class Comm:
         return Request(self, req, None, buf)
 
     @_faults
-    def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
-        """Receive into ``t``; returns ``(source, tag)`` of the message."""
+    def recv(
+        self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG, wire: torch.dtype | None = None
+    ) -> tuple[int, int]:
+        """Receive into ``t`` (sent in ``wire``'s type, if given); returns the message's ``(source, tag)``."""
         t0 = time.perf_counter()
-        buf, staged = self._buffer(t, copy_in=False)
+        narrow = torch.empty(t.shape, dtype=wire) if wire is not None else None
+        buf, staged = self._buffer(t if narrow is None else narrow, copy_in=False)
         status = MPI.Status()
         self._c.Recv(buf, source=source, tag=tag, status=status)
         if staged is not None:
             staged.finish()
+        if narrow is not None:
+            t.copy_(narrow)
         self.stats.seconds += time.perf_counter() - t0
         return status.Get_source(), status.Get_tag()
 
@@ -366,7 +398,7 @@ class Comm:
         revoked communicator fail)."""
         if self._thread is not None:
             marker = BackgroundRequest(self)
-            self._queue.put((None, None, marker))
+            self._queue.put((None, None, None, marker))
             marker._done.wait()
         before = [self.launch_rank(r) for r in range(self.size)]
         self._c = self._c.Shrink()

@@ -28,6 +28,8 @@ from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSou
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import OmegaConf
 
+from runner.wire import NAMES as WIRE_NAMES
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,7 +49,13 @@ def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
 
 @dataclass
 class RuleConfig:
-    """Base of the synchronization rules' schemas (``runner/rules/``)."""
+    """Base of the synchronization rules' schemas (``runner/rules/``). ``comm_dtype``: the type parameters
+    and gradients travel in, fp32 or a 16-bit bf16|fp16 with float32 sums (runner/wire.py)."""
+
+    comm_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        one_of("comm_dtype", self.comm_dtype, WIRE_NAMES)
 
     def extra_ranks(self) -> int:
         """Ranks the rule needs besides the ``devices`` workers (parameter or center servers)."""

@@ -21,6 +21,36 @@ def odd(values: torch.Tensor) -> torch.Tensor:
     return out.copy_(values)
 
 
+def check_wire(c, dev: torch.device, wire: torch.dtype) -> None:
+    """16-bit exchange (runner/wire.py) over real MPI: sums in float32 of 16-bit contributions, the same
+    bits on every rank, half the bytes, and point-to-point messages widened on receipt; 1001 values, so
+    the all-to-all's chunks are padded whenever 1001 is not a multiple of the ranks."""
+    r, n = c.rank, c.size
+    values = torch.linspace(-3, 3, 1001, device=dev) * (r + 1) + 1 / 3
+    t = values.clone()
+    before = c.stats.bytes_sent
+    c.allreduce(t, wire=wire)
+    sent = c.stats.bytes_sent - before
+    parts = [(torch.linspace(-3, 3, 1001, device=dev) * (k + 1) + 1 / 3).to(wire).float() for k in range(n)]
+    expected = sum(parts).to(wire).float() if n > 1 else values
+    assert torch.equal(t, expected), (t - expected).abs().max()
+    assert torch.equal(torch.tensor(c.allgather_object(t.sum().item())), torch.full((n,), t.sum().item()))
+    chunk = -(-1001 // n)
+    assert sent == (2 * (n - 1) * chunk * 2 if n > 1 else 0), sent
+    background = values.clone()
+    c.allreduce_background(background, wire=wire).wait()
+    assert torch.equal(background, expected)
+    if n > 1:
+        right, left = (r + 1) % n, (r - 1) % n
+        req = c.isend(values, dest=right, tag=9, wire=wire)
+        got = torch.empty(1001, device=dev)
+        c.recv(got, source=left, tag=9, wire=wire)
+        req.wait()
+        assert torch.equal(
+            got, (torch.linspace(-3, 3, 1001, device=dev) * (left + 1) + 1 / 3).to(wire).float()
+        )
+
+
 def main(device: str) -> None:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -86,6 +116,9 @@ def main(device: str) -> None:
         c.recv(got_odd, source=left, tag=8)
         assert torch.all(got_odd == left), got_odd
     assert c.iprobe() is None, "a message was left in flight"
+
+    for wire in (torch.bfloat16, torch.float16):
+        check_wire(c, dev, wire)
 
     assert c.allreduce_values([1.0, r]) == [n, n * (n - 1) / 2]
     assert c.allgather_object(r) == list(range(n))

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from runner import wire as wire_ops
 from runner.comm import ANY_SOURCE, ANY_TAG, CommStats  # imports mpi4py without initialising MPI
 
 _REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -135,6 +136,7 @@ class FakeComm:
         self._g, self._w = group, group.world
         self.rank, self.size, self.stats = rank, group.size, stats
         self._seq = 0
+        self.scratch: dict[Any, Any] = {}
 
     @contextmanager
     def _clock(self):
@@ -204,14 +206,36 @@ class FakeComm:
                 self._sent(t, 2 * (self.size - 1) / self.size)
         return self._tensor_request(t, poll)
 
-    allreduce_background = iallreduce
+    def allreduce_background(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None):
+        if wire is None or self.size == 1:
+            return self.iallreduce(t, op)
+        self.allreduce(t, op, wire)
+        return FakeRequest(self, lambda block: True)
 
     def keep(self, t: torch.Tensor) -> None:
         """Nothing to prepare in-process."""
 
-    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def allreduce(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None) -> torch.Tensor:
+        """With ``wire``, runner/wire.py's 16-bit algorithm itself, over this fake's all-to-all and
+        all-gather."""
+        if wire is not None and self.size > 1:
+            with torch.no_grad():
+                return wire_ops.allreduce(self, t, wire)
         self.iallreduce(t, op).wait()
         return t
+
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        n, me = self.size, self.rank
+        kind = ("alltoall", send.numel(), send.dtype)
+        poll = self._collective(kind, send.detach().clone().view(n, -1), lambda xs: torch.stack(xs))
+        self._sent(send, (n - 1) / n)
+        recv.view(n, -1).copy_(poll(True)[1][:, me])
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        kind = ("allgather", send.numel(), send.dtype)
+        poll = self._collective(kind, send.detach().clone(), lambda xs: torch.cat(xs))
+        self._sent(send, self.size - 1)
+        recv.copy_(poll(True)[1])
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         with self._clock():
@@ -273,8 +297,10 @@ class FakeComm:
         return self.rank
 
     # -- point to point ---------------------------------------------------------------------------
-    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> FakeRequest:
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, wire: torch.dtype | None = None) -> FakeRequest:
         assert 0 <= dest < self.size, f"rank {self.rank}: send to rank {dest} of {self.size}"
+        if wire is not None:
+            t = t.to(wire)
         data = t.detach().clone(memory_format=torch.contiguous_format)
         msg = SimpleNamespace(source=self.rank, tag=tag, data=data, received=False)
         with self._clock(), self._w.cond:
@@ -295,8 +321,8 @@ class FakeComm:
 
         return FakeRequest(self, delivered)
 
-    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
-        self.isend(t, dest, tag).wait()
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0, wire: torch.dtype | None = None) -> None:
+        self.isend(t, dest, tag, wire).wait()
 
     def _find(self, source: int, tag: int) -> int | None:
         """Index of the earliest message in this rank's mailbox that matches (``cond`` held)."""
@@ -327,7 +353,15 @@ class FakeComm:
             return None
         return m.source, m.tag
 
-    def recv(self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int]:
+    def recv(
+        self, t: torch.Tensor, source: int = ANY_SOURCE, tag: int = ANY_TAG, wire: torch.dtype | None = None
+    ) -> tuple[int, int]:
+        if wire is not None:
+            narrow = torch.empty(t.shape, dtype=wire)
+            found = self.recv(narrow, source, tag)
+            with torch.no_grad():
+                t.copy_(narrow)
+            return found
         with self._clock(), self._w.cond:
             m = self._g.mail[self.rank].pop(self._wait_match(source, tag))
             m.received = True

@@ -14,7 +14,8 @@ each other,
 A server applies the pushes in arrival order: with staleness τ = (its version now) − (the version the worker
 last fetched), ``accept`` adds Δ, ``scale`` adds Δ / (1 + τ), ``drop`` discards Δ when τ > ``max_staleness``;
 each applied push increments the version. With one worker, n_push = n_fetch = 1 and plain SGD this is plain
-SGD. The reported model is the servers' parameters (BatchNorm statistics: the workers' mean).
+SGD. The reported model is the servers' parameters (BatchNorm statistics: the workers' mean), fetched in
+float32. ``comm_dtype: bf16|fp16`` sends Δ and the fetched parameters in 16 bits; servers add in float32.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ASGDConfig(RuleConfig):
     max_staleness: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.n_push >= 1, "n_push", self.n_push, "push every N >= 1 steps")
         require(self.n_fetch >= 1, "n_fetch", self.n_fetch, "fetch every N >= 1 steps")
         require(self.servers >= 1, "servers", self.servers, "need at least one parameter-server rank")
@@ -81,7 +83,7 @@ class ASGD(Rule):
     """Workers push accumulated updates to sharded parameter servers and fetch fresh parameters."""
 
     def __init__(self, cfg: ASGDConfig, ctx: RuleContext):
-        super().__init__(ctx, servers=cfg.servers)
+        super().__init__(ctx, servers=cfg.servers, comm_dtype=cfg.comm_dtype)
         self.synchronous = False
         self.n_push, self.n_fetch = cfg.n_push, cfg.n_fetch
         self.policy, self.max_staleness = cfg.staleness, cfg.max_staleness
@@ -122,18 +124,20 @@ class ASGD(Rule):
         for s, (server, part) in enumerate(zip(self.server_ranks, self.slices, strict=True)):
             self.header.fill_(self.versions[s])
             self.comm.send(self.header, server, PUSH)
-            self.comm.send(delta[part], server, PUSH_DATA)
+            self.comm.send(delta[part], server, PUSH_DATA, wire=self.wire)
         self.ref.copy_(self.x)
         self.pushes += 1
 
-    def _fetch_into(self, target: torch.Tensor) -> list[int]:
-        """The servers' parameters into ``target``; returns the shards' versions."""
+    def _fetch_into(self, target: torch.Tensor, exact: bool = False) -> list[int]:
+        """The servers' parameters into ``target`` (``exact``: in float32 even with a 16-bit
+        ``comm_dtype``, asked for by a negative header); returns the shards' versions."""
         versions = []
         for server, part in zip(self.server_ranks, self.slices, strict=True):
+            self.header.fill_(-1.0 if exact else 0.0)
             self.comm.send(self.header, server, FETCH)
             self.comm.recv(self.header, server, REPLY)
             versions.append(int(self.header))
-            self.comm.recv(target[part], server, REPLY)
+            self.comm.recv(target[part], server, REPLY, wire=None if exact else self.wire)
         return versions
 
     @no_grad
@@ -153,7 +157,7 @@ class ASGD(Rule):
         model, flat = self.server_model
         self.workers.barrier()
         if self.workers.rank == 0:
-            self._fetch_into(flat.buffers[0])
+            self._fetch_into(flat.buffers[0], exact=True)
         self.workers.broadcast(flat.buffers[0], root=0)
         self._average_buffers_into(model)
         return {"": model}
@@ -210,12 +214,13 @@ class ASGD(Rule):
         def handle(source: int, tag: int) -> None:
             self.comm.recv(self.header, source, tag)
             if tag == FETCH:
+                wire = None if float(self.header) < 0 else self.wire
                 self.header.fill_(self.version)
                 self.comm.send(self.header, source, REPLY)
-                self.comm.send(self.shard, source, REPLY)
+                self.comm.send(self.shard, source, REPLY, wire=wire)
                 return
             assert tag == PUSH, f"unexpected message tag {tag} from rank {source}"
-            self.comm.recv(incoming, source, PUSH_DATA)
+            self.comm.recv(incoming, source, PUSH_DATA, wire=self.wire)
             staleness = self.version - int(self.header)
             self.histogram[staleness] += 1
             if self.policy == "drop" and staleness > self.max_staleness:

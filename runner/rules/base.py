@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from runner.flat import FlatTensors, flat_copy, float_buffers
 from runner.lazy import lazy_import
+from runner.wire import wire_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +76,7 @@ class Rule:
     #: False for rules whose workers do not meet every step: they agree on checkpoints and stops less often.
     synchronous = True
 
-    def __init__(self, ctx: RuleContext, servers: int = 0):
+    def __init__(self, ctx: RuleContext, servers: int = 0, comm_dtype: str = "fp32"):
         self.comm = ctx.comm
         self.workers = ctx.workers
         self.model = ctx.model
@@ -85,6 +86,7 @@ class Rule:
         self.num_workers = ctx.comm.size - servers
         self.is_server = ctx.workers is None
         self.save = ctx.save
+        self.wire = wire_dtype(comm_dtype)  # the 16-bit type exchanges travel in (None: as they are)
         self._mean: tuple[torch.nn.Module, FlatTensors] | None = None
 
     def serve(self) -> None:
@@ -189,12 +191,12 @@ class Rule:
         return model, flat
 
     @no_grad
-    def _average(self, tensors: list[torch.Tensor]) -> None:
-        """Set each of ``tensors`` to its mean over the workers. Reduced in a copy, so that a failed
-        all-reduce (a lost worker) leaves them as they were."""
+    def _average(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> None:
+        """Set each of ``tensors`` to its mean over the workers (sent in ``wire``'s type, if given). Reduced
+        in a copy, so that a failed all-reduce (a lost worker) leaves them as they were."""
         for t in tensors:
             total = t.clone()
-            self.workers.allreduce(total)
+            self.workers.allreduce(total, wire=wire)
             t.copy_(total.mul_(1.0 / self.workers.size))
 
     @no_grad

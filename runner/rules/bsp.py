@@ -18,6 +18,9 @@ so communication overlaps the rest of backward; ``nonblocking`` uses MPI's non-b
 each rank steps on its own gradient and every ``avg_freq`` steps all ranks replace their parameters with the
 mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode: grads``.
 
+``comm_dtype: bf16|fp16`` sends the gradients (or parameters) in 16 bits with float32 sums
+(runner/wire.py): half the bytes; validation's averages stay in float32.
+
 ``lr_scaling: linear`` multiplies the learning rate by N (the global batch is N times larger), reached by a
 linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017). In both modes the
 BatchNorm running statistics (and, in ``params`` mode, the parameters) are averaged before each validation,
@@ -53,12 +56,20 @@ class BSPConfig(RuleConfig):
     warmup_epochs: float = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         one_of("mode", self.mode, ("grads", "params"))
         one_of("lr_scaling", self.lr_scaling, ("none", "linear"))
         one_of("overlap", self.overlap, ("auto", "thread", "nonblocking", "none"))
         require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "bucket size in MB must be > 0 (e.g. 25)")
         require(self.avg_freq >= 1, "avg_freq", self.avg_freq, "average every N >= 1 steps")
         require(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "must be >= 0")
+        require(
+            self.comm_dtype == "fp32" or self.overlap != "nonblocking",
+            "overlap",
+            self.overlap,
+            f"comm_dtype={self.comm_dtype} runs on the communication thread or after backward: "
+            "set rule.overlap=thread, none or auto",
+        )
 
     def build(self, ctx: RuleContext) -> BSP:
         return BSP(self, ctx)
@@ -85,7 +96,7 @@ class BSP(Rule):
     """Synchronous data parallelism: mean of gradients each step, or of parameters every ``avg_freq``."""
 
     def __init__(self, cfg: BSPConfig, ctx: RuleContext):
-        super().__init__(ctx)
+        super().__init__(ctx, comm_dtype=cfg.comm_dtype)
         self.cfg = cfg
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.alone = self.comm.size == 1
@@ -168,7 +179,7 @@ class BSP(Rule):
         ):
             bucket = self.buckets[self.next_launch]
             if self.overlap == "thread":
-                bucket.request = self.comm.allreduce_background(bucket.buffer)
+                bucket.request = self.comm.allreduce_background(bucket.buffer, wire=self.wire)
             else:
                 bucket.request = self.comm.iallreduce(bucket.buffer)
             self.next_launch += 1
@@ -191,9 +202,9 @@ class BSP(Rule):
                 if p.grad is not view and i not in bucket.packed:
                     self._pack(bucket, i, p.grad)
             if self.overlap == "thread":
-                bucket.request = self.comm.allreduce_background(bucket.buffer)
+                bucket.request = self.comm.allreduce_background(bucket.buffer, wire=self.wire)
             else:
-                self.comm.allreduce(bucket.buffer)
+                self.comm.allreduce(bucket.buffer, wire=self.wire)
         for bucket in self.buckets:
             if bucket.request is not None:
                 bucket.request.wait()
@@ -207,7 +218,7 @@ class BSP(Rule):
     # -- mode: params ----------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
         if self.flat is not None and (step + 1) % self.cfg.avg_freq == 0:
-            self._average(self.flat.buffers)
+            self._average(self.flat.buffers, self.wire)
 
     def eval_models(self) -> dict[str, torch.nn.Module]:
         if self.alone:

@@ -16,6 +16,9 @@ alpha = 0.5 and 4 workers the center fell to chance accuracy), so such settings 
 workers in arrival order; a worker sends x_i, receives the x̃ the server held before this exchange, and both
 sides apply the elastic step above (the server with ``center_alpha``, default ``alpha``).
 
+``comm_dtype: bf16|fp16`` sends the pulls (sync: summed in float32, runner/wire.py) and the exchanged
+parameters (async) in 16 bits; the center's replicas stay identical on all workers.
+
 The reported model is the center x̃ (BatchNorm statistics: the workers' mean); ``worker_mean`` is also
 validated. The center starts at rank 0's initial parameters.
 """
@@ -48,6 +51,7 @@ class EASGDConfig(RuleConfig):
     center_alpha: float | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(
             self.alpha is None or self.beta is None,
             "alpha",
@@ -100,7 +104,7 @@ class EASGD(Rule):
     """Elastic averaging: workers pulled toward a center every ``tau`` steps, the center toward them."""
 
     def __init__(self, cfg: EASGDConfig, ctx: RuleContext):
-        super().__init__(ctx, servers=cfg.extra_ranks())
+        super().__init__(ctx, servers=cfg.extra_ranks(), comm_dtype=cfg.comm_dtype)
         self.cfg = cfg
         self.alpha = cfg.alpha_for(self.num_workers)
         self.center_alpha = self.alpha if cfg.center_alpha is None else cfg.center_alpha
@@ -135,14 +139,14 @@ class EASGD(Rule):
             pulls = [
                 (x - c).mul_(self.alpha) for x, c in zip(self.local.buffers, self.center.buffers, strict=True)
             ]
-            sums = [self.comm.allreduce(d.clone()) for d in pulls]  # a lost worker: nothing applied yet
+            sums = [self.comm.allreduce(d.clone(), wire=self.wire) for d in pulls]  # a loss: nothing applied
             for x, c, d, total in zip(self.local.buffers, self.center.buffers, pulls, sums, strict=True):
                 x.sub_(d)
                 c.add_(total)
             return
         for x, c in zip(self.local.buffers, self.center.buffers, strict=True):
-            self.comm.send(x, self.server, EXCHANGE)
-            self.comm.recv(c, self.server, EXCHANGE)
+            self.comm.send(x, self.server, EXCHANGE, wire=self.wire)
+            self.comm.recv(c, self.server, EXCHANGE, wire=self.wire)
             x.sub_((x - c).mul_(self.alpha))
 
     def _fetch_center(self) -> None:
@@ -218,8 +222,8 @@ class EASGD(Rule):
                     self.comm.send(c, source, FETCH)
                 return
             for c, x in zip(center.buffers, incoming, strict=True):
-                self.comm.recv(x, source, EXCHANGE)
-                self.comm.send(c, source, EXCHANGE)
+                self.comm.recv(x, source, EXCHANGE, wire=self.wire)
+                self.comm.send(c, source, EXCHANGE, wire=self.wire)
             for c, x in zip(center.buffers, incoming, strict=True):
                 c.add_((x - c).mul_(self.center_alpha))
             self.served += 1

@@ -13,7 +13,8 @@ each other cannot deadlock. Σ_i a_i = 1 whenever no push is in flight, and the 
 x̄ = Σ_i a_i·x_i (the consensus model, which this rule reports) is left unchanged by every push. Before each
 validation and at the end the workers reach quiescence (they sum up how many pushes each worker was sent and
 drain until all have arrived), then compute x̄ and its spread sqrt(Σ_i a_i·|x_i − x̄|²), which pushes can
-only decrease.
+only decrease. ``comm_dtype: bf16|fp16`` pushes x_i as a 16-bit copy (the weights stay float64); the merge is
+computed in float32, so x̄ moves by at most the copy's rounding, a_i/(a_i + a_j) of it, per push.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class GoSGDConfig(RuleConfig):
     max_inflight: int = 4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(
             0 <= self.p <= 1, "p", self.p, "the push probability must be in [0, 1] (e.g. 0.02; 0: no gossip)"
         )
@@ -62,7 +64,7 @@ class GoSGD(Rule):
     """Push-sum gossip between workers, with probability ``p`` after each step."""
 
     def __init__(self, cfg: GoSGDConfig, ctx: RuleContext):
-        super().__init__(ctx)
+        super().__init__(ctx, comm_dtype=cfg.comm_dtype)
         self.synchronous = False
         self.p, self.max_inflight = cfg.p, cfg.max_inflight
         self.rng = random.Random(cfg.seed * 100_003 + self.comm.rank)
@@ -75,7 +77,7 @@ class GoSGD(Rule):
         self.spread = float("nan")
         self.weight_sum = 1.0
         self.local = FlatTensors(self.model.parameters())
-        self.incoming = [torch.empty_like(b) for b in self.local.buffers]
+        self.incoming = [torch.empty_like(b, dtype=self.wire or b.dtype) for b in self.local.buffers]
         self.weight_in = torch.zeros(1, dtype=torch.float64)
 
     @no_grad
@@ -117,7 +119,8 @@ class GoSGD(Rule):
         buffers = (
             self.free.pop()
             if self.free
-            else [torch.empty(1, dtype=torch.float64)] + [torch.empty_like(b) for b in self.local.buffers]
+            else [torch.empty(1, dtype=torch.float64)]
+            + [torch.empty_like(b, dtype=self.wire or b.dtype) for b in self.local.buffers]
         )
         buffers[0].fill_(self.weight)
         requests = [self.comm.isend(buffers[0], peer, WEIGHT)]

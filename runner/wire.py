@@ -1,0 +1,72 @@
+"""Half-precision exchange (``rule.comm_dtype: bf16|fp16``): half the bytes on the wire, sums in float32.
+
+The seeds' ``asa16`` (Theano-MPI): an all-reduce of a float32 buffer x of N ranks' contributions as
+
+1. every rank casts its x to 16 bits and splits it into N chunks; an all-to-all gives rank r the r-th chunk
+   of every rank (a reduce-scatter's traffic, (N−1)/N of the 16-bit buffer sent per rank);
+2. rank r sums its N chunks in float32 and casts the sum to 16 bits once;
+3. an all-gather of the summed chunks gives every rank the whole sum ((N−1)/N again).
+
+Each rank sends 2(N−1)/N · 2 bytes per value, half of a float32 all-reduce, and every rank ends with the
+same bits. Rounding: each contribution is rounded to 16 bits once, and the sum once (an all-reduce in 16-bit
+arithmetic would round at every partial sum). bf16 keeps float32's range with 8 significant bits; fp16 has
+11 bits but overflows above 65504, so it suits values known to be small (BSP's gradients, divided by N).
+
+Point-to-point messages (GoSGD's pushes, EASGD's exchanges) are sent as a 16-bit copy and widened on receipt.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runner.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.comm import Comm
+else:
+    torch = lazy_import("torch")
+
+#: ``rule.comm_dtype`` names; fp32 is the exchange as it is.
+NAMES = ("fp32", "bf16", "fp16")
+
+
+def wire_dtype(name: str) -> torch.dtype | None:
+    """The 16-bit type on the wire for ``rule.comm_dtype`` ``name``; None for fp32 (no conversion)."""
+    assert name in NAMES, name
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """In-place sum of the floating-point tensor ``t`` over ``comm`` with 16-bit ``dtype`` traffic (see
+    above), accumulated in float32 (float64 for a float64 ``t``)."""
+    n = comm.size
+    if n == 1:
+        return t
+    assert t.is_contiguous() and t.is_floating_point(), "a contiguous floating-point tensor is reduced"
+    flat = t.view(-1)
+    numel = flat.numel()
+    chunk = -(-numel // n)
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    send, recv, part = _scratch(comm, n * chunk, chunk, dtype, acc)
+    send[:numel].copy_(flat)
+    send[numel:].zero_()
+    comm.alltoall(send, recv)
+    torch.sum(recv.view(n, chunk), dim=0, dtype=acc, out=part[1])
+    part[0].copy_(part[1])
+    comm.allgather(part[0], send)
+    flat.copy_(send[:numel])
+    return t
+
+
+def _scratch(comm: Comm, total: int, chunk: int, dtype: torch.dtype, acc: torch.dtype) -> Any:
+    """Host buffers for one size, kept by the communicator (a model's buckets or tensors have few sizes)."""
+    key = (total, dtype, acc)
+    if key not in comm.scratch:
+        comm.scratch[key] = (
+            torch.empty(total, dtype=dtype),
+            torch.empty(total, dtype=dtype),
+            (torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=acc)),
+        )
+    return comm.scratch[key]
