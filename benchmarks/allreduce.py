@@ -8,7 +8,8 @@ Starts itself under mpirun. For each buffer size every method reduces the same n
 ``after_backward`` over a model whose gradients total that size, in 1 MB parameter tensors, as a training
 step leaves them (views of the buckets, already divided by N through the loss): all-reduce each bucket and
 hand the gradients back; ``gloo``: ``torch.distributed.all_reduce``. Times are medians over repetitions,
-ratios are against ``raw``. With several ``--bucket-mb`` values, one ``ours`` column per bucket size.
+ratios are against ``raw``. With several ``--bucket-mb`` values, one ``ours`` column per bucket size;
+``bf16``: the same exchange with ``rule.comm_dtype=bf16`` at the first bucket size, against its float32 time.
 A second table times whole BSP training steps with the all-reduce overlapped with backward or not.
 """
 
@@ -79,7 +80,7 @@ def alternated(methods: dict, reps: int, barrier) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bsp_exchange(comm, numel: int, bucket_mb: float):
+def bsp_exchange(comm, numel: int, bucket_mb: float, comm_dtype: str = "fp32"):
     """BSP's gradient exchange over a model of ``numel`` parameters in 1 MB tensors, checked to sum."""
     import torch
 
@@ -93,7 +94,7 @@ def bsp_exchange(comm, numel: int, bucket_mb: float):
     for p in model:
         p.grad = torch.full_like(p, comm.rank + 1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    rule = BSPConfig(bucket_mb=bucket_mb, overlap="none").build(
+    rule = BSPConfig(bucket_mb=bucket_mb, overlap="none", comm_dtype=comm_dtype).build(
         RuleContext(comm, comm, model, optimizer, steps_per_epoch=1)
     )
     rule.after_backward(0)
@@ -137,13 +138,14 @@ def bench(args: argparse.Namespace) -> None:
         methods = {"raw": lambda raw=raw: world.Allreduce(MPI.IN_PLACE, raw)}
         for bucket_mb in args.bucket_mb:
             methods[bucket_mb] = bsp_exchange(comm, numel, bucket_mb)
+        methods["bf16"] = bsp_exchange(comm, numel, args.bucket_mb[0], "bf16")
         if not args.no_gloo:
             buf = torch.ones(numel)
             methods["gloo"] = lambda buf=buf: dist.all_reduce(buf)
         times = alternated(methods, reps, world.Barrier)
         t_gloo = times.pop("gloo", float("nan"))
-        t_raw = times.pop("raw")
-        rows.append((mb, reps, t_raw, list(times.values()), t_gloo))
+        t_raw, t_bf16 = times.pop("raw"), times.pop("bf16")
+        rows.append((mb, reps, t_raw, list(times.values()), t_gloo, t_bf16))
         del raw, methods
 
     if rank == 0:
@@ -154,16 +156,17 @@ def bench(args: argparse.Namespace) -> None:
             f"median seconds (bus bandwidth = 2(N-1)/N · size / time)"
         )
         ours_heads = "".join(f"{'ours ' + format(b, 'g'):>10} {'/raw':>6}" for b in args.bucket_mb)
+        first = format(args.bucket_mb[0], "g")
         print(
             f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} "
-            f"{'raw GB/s':>9}"
+            f"{'bf16 ' + first:>10} {'/fp32':>6} {'raw GB/s':>9}"
         )
-        for mb, reps, t_raw, t_ours, t_gloo in rows:
+        for mb, reps, t_raw, t_ours, t_gloo, t_bf16 in rows:
             bus = 2 * (n - 1) / n * mb * 2**20 / 1e9
             ours = "".join(f"{t:10.5f} {t / t_raw:6.2f}" for t in t_ours)
             print(
                 f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} "
-                f"{bus / t_raw:9.2f}"
+                f"{t_bf16:10.5f} {t_bf16 / t_ours[0]:6.2f} {bus / t_raw:9.2f}"
             )
     overlap_table(comm, rank, n, world)
     if not args.no_gloo:

@@ -53,9 +53,14 @@ def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     send[:numel].copy_(flat)
     send[numel:].zero_()
     comm.alltoall(send, recv)
-    torch.sum(recv.view(n, chunk), dim=0, dtype=acc, out=part[1])
-    part[0].copy_(part[1])
-    comm.allgather(part[0], send)
+    narrow, total, widened = part
+    rows = recv.view(n, chunk)
+    total.copy_(rows[0])
+    for row in rows[1:]:  # widened first: adding a 16-bit tensor to a float32 one directly is 2-4× slower
+        widened.copy_(row)
+        total.add_(widened)
+    narrow.copy_(total)
+    comm.allgather(narrow, send)
     flat.copy_(send[:numel])
     return t
 
@@ -67,6 +72,6 @@ def _scratch(comm: Comm, total: int, chunk: int, dtype: torch.dtype, acc: torch.
         comm.scratch[key] = (
             torch.empty(total, dtype=dtype),
             torch.empty(total, dtype=dtype),
-            (torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=acc)),
+            (torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=acc), torch.empty(chunk, dtype=acc)),
         )
     return comm.scratch[key]
