@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,12 +83,76 @@ class CheckpointConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """Conditions imposed on a healthy job to study the rules under them: ``straggler_ranks`` (worker
+    ranks, ``0 .. devices-1``) each sleep ``straggler_ms`` milliseconds at the start of every training
+    step, a worker whose compute is that much slower. Either one empty or zero leaves the job as it is,
+    with a warning when the other is set (so a sweep may include the no-straggler point)."""
+
+    straggler_ranks: list[int] = field(default_factory=list)
+    straggler_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(
+            math.isfinite(self.straggler_ms) and self.straggler_ms >= 0,
+            "straggler_ms",
+            self.straggler_ms,
+            "the delay per training step in milliseconds, >= 0 (e.g. simulate.straggler_ms=30)",
+        )
+        require(
+            len(set(self.straggler_ranks)) == len(self.straggler_ranks),
+            "straggler_ranks",
+            self.straggler_ranks,
+            "name each rank once (e.g. simulate.straggler_ranks=[1,3])",
+        )
+
+    def delay_s(self, rank: int) -> float:
+        """Seconds that worker ``rank`` sleeps per training step."""
+        return self.straggler_ms / 1e3 if rank in self.straggler_ranks else 0.0
+
+    def record(self) -> dict[str, Any] | None:
+        """summary.json's ``straggler``: the ranks slowed down and the delay, or None when none is."""
+        if not self.straggler_ranks or not self.straggler_ms:
+            return None
+        return {"ranks": list(self.straggler_ranks), "ms": self.straggler_ms}
+
+    def check_devices(self, devices: int, servers: int) -> None:
+        """Only worker ranks may straggle: ``0 .. devices-1`` (the ``servers`` ranks after them serve)."""
+        served = ""
+        if servers == 1:
+            served = f"; rank {devices} is the rule's server"
+        elif servers > 1:
+            served = f"; ranks {devices}..{devices + servers - 1} are the rule's servers"
+        require(
+            all(0 <= r < devices for r in self.straggler_ranks),
+            "straggler_ranks",
+            self.straggler_ranks,
+            f"only workers may straggle: name ranks in 0..{devices - 1} (devices={devices}){served}",
+        )
+
+    def warning(self) -> str | None:
+        """What to tell about a setting that slows no rank although half of it is given."""
+        if self.straggler_ranks and not self.straggler_ms:
+            return (
+                f"simulate.straggler_ranks={self.straggler_ranks} with simulate.straggler_ms=0: no rank is "
+                "slowed down (set e.g. simulate.straggler_ms=30)"
+            )
+        if self.straggler_ms and not self.straggler_ranks:
+            return (
+                f"simulate.straggler_ms={self.straggler_ms:g} with no simulate.straggler_ranks: no rank is "
+                "slowed down (set e.g. simulate.straggler_ranks=[1])"
+            )
+        return None
+
+
+@dataclass
 class Config:
     """Schema of ``conf/config.yaml``; each group holds the schema object of the option selected."""
 
     devices: int = 2
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
     resume: str | None = None
     hardware: Any = MISSING
     model: Any = MISSING
@@ -176,7 +242,8 @@ def check_keys(node: DictConfig, path: str = "") -> None:
 
 
 def validate(cfg: DictConfig) -> Config:
-    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key.
+    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key. A
+    setting that has no effect although half of it is given (:meth:`SimulateConfig.warning`) is logged.
 
     Returns the config as schema objects (dataclass instances), interpolations resolved.
     """
@@ -185,7 +252,7 @@ def validate(cfg: DictConfig) -> Config:
     if missing:
         keys = ", ".join(sorted(missing))
         raise ValueError(f"{keys}: no value given; set it on the command line, e.g. {sorted(missing)[0]}=...")
-    for key in ("train", "checkpoint", *GROUPS):
+    for key in ("train", "checkpoint", "simulate", *GROUPS):
         try:
             OmegaConf.to_object(cfg[key])
         except ValueError as err:
@@ -195,6 +262,13 @@ def validate(cfg: DictConfig) -> Config:
         checked.rule.check_devices(checked.devices)
     except ValueError as err:
         raise ValueError(f"rule.{err}") from None
+    try:
+        checked.simulate.check_devices(checked.devices, checked.rule.extra_ranks())
+    except ValueError as err:
+        raise ValueError(f"simulate.{err}") from None
+    warning = checked.simulate.warning()
+    if warning:
+        logging.getLogger("runner").warning(warning)
     return checked
 
 

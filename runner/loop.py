@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,9 @@ class Trainer:
     ``workers`` is the communicator of the training ranks (for metrics), ``stats`` this rank's
     communication accounting (shared by all of its communicators). ``checkpoint(position, end)`` saves a
     checkpoint (collective over the job); ``control`` says, at the same step on every worker, when to take
-    one or stop; ``beat`` is told of every step.
+    one or stop; ``beat`` is told of every step. ``delay_s`` (``simulate.straggler_ms`` on a straggler,
+    else 0) is slept at the start of every step, before any of the step's work: a worker that much slower
+    to compute, under every rule, and counted in the step's measured time.
     """
 
     def __init__(
@@ -81,11 +84,13 @@ class Trainer:
         checkpoint: Callable[[Position, bool], None],
         beat: Heartbeat,
         recovery: Recovery | None = None,
+        delay_s: float = 0.0,
     ):
         self.cfg, self.model, self.optimizer, self.rule = cfg, model, optimizer, rule
         self.train_loader, self.val_loader = loaders
         self.workers, self.stats, self.device, self.log, self.meter = workers, stats, device, log, meter
         self.control, self.checkpoint, self.beat, self.recovery = control, checkpoint, beat, recovery
+        self.delay_s = delay_s
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         self.criterion = nn.CrossEntropyLoss()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -136,6 +141,8 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor, pos: Position) -> bool:
         """One training step on a batch; False when it must be redone (workers were lost during it)."""
         applied = False
+        if self.delay_s:
+            time.sleep(self.delay_s)
         try:
             self.rule.before_step(pos.step)
             self.optimizer.zero_grad(set_to_none=False)

@@ -28,6 +28,7 @@ SAFE_TO_CHANGE = (
     "train.save_model",
     "checkpoint.",
     "hardware.",
+    "simulate.",
     "resume",
 )
 

@@ -147,6 +147,9 @@ def run(
             f"warning: train.batch_size={train.batch_size} exceeds this rank's shard of "
             f"{len(loaders[0].sampler)} samples: every step trains on the whole shard"
         )
+    straggler = cfg.simulate.record()
+    if comm.rank == 0 and straggler:
+        print(f"simulated stragglers: ranks {straggler['ranks']} sleep {straggler['ms']:g} ms per step")
     max_steps = train.max_steps or train.epochs * steps_per_epoch
     epochs = min(train.epochs, -(-max_steps // steps_per_epoch))
     optimizer = cfg.optim.build(model.parameters())
@@ -218,6 +221,7 @@ def run(
             checkpoint,
             beat,
             recovery,
+            delay_s=cfg.simulate.delay_s(comm.rank),
         )
         if part:
             model.load_state_dict(part["model"])
@@ -255,6 +259,7 @@ def run(
             "devices": cfg.devices,
             "world_size": comm.size,
             "resumed_from_step": entry["step"] if entry else None,
+            "straggler": straggler,
             "checkpoint": checkpointer.latest,
             "versions": env,
             "topology": topo.to_dict(),
