@@ -198,8 +198,8 @@ def overlap_table(comm, rank: int, n: int, world) -> None:
             rule.after_backward(0)
             opt.step()
 
-        comm.seconds = 0.0
-        results[overlap] = (median_time(step, 15, world.Barrier), comm.seconds / 16)
+        comm.stats.seconds = 0.0
+        results[overlap] = (median_time(step, 15, world.Barrier), comm.stats.seconds / 16)
     if rank == 0:
         base = results["none"][0]
         print(
