@@ -117,6 +117,10 @@ def test_wrong_type_fails_at_compose():
         (["rule=asgd", "rule.servers=0"], "rule.servers"),
         (["rule=asgd", "rule.staleness=drop"], "rule.max_staleness"),
         (["rule=asgd", "rule.n_push=0"], "rule.n_push"),
+        (["rule.comm_dtype=fp8"], "rule.comm_dtype"),
+        (["rule=gosgd", "rule.comm_dtype=half"], "rule.comm_dtype"),
+        (["rule=diloco", "rule.comm_dtype=int8"], "rule.comm_dtype"),
+        (["rule.comm_dtype=bf16", "rule.overlap=nonblocking"], "rule.overlap"),
         (["hardware=cluster"], "hardware.hosts"),
         (["hardware=cluster", "hardware.hosts=[a:b]"], "hardware.hosts"),
         (["hardware=cluster", "hardware.hostfile=/nonexistent"], "hardware.hostfile"),
@@ -163,7 +167,7 @@ from runner.config import register, validate
 import runner.launch
 register()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
-    for rule in ("bsp", "easgd", "gosgd", "asgd"):
+    for rule in ("bsp", "easgd", "gosgd", "asgd", "diloco"):
         validate(compose(config_name="config", overrides=[f"rule={rule}"]))
 print(sorted(m for m in ("torch", "sklearn", "numpy", "mpi4py") if m in sys.modules))
 """

@@ -8,7 +8,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
-@pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd"])
+@pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd", "diloco"])
 def test_rule_trains_the_cnn_on_digits_with_4_workers(cli, rule):
     run = cli(f"rule={rule}", "devices=4", "hardware.oversubscribe=true", timeout=300)
     assert run.returncode == 0, run.output

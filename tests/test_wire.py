@@ -126,3 +126,17 @@ def test_default_job_with_bf16_exchange_reaches_97_percent_on_half_the_bytes(cli
     parameters = sum(p.numel() for p in checked_config([]).model.build().parameters())
     fp32 = n * 2 * (n - 1) / n * 4 * parameters * s["steps"]
     assert 0.45 * fp32 <= s["bytes_sent"] <= 0.55 * fp32, (s["bytes_sent"], fp32)
+
+
+def test_diloco_outer_step_in_bf16_keeps_the_workers_identical_on_half_the_bytes():
+    from runner.rules.diloco import DiLoCoConfig
+
+    """(16 steps: 8 outer steps, against which worker 0's float32 broadcast at the start weighs little.)"""
+    full = train(DiLoCoConfig(inner_steps=2), steps=16)
+    half = train(DiLoCoConfig(inner_steps=2, comm_dtype="bf16"), steps=16)
+    sent_full, sent_half = sum(r[1] for r in full), sum(r[1] for r in half)
+    assert 0.45 <= sent_half / sent_full <= 0.56, (sent_half, sent_full)
+    workers = [r[0] for r in half]
+    assert all(torch.equal(workers[0], w) for w in workers)
+    assert not torch.equal(full[0][0], workers[0])
+    assert torch.allclose(full[0][0], workers[0], atol=2e-2)
