@@ -194,6 +194,29 @@ def test_bsp_grads_exchanges_the_mean_of_the_gradients(overlap):
         assert_close(got, mean)
 
 
+def test_bsp_grad_buffers_hold_every_gradient_so_a_nan_anywhere_is_seen():
+    """The loop checks the sums of BSP's buckets instead of the gradients' norm: they must hold them all."""
+    x, y = GLOBAL[0]
+
+    def main(comm):
+        model = mlp()
+        rule = build(comm, BSPConfig(overlap="none", bucket_mb=1e-4), model, sgd(model))
+        for poison in (False, True):
+            (F.cross_entropy(model(x[comm.rank :: N]), y[comm.rank :: N]) * rule.loss_scale).backward()
+            if poison and comm.rank == 1:
+                list(model.parameters())[2].grad[1] = float("nan")
+            rule.after_backward(0)
+            flat = rule.grad_buffers()
+            assert len(flat) > 1
+            total = torch.stack([b.sum() for b in flat]).sum()
+            if poison:
+                assert not torch.isfinite(total)
+            else:
+                assert_close(total, sum(p.grad.sum() for p in model.parameters()))
+
+    FakeWorld(N).run(main)
+
+
 @pytest.mark.parametrize("mode", ["grads", "params"])
 def test_bsp_one_rank_does_nothing(mode):
     world = FakeWorld(1)

@@ -99,6 +99,11 @@ class Rule:
         so the all-reduced sum is the mean with no pass of its own over the gradients)."""
         return 1.0
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """After ``after_backward``: flat buffers that hold every gradient, if the rule keeps them so (the
+        loop checks them for non-finite values in one pass); else empty."""
+        return []
+
     def before_step(self, step: int) -> None:
         """Called before the forward pass of global step ``step`` (0-based)."""
 

@@ -161,6 +161,9 @@ class BSP(Rule):
     def loss_scale(self) -> float:
         return 1.0 / self.comm.size if self.buckets else 1.0
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]
+
     def _pack(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
         """Put gradient ``i`` of ``bucket`` (already divided by N through the loss) into the bucket's buffer,
         unless backward wrote it there."""
