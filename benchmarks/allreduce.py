@@ -31,7 +31,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="buffer sizes in MB")
-    p.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0], help="BSP bucket sizes in MB")
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[4.0], help="BSP bucket sizes in MB")
     p.add_argument(
         "--ring", action="store_true", help="use Open MPI's ring allreduce (coll_tuned algorithm 4)"
     )
@@ -66,13 +66,14 @@ def relaunch(args: argparse.Namespace) -> int:
 
 
 def alternated(methods: dict, reps: int, barrier) -> dict:
-    """Median seconds of each of ``methods``, timed in rounds that run every method once, so that all of
-    them see the same state of the machine."""
+    """Median seconds of each of ``methods``, timed in rounds that run every method once (starting from a
+    different one each round), so that all of them see the same state of the machine."""
     for fn in methods.values():
         fn()
     times: dict = {name: [] for name in methods}
-    for _ in range(reps):
-        for name, fn in methods.items():
+    order = list(methods.items())
+    for k in range(reps):
+        for name, fn in order[k % len(order) :] + order[: k % len(order)]:
             barrier()
             t0 = time.perf_counter()
             fn()
@@ -133,7 +134,7 @@ def bench(args: argparse.Namespace) -> None:
     rows = []
     for mb in args.sizes:
         numel = int(mb * 2**20 / 4)
-        reps = args.reps or max(5, min(50, int(400 / mb)))
+        reps = args.reps or max(5, min(200, int(400 / mb)))
         raw = np.ones(numel, dtype=np.float32)
         methods = {"raw": lambda raw=raw: world.Allreduce(MPI.IN_PLACE, raw)}
         for bucket_mb in args.bucket_mb:

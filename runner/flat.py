@@ -18,6 +18,18 @@ else:
     torch = lazy_import("torch")
 
 
+def message_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    """A contiguous buffer that MPI will send. On the CPU it is numpy's memory, which numpy asks Linux to
+    back with transparent huge pages (madvise, arrays of 4 MB and more): Open MPI's shared-memory all-reduce
+    of such a buffer measured 1.27× faster at 16 MB than of torch's own (2 ranks, benchmarks/allreduce.py)."""
+    import numpy as np
+
+    np_dtype = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}.get(dtype)
+    if torch.device(device).type != "cpu" or np_dtype is None:
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+    return torch.from_numpy((np.zeros if zero else np.empty)(numel, dtype=np_dtype))
+
+
 class FlatTensors:
     """Re-points ``tensors`` into contiguous buffers (one per dtype and device) without changing values.
 
@@ -32,7 +44,7 @@ class FlatTensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         self.buffers: list[torch.Tensor] = []
         for (dtype, device), ts in groups.items():
-            flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=device)
+            flat = message_buffer(sum(t.numel() for t in ts), dtype, device)
             offset = 0
             for t in ts:
                 n = t.numel()

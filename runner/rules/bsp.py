@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.flat import FlatTensors, float_buffers
+from runner.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext
 from runner.schema import RuleConfig, one_of, require
@@ -49,7 +49,7 @@ else:
 @dataclass
 class BSPConfig(RuleConfig):
     mode: str = "grads"
-    bucket_mb: float = 25.0
+    bucket_mb: float = 4.0
     overlap: str = "auto"
     avg_freq: int = 1
     lr_scaling: str = "none"
@@ -60,7 +60,7 @@ class BSPConfig(RuleConfig):
         one_of("mode", self.mode, ("grads", "params"))
         one_of("lr_scaling", self.lr_scaling, ("none", "linear"))
         one_of("overlap", self.overlap, ("auto", "thread", "nonblocking", "none"))
-        require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "bucket size in MB must be > 0 (e.g. 25)")
+        require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "bucket size in MB must be > 0 (e.g. 4)")
         require(self.avg_freq >= 1, "avg_freq", self.avg_freq, "average every N >= 1 steps")
         require(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "must be >= 0")
         require(
@@ -80,8 +80,8 @@ class _Bucket:
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
-        self.buffer = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        self.buffer = message_buffer(
+            sum(p.numel() for p in params), params[0].dtype, params[0].device, zero=True
         )
         self.views: list[torch.Tensor] = []
         offset = 0
