@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from mpijob import in_mpirun, relaunch
+
+#: Open MPI's ring all-reduce (coll_tuned algorithm 4).
+RING = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}
 
 
 def parse() -> argparse.Namespace:
@@ -38,31 +38,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--reps", type=int, default=0, help="repetitions per size (0: by size)")
     return p.parse_args()
-
-
-def relaunch(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT))
-    from runner.hardware.mpirun import find_mpirun
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [
-        find_mpirun(None),
-        "-n",
-        str(args.ranks),
-        "--bind-to",
-        "core" if args.ranks <= os.cpu_count() else "none",
-    ]
-    if args.ranks > len(os.sched_getaffinity(0)):
-        argv.append("--oversubscribe")
-    if os.geteuid() == 0:
-        argv.append("--allow-run-as-root")
-    if args.ring:
-        argv += ["--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4"]
-    argv += ["-x", f"BENCH_PORT={port}", "-x", "OMP_NUM_THREADS=1", "-x", f"PYTHONPATH={ROOT}"]
-    argv += [sys.executable, "-m", "mpi4py", __file__, *sys.argv[1:]]
-    return subprocess.call(argv)
 
 
 def alternated(methods: dict, reps: int, barrier) -> dict:
@@ -212,7 +187,7 @@ def overlap_table(comm, rank: int, n: int, world) -> None:
 
 if __name__ == "__main__":
     arguments = parse()
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+    if in_mpirun():
         bench(arguments)
     else:
-        sys.exit(relaunch(arguments))
+        sys.exit(relaunch(__file__, arguments.ranks, RING if arguments.ring else None))

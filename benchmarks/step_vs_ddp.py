@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from mpijob import in_mpirun, relaunch
+
 MODELS = ("mlp", "cnn", "resnet18")
 #: (warm-up, timed) steps per round: 1.5 to 4 s of timed steps per method and round on one core per rank.
 STEPS = {"mlp": (5, 40), "cnn": (3, 20), "resnet18": (2, 10)}
@@ -59,24 +57,6 @@ def parse() -> argparse.Namespace:
         help="BSP overlap modes, one 'ours' per mode",
     )
     return p.parse_args()
-
-
-def relaunch(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT))
-    from runner.hardware.mpirun import find_mpirun
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [find_mpirun(None), "-n", str(args.ranks), "--bind-to"]
-    argv.append("core" if args.ranks <= (os.cpu_count() or 1) else "none")
-    if args.ranks > len(os.sched_getaffinity(0)):
-        argv.append("--oversubscribe")
-    if os.geteuid() == 0:
-        argv.append("--allow-run-as-root")
-    argv += ["-x", f"BENCH_PORT={port}", "-x", "OMP_NUM_THREADS=1", "-x", f"PYTHONPATH={ROOT}"]
-    argv += [sys.executable, "-m", "mpi4py", __file__, *sys.argv[1:]]
-    return subprocess.call(argv)
 
 
 def model_config(name: str):
@@ -300,7 +280,7 @@ def bench(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse()
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+    if in_mpirun():
         bench(arguments)
     else:
-        sys.exit(relaunch(arguments))
+        sys.exit(relaunch(__file__, arguments.ranks))
