@@ -1,5 +1,5 @@
 """Every rule trains the CNN on digits with 4 workers from the command line (a sweep over EASGD's keys:
-tests/test_report.py)."""
+tests/test_report.py). DiLoCo's defaults are held to 97% (its issue's bar; measured 0.98-1.00 over seeds)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,6 @@ def test_rule_trains_the_cnn_on_digits_with_4_workers(cli, rule):
     run = cli(f"rule={rule}", "devices=4", "hardware.oversubscribe=true", timeout=300)
     assert run.returncode == 0, run.output
     s = run.summary
-    assert s["final_val_acc"] >= 0.93, f"{rule}: {s['final_val_acc']:.4f}"
+    assert s["final_val_acc"] >= (0.97 if rule == "diloco" else 0.93), f"{rule}: {s['final_val_acc']:.4f}"
     assert s["devices"] == 4 and s["rule"] == rule
     assert s["world_size"] == 4 + (1 if rule == "asgd" else 0)
