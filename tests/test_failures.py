@@ -308,7 +308,7 @@ def test_a_stopped_rank_ends_the_job_as_stalled_naming_it(job):
     assert time.time() - start < 25
     output = run.output()
     lines = output.splitlines()
-    warning = next((line for line in lines if "warning: " in line and "no progress" in line), "")
+    warning = next((line for line in lines if "warning: " in line and "without progress" in line), "")
     assert f"rank 1 (host {os.uname().nodename}, pid {pid})" in warning, f"at half the timeout: {output}"
     assert f"job stalled: rank 1 (host {os.uname().nodename}, pid {pid}) not responding since step " in output
     s = run.summary
