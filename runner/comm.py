@@ -193,11 +193,8 @@ class Comm:
         """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``. ``wire``: a 16-bit type
         the sum travels in, accumulated in float32 (:mod:`runner.wire`)."""
         t0 = time.perf_counter()
-        if wire is not None and self.size > 1:
-            assert op == "sum", "16-bit exchange sums"
-            wire_allreduce(self, t, wire)
-        else:
-            self._allreduce_now(t, op)
+        self._allreduce_now(t, op, wire)
+        if wire is None:
             self._allreduce_bytes(t)
         self.stats.seconds += time.perf_counter() - t0
         return t
@@ -236,16 +233,20 @@ class Comm:
         while True:
             t, op, wire, request = self._queue.get()
             try:
-                if t is not None and wire is not None and self.size > 1:
-                    wire_allreduce(self, t, wire)
-                elif t is not None:
-                    self._allreduce_now(t, op)
+                if t is not None:
+                    self._allreduce_now(t, op, wire)
             except BaseException as err:  # handed to the waiting thread
                 request.error = err
             request._done.set()
 
     @_faults
-    def _allreduce_now(self, t: torch.Tensor, op: str) -> None:
+    def _allreduce_now(self, t: torch.Tensor, op: str, wire: torch.dtype | None = None) -> None:
+        """The all-reduce itself, in 16 bits when ``wire`` is given (its bytes counted by the all-to-all and
+        the all-gather it is made of)."""
+        if wire is not None and self.size > 1:
+            assert op == "sum", "16-bit exchange sums"
+            wire_allreduce(self, t, wire)
+            return
         buf, staged = self._buffer(t)
         self._c.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         if staged is not None:
