@@ -58,6 +58,17 @@ class JobEnded(RuntimeError):
         super().__init__(message)
         self.status, self.code = status, EXIT[status]
 
+    def __reduce__(self) -> tuple:
+        """Pickled whole (a sweep point run by submitit sends it back to the launcher): the default would
+        call ``__init__`` with the message alone."""
+        return _job_ended, (type(self), self.args[0], self.status)
+
+
+def _job_ended(cls: type[JobEnded], message: str, status: str) -> JobEnded:
+    err = cls.__new__(cls)
+    JobEnded.__init__(err, message, status)
+    return err
+
 
 class RunFolderError(JobEnded):
     """The launcher could not write a file of the run folder (full disk, read-only folder): status failed."""

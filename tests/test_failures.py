@@ -343,3 +343,13 @@ def test_a_failing_rank_shows_its_cause_once_on_the_console(job):
     assert f"job failed: rank 1 failed: {cause} ({ROOT / 'tests' / 'faulty.py'}:" in output.splitlines()[-1]
     assert "MPI_ABORT" not in output and "Traceback" not in output and "prterun" not in output, output
     assert run.summary["failed_rank"] == 1 and run.summary["cause"].startswith(cause)
+
+
+def test_job_ended_survives_pickling_as_a_sweep_point_sends_it_back():
+    import pickle
+
+    from runner.launch import JobEnded, RunFolderError
+
+    for err in (JobEnded("diverged at step 3", "diverged"), RunFolderError("disk full")):
+        back = pickle.loads(pickle.dumps(err))
+        assert (type(back), str(back), back.status, back.code) == (type(err), str(err), err.status, err.code)
