@@ -61,9 +61,9 @@ def parse() -> argparse.Namespace:
 
 def model_config(name: str):
     """The model's config (the project's dataclasses), for 32×32 RGB images and 10 classes."""
-    from models.cnn import CNNConfig
-    from models.mlp import MLPConfig
-    from models.resnet import ResNetConfig
+    from runner.models.cnn import CNNConfig
+    from runner.models.mlp import MLPConfig
+    from runner.models.resnet import ResNetConfig
 
     shape = [3, 32, 32]
     if name == "mlp":

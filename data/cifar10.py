@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
-from data.base import BatchedData, ClassificationData, normalize, random_crop_flip
+from runner.data.base import BatchedData, ClassificationData, normalize, random_crop_flip
 from runner.schema import DataConfig, require
 
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.imagefolder import list_images, load_image
+from runner.data.imagefolder import list_images, load_image
 
 
 def convert_split(samples: list, size: int, dst: Path, split: str) -> tuple[np.ndarray, np.ndarray]:

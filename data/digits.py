@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from runner.schema import DataConfig, require
 
 if TYPE_CHECKING:
-    from data.base import ClassificationData
+    from runner.data.base import ClassificationData
 
 SHAPE, CLASSES = [1, 8, 8], 10
 
@@ -31,7 +31,7 @@ class DigitsConfig(DataConfig):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
 
-        from data.base import ClassificationData, TensorData
+        from runner.data.base import ClassificationData, TensorData
 
         x, y = load_digits(return_X_y=True)
         x_tr, x_va, y_tr, y_va = train_test_split(

@@ -16,7 +16,7 @@ from omegaconf import MISSING
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from data.base import ClassificationData, center_crop
+from runner.data.base import ClassificationData, center_crop
 from runner.schema import DataConfig, require
 
 EXTENSIONS = {".jpg", ".jpeg", ".png"}

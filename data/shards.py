@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
-from data.base import BatchedData, ClassificationData, center_crop, normalize, random_crop_flip
+from runner.data.base import BatchedData, ClassificationData, center_crop, normalize, random_crop_flip
 from runner.schema import DataConfig, require
 
 FILES = ["train_x.npy", "train_y.npy", "val_x.npy", "val_y.npy", "meta.json"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from runner.schema import DataConfig, require
 
 if TYPE_CHECKING:
-    from data.base import ClassificationData
+    from runner.data.base import ClassificationData
 
 
 @dataclass
@@ -37,7 +37,7 @@ class SyntheticConfig(DataConfig):
     def build(self) -> ClassificationData:
         import torch
 
-        from data.base import ClassificationData, TensorData
+        from runner.data.base import ClassificationData, TensorData
 
         g = torch.Generator().manual_seed(self.seed)
         x = torch.randn(self.train_size + self.val_size, *self.shape, generator=g)

@@ -18,7 +18,7 @@ from omegaconf import MISSING
 from runner.schema import DataConfig, require
 
 if TYPE_CHECKING:
-    from data.base import ClassificationData, TensorData
+    from runner.data.base import ClassificationData, TensorData
 
 TOKEN = re.compile(r"\w+")
 PAD, UNK = 0, 1
@@ -58,7 +58,7 @@ class TextConfig(DataConfig):
     def build(self) -> ClassificationData:
         import torch
 
-        from data.base import ClassificationData
+        from runner.data.base import ClassificationData
 
         train = read_corpus(Path(self.train_file))
         if self.val_file is None:
@@ -117,7 +117,7 @@ def encode(pairs: list[tuple[str, str]], vocab: dict[str, int], labels: list[str
     """Token ids (N × length, right-padded with 0) and label indices of (label, text) pairs."""
     import torch
 
-    from data.base import TensorData
+    from runner.data.base import TensorData
 
     x = torch.full((len(pairs), length), PAD, dtype=torch.long)
     for row, (_, text) in enumerate(pairs):

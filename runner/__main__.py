@@ -30,7 +30,7 @@ register()
 logging.raiseExceptions = False
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Train; returns the final validation accuracy so sweepers (e.g. Optuna) can optimise it."""
     hydra_cfg = HydraConfig.get()

@@ -33,7 +33,7 @@ from runner.wire import NAMES as WIRE_NAMES
 if TYPE_CHECKING:
     import torch
 
-    from data.base import ClassificationData
+    from runner.data.base import ClassificationData
     from runner.rules.base import Rule, RuleContext
 
 
@@ -138,8 +138,8 @@ class DataConfig:
 #: Group -> (package of its option modules, base class of its schemas).
 GROUPS: dict[str, tuple[str, str]] = {
     "rule": ("runner.rules", "runner.schema.RuleConfig"),
-    "model": ("models", "runner.schema.ModelConfig"),
-    "data": ("data", "runner.schema.DataConfig"),
+    "model": ("runner.models", "runner.schema.ModelConfig"),
+    "data": ("runner.data", "runner.schema.DataConfig"),
     "optim": ("runner.optim", "runner.optim.OptimConfig"),
     "hardware": ("runner.hardware", "runner.hardware.base.HardwareConfig"),
 }

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from models.cnn import CNNConfig
+from runner.models.cnn import CNNConfig
 
 
 class Dies(torch.nn.Module):

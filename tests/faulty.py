@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.mlp import MLPConfig
+from runner.models.mlp import MLPConfig
 
 FAIL_RANK, FAIL_AT_CALL = 1, 5
 

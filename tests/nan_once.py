@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.mlp import MLPConfig
+from runner.models.mlp import MLPConfig
 
 NAN_RANK, NAN_AT_CALL = 1, 5
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from data.base import ClassificationData, TensorData
 from runner.checkpoint import Checkpointer, Control, load_part, read_index, rng_state, set_rng_state
 from runner.config import CheckpointConfig
+from runner.data.base import ClassificationData, TensorData
 from runner.heartbeat import Heartbeat
 from runner.metrics import dumps
 from runner.rules.asgd import ASGDConfig

@@ -11,8 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data.digits import DigitsConfig
-from data.synthetic import SyntheticConfig
+from runner.data.digits import DigitsConfig
+from runner.data.synthetic import SyntheticConfig
 from runner.schema import DataConfig, schema_of
 from tests.conftest import CONF, ROOT, checked_config
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from data.cifar10 import CIFAR10Config
-from data.convert import convert
-from data.imagefolder import ImageFolderConfig
-from data.shards import ShardsConfig
-from data.text import TextConfig, vocabulary
+from runner.data.cifar10 import CIFAR10Config
+from runner.data.convert import convert
+from runner.data.imagefolder import ImageFolderConfig
+from runner.data.shards import ShardsConfig
+from runner.data.text import TextConfig, vocabulary
 from tests.conftest import checked_config
 
 CLASSES = ["cat", "dog", "eel"]
@@ -243,7 +243,7 @@ def test_images_train_under_mpirun(cli, image_tree, tmp_path, option):
     run = cli("model=cnn", f"data={option}", *data, "data.num_classes=3", *train)
     assert run.returncode == 0, run.output
     summary, validations = run.summary, run.records("val")
-    assert summary["data"].startswith(f"data.{option}.") and summary["steps"] == 2 * EPOCHS
+    assert summary["data"].startswith(f"runner.data.{option}.") and summary["steps"] == 2 * EPOCHS
     assert len(validations) == EPOCHS and all(counted_once(r["val_acc"], 6) for r in validations)
     assert summary["best_val_acc"] >= 5 / 6, "each class has its own saturated colour channel"
 
@@ -262,8 +262,8 @@ def test_resnet18_trains_from_a_cifar_folder(cli, cifar_dir):
     )
     assert run.returncode == 0, run.output
     summary = run.summary
-    assert summary["steps"] == 3 and summary["model"] == "models.resnet.ResNet"
-    assert summary["data"].startswith("data.cifar10.") and counted_once(summary["final_val_acc"], 10)
+    assert summary["steps"] == 3 and summary["model"] == "runner.models.resnet.ResNet"
+    assert summary["data"].startswith("runner.data.cifar10.") and counted_once(summary["final_val_acc"], 10)
 
 
 @pytest.mark.slow
@@ -283,7 +283,8 @@ def test_lstm_trains_on_a_text_file(cli, corpus):
     )
     assert run.returncode == 0, run.output
     assert (
-        run.summary["data"].startswith("data.text.") and run.summary["model"] == "models.lstm.LSTMClassifier"
+        run.summary["data"].startswith("runner.data.text.")
+        and run.summary["model"] == "runner.models.lstm.LSTMClassifier"
     )
     assert run.summary["best_val_acc"] >= 0.75, "the toy corpus is separable by its words"
 
@@ -305,6 +306,6 @@ def test_alexnet_runs_a_few_steps_on_synthetic_data(cli):
         timeout=300,
     )
     assert run.returncode == 0, run.output
-    assert run.summary["steps"] == 3 and run.summary["data"].startswith("data.synthetic.")
+    assert run.summary["steps"] == 3 and run.summary["data"].startswith("runner.data.synthetic.")
     assert [r["epoch"] for r in run.records("val")] == [0] and counted_once(run.summary["final_val_acc"], 16)
     assert not (run.dir / "model.pt").exists(), "train.save_model=none"

@@ -10,14 +10,14 @@ from dataclasses import fields
 import pytest
 import torch
 
-from models.alexnet import AlexNet, AlexNetConfig
-from models.cnn import CNN, CNNConfig
-from models.googlenet import GoogLeNet, GoogLeNetConfig
-from models.lstm import LSTMClassifier, LSTMConfig
-from models.mlp import MLP, MLPConfig
-from models.resnet import ResNet, ResNetConfig
-from models.vgg import VGG, VGGConfig
-from models.wide_resnet import WideResNet, WideResNetConfig
+from runner.models.alexnet import AlexNet, AlexNetConfig
+from runner.models.cnn import CNN, CNNConfig
+from runner.models.googlenet import GoogLeNet, GoogLeNetConfig
+from runner.models.lstm import LSTMClassifier, LSTMConfig
+from runner.models.mlp import MLP, MLPConfig
+from runner.models.resnet import ResNet, ResNetConfig
+from runner.models.vgg import VGG, VGGConfig
+from runner.models.wide_resnet import WideResNet, WideResNetConfig
 from runner.schema import ModelConfig, option_modules, schema_of
 from tests.conftest import ROOT, checked_config
 
@@ -207,7 +207,7 @@ def test_cnn_and_mlp_train_and_keep_their_parameter_names():
     _forward_backward(mlp, torch.randn(4, 1, 8, 8), 10)
 
 
-@pytest.mark.parametrize("module", ["models.cnn", "models.mlp"])
+@pytest.mark.parametrize("module", ["runner.models.cnn", "runner.models.mlp"])
 def test_default_models_import_without_torch(module):
     # In a fresh interpreter: this one has torch loaded already.
     code = f"import sys, {module}; print(sorted({{'torch', 'numpy'}} & set(sys.modules)))"
@@ -218,7 +218,7 @@ def test_default_models_import_without_torch(module):
 def test_each_model_module_has_one_schema_with_valid_defaults():
     for module in option_modules("model"):
         cls = schema_of("model", module)
-        assert cls.__module__ == f"models.{module}" and cls.__name__.endswith("Config")
+        assert cls.__module__ == f"runner.models.{module}" and cls.__name__.endswith("Config")
         assert "_target_" not in {f.name for f in fields(cls)}
         cls()  # the defaults pass the checks
 
