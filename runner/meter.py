@@ -3,12 +3,21 @@
 A step's time is split into data wait (until the batch arrived), exposed communication (seconds the rule
 spent inside the communication layer during the step, so overlapped communication that does not hold the
 step up is not counted) and compute (the rest).
+
+Rank 0 shows the run's progress (step/total, epoch, loss, samples/s of all workers, ETA) as :func:`display`
+decides. Open MPI gives every rank a pseudo-terminal of 0×0 columns whatever the launcher's output is, so
+the rank cannot tell a terminal from a pipe by itself: the launcher says (:data:`TTY_ENV`,
+:data:`COLUMNS_ENV`, set by :func:`runner.hardware.mpirun.rank_env`). To a terminal the rank draws a bar
+(``\\r`` updates, at most two a second); to anything else (a pipe, a file, CI logs) a plain line every
+:data:`LINE_EVERY_S` seconds and at the end of every epoch. The bar and these lines go to the terminal
+stream only, never to the rank's log file; :meth:`Meter.echo`'s lines go to both.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
@@ -16,6 +25,73 @@ from tqdm import tqdm
 
 from runner.comm import CommStats
 from runner.metrics import MetricsLog
+
+#: ``1`` when the launcher's output is a terminal, ``0`` when not (set by the launcher for every rank).
+TTY_ENV = "MPITRAIN_TTY"
+#: The width of the launcher's terminal, in columns (set with ``MPITRAIN_TTY=1``).
+COLUMNS_ENV = "MPITRAIN_COLUMNS"
+#: Seconds between two progress lines when the output is not a terminal.
+LINE_EVERY_S = 30.0
+#: Columns of the bar when no width is known.
+DEFAULT_COLUMNS = 100
+BAR_FORMAT = "{percentage:3.0f}%|{bar}| step {n_fmt}/{total_fmt}{postfix}"
+
+
+@dataclass(frozen=True)
+class Display:
+    """How progress is shown: ``bar`` (of ``width`` columns), ``lines`` (plain, now and then), ``none``."""
+
+    mode: str
+    width: int = 0
+
+
+def display(progress: bool, terminal: TextIO | None, environ: Mapping[str, str] = os.environ) -> Display:
+    """How to show progress on ``terminal`` (``None``: this rank shows none) with ``train.progress``.
+
+    The launcher's word (:data:`TTY_ENV`, :data:`COLUMNS_ENV`) decides; without it (a worker started by
+    hand) the stream's own ``isatty()`` and size, where a size of 0 (Open MPI's pseudo-terminals) or none
+    gives ``COLUMNS`` or :data:`DEFAULT_COLUMNS`.
+    """
+    if not progress or terminal is None:
+        return Display("none")
+    said = environ.get(TTY_ENV)
+    if said is not None:
+        tty = said.strip() == "1"
+        try:
+            width = int(environ.get(COLUMNS_ENV) or 0)
+        except ValueError:
+            width = 0
+    else:
+        isatty = getattr(terminal, "isatty", None)
+        tty = bool(isatty and isatty())
+        width = own_width(terminal, environ) if tty else 0
+    if not tty:
+        return Display("lines")
+    return Display("bar", width if width > 0 else DEFAULT_COLUMNS)
+
+
+def own_width(terminal: TextIO, environ: Mapping[str, str] = os.environ) -> int:
+    """``COLUMNS``, else the width of ``terminal``'s terminal, else 0 (none, or a 0×0 pseudo-terminal)."""
+    if environ.get("COLUMNS", "").isdigit():
+        return int(environ["COLUMNS"])
+    try:
+        return os.get_terminal_size(terminal.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def progress_text(epoch: int, loss: float, samples_s: float, eta_s: float | None) -> str:
+    """What the bar shows after its ``step N/M``: epoch, loss, samples/s and the time left."""
+    eta = "?" if eta_s is None else tqdm.format_interval(eta_s)
+    return f"epoch {epoch}, loss {loss:.4f}, {samples_s:,.0f} samples/s, ETA {eta}"
+
+
+def progress_line(
+    step: int, total: int, epoch: int, loss: float, samples_s: float, eta_s: float | None
+) -> str:
+    """The plain progress line (output that is not a terminal)."""
+    percent = f" ({100 * step / total:.0f}%)" if total else ""
+    return f"step {step}/{total}{percent}, " + progress_text(epoch, loss, samples_s, eta_s)
 
 
 @dataclass
@@ -54,7 +130,8 @@ class Timing:
 
 
 class Meter:
-    """Times the steps of a run, writes a ``step`` record every ``log_every`` steps, and draws rank 0's bar.
+    """Times the steps of a run, writes a ``step`` record every ``log_every`` steps, and shows rank 0's
+    progress on ``terminal`` (:func:`display`; ``line_every_s``: seconds between plain lines).
 
     ``batches(loader)`` yields the loader's batches and starts each step's clock; ``step_done`` closes it.
     """
@@ -69,21 +146,29 @@ class Meter:
         terminal: TextIO | None = None,
         log_file: TextIO | None = None,
         progress: bool = True,
+        line_every_s: float = LINE_EVERY_S,
     ):
         self.stats, self.world, self.log, self.log_every = stats, world, log, log_every
         self.terminal, self.log_file = terminal, log_file
-        self.bar = tqdm(
-            total=total_steps,
-            file=terminal,
-            disable=terminal is None or not progress,
-            dynamic_ncols=True,
-            mininterval=0.5,
-            leave=True,
-        )
+        self.total_steps, self.line_every_s = total_steps, line_every_s
+        self.display = display(progress, terminal)
+        self.bar: tqdm | None = None
+        if self.display.mode == "bar":
+            self.bar = tqdm(
+                total=total_steps,
+                file=terminal,
+                ncols=self.display.width,
+                dynamic_ncols=False,
+                mininterval=0.5,
+                bar_format=BAR_FORMAT,
+                leave=True,
+            )
         self.total, self.epoch, self.window = Timing(), Timing(), Timing()
         self._resumed = False
         self._ready = self._arrived = 0.0
         self._comm0 = 0.0
+        self._start, self._first_step = time.monotonic(), 0
+        self._last_line, self._line = self._start, ""
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         return {"total": asdict(self.total), "epoch": asdict(self.epoch), "window": asdict(self.window)}
@@ -92,7 +177,9 @@ class Meter:
         """Continue the timings of a checkpoint taken after ``step`` steps (the epoch's too, if mid-epoch)."""
         self.total, self.epoch, self.window = (Timing(**state[k]) for k in ("total", "epoch", "window"))
         self._resumed = mid_epoch
-        self.bar.update(step)
+        self._start, self._first_step = time.monotonic(), step
+        if self.bar is not None:
+            self.bar.update(step)
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The batches of one epoch; the time waiting for each one counts as data wait."""
@@ -117,24 +204,49 @@ class Meter:
             w = self.window
             self.log.write("step", step, epoch=epoch, loss=w.loss / w.steps, lr=lr, **w.rates(self.world))
             self.window = Timing()
-        self.bar.update(1)
+        if self.display.mode != "none":
+            self._show(step, epoch, loss)
+
+    def _show(self, step: int, epoch: int, loss: float) -> None:
+        clock = time.monotonic()
+        done, elapsed = step - self._first_step, clock - self._start
+        eta = (self.total_steps - step) * elapsed / done if done > 0 and step <= self.total_steps else None
         rate = self.epoch.samples * self.world / max(self.epoch.total, 1e-9)
-        self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", refresh=False)
+        if self.bar is not None:
+            self.bar.set_postfix_str(progress_text(epoch, loss, rate, eta), refresh=False)
+            self.bar.update(1)
+            return
+        self._line = progress_line(step, self.total_steps, epoch, loss, rate, eta)
+        if clock - self._last_line >= self.line_every_s:
+            self._write_line()
+
+    def _write_line(self) -> None:
+        if self._line and self.terminal is not None:
+            self.terminal.write(self._line + "\n")
+            self.terminal.flush()
+        self._line, self._last_line = "", time.monotonic()
 
     def epoch_done(self) -> Timing:
-        """Close the epoch; returns its timing (also added to the run's total)."""
+        """Close the epoch (writing its last progress line, when lines are shown); returns its timing (also
+        added to the run's total)."""
         self.total.add(self.epoch)
+        if self.display.mode == "lines":
+            self._write_line()
         return self.epoch
 
     def echo(self, text: str) -> None:
         """A line for this rank's log and, on rank 0, for the terminal (above the progress bar)."""
         if self.log_file is not None:
             self.log_file.write(text + "\n")
-        if self.terminal is not None:
-            if self.bar.disable:
-                self.terminal.write(text + "\n")
-            else:
-                self.bar.write(text, file=self.terminal)
+        if self.bar is not None:
+            self.bar.write(text, file=self.terminal)
+        elif self.terminal is not None:
+            self.terminal.write(text + "\n")
+            self.terminal.flush()
 
     def close(self) -> None:
-        self.bar.close()
+        """End the bar (it stays on the screen), or write the last progress line not yet written."""
+        if self.bar is not None:
+            self.bar.close()
+        elif self.display.mode == "lines":
+            self._write_line()

@@ -89,8 +89,14 @@ def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
 
 
 def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
-    """Environment variables every rank gets: its thread count, unbuffered output, ``hardware.env``."""
-    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **hw.env}
+    """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
+    output is a terminal and its width (``MPITRAIN_TTY``, ``MPITRAIN_COLUMNS``: the ranks' own
+    pseudo-terminals say 0×0 either way; :mod:`runner.meter` draws its bar by them), ``hardware.env``."""
+    tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get("MPITRAIN_TTY") != "0"
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "MPITRAIN_TTY": str(int(tty))}
+    if tty:
+        env["MPITRAIN_COLUMNS"] = str(shutil.get_terminal_size().columns)
+    env.update(hw.env)
     if gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use
     return env
