@@ -9,15 +9,34 @@ Validation is sharded without padding, so every sample is counted exactly once.
 Loading runs in the background when a data set has ``workers > 0``: torch DataLoader worker processes started
 with the ``forkserver`` method (a process that has initialised MPI must not fork), which prepare the next
 batches while the current one trains; with a GPU, batches come in pinned memory for asynchronous copies.
+``workers=None`` (the default of the data sets read from disk) leaves the count to :func:`loader_workers`,
+decided on the rank from the cores it is bound to.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+#: The most background loader processes per rank that ``workers=None`` starts.
+MAX_AUTO_WORKERS = 4
+
+
+def loader_workers(requested: int | None) -> int:
+    """Background loader processes per rank: ``requested`` where given, else one per core this process is
+    bound to beyond the first (which trains), at most :data:`MAX_AUTO_WORKERS`: 0 on a one-core rank, where
+    loading runs in the training process (more would only compete with it for the core)."""
+    if requested is not None:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS): all cores
+        cores = os.cpu_count() or 1
+    return max(0, min(MAX_AUTO_WORKERS, cores - 1))
 
 
 class BatchedData(Dataset):
@@ -85,17 +104,20 @@ def _batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torc
 @dataclass
 class ClassificationData:
     """A loaded data set, as the training loop uses it: the two splits, what a sample looks like, and how
-    many background loader processes each rank starts (``workers``; 0 loads in the training process)."""
+    many background loader processes each rank starts (``workers``; 0 loads in the training process, None
+    decides by the rank's cores through :func:`loader_workers`). ``num_classes`` is None where unknown (a
+    user's data set that declares none)."""
 
     train: Dataset
     val: Dataset
     shape: tuple[int, ...]
-    num_classes: int
-    workers: int = 0
+    num_classes: int | None
+    workers: int | None = 0
     classes: list[str] | None = None  # class names, where the data set has them
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
+        self.workers = loader_workers(self.workers)
 
     def _loader(self, dataset: Dataset, batch_size: int, pin_memory: bool = False, **kwargs) -> DataLoader:
         root = dataset

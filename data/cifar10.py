@@ -62,7 +62,7 @@ class CIFAR10Config(DataConfig):
     shape: list[int] = field(default_factory=lambda: list(SHAPE))
     num_classes: int = CLASSES
     augment: bool = True  # random crop (padding 4) and horizontal flip of training images
-    workers: int = 1  # background loader processes per rank
+    workers: int | None = None  # background loader processes per rank; None: by the rank's cores
 
     def __post_init__(self) -> None:
         root = Path(self.root)
@@ -81,7 +81,7 @@ class CIFAR10Config(DataConfig):
             f"missing {', '.join(missing)}: not a CIFAR-10 python-version folder",
         )
         self.require_outputs(SHAPE, CLASSES)
-        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+        self.require_workers(self.workers)
 
     def build(self) -> ClassificationData:
         root = Path(self.root)

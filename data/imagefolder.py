@@ -7,15 +7,19 @@ Classes are the sorted sub-folder names of ``train/``; ``val/`` must use the sam
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import MISSING
+from omegaconf.errors import MissingMandatoryValue
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from runner.data import from_files
 from runner.data.base import ClassificationData, center_crop
 from runner.schema import DataConfig, require
 
@@ -80,30 +84,52 @@ class _Folder(Dataset):
         return (x.float().div_(255) - self.mean) / self.std, label
 
 
+def class_folders(root: str) -> list[str]:
+    """The sorted class folder names of ``root/train`` (listed without reading any image); a ValueError
+    naming ``root`` if there is no ``train/`` and ``val/`` or no class folder."""
+    folder = Path(root)
+    for split in ("train", "val"):
+        require(
+            (folder / split).is_dir(),
+            "root",
+            root,
+            f"no folder {folder / split}: expected root/train/<class>/*.jpg and root/val/<class>/*.jpg",
+        )
+    with os.scandir(folder / "train") as entries:
+        classes = sorted(e.name for e in entries if e.is_dir())
+    require(
+        bool(classes), "root", root, f"{folder / 'train'} has no class folders (expected train/<class>/*.jpg)"
+    )
+    return classes
+
+
 @dataclass
 class ImageFolderConfig(DataConfig):
-    """Images under ``root/{train,val}/<class>/``. ``shape`` follows ``image_size`` through an OmegaConf
-    interpolation (built in Python without OmegaConf, pass ``shape=[3, s, s]``); ``num_classes`` must match
-    the class folders, which are listed when the data set is built."""
+    """Images under ``root/{train,val}/<class>/``. ``shape`` is [3, image_size, image_size] and
+    ``num_classes`` the number of class folders of ``train/``, listed when the config is checked: leave them
+    unset (a value given must match)."""
 
     root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg
     image_size: int = 224  # side of the square crops
     resize: int | None = None  # shorter side before cropping; None: image_size × 256/224
-    shape: list[int] = field(default_factory=lambda: [3, "${..image_size}", "${..image_size}"])
-    num_classes: int = 1000
+    shape: list[int] = from_files("shape")
+    num_classes: int = from_files("num_classes")
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
-    workers: int = 2  # background loader processes per rank (JPEG decoding)
+    workers: int | None = None  # background loader processes per rank (JPEG decoding); None: by its cores
+
+    @classmethod
+    def files_outputs(cls, settings: Any) -> dict[str, Any]:
+        size = settings.image_size
+        try:
+            classes = len(class_folders(settings.root))
+        except (ValueError, OSError, MissingMandatoryValue):
+            classes = 1000
+        return {"shape": [3, size, size], "num_classes": classes}
 
     def __post_init__(self) -> None:
-        root = Path(self.root)
-        for split in ("train", "val"):
-            require(
-                (root / split).is_dir(),
-                "root",
-                self.root,
-                f"no folder {root / split}: expected root/train/<class>/*.jpg and root/val/<class>/*.jpg",
-            )
+        classes = class_folders(self.root)
+        self.fill_outputs()
         require(self.image_size >= 1, "image_size", self.image_size, "the crop side, >= 1 (e.g. 224)")
         require(
             list(self.shape) == [3, self.image_size, self.image_size],
@@ -111,6 +137,13 @@ class ImageFolderConfig(DataConfig):
             self.shape,
             f"it is [3, image_size, image_size] = [3, {self.image_size}, {self.image_size}]; "
             "leave it unset and set data.image_size",
+        )
+        require(
+            self.num_classes == len(classes),
+            "num_classes",
+            self.num_classes,
+            f"{Path(self.root) / 'train'} has {len(classes)} class folders: use "
+            f"data.num_classes={len(classes)}, or leave it unset",
         )
         require(
             self.resize is None or self.resize >= self.image_size,
@@ -122,17 +155,12 @@ class ImageFolderConfig(DataConfig):
             values = getattr(self, key)
             require(len(values) == 3, key, values, "one value per RGB channel, e.g. [0.485, 0.456, 0.406]")
         require(min(self.std) > 0, "std", self.std, "standard deviations must be > 0")
-        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+        self.require_workers(self.workers)
 
     def build(self) -> ClassificationData:
         root = Path(self.root)
         train, classes = list_images(root / "train")
         val, _ = list_images(root / "val", classes)
-        if len(classes) != self.num_classes:
-            raise ValueError(
-                f"data.num_classes={self.num_classes} but {root / 'train'} has {len(classes)} class "
-                f"folders; set data.num_classes={len(classes)}"
-            )
         resize = self.resize or round(self.image_size * 256 / 224)
         return ClassificationData(
             _Folder(train, self.image_size, resize, self.mean, self.std, train=True),

@@ -10,13 +10,16 @@ and standardised.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import MISSING
+from omegaconf.errors import MissingMandatoryValue
 
+from runner.data import from_files
 from runner.data.base import BatchedData, ClassificationData, center_crop, normalize, random_crop_flip
 from runner.schema import DataConfig, require
 
@@ -71,28 +74,54 @@ class _Shard(BatchedData):
         return normalize(x, self.mean, self.std), self.y[torch.as_tensor(indices)]
 
 
+def read_meta(root: str) -> dict[str, Any]:
+    """The shard folder's ``meta.json``; a ValueError naming ``root`` if the folder is not one."""
+    folder = Path(root)
+    missing = [name for name in FILES if not (folder / name).is_file()]
+    require(
+        not missing,
+        "root",
+        root,
+        f"missing {', '.join(missing)}: write shards with `python -m data.convert SRC {root}`",
+    )
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        height, width, channels = meta["image_shape"]
+        meta["classes"] = list(meta["classes"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"root={root!r} is invalid: {folder / 'meta.json'} is not the meta.json `python -m data.convert` "
+            f"writes ({type(err).__name__}: {err})"
+        ) from None
+    return meta
+
+
 @dataclass
 class ShardsConfig(DataConfig):
-    """A shard folder. ``shape`` ([C, crop or H, crop or W]) and ``num_classes`` are what the shards hold:
-    they are checked against ``meta.json`` before any process starts, and the error gives the right value."""
+    """A shard folder. ``shape`` ([C, crop or H, crop or W]) and ``num_classes`` are what the shards hold,
+    read from ``meta.json`` when the config is checked: leave them unset (a value given must match)."""
 
     root: str = MISSING  # a folder written by `python -m data.convert SRC DST`
     crop: int | None = None  # random (training) or centre (validation) crop to this side; None: stored size
-    shape: list[int] = field(default_factory=lambda: [3, 224, 224])
-    num_classes: int = 1000
+    shape: list[int] = from_files("shape")
+    num_classes: int = from_files("num_classes")
     augment: bool = True  # random horizontal flip (and crop) of training images
-    workers: int = 1  # background loader processes per rank
+    workers: int | None = None  # background loader processes per rank; None: by the rank's cores
+
+    @classmethod
+    def files_outputs(cls, settings: Any) -> dict[str, Any]:
+        crop = settings.crop
+        try:
+            meta = read_meta(settings.root)
+        except (ValueError, MissingMandatoryValue):
+            side = crop if isinstance(crop, int) else 224
+            return {"shape": [3, side, side], "num_classes": 1000}
+        height, width, channels = meta["image_shape"]
+        return {"shape": [channels, crop or height, crop or width], "num_classes": len(meta["classes"])}
 
     def __post_init__(self) -> None:
-        root = Path(self.root)
-        missing = [name for name in FILES if not (root / name).is_file()]
-        require(
-            not missing,
-            "root",
-            self.root,
-            f"missing {', '.join(missing)}: write shards with `python -m data.convert SRC {self.root}`",
-        )
-        meta = json.loads((root / "meta.json").read_text())
+        meta = read_meta(self.root)
+        self.fill_outputs()
         height, width, channels = meta["image_shape"]
         require(
             self.crop is None or 1 <= self.crop <= min(height, width),
@@ -106,19 +135,20 @@ class ShardsConfig(DataConfig):
             "shape",
             self.shape,
             f"the shards hold {height}×{width}×{channels} images; with crop={self.crop} use "
-            f"data.shape=[{channels},{size[0]},{size[1]}]",
+            f"data.shape=[{channels},{size[0]},{size[1]}], or leave it unset",
         )
         require(
             self.num_classes == len(meta["classes"]),
             "num_classes",
             self.num_classes,
-            f"the shards have {len(meta['classes'])} classes: use data.num_classes={len(meta['classes'])}",
+            f"the shards have {len(meta['classes'])} classes: use data.num_classes={len(meta['classes'])}, "
+            "or leave it unset",
         )
-        require(self.workers >= 0, "workers", self.workers, "background loader processes, >= 0")
+        self.require_workers(self.workers)
 
     def build(self) -> ClassificationData:
         root = Path(self.root)
-        meta = json.loads((root / "meta.json").read_text())
+        meta = read_meta(self.root)
         mean, std = meta["mean"], meta["std"]
         return ClassificationData(
             _Shard(root, "train", self.crop, self.augment, mean, std),

@@ -1,4 +1,5 @@
-"""``python -m runner``: compose the config with Hydra and run one mpirun job (or one per sweep point).
+"""``mpitrain`` (``python -m runner``): compose the config with Hydra and run one mpirun job (or one per
+sweep point).
 
 This process composes, checks, starts and supervises; it imports neither torch nor MPI. Its exit status
 says how a single run ended (the table is :mod:`runner.launch`'s): 0 ok, 1 failed, 2 invalid input
@@ -7,7 +8,10 @@ says how a single run ended (the table is :mod:`runner.launch`'s): 0 ok, 1 faile
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -19,27 +23,36 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.cli_help import CONF, register_help
 from runner.config import register
 from runner.identity import concurrent_points, identity, sweep_overrides
 from runner.launch import EXIT, JobEnded, launch
 
 log = logging.getLogger("runner")
 register()
+register_help()
 # A log file that cannot be written (full disk) must not print a traceback per message: the console
 # handler still shows them, and the launcher reports the run folder's I/O errors itself.
 logging.raiseExceptions = False
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+# An absolute path: the console script imports this module as runner.__main__, for which Hydra would look
+# for a package runner.conf (with an __init__.py) instead of the folder next to this file.
+@hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """Train; returns the final validation accuracy so sweepers (e.g. Optuna) can optimise it."""
+    """Train; returns the final value of the monitored metric (``train.monitor``, e.g. ``val_acc``) so
+    sweepers (e.g. Optuna) can optimise it."""
     hydra_cfg = HydraConfig.get()
     single = hydra_cfg.mode == RunMode.RUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep = None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
     ident = identity(list(hydra_cfg.overrides.task), sweep)
     share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
+    if share > 1:  # sweep points that run at once must not draw their progress bars over each other
+        os.environ["MPITRAIN_TTY"] = "0"
     try:
+        if cfg.eval:
+            return evaluate(cfg)
         if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
             from runner.resume import resume_config
 
@@ -56,7 +69,28 @@ def main(cfg: DictConfig) -> float:
         if single:
             raise SystemExit(err.code) from None
         raise
-    return summary["final_val_acc"]
+    return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
+
+
+def evaluate(cfg: DictConfig) -> float:
+    """``eval=RUN_DIR``: the metrics of the run's saved model on its validation data, by
+    :mod:`runner.evaluate` (one process, no MPI), printed and written to ``RUN_DIR/eval.json``; returns the
+    run's monitored metric."""
+    run_dir = Path(cfg.eval)
+    if cfg.resume:
+        raise ValueError(f"eval={cfg.eval} and resume={cfg.resume}: give one of them")
+    for name in ("config.yaml", "model.pt"):
+        if not (run_dir / name).is_file():
+            raise ValueError(
+                f"eval={cfg.eval}: there is no {run_dir / name}; give the folder of a run that ended with "
+                "its model saved (train.save_model=rank0 or all)"
+            )
+    done = subprocess.run([sys.executable, "-m", "runner.evaluate", str(run_dir)])
+    if done.returncode != 0:
+        log.error("evaluation of %s failed (exit %d): the error is above", run_dir, done.returncode)
+        raise SystemExit(EXIT["failed"])
+    record = json.loads((run_dir / "eval.json").read_text())
+    return record[record["monitor"]]
 
 
 def invalid_input(err: BaseException | None) -> bool:
@@ -74,12 +108,17 @@ def invalid_input(err: BaseException | None) -> bool:
 
 def run() -> None:
     """:func:`main`, with Hydra's exit status 1 for a config it could not compose turned into 2."""
+    if Path(sys.argv[0]).resolve() == Path(__file__).resolve():  # python -m runner: the command mpitrain,
+        sys.argv[0] = "mpitrain"  # as Hydra's help and shell completion name it (not .../__main__.py)
     try:
         main()
     except SystemExit as done:
         if done.code == 1 and invalid_input(done.__context__):
             raise SystemExit(EXIT["invalid"]) from None
         raise
+    except BrokenPipeError:  # `mpitrain --help | head`: the reader has gone, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except Exception as err:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead of exiting
         if not invalid_input(err):
             raise

@@ -19,6 +19,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.schema import GROUPS, one_of, register_source, require
+from runner.target import of_node
+
+#: ``train.precision``: the forward pass's type under autocast (fp16 with a gradient scaler, GPUs only).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -35,6 +39,11 @@ class TrainConfig:
     same_init: bool = True
     on_nonfinite: str = "stop"
     stall_timeout: float | None = 300.0
+    precision: str = "fp32"
+    accumulate: int = 1
+    grad_clip: float | None = None
+    monitor: str | None = None
+    early_stop: int | None = None
 
     def __post_init__(self) -> None:
         require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
@@ -55,6 +64,25 @@ class TrainConfig:
             "stall_timeout",
             self.stall_timeout,
             "seconds without progress before the job is ended, > 0 (e.g. 300), or null to never end it",
+        )
+        one_of("precision", self.precision, PRECISIONS)
+        require(
+            self.accumulate >= 1,
+            "accumulate",
+            self.accumulate,
+            "batches of gradients summed per optimizer step, >= 1 (1: no accumulation)",
+        )
+        require(
+            self.grad_clip is None or (math.isfinite(self.grad_clip) and self.grad_clip > 0),
+            "grad_clip",
+            self.grad_clip,
+            "the largest gradient norm, > 0 (e.g. train.grad_clip=1.0), or null for no clipping",
+        )
+        require(
+            self.early_stop is None or self.early_stop >= 1,
+            "early_stop",
+            self.early_stop,
+            "validations without improvement of train.monitor before stopping, >= 1, or null",
         )
 
 
@@ -154,13 +182,18 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     resume: str | None = None
+    eval: str | None = None
     hardware: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
     rule: Any = MISSING
     optim: Any = MISSING
+    schedule: Any = MISSING
+    task: Any = MISSING
 
     def __post_init__(self) -> None:
+        self.model = of_node("model", self.model)
+        self.optim = of_node("optim", self.optim)
         require(
             isinstance(self.devices, int) and self.devices >= 1,
             "devices",
@@ -174,12 +207,17 @@ class Config:
         return self.devices + self.rule.extra_ranks()
 
 
-def unique_dir(path: str, resume: str | None = None) -> str:
+#: ``_schemas_`` entry of a group given by its class (``model=custom model._target_=...``): no schema.
+TARGET_NODE = "target"
+
+
+def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:
     """``path`` if this call could create it, else the first of ``path-2``, ``path-3``... it could: the
     directories are made here with one atomic ``mkdir`` each, so two launchers started in the same second
-    (two ``outputs/DATE/TIME``) never get the same folder. With ``resume``, that run's folder."""
-    if resume:
-        return resume
+    (two ``outputs/DATE/TIME``) never get the same folder. With ``resume`` or ``evaluated`` (``eval=``),
+    that run's folder."""
+    if resume or evaluated:
+        return resume or evaluated
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
@@ -205,7 +243,9 @@ def register() -> None:
     OmegaConf.register_new_resolver("mpitrain_unique", unique_dir, use_cache=True, replace=True)
     OmegaConf.register_new_resolver(
         "mpitrain_hydra_subdir",
-        lambda resume, now: f".hydra/resumed-{now}" if resume else ".hydra",
+        lambda resume, now, evaluated=None: (
+            f".hydra/resumed-{now}" if resume else f".hydra/eval-{now}" if evaluated else ".hydra"
+        ),
         use_cache=True,
         replace=True,
     )
@@ -216,6 +256,9 @@ def schema_paths(cfg: DictConfig) -> dict[str, str]:
     paths = {}
     for group in GROUPS:
         cls = OmegaConf.get_type(cfg[group])
+        if cls is dict and "_target_" in cfg[group]:
+            paths[group] = TARGET_NODE
+            continue
         if cls is None or cls is dict:
             raise ValueError(f"{group}: the option does not extend a schema (defaults: /schema/{group}/...)")
         paths[group] = f"{cls.__module__}.{cls.__qualname__}"
@@ -232,6 +275,9 @@ def check_keys(node: DictConfig, path: str = "") -> None:
             if key not in known:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f"did you mean {path}{close[0]}?" if close else "no such key"
+                if key == "_target_":
+                    group = path.rstrip(".")
+                    hint = f"for a class of your own: {group}=custom {group}._target_=my_project.module.Class"
                 raise ValueError(
                     f"{path}{key}: not an option of {cls.__name__} ({hint}); the keys are: {', '.join(known)}"
                 )
@@ -266,10 +312,40 @@ def validate(cfg: DictConfig) -> Config:
         checked.simulate.check_devices(checked.devices, checked.rule.extra_ranks())
     except ValueError as err:
         raise ValueError(f"simulate.{err}") from None
+    check_training(checked)
     warning = checked.simulate.warning()
     if warning:
         logging.getLogger("runner").warning(warning)
     return checked
+
+
+def check_training(cfg: Config) -> None:
+    """Checks of ``train`` that involve other groups: the monitored metric is one the task reports, and fp16
+    (which needs a GPU's gradient scaler) is not asked of a CPU job."""
+    metrics = [f"val_{m}" for m in cfg.task.metrics(getattr(cfg.data, "num_classes", None))]
+    if cfg.train.monitor is not None and cfg.train.monitor not in metrics:
+        task = type(cfg.task).__module__.rsplit(".", 1)[-1]
+        raise ValueError(
+            f"train.monitor={cfg.train.monitor!r} is invalid: task={task} reports {', '.join(metrics)}"
+        )
+    if cfg.train.precision == "fp16" and getattr(cfg.hardware, "device", None) == "cpu":
+        raise ValueError(
+            "train.precision='fp16' is invalid: float16 training needs a GPU (a gradient scaler keeps its "
+            "small gradients); on CPUs use train.precision=bf16"
+        )
+
+
+def monitored(cfg: Config) -> str:
+    """The validation metric the run reports to sweepers and early stopping watch: ``train.monitor`` or
+    the task's first metric (``val_acc`` for classification, ``val_loss`` for regression)."""
+    return cfg.train.monitor or f"val_{cfg.task.metrics(None)[0]}"
+
+
+#: The schemas of groups added since the first release, for run folders written before them.
+SCHEMAS_BEFORE = {
+    "task": "runner.tasks.classification.ClassificationConfig",
+    "schedule": "runner.schedule.constant.ConstantConfig",
+}
 
 
 def load_structured(path: str | Path) -> DictConfig:
@@ -277,10 +353,13 @@ def load_structured(path: str | Path) -> DictConfig:
     from runner.schema import locate
 
     raw = OmegaConf.load(path)
-    schemas = raw.pop("_schemas_")
+    schemas = {**SCHEMAS_BEFORE, **raw.pop("_schemas_")}
     top = OmegaConf.structured(Config)
     for group, cls_path in schemas.items():
-        top[group] = OmegaConf.merge(OmegaConf.structured(locate(cls_path)), raw.pop(group))
+        node = raw.pop(group, {})
+        top[group] = (
+            node if cls_path == TARGET_NODE else OmegaConf.merge(OmegaConf.structured(locate(cls_path)), node)
+        )
     return OmegaConf.merge(top, raw)
 
 

@@ -243,11 +243,13 @@ def launch(
         if planned.lease is not None:
             planned.lease.release()
     summary = conclude(cfg, run_dir, outcome, time.time() - start)
+    monitor = summary.get("monitor", "val_acc")
     log.info(
-        "done in %.1f s: final val_acc %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",
+        "done in %.1f s: final %s %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",
         summary["wall_time_s"],
-        summary.get("final_val_acc") or 0.0,
-        summary.get("best_val_acc") or 0.0,
+        monitor,
+        summary.get(f"final_{monitor}") or 0.0,
+        summary.get(f"best_{monitor}") or 0.0,
         summary.get("samples_per_s") or 0.0,
         100 * (summary.get("comm_fraction") or 0.0),
     )

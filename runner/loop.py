@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,13 +14,18 @@ from torch.utils.data import DataLoader
 from runner.checkpoint import Control
 from runner.comm import Comm, CommStats, PeerLost
 from runner.config import TrainConfig
+from runner.evaluate import autocast, validation_sums
 from runner.heartbeat import Heartbeat
 from runner.meter import Meter
 from runner.metrics import MetricsLog
 from runner.rules.base import Rule
+from runner.tasks import Task, maximized
 
 if TYPE_CHECKING:
     from runner.recovery import Recovery
+    from runner.schedule import Schedule
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -42,6 +47,17 @@ def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             comm.broadcast(t.data, root=root)
+
+
+def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
+    """Consecutive groups of ``k`` batches (the micro-batches of one accumulated step); an incomplete last
+    group is dropped."""
+    group: list[Batch] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
 
 
 class Diverged(RuntimeError):
@@ -66,6 +82,13 @@ class Trainer:
     one or stop; ``beat`` is told of every step. ``delay_s`` (``simulate.straggler_ms`` on a straggler,
     else 0) is slept at the start of every step, before any of the step's work: a worker that much slower
     to compute, under every rule, and counted in the step's measured time.
+
+    A step is ``train.accumulate`` loader batches (micro-batches): their gradients are summed, each loss
+    divided by their number, and the rule exchanges once per step (BSP: its buckets are all-reduced during
+    the last micro-batch's backward). ``task`` gives the loss and the validation metrics, ``schedule`` sets
+    the learning rate before every optimizer step, ``monitor`` (``val_acc``...) is the metric that early
+    stopping watches. With ``train.precision`` bf16 or fp16 the forward passes run under autocast; fp16
+    scales the loss with a gradient scaler (a step whose gradients overflow is skipped and the scale halved).
     """
 
     def __init__(
@@ -85,14 +108,22 @@ class Trainer:
         beat: Heartbeat,
         recovery: Recovery | None = None,
         delay_s: float = 0.0,
+        *,
+        task: Task,
+        schedule: Schedule,
+        monitor: str = "val_acc",
     ):
         self.cfg, self.model, self.optimizer, self.rule = cfg, model, optimizer, rule
+        self.task, self.schedule, self.monitor = task, schedule, monitor
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.overflows = 0  # fp16 steps skipped because the scaled gradients overflowed
+        self.reported_prefix = ""  # the record prefix of the model the run reports ("" or e.g. "center_")
+        self.stopped_early: int | None = None  # the epoch after which early stopping ended training
         self.train_loader, self.val_loader = loaders
         self.workers, self.stats, self.device, self.log, self.meter = workers, stats, device, log, meter
         self.control, self.checkpoint, self.beat, self.recovery = control, checkpoint, beat, recovery
         self.delay_s = delay_s
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
-        self.criterion = nn.CrossEntropyLoss()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.kept: list[torch.Tensor] = []
@@ -111,21 +142,25 @@ class Trainer:
             plan = self.shard_plan if epoch == start.epoch and self.shard_plan else None
             sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
             if self.recovery is not None and self.cfg.max_steps is None:  # survivors: longer epochs
-                max_steps = pos.step - pos.batch + (epochs - epoch) * len(self.train_loader)
+                steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
+                max_steps = pos.step - pos.batch + (epochs - epoch) * steps_per_epoch
             sampler.set_epoch(epoch)
-            sampler.start_at(pos.batch * self.cfg.batch_size)
+            sampler.start_at(pos.batch * self.cfg.batch_size * self.cfg.accumulate)
             self.model.train()
-            for x, y in self.meter.batches(self.train_loader):
+            for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
                 if pos.step >= max_steps:
                     break
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                while not self.step(x, y, pos):
+                micro = [
+                    (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                    for x, y in group
+                ]
+                while not self.step(micro, pos):
                     pass
                 pos.step, pos.batch = pos.step + 1, pos.batch + 1
                 self.beat.progress(pos.step)
-                self.meter.step_done(
-                    pos.step, epoch, self.last_loss, len(x), self.optimizer.param_groups[0]["lr"]
-                )
+                samples = sum(len(x) for x, _ in micro)
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr)
                 if self.tolerant(self.at_step_end, pos) or pos.step >= max_steps:
                     break
             if self.preempted:
@@ -134,24 +169,49 @@ class Trainer:
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
             pos.batch = 0
+            if self.no_improvement():
+                self.stopped_early = epoch
+                self.meter.echo(
+                    f"early stop after epoch {epoch}: {self.monitor} did not improve in the last "
+                    f"{self.cfg.early_stop} validations"
+                )
+                break
         self.meter.close()
         self.tolerant(self.end, pos, epochs, start)
         return reported, self._summary(epochs, pos.step)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, pos: Position) -> bool:
-        """One training step on a batch; False when it must be redone (workers were lost during it)."""
+    def step(self, micro: list[Batch], pos: Position) -> bool:
+        """One training step on its micro-batches; False when it must be redone (workers were lost during
+        it)."""
         applied = False
         if self.delay_s:
             time.sleep(self.delay_s)
         try:
             self.rule.before_step(pos.step)
+            self.schedule.apply(pos.step)
             self.optimizer.zero_grad(set_to_none=False)
             self.keep_buffers()
-            loss = self.forward(x, y, first=pos.step == self.first_step)
-            poisoned(loss, self.buffers, self.rule.loss_scale).backward()
+            scale = self.rule.loss_scale / len(micro)
+            losses = []
+            for i, (x, y) in enumerate(micro):
+                self.rule.micro_batch(last=i == len(micro) - 1)
+                loss = self.forward(x, y, first=pos.step == self.first_step and i == 0)
+                scaled = poisoned(loss, self.buffers, scale)
+                (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+                losses.append(loss.detach())
+            loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
             self.rule.after_backward(pos.step)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
             if self.finite(loss, pos.step):
-                self.optimizer.step()
+                if self.cfg.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+                if self.scaler is None:
+                    self.optimizer.step()
+                else:
+                    self.scaler.step(self.optimizer)
+            if self.scaler is not None:
+                self.scaler.update()
             applied = True
             self.rule.after_step(pos.step)
             self.last_loss = loss.item()
@@ -196,17 +256,23 @@ class Trainer:
         self.rule.finish()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
-        """The loss of a batch. A model that does not take the data fails on the first batch with one line
-        naming the shapes (rather than deep inside torch)."""
+        """The loss of a micro-batch. On the first one, every rank checks that the outputs and targets fit
+        the task, and a model that does not take the data fails with one line naming the shapes (rather
+        than deep inside torch)."""
         try:
-            return self.criterion(self.model(x), y)
+            with autocast(self.device, self.cfg.precision):
+                out = self.model(x)
+                if first:
+                    self.task.check(out, y)
+                return self.task.loss(out, y)
         except (RuntimeError, IndexError) as err:
             if not first:
                 raise
             raise ValueError(
-                f"{type(self.model).__name__} does not take this data: inputs {list(x.shape)}, labels "
-                f"{list(y.shape)} up to {int(y.max())} failed with: {str(err).splitlines()[0]}; check "
-                "model.input_shape and model.num_classes against data.shape and data.num_classes"
+                f"{type(self.model).__name__} does not take this data: inputs {list(x.shape)}, targets "
+                f"{list(y.shape)} {str(y.dtype).removeprefix('torch.')} failed with: "
+                f"{str(err).splitlines()[0]}; check model.input_shape and model.num_classes against "
+                "data.shape and data.num_classes, and task=classification|regression|language_model"
             ) from None
 
     def at_step_end(self, pos: Position) -> bool:
@@ -245,6 +311,10 @@ class Trainer:
             grad_norm = norm([p.grad for p in self.params if p.grad is not None])
         if bool(torch.isfinite(grad_norm)):
             return True
+        if self.scaler is not None and bool(torch.isfinite(loss)):
+            self.overflows += 1
+            self.optimizer.zero_grad(set_to_none=False)
+            return False
         if not bool(torch.isfinite(loss)):
             what = f"loss {loss.item()}"
         elif not bool(torch.isfinite(norm(self.buffers))):
@@ -285,6 +355,7 @@ class Trainer:
             "skipped": self.skipped,
             "meter": self.meter.state_dict(),
             "shard": [sampler.rank, sampler.num_replicas],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
@@ -292,54 +363,58 @@ class Trainer:
         self.meter.load_state_dict(state["meter"], step, mid_epoch)
         if mid_epoch and "shard" in state:
             self.shard_plan = tuple(state["shard"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> tuple[float, float]:
-        """Validation loss and accuracy of ``model`` over the whole validation set (all ranks' shares)."""
-        was_training = model.training
-        model.eval()
-        loss_sum = correct = count = 0.0
-        for x, y in self.val_loader:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            out = model(x)
-            loss_sum += nn.functional.cross_entropy(out, y, reduction="sum").item()
-            correct += (out.argmax(1) == y).sum().item()
-            count += len(y)
-        model.train(was_training)
-        loss_sum, correct, count = self.workers.allreduce_values([loss_sum, correct, count])
-        return loss_sum / count, correct / count
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """The task's metrics of ``model`` over the whole validation set (all ranks' shares)."""
+        sums = validation_sums(model, self.val_loader, self.task, self.device, self.cfg.precision)
+        return self.task.results(self.workers.allreduce_values(sums))
 
     def validate(self, epoch: int, step: int) -> nn.Module:
-        """Evaluate the rule's models, record them, and return the one the run reports."""
+        """Evaluate the rule's models, record them, and return the one the run reports (the first)."""
         record: dict[str, float] = {}
         models = self.rule.eval_models()
-        for name, model in models.items():
+        for i, (name, model) in enumerate(models.items()):
             prefix = f"{name}_" if name else ""
-            record[f"{prefix}val_loss"], record[f"{prefix}val_acc"] = self.evaluate(model)
+            self.reported_prefix = prefix if i == 0 else self.reported_prefix
+            record.update({f"{prefix}val_{k}": v for k, v in self.evaluate(model).items()})
         self.history.append(record)
         self.log.write("val", step, epoch=epoch, **record)
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
         return next(iter(models.values()))
 
+    def no_improvement(self) -> bool:
+        """Whether ``train.early_stop`` validations in a row have not improved on the best ``monitor``
+        before them (every worker sees the same all-reduced values, so all decide alike)."""
+        patience, key = self.cfg.early_stop, self.reported_prefix + self.monitor
+        values = [r[key] for r in self.history if key in r]
+        if patience is None or len(values) <= patience:
+            return False
+        best = max if maximized(self.monitor) else min
+        before = best(values[:-patience])
+        return best(before, *values[-patience:]) == before
+
     def _summary(self, epochs: int, steps: int) -> dict[str, Any]:
-        """The run's results (validation results None when it was preempted before its first)."""
+        """The run's results: ``final_<metric>`` and ``best_<metric>`` of the reported model for each
+        validation metric (``final_val_acc``...; None when preempted before the first validation)."""
         rates = self.meter.total.rates(self.workers.size)
         vals: dict[str, Any] = dict.fromkeys(
             ("final_val_acc", "final_val_loss", "best_val_acc", "best_val_loss")
         )
-        if self.history:
-            key = next(k for k in self.history[-1] if k.endswith("val_acc"))
-            loss_key = key.replace("val_acc", "val_loss")
-            vals.update(
-                final_val_acc=self.history[-1][key],
-                final_val_loss=self.history[-1][loss_key],
-                best_val_acc=max(r[key] for r in self.history),
-                best_val_loss=min(r[loss_key] for r in self.history),
-            )
+        prefix = self.reported_prefix
+        for key in self.history[-1] if self.history else ():
+            if key.startswith(prefix) and key[len(prefix) :].startswith("val_"):
+                name, values = key[len(prefix) :], [r[key] for r in self.history if key in r]
+                vals[f"final_{name}"] = self.history[-1][key]
+                vals[f"best_{name}"] = (max if maximized(name) else min)(values)
         return {
             "epochs": epochs,
             "steps": steps,
+            "monitor": self.monitor,
             **vals,
+            "stopped_early_after_epoch": self.stopped_early,
+            "fp16_overflow_steps": self.overflows if self.scaler is not None else None,
             "samples_per_s": rates["samples_per_s"],
             "comm_fraction": rates["comm_frac"],
             "data_wait_fraction": rates["data_frac"],

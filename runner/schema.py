@@ -78,10 +78,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(
-            len(self.input_shape) >= 1 and all(s >= 1 for s in self.input_shape),
+            self.input_shape is not None
+            and len(self.input_shape) >= 1
+            and all(s >= 1 for s in self.input_shape),
             "input_shape",
             self.input_shape,
-            "a list of positive sizes, e.g. [3, 32, 32] (it comes from data.shape)",
+            "a list of positive sizes, e.g. [3, 32, 32]: it comes from data.shape, which data=dataset needs "
+            "given (one input's shape, e.g. data.shape=[3,32,32])",
         )
         require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
 
@@ -113,10 +116,40 @@ class ModelConfig:
 class DataConfig:
     """Base of the data sets' schemas (``data/``). ``shape`` and ``num_classes`` describe what the data set
     yields; models read them. Where a data set fixes them, they are outputs and a different value is an
-    error; where it takes them as settings (``synthetic``), they are inputs."""
+    error: fixed in its code (``digits``), or read from its files when the config is checked, through the
+    default ``${mpitrain_data:KEY}`` (:meth:`files_outputs`). Where it takes them as settings
+    (``synthetic``), they are inputs."""
 
     shape: list[int] = field(default_factory=lambda: [1, 8, 8])
     num_classes: int = 10
+
+    @classmethod
+    def files_outputs(cls, settings: Any) -> dict[str, Any]:
+        """For data sets whose files fix them: ``shape`` and ``num_classes`` read from the files ``settings``
+        names (the option's config node, or the schema object), cheaply and without torch; the resolver
+        ``${mpitrain_data:KEY}`` (``runner.data``) gives them as the keys' values. Where the files cannot be
+        read (no path yet, a wrong one), stand-ins that let the other groups be checked: ``__post_init__``
+        then says what is wrong."""
+        raise NotImplementedError(f"{cls.__name__} reads no shape or class count from files")
+
+    def fill_outputs(self) -> None:
+        """Keys still ``${mpitrain_data:KEY}`` (the schema made in Python, without OmegaConf) get the value
+        the files hold."""
+        for key in ("shape", "num_classes"):
+            if isinstance(getattr(self, key), str):
+                setattr(self, key, type(self).files_outputs(self)[key])
+
+    @staticmethod
+    def require_workers(workers: int | None) -> None:
+        """``workers``: background loader processes per rank, or None to decide on each rank from the cores
+        it is bound to (``runner.data.base.loader_workers``)."""
+        require(
+            workers is None or workers >= 0,
+            "workers",
+            workers,
+            "background loader processes per rank, >= 0 (0: load in the training process), or null to "
+            "decide by the cores each rank is bound to",
+        )
 
     def require_outputs(self, shape: list[int], num_classes: int) -> None:
         """For data sets whose shape and class count are fixed: refuse any other value."""
@@ -141,6 +174,8 @@ GROUPS: dict[str, tuple[str, str]] = {
     "model": ("runner.models", "runner.schema.ModelConfig"),
     "data": ("runner.data", "runner.schema.DataConfig"),
     "optim": ("runner.optim", "runner.optim.OptimConfig"),
+    "schedule": ("runner.schedule", "runner.schedule.ScheduleConfig"),
+    "task": ("runner.tasks", "runner.tasks.TaskConfig"),
     "hardware": ("runner.hardware", "runner.hardware.base.HardwareConfig"),
 }
 

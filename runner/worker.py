@@ -30,7 +30,7 @@ from runner.checkpoint import (
     save_atomic,
     set_rng_state,
 )
-from runner.config import Config, load
+from runner.config import Config, load, monitored
 from runner.hardware.placement import place_rank
 from runner.hardware.topology import read_topology
 from runner.heartbeat import Heartbeat
@@ -141,7 +141,14 @@ def run(
         data.train_loader(workers.rank, workers.size, train.batch_size, train.seed, pin_memory=pin),
         data.val_loader(workers.rank, workers.size, train.val_batch_size, pin_memory=pin),
     )
-    steps_per_epoch = len(loaders[0])
+    steps_per_epoch = len(loaders[0]) // train.accumulate
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"train.accumulate={train.accumulate} is invalid: an epoch has only {len(loaders[0])} batches of "
+            f"train.batch_size={train.batch_size} per rank; lower train.accumulate or the batch size"
+        )
+    if train.precision == "fp16" and device.type != "cuda":
+        raise ValueError("train.precision=fp16 needs a GPU (this rank runs on the CPU): use bf16 on CPUs")
     if comm.rank == 0 and train.batch_size > len(loaders[0].sampler):
         print(
             f"warning: train.batch_size={train.batch_size} exceeds this rank's shard of "
@@ -154,12 +161,14 @@ def run(
     epochs = min(train.epochs, -(-max_steps // steps_per_epoch))
     optimizer = cfg.optim.build(model.parameters())
     rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch))
+    schedule = cfg.schedule.build(optimizer, max_steps, rule.lr_factor)
+    task = cfg.task.build(getattr(cfg.data, "num_classes", None))
     resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
     log = MetricsLog(run_dir, enabled=comm.rank == 0, resume=resume)
     meter = Meter(
         comm.stats,
         workers.size,
-        max_steps,
+        min(max_steps, epochs * steps_per_epoch),
         log,
         train.log_every,
         terminal=terminal if comm.rank == 0 else None,
@@ -222,6 +231,9 @@ def run(
             beat,
             recovery,
             delay_s=cfg.simulate.delay_s(comm.rank),
+            task=task,
+            schedule=schedule,
+            monitor=monitored(cfg),
         )
         if part:
             model.load_state_dict(part["model"])
@@ -240,8 +252,10 @@ def run(
         if final:
             log.write("final", result["steps"], **final)
         ident = read_json(run_dir / IDENTITY_FILE)
+        monitor = monitored(cfg)
         log.hparams(
-            ident.get("swept", {}), {f"hparam/{k}": result[k] for k in ("final_val_acc", "best_val_acc")}
+            ident.get("swept", {}),
+            {f"hparam/{k}_{monitor}": result.get(f"{k}_{monitor}") for k in ("final", "best")},
         )
     finally:
         log.close()
@@ -256,6 +270,7 @@ def run(
             "rule": type(cfg.rule).__module__.rsplit(".", 1)[-1],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
             "data": f"{type(cfg.data).__module__}.{type(cfg.data).__qualname__.removesuffix('Config')}",
+            "task": type(cfg.task).__module__.rsplit(".", 1)[-1],
             "devices": cfg.devices,
             "world_size": comm.size,
             "resumed_from_step": entry["step"] if entry else None,

@@ -105,8 +105,11 @@ def initial_model(overrides: list[str], rank: int = 0) -> torch.nn.Module:
     return cfg.model.build()
 
 
-def reference_params(global_batch: int, overrides: list[str], steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """One process, no MPI, plain PyTorch: ``steps`` steps with batch ``global_batch`` on the same samples."""
+def reference_params(
+    global_batch: int, overrides: list[str], steps: int = STEPS, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    """One process, no MPI, plain PyTorch: ``steps`` steps with batch ``global_batch`` on the same samples
+    (the gradient's norm clipped to ``clip``, if given)."""
     cfg = checked_config(overrides)
     torch.manual_seed(cfg.train.seed)
     model = cfg.model.build()
@@ -117,6 +120,8 @@ def reference_params(global_batch: int, overrides: list[str], steps: int = STEPS
     for _, (x, y) in zip(range(steps), loader, strict=False):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return dict(model.named_parameters())
 

@@ -12,6 +12,7 @@ import torch
 
 from runner.rules.base import RuleContext
 from runner.rules.bsp import BSPConfig
+from runner.schedule.constant import ConstantConfig
 from tests.conftest import COMMON, ROOT, assert_close, mpirun_argv, params_of, reference_params
 
 BATCH = 8
@@ -113,5 +114,5 @@ def test_linear_lr_scaling_with_warmup(scaling, warmup, step, expected):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx = RuleContext(_FakeComm(4), _FakeComm(4), model, optimizer, steps_per_epoch=10)
     rule = BSPConfig(lr_scaling=scaling, warmup_epochs=warmup).build(ctx)
-    rule.before_step(step)
+    ConstantConfig().build(optimizer, 100, rule.lr_factor).apply(step)
     assert rule.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * expected)

@@ -122,7 +122,7 @@ def test_data_yaml_only_selects_its_schema(name):
 
 def test_default_data_modules_import_no_torch_numpy_or_sklearn():
     code = (
-        "import sys, data.digits, data.synthetic, data.text; "
+        "import sys, runner.data.digits, runner.data.synthetic, runner.data.text, runner.data.dataset; "
         "print(sorted(m for m in ('torch', 'numpy', 'sklearn') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

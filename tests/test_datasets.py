@@ -102,8 +102,9 @@ def test_a_data_set_on_disk_needs_its_path(option, key):
 
 
 def test_imagefolder_loads_and_shards(image_tree):
-    cfg = imagefolder(image_tree, "data.num_classes=3")
+    cfg = imagefolder(image_tree)
     assert cfg.data.shape == cfg.model.input_shape == [3, 16, 16], "data.shape follows data.image_size"
+    assert cfg.data.num_classes == cfg.model.num_classes == 3, "the class folders are counted"
     data = cfg.data.build()
     assert data.classes == CLASSES and len(data.train) == 15 and len(data.val) == 6
     assert data.shape == (3, 16, 16) and data.num_classes == 3 and data.workers == 0
@@ -114,15 +115,31 @@ def test_imagefolder_loads_and_shards(image_tree):
     shard_check(data)
 
 
+def test_imagefolder_fills_in_its_shape_and_class_count(image_tree):
+    """Read when the config is checked, where the model's interpolations see them; in Python too."""
+    cfg = checked_config(["data=imagefolder", f"data.root={image_tree}", "model=cnn"])
+    assert cfg.model.input_shape == [3, 224, 224] and cfg.model.num_classes == 3
+    assert imagefolder(image_tree, "data.shape=[3,16,16]", "data.num_classes=3").data.num_classes == 3
+    schema = ImageFolderConfig(root=str(image_tree), image_size=12)
+    assert schema.shape == [3, 12, 12] and schema.num_classes == 3 and schema.workers is None
+
+
 def test_imagefolder_rejects_bad_input(image_tree, tmp_path):
     with pytest.raises(ValueError, match="root.*no folder"):
         ImageFolderConfig(root=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"data\.root=.*no folder .*nowhere/train"):
+        imagefolder(tmp_path / "nowhere")
     with pytest.raises(ValueError, match=r"data\.shape=\[3, 8, 8\].*\[3, 16, 16\].*set data\.image_size"):
-        imagefolder(image_tree, "data.num_classes=3", "data.shape=[3,8,8]")
+        imagefolder(image_tree, "data.shape=[3,8,8]")
     with pytest.raises(ValueError, match="data.resize=8.*>= image_size"):
         imagefolder(image_tree, "data.resize=8")
-    with pytest.raises(ValueError, match="num_classes=5.*3 class.*data.num_classes=3"):
-        imagefolder(image_tree, "data.num_classes=5").data.build()
+    with pytest.raises(ValueError, match="data.num_classes=5.*3 class folders.*data.num_classes=3"):
+        imagefolder(image_tree, "data.num_classes=5")
+    empty = tmp_path / "empty"
+    (empty / "train").mkdir(parents=True)
+    (empty / "val").mkdir()
+    with pytest.raises(ValueError, match="data.root=.*train has no class folders"):
+        imagefolder(empty)
     broken = tmp_path / "broken"
     for split in ("train", "val"):
         (broken / split / "cat").mkdir(parents=True)
@@ -151,11 +168,27 @@ def test_convert_to_shards_and_load(image_tree, tmp_path):
     assert pickle.loads(pickle.dumps(data.train))._x is None, "memory maps must not be pickled to workers"
 
 
+def test_shards_fill_in_their_shape_and_class_count(image_tree, tmp_path):
+    """From meta.json, when the config is checked: the model's interpolations see them; in Python too."""
+    root = tmp_path / "s"
+    convert(image_tree, root, size=12)
+    cfg = checked_config(["data=shards", f"data.root={root}", "model=cnn"])
+    assert cfg.data.shape == cfg.model.input_shape == [3, 12, 12] and cfg.model.num_classes == 3
+    cfg = checked_config(["data=shards", f"data.root={root}", "data.crop=8", "model=mlp"])
+    assert cfg.model.input_shape == [3, 8, 8] and cfg.data.workers is None
+    schema = ShardsConfig(root=str(root), crop=10)
+    assert schema.shape == [3, 10, 10] and schema.num_classes == 3
+
+
 def test_shards_reject_bad_input(image_tree, tmp_path):
     with pytest.raises(ValueError, match="root.*missing train_x.npy.*data.convert"):
         ShardsConfig(root=str(tmp_path))
+    with pytest.raises(ValueError, match=r"data\.root=.*missing train_x\.npy"):
+        checked_config(["data=shards", f"data.root={tmp_path}", "model=resnet18"])
     root = tmp_path / "s"
     convert(image_tree, root, size=12)
+    with pytest.raises(ValueError, match=r"data\.num_classes=4 .*3 classes: use data\.num_classes=3"):
+        checked_config(["data=shards", f"data.root={root}", "data.num_classes=4"])
     with pytest.raises(ValueError, match=r"shape.*data.shape=\[3,12,12\]"):
         ShardsConfig(root=str(root), shape=[3, 224, 224], num_classes=3)
     with pytest.raises(ValueError, match=r"shape.*with crop=8 use data.shape=\[3,8,8\]"):
@@ -163,7 +196,10 @@ def test_shards_reject_bad_input(image_tree, tmp_path):
     with pytest.raises(ValueError, match="crop=20.*at most 12"):
         ShardsConfig(root=str(root), crop=20, shape=[3, 20, 20], num_classes=3)
     with pytest.raises(ValueError, match="num_classes=1000.*data.num_classes=3"):
-        ShardsConfig(root=str(root), shape=[3, 12, 12])
+        ShardsConfig(root=str(root), shape=[3, 12, 12], num_classes=1000)
+    (root / "meta.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"meta\.json is not the meta\.json"):
+        ShardsConfig(root=str(root))
 
 
 def test_cifar10_loads_and_shards(cifar_dir):
@@ -236,11 +272,11 @@ def test_images_train_under_mpirun(cli, image_tree, tmp_path, option):
     """The image fixture through real jobs: decoded by background loader processes, or from shards."""
     if option == "shards":
         convert(image_tree, tmp_path / "shards", size=12)
-        data = [f"data.root={tmp_path / 'shards'}", "data.shape=[3,12,12]"]
+        data = [f"data.root={tmp_path / 'shards'}"]  # shape and class count from meta.json
     else:
         data = [f"data.root={image_tree}", "data.image_size=16", "data.workers=2"]
     train = ["devices=2", f"train.epochs={EPOCHS}", "train.batch_size=4"]
-    run = cli("model=cnn", f"data={option}", *data, "data.num_classes=3", *train)
+    run = cli("model=cnn", f"data={option}", *data, *train)
     assert run.returncode == 0, run.output
     summary, validations = run.summary, run.records("val")
     assert summary["data"].startswith(f"runner.data.{option}.") and summary["steps"] == 2 * EPOCHS

@@ -19,6 +19,7 @@ from runner.rules.base import RuleContext, split_roles
 from runner.rules.bsp import BSPConfig
 from runner.rules.easgd import EASGDConfig
 from runner.rules.gosgd import GoSGDConfig
+from runner.schedule.constant import ConstantConfig
 from tests.fakecomm import FakeWorld
 
 DT = torch.float64
@@ -295,8 +296,9 @@ def test_bsp_linear_lr_scaling_with_warmup():
     rule = build(comm, BSPConfig(lr_scaling="linear", warmup_epochs=2), model, optimizer, steps_per_epoch=10)
     expected = {0: 1.0, 5: 1.75, 10: 2.5, 19: 3.85, 20: 4.0, 1000: 4.0}
     assert {s: rule.lr_factor(s) for s in expected} == pytest.approx(expected, abs=1e-12)
+    schedule = ConstantConfig().build(optimizer, 1000, rule.lr_factor)
     for step in (5, 20, 0, 19, 19):  # set from the base rate every step, never compounded
-        rule.before_step(step)
+        schedule.apply(step)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * expected[step], abs=1e-12)
     no_warmup = build(comm, BSPConfig(lr_scaling="linear"), model, optimizer, steps_per_epoch=10)
     assert no_warmup.lr_factor(0) == 4.0

@@ -79,6 +79,8 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
     from runner.loop import Position, Trainer
     from runner.meter import Meter
     from runner.rules.base import Rule, RuleContext
+    from runner.schedule.constant import ConstantConfig
+    from runner.tasks.classification import ClassificationConfig
 
     class Clocked(Rule):
         def before_step(self, step: int) -> None:
@@ -104,10 +106,12 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
         None,
         None,
         delay_s=0.05,
+        task=ClassificationConfig().build(3),
+        schedule=ConstantConfig().build(optimizer, 1),
     )
     for x, y in meter.batches([(torch.randn(8, 4), torch.randint(0, 3, (8,)))]):
         called = time.perf_counter()
-        assert trainer.step(x, y, Position())
+        assert trainer.step([(x, y)], Position())
         meter.step_done(1, 0, trainer.last_loss, len(x), 0.1)
     assert rule.started - called >= 0.05
     assert meter.epoch.compute >= 0.05 and meter.epoch.comm == 0.0

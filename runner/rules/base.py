@@ -93,6 +93,15 @@ class Rule:
         """Server ranks only: serve the workers until all of them are done."""
         raise NotImplementedError(f"{type(self).__name__} has no server ranks")
 
+    def lr_factor(self, step: int) -> float:
+        """The rule's own factor on the learning rate at ``step`` (BSP's ``lr_scaling``), multiplied into the
+        schedule's (runner/schedule); 1 for rules that keep the rate as configured."""
+        return 1.0
+
+    def micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch's forward pass of an accumulated step (``train.accumulate``):
+        ``last`` for the one whose backward completes the step's gradients."""
+
     @property
     def loss_scale(self) -> float:
         """The factor the loop multiplies the loss by before backward, so gradients arrive scaled (BSP: 1/N,

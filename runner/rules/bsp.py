@@ -98,7 +98,6 @@ class BSP(Rule):
     def __init__(self, cfg: BSPConfig, ctx: RuleContext):
         super().__init__(ctx, comm_dtype=cfg.comm_dtype)
         self.cfg = cfg
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.alone = self.comm.size == 1
         params = [p for p in self.model.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
@@ -110,6 +109,7 @@ class BSP(Rule):
         for bucket in self.buckets:
             self.comm.keep(bucket.buffer)
         self.next_launch = 0
+        self.hold = False  # a micro-batch before the last of an accumulated step: gradients stay local
         if grads and self.overlap != "none":
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -151,10 +151,8 @@ class BSP(Rule):
             return 1.0 + (n - 1) * epoch / warmup
         return float(n)
 
-    def before_step(self, step: int) -> None:
-        factor = self.lr_factor(step)
-        for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = lr * factor
+    def micro_batch(self, last: bool) -> None:
+        self.hold = not last
 
     # -- mode: grads -----------------------------------------------------------------------------------
     @property
@@ -174,6 +172,8 @@ class BSP(Rule):
             view.copy_(grad)
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self.hold:
+            return
         bucket, i = self.slot[id(p)]
         self._pack(bucket, i, p.grad)
         bucket.packed.add(i)

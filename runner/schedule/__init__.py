@@ -1,0 +1,112 @@
+"""Learning-rate schedules: one module per ``conf/schedule`` option, each a schema whose :meth:`shape` is the
+rule's curve; :class:`Schedule` sets the optimizer's learning rates from it before every optimizer step.
+
+At optimizer step ``s`` (0-based: the steps done before this one) of a run of ``T`` steps, every param
+group's learning rate is
+
+    lr(s) = lr₀ · warm-up(s) · shape(s − W, T − W) · rule(s)
+
+where lr₀ is the group's learning rate when the schedule is built (``optim.lr``), W = ``warmup_steps``,
+warm-up(s) = a + (1 − a)·s/W for s < W and 1 after (a = ``warmup_start``: the fraction at the first step;
+the default 0 makes the first step's rate 0, as Goyal et al. 2017 and Hugging Face's schedules do), the
+shape is evaluated at 0 during the warm-up, and rule(s) is the rule's own factor (BSP's ``lr_scaling``).
+The rate is a pure function of the step, so a resumed run needs no schedule state. Every rule's workers
+step a local optimizer and the schedule sets its rates: with EASGD, GoSGD and ASGD each worker's, with
+DiLoCo the inner one (its outer learning rate stays ``rule.outer_lr``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runner.schema import require
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ScheduleConfig:
+    """Base of the schedules' schemas: a linear warm-up over the first ``warmup_steps`` optimizer steps,
+    from ``warmup_start`` × the rate to the rate, in front of every schedule's shape."""
+
+    warmup_steps: int = 0
+    warmup_start: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.warmup_steps >= 0,
+            "warmup_steps",
+            self.warmup_steps,
+            "optimizer steps of linear warm-up, >= 0 (e.g. schedule.warmup_steps=500; 0: none)",
+        )
+        require(
+            0 <= self.warmup_start < 1,
+            "warmup_start",
+            self.warmup_start,
+            "the fraction of the learning rate at the first warm-up step, in [0, 1) (e.g. 0.1)",
+        )
+
+    def shape(self, step: int, steps: int) -> float:
+        """The schedule's factor ``step`` steps after the warm-up, of ``steps`` steps after the warm-up."""
+        raise NotImplementedError
+
+    def warmup(self, step: int) -> float:
+        """The warm-up's factor at optimizer step ``step``: linear from ``warmup_start`` to 1."""
+        if step >= self.warmup_steps:
+            return 1.0
+        return self.warmup_start + (1.0 - self.warmup_start) * step / self.warmup_steps
+
+    def factor(self, step: int, total_steps: int) -> float:
+        """The multiplier of the initial learning rate at optimizer step ``step`` (0-based) of a run of
+        ``total_steps``: warm-up × shape. A run shorter than its warm-up ends during the warm-up."""
+        after = max(0, step - self.warmup_steps)
+        return self.warmup(step) * self.shape(after, max(1, total_steps - self.warmup_steps))
+
+    def build(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int,
+        rule_factor: Callable[[int], float] = lambda step: 1.0,
+    ) -> Schedule:
+        """The schedule of ``optimizer``'s learning rates over ``total_steps`` optimizer steps; build it
+        before loading a checkpoint's optimizer state (the initial rates are read from the groups now)."""
+        return Schedule(self, optimizer, total_steps, rule_factor)
+
+
+class Schedule:
+    """Sets every param group's lr = its initial lr × ``cfg.factor(step, total_steps)`` ×
+    ``rule_factor(step)``, before each optimizer step (:meth:`apply`); other group keys are left alone."""
+
+    def __init__(
+        self,
+        cfg: ScheduleConfig,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int,
+        rule_factor: Callable[[int], float] = lambda step: 1.0,
+    ):
+        assert total_steps >= 1, f"total_steps={total_steps}: a run has at least one optimizer step"
+        self.cfg, self.optimizer, self.total_steps, self.rule_factor = (
+            cfg,
+            optimizer,
+            total_steps,
+            rule_factor,
+        )
+        self.initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+
+    def lr(self, step: int) -> list[float]:
+        """The learning rate of each param group at optimizer step ``step`` (what :meth:`apply` sets)."""
+        factor = self.cfg.factor(step, self.total_steps) * self.rule_factor(step)
+        assert math.isfinite(factor), f"learning-rate factor {factor} at step {step}"
+        return [lr * factor for lr in self.initial_lrs]
+
+    def apply(self, step: int) -> None:
+        """Set the learning rates for optimizer step ``step``; call it before that step."""
+        for group, lr in zip(self.optimizer.param_groups, self.lr(step), strict=True):
+            if hasattr(group["lr"], "fill_"):  # a tensor learning rate (capturable or fused optimizers)
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr

@@ -1,0 +1,60 @@
+"""Plain torch data sets as a user's project writes them (no base class of the runner, no schema), for
+``data=dataset`` in tests/test_dataset_option.py."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+CENTRES_SEED = 1234  # the same class centres in every split
+
+
+class Blobs(Dataset):
+    """``size`` points in ``dim`` dimensions, each near one of ``len(classes)`` fixed centres: the sample is
+    ``(point, class index)``; which points (not the centres) depend on ``seed``."""
+
+    def __init__(
+        self, size: int = 256, dim: int = 4, num_classes: int = 3, seed: int = 0, spread: float = 0.3
+    ):
+        centres = 2 * torch.randn(num_classes, dim, generator=torch.Generator().manual_seed(CENTRES_SEED))
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, num_classes, (size,), generator=g)
+        self.points = centres[self.labels] + spread * torch.randn(size, dim, generator=g)
+        self.classes = [f"blob{i}" for i in range(num_classes)]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.points[i], int(self.labels[i])
+
+
+def blobs_pair(size: int = 256, val_size: int = 64, **kwargs) -> tuple[Blobs, Blobs]:
+    """A (train, val) pair drawn with different seeds."""
+    return Blobs(size, seed=0, **kwargs), Blobs(val_size, seed=1, **kwargs)
+
+
+class Distances(Blobs):
+    """Regression: the target is the point's distance to the origin, a float32 tensor."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.points[i], self.points[i].norm()
+
+
+class Records(Blobs):
+    """Samples as dictionaries, which the runner does not take."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.points[i], "y": self.labels[i]}
+
+
+class Points(Blobs):
+    """Samples without targets: one tensor each."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.points[i]
+
+
+def nothing() -> int:
+    """Returns no data set at all."""
+    return 42
