@@ -47,3 +47,37 @@ def test_every_rule_trains_on_gpus_shared_by_two_ranks(cli, rule):
     assert {b["gpu"] for b in report["ranks"] if b["gpu"] is not None} == {0}
     assert run.summary["versions"]["cuda_aware_mpi"] is False
     assert run.summary["final_val_acc"] > 0.9, run.summary
+
+
+@pytest.mark.parametrize(
+    "precision,extra",
+    [("bf16", []), ("fp16", []), ("fp16", ["train.accumulate=2", "train.grad_clip=1.0", "train.epochs=5"])],
+)
+def test_mixed_precision_trains_on_the_gpu_and_its_saved_model_evaluates_alike(cli, precision, extra):
+    """fp16 goes through the gradient scaler (with accumulation and clipping: unscaled once, after BSP's
+    all-reduce of the last micro-batch); ``eval=RUN_DIR`` on the saved model gives the run's last metrics."""
+    import subprocess
+    import sys
+
+    run = cli(
+        "hardware=gpu",
+        "devices=2",
+        "hardware.gpus_per_node=1",
+        "hardware.ranks_per_gpu=2",
+        f"train.precision={precision}",
+        "train.epochs=3",
+        *extra,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.output
+    s = run.summary
+    assert s["final_val_acc"] >= 0.95, s
+    if precision == "fp16":
+        assert 0 <= s["fp16_overflow_steps"] <= s["steps"] // 5, s["fp16_overflow_steps"]
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", f"eval={run.dir}"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((run.dir / "eval.json").read_text())
+    assert record["device"].startswith("cuda")
+    assert record["val_acc"] == pytest.approx(s["final_val_acc"], abs=3e-3)
