@@ -145,6 +145,9 @@ class DatasetConfig(DataConfig):
         require(classes is None or classes >= 1, "num_classes", classes, "the class count, >= 1, or null")
         self.require_workers(self.workers)
 
+    def name(self) -> str:
+        return str(self.train[TARGET])
+
     def named(self, key: str) -> str:
         """``data.<key>._target_=<path>``, for messages."""
         return f"data.{key}.{TARGET}={getattr(self, key)[TARGET]}"

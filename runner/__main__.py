@@ -108,6 +108,10 @@ def invalid_input(err: BaseException | None) -> bool:
 
 def run() -> None:
     """:func:`main`, with Hydra's exit status 1 for a config it could not compose turned into 2."""
+    # The console script's sys.path starts with its own folder, python -m runner's with the working folder,
+    # where a project's own packages are (data.train._target_=my_project...): both must find them.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if Path(sys.argv[0]).resolve() == Path(__file__).resolve():  # python -m runner: the command mpitrain,
         sys.argv[0] = "mpitrain"  # as Hydra's help and shell completion name it (not .../__main__.py)
     try:

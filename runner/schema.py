@@ -151,6 +151,10 @@ class DataConfig:
             "decide by the cores each rank is bound to",
         )
 
+    def name(self) -> str:
+        """What ``summary.json`` calls the data set (``runner.data.digits.Digits``)."""
+        return f"{type(self).__module__}.{type(self).__qualname__.removesuffix('Config')}"
+
     def require_outputs(self, shape: list[int], num_classes: int) -> None:
         """For data sets whose shape and class count are fixed: refuse any other value."""
         name = type(self).__name__

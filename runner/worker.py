@@ -269,7 +269,7 @@ def run(
             **ident,
             "rule": type(cfg.rule).__module__.rsplit(".", 1)[-1],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
-            "data": f"{type(cfg.data).__module__}.{type(cfg.data).__qualname__.removesuffix('Config')}",
+            "data": cfg.data.name(),
             "task": type(cfg.task).__module__.rsplit(".", 1)[-1],
             "devices": cfg.devices,
             "world_size": comm.size,

@@ -145,5 +145,5 @@ def test_a_plain_dataset_trains_under_mpirun(cli):
         timeout=240,
     )
     assert run.returncode == 0, run.output
-    assert run.summary["data"].startswith("runner.data.dataset.") and run.summary["steps"] == 4 * 12
+    assert run.summary["data"] == "tests.plain_data.Blobs" and run.summary["steps"] == 4 * 12
     assert run.summary["best_val_acc"] >= 0.95, "the blobs are well apart"

@@ -22,7 +22,9 @@ mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode
 (runner/wire.py): half the bytes; validation's averages stay in float32.
 
 ``lr_scaling: linear`` multiplies the learning rate by N (the global batch is N times larger), reached by a
-linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017). In both modes the
+linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017): :meth:`BSP.lr_factor`,
+which the loop multiplies into the ``schedule``'s rate. With ``train.accumulate: k`` the buckets are
+all-reduced once per step, during the last micro-batch's backward (:meth:`BSP.micro_batch`). In both modes the
 BatchNorm running statistics (and, in ``params`` mode, the parameters) are averaged before each validation,
 so every rank validates the same model.
 """
