@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.config import PRECISIONS  # noqa: E402
 from runner.evaluate import autocast  # noqa: E402
 from runner.models.cnn import CNNConfig  # noqa: E402
 from runner.models.resnet import ResNetConfig  # noqa: E402
+from runner.sections import PRECISIONS  # noqa: E402
 
 MODELS = {
     "cnn": lambda shape, classes: CNNConfig(shape, classes),

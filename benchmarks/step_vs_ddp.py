@@ -87,10 +87,10 @@ class Ours:
     def __init__(self, cfg, comm, batches, batch: int, overlap: str, bucket_mb: float | None):
         import torch
 
-        from runner.config import TrainConfig
         from runner.loop import Position, Trainer, broadcast_state
         from runner.rules.base import RuleContext
         from runner.rules.bsp import BSPConfig
+        from runner.sections import TrainConfig
 
         torch.manual_seed(SEED)
         self.model = cfg.build()

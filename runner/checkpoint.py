@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from runner.comm import Comm
-    from runner.config import CheckpointConfig
+    from runner.sections import CheckpointConfig
 else:
     np, torch = lazy_import("numpy"), lazy_import("torch")
 

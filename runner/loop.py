@@ -13,13 +13,14 @@ from torch.utils.data import DataLoader
 
 from runner.checkpoint import Control
 from runner.comm import Comm, CommStats, PeerLost
-from runner.config import TrainConfig
 from runner.evaluate import autocast, validation_sums
 from runner.heartbeat import Heartbeat
 from runner.meter import Meter
 from runner.metrics import MetricsLog
+from runner.results import final_and_best, no_improvement
 from runner.rules.base import Rule
-from runner.tasks import Task, maximized
+from runner.sections import TrainConfig
+from runner.tasks import Task
 
 if TYPE_CHECKING:
     from runner.recovery import Recovery
@@ -169,7 +170,7 @@ class Trainer:
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
             pos.batch = 0
-            if self.no_improvement():
+            if no_improvement(self.history, self.reported_prefix + self.monitor, self.cfg.early_stop):
                 self.stopped_early = epoch
                 self.meter.echo(
                     f"early stop after epoch {epoch}: {self.monitor} did not improve in the last "
@@ -384,35 +385,14 @@ class Trainer:
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
         return next(iter(models.values()))
 
-    def no_improvement(self) -> bool:
-        """Whether ``train.early_stop`` validations in a row have not improved on the best ``monitor``
-        before them (every worker sees the same all-reduced values, so all decide alike)."""
-        patience, key = self.cfg.early_stop, self.reported_prefix + self.monitor
-        values = [r[key] for r in self.history if key in r]
-        if patience is None or len(values) <= patience:
-            return False
-        best = max if maximized(self.monitor) else min
-        before = best(values[:-patience])
-        return best(before, *values[-patience:]) == before
-
     def _summary(self, epochs: int, steps: int) -> dict[str, Any]:
-        """The run's results: ``final_<metric>`` and ``best_<metric>`` of the reported model for each
-        validation metric (``final_val_acc``...; None when preempted before the first validation)."""
+        """The run's results (validation results None when it was preempted before its first)."""
         rates = self.meter.total.rates(self.workers.size)
-        vals: dict[str, Any] = dict.fromkeys(
-            ("final_val_acc", "final_val_loss", "best_val_acc", "best_val_loss")
-        )
-        prefix = self.reported_prefix
-        for key in self.history[-1] if self.history else ():
-            if key.startswith(prefix) and key[len(prefix) :].startswith("val_"):
-                name, values = key[len(prefix) :], [r[key] for r in self.history if key in r]
-                vals[f"final_{name}"] = self.history[-1][key]
-                vals[f"best_{name}"] = (max if maximized(name) else min)(values)
         return {
             "epochs": epochs,
             "steps": steps,
             "monitor": self.monitor,
-            **vals,
+            **final_and_best(self.history, self.reported_prefix),
             "stopped_early_after_epoch": self.stopped_early,
             "fp16_overflow_steps": self.overflows if self.scaler is not None else None,
             "samples_per_s": rates["samples_per_s"],

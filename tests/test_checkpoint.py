@@ -11,13 +11,13 @@ import torch
 from torch.nn import functional as F
 
 from runner.checkpoint import Checkpointer, Control, load_part, read_index, rng_state, set_rng_state
-from runner.config import CheckpointConfig
 from runner.data.base import ClassificationData, TensorData
 from runner.heartbeat import Heartbeat
 from runner.metrics import dumps
 from runner.rules.asgd import ASGDConfig
 from runner.rules.easgd import EASGDConfig
 from runner.rules.gosgd import GoSGDConfig
+from runner.sections import CheckpointConfig
 from runner.worker import root_cause
 from tests.fakecomm import FakeWorld
 from tests.test_rules_math import batch, build, mlp, params, sgd

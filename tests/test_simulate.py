@@ -75,11 +75,11 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
     """The straggler's sleep comes before any of the step's work (the rule's first hook included) and
     inside the step's clock, as compute: no MPI, one rank, one step."""
     from runner.comm import CommStats
-    from runner.config import TrainConfig
     from runner.loop import Position, Trainer
     from runner.meter import Meter
     from runner.rules.base import Rule, RuleContext
     from runner.schedule.constant import ConstantConfig
+    from runner.sections import TrainConfig
     from runner.tasks.classification import ClassificationConfig
 
     class Clocked(Rule):

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.config import TrainConfig
-from runner.loop import Trainer, grouped
+from runner.loop import grouped
+from runner.results import final_and_best, no_improvement
 from runner.target import Target
 from runner.tasks import maximized
 from runner.tasks.classification import ClassificationConfig
@@ -139,15 +138,26 @@ def test_monitor_must_be_a_metric_of_the_task_and_fp16_a_gpu_job():
     ],
 )
 def test_early_stop_after_patience_validations_without_improvement(monitor, values, patience, stop):
-    trainer = SimpleNamespace(
-        cfg=TrainConfig(early_stop=patience),
-        history=[{monitor: v, "worker_mean_" + monitor: 0.0} for v in values],
-        reported_prefix="",
-        monitor=monitor,
+    history = [{monitor: v, "worker_mean_" + monitor: 0.0} for v in values]
+    assert no_improvement(history, monitor, patience) is stop
+    assert no_improvement(history, monitor, None) is False
+
+
+def test_summary_keeps_the_final_and_best_of_every_metric_of_the_reported_model():
+    history = [
+        {"val_loss": 0.5, "val_acc": 0.8, "worker_mean_val_acc": 0.7},
+        {"val_loss": 0.6, "val_acc": 0.9},
+    ]
+    got = final_and_best(history)
+    assert got == {
+        "final_val_loss": 0.6,
+        "best_val_loss": 0.5,
+        "final_val_acc": 0.9,
+        "best_val_acc": 0.9,
+    }
+    assert final_and_best([]) == dict.fromkeys(
+        ("final_val_acc", "final_val_loss", "best_val_acc", "best_val_loss")
     )
-    assert Trainer.no_improvement(trainer) is stop
-    trainer.cfg = TrainConfig(early_stop=None)
-    assert Trainer.no_improvement(trainer) is False
 
 
 def test_micro_batches_are_grouped_and_an_incomplete_group_dropped():

@@ -1,0 +1,163 @@
+"""The schemas of the top-level sections of ``conf/config.yaml``: ``train``, ``checkpoint``, ``simulate``.
+
+Like the groups' schemas, each holds its keys' defaults and checks; :mod:`runner.config` puts them together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.schema import one_of, require
+
+#: ``train.precision``: the forward pass's type under autocast (fp16 with a gradient scaler, GPUs only).
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 32
+    val_batch_size: int = 256
+    seed: int = 0
+    val_every: int = 1
+    log_every: int = 10
+    max_steps: int | None = None
+    save_model: str = "rank0"
+    progress: bool = True
+    same_init: bool = True
+    on_nonfinite: str = "stop"
+    stall_timeout: float | None = 300.0
+    precision: str = "fp32"
+    accumulate: int = 1
+    grad_clip: float | None = None
+    monitor: str | None = None
+    early_stop: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "the per-rank batch must be >= 1")
+        require(self.val_batch_size >= 1, "val_batch_size", self.val_batch_size, "must be >= 1")
+        require(self.val_every >= 1, "val_every", self.val_every, "validate every N >= 1 epochs")
+        require(self.log_every >= 1, "log_every", self.log_every, "log every N >= 1 steps")
+        require(
+            self.max_steps is None or self.max_steps >= 1,
+            "max_steps",
+            self.max_steps,
+            "use null for no limit or a positive step count",
+        )
+        one_of("save_model", self.save_model, ("rank0", "all", "none"))
+        one_of("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        require(
+            self.stall_timeout is None or self.stall_timeout > 0,
+            "stall_timeout",
+            self.stall_timeout,
+            "seconds without progress before the job is ended, > 0 (e.g. 300), or null to never end it",
+        )
+        one_of("precision", self.precision, PRECISIONS)
+        require(
+            self.accumulate >= 1,
+            "accumulate",
+            self.accumulate,
+            "batches of gradients summed per optimizer step, >= 1 (1: no accumulation)",
+        )
+        require(
+            self.grad_clip is None or (math.isfinite(self.grad_clip) and self.grad_clip > 0),
+            "grad_clip",
+            self.grad_clip,
+            "the largest gradient norm, > 0 (e.g. train.grad_clip=1.0), or null for no clipping",
+        )
+        require(
+            self.early_stop is None or self.early_stop >= 1,
+            "early_stop",
+            self.early_stop,
+            "validations without improvement of train.monitor before stopping, >= 1, or null",
+        )
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written (one is always written at the end of a run and on preemption)."""
+
+    every: int | None = None
+    every_minutes: float | None = 30.0
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        require(
+            self.every is None or self.every >= 1,
+            "every",
+            self.every,
+            "steps between checkpoints, >= 1 (e.g. checkpoint.every=500), or null",
+        )
+        require(
+            self.every_minutes is None or self.every_minutes > 0,
+            "every_minutes",
+            self.every_minutes,
+            "minutes between checkpoints, > 0 (e.g. 30), or null",
+        )
+        require(self.keep >= 1, "keep", self.keep, "keep at least the latest checkpoint (checkpoint.keep=2)")
+
+
+@dataclass
+class SimulateConfig:
+    """Conditions imposed on a healthy job to study the rules under them: ``straggler_ranks`` (worker
+    ranks, ``0 .. devices-1``) each sleep ``straggler_ms`` milliseconds at the start of every training
+    step, a worker whose compute is that much slower. Either one empty or zero leaves the job as it is,
+    with a warning when the other is set (so a sweep may include the no-straggler point)."""
+
+    straggler_ranks: list[int] = field(default_factory=list)
+    straggler_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(
+            math.isfinite(self.straggler_ms) and self.straggler_ms >= 0,
+            "straggler_ms",
+            self.straggler_ms,
+            "the delay per training step in milliseconds, >= 0 (e.g. simulate.straggler_ms=30)",
+        )
+        require(
+            len(set(self.straggler_ranks)) == len(self.straggler_ranks),
+            "straggler_ranks",
+            self.straggler_ranks,
+            "name each rank once (e.g. simulate.straggler_ranks=[1,3])",
+        )
+
+    def delay_s(self, rank: int) -> float:
+        """Seconds that worker ``rank`` sleeps per training step."""
+        return self.straggler_ms / 1e3 if rank in self.straggler_ranks else 0.0
+
+    def record(self) -> dict[str, Any] | None:
+        """summary.json's ``straggler``: the ranks slowed down and the delay, or None when none is."""
+        if not self.straggler_ranks or not self.straggler_ms:
+            return None
+        return {"ranks": list(self.straggler_ranks), "ms": self.straggler_ms}
+
+    def check_devices(self, devices: int, servers: int) -> None:
+        """Only worker ranks may straggle: ``0 .. devices-1`` (the ``servers`` ranks after them serve)."""
+        served = ""
+        if servers == 1:
+            served = f"; rank {devices} is the rule's server"
+        elif servers > 1:
+            served = f"; ranks {devices}..{devices + servers - 1} are the rule's servers"
+        require(
+            all(0 <= r < devices for r in self.straggler_ranks),
+            "straggler_ranks",
+            self.straggler_ranks,
+            f"only workers may straggle: name ranks in 0..{devices - 1} (devices={devices}){served}",
+        )
+
+    def warning(self) -> str | None:
+        """What to tell about a setting that slows no rank although half of it is given."""
+        if self.straggler_ranks and not self.straggler_ms:
+            return (
+                f"simulate.straggler_ranks={self.straggler_ranks} with simulate.straggler_ms=0: no rank is "
+                "slowed down (set e.g. simulate.straggler_ms=30)"
+            )
+        if self.straggler_ms and not self.straggler_ranks:
+            return (
+                f"simulate.straggler_ms={self.straggler_ms:g} with no simulate.straggler_ranks: no rank is "
+                "slowed down (set e.g. simulate.straggler_ranks=[1])"
+            )
+        return None
