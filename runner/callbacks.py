@@ -22,10 +22,11 @@ log = logging.getLogger("runner")
 class SweepReport(Callback):
     """Writes :mod:`runner.report`'s report into the sweep folder (``hydra.sweep.dir``).
 
-    ``metric`` is the validation metric compared (``hydra.callbacks.report.metric=val_loss``), ``target``
-    the value of time to target (None: 95% of the best run's best), ``enabled=false`` turns it off."""
+    ``metric`` is the validation metric compared (``hydra.callbacks.report.metric=val_loss``; None: the
+    runs' ``train.monitor``), ``target`` the value of time to target (None: 95% of the best run's best),
+    ``enabled=false`` turns it off."""
 
-    def __init__(self, metric: str = "val_acc", target: float | None = None, enabled: bool = True):
+    def __init__(self, metric: str | None = None, target: float | None = None, enabled: bool = True):
         self.metric, self.target, self.enabled = metric, target, enabled
         self.sweep_dir: Path | None = None
         self.done = False

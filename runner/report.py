@@ -24,6 +24,7 @@ from runner.runs import (
     finite_or_none,
     load_runs,
 )
+from runner.tasks import maximized
 
 RAW = argparse.RawDescriptionHelpFormatter
 #: The default target is this fraction of the best run's best value (divided by it for a loss).
@@ -62,9 +63,9 @@ class Report:
 def score(
     runs: list[Run], keys: list[str], out: Path, metric: str = "val_acc", target: float | None = None
 ) -> Report:
-    """Score, time and sort ``runs`` on ``metric`` (lower is better when its name ends in ``loss``); a
-    ``target`` of None is :data:`TARGET_FRACTION` of the best ok run's best."""
-    maximize = not metric.endswith("loss")
+    """Score, time and sort ``runs`` on ``metric`` (higher is better for accuracies, lower for losses,
+    errors and perplexities); a ``target`` of None is :data:`TARGET_FRACTION` of the best ok run's best."""
+    maximize = maximized(metric)
     for run in runs:
         values = [v for r in run.vals if (v := finite_or_none(r.get(metric))) is not None]
         if values:
@@ -165,15 +166,20 @@ def csv_table(report: Report) -> tuple[list[str], list[list[Any]]]:
 
 
 def write_report(
-    dirs: list[Path], metric: str = "val_acc", target: float | None = None, out: Path | None = None
+    dirs: list[Path], metric: str | None = None, target: float | None = None, out: Path | None = None
 ) -> Report:
     """Write report.md, report.csv, report.html and the plots for the runs in ``dirs`` into ``out``: by
-    default the folder given, if one was; else ``report`` beside the first of them. Raises NoRuns
-    (a folder without run folders) or ValueError (a metric no run recorded)."""
+    default the folder given, if one was; else ``report`` beside the first of them. ``metric`` None: the
+    runs' ``train.monitor`` (``monitor`` in their summary.json; ``val_acc`` for runs older than it). Raises
+    NoRuns (a folder without run folders) or ValueError (a metric no run recorded)."""
     from runner.plots import page, write_plots
 
     runs, keys = load_runs(dirs)
-    recorded = sorted({k for run in runs for r in run.vals for k in r if k.endswith(("acc", "loss"))})
+    if metric is None:
+        metric = next((run.summary["monitor"] for run in runs if run.summary.get("monitor")), "val_acc")
+    recorded = sorted(
+        {k for run in runs for r in run.vals for k in r if k.startswith("val_") or "_val_" in k}
+    )
     if recorded and metric not in recorded:
         raise ValueError(f"no run recorded {metric!r}; the validations have: {', '.join(recorded)}")
     out = out or (dirs[0] if len(dirs) == 1 else dirs[0].parent / "report")
@@ -192,7 +198,11 @@ def write_report(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser("python -m runner.report", description=__doc__, formatter_class=RAW)
     parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="a sweep folder, or run folders")
-    parser.add_argument("--metric", default="val_acc", help="validation metric (*loss: lower is better)")
+    parser.add_argument(
+        "--metric",
+        default=None,
+        help="validation metric (default: the runs' train.monitor; *_acc: higher is better)",
+    )
     parser.add_argument("--target", type=float, help="time to target's target (default: 95%% of the best)")
     parser.add_argument("--out", type=Path, help="output folder (default: the one DIR, else DIR/../report)")
     args = parser.parse_args(argv)

@@ -263,3 +263,14 @@ def test_a_sweep_with_a_failed_point_still_leaves_its_report(tmp_path):
     md = (sweep / "report.md").read_text()
     assert "**Best run: model=mlp**" in md
     assert "- **model=exploding** (failed, " in md and "RuntimeError: injected failure" in md
+
+
+def test_the_report_compares_the_runs_monitored_metric_by_default(tmp_path):
+    """Runs that monitored val_loss (a regression, say) are compared on it, lowest first."""
+    sweep = tmp_path / "sweep"
+    for i, accs in enumerate([[0.2, 0.5], [0.3, 0.9]]):  # val_loss = 1 - acc: run 1 has the lower loss
+        make_run(sweep / str(i), [f"optim.lr={i}"], accs, monitor="val_loss")
+    report = write_report([sweep])
+    assert report.metric == "val_loss" and not report.maximize
+    assert [r.best for r in report.runs] == pytest.approx([0.1, 0.5])
+    assert write_report([sweep], "val_acc").maximize
