@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from runner.checkpoint import Control
 from runner.comm import Comm, CommStats, PeerLost
 from runner.evaluate import autocast, validation_sums
+from runner.guard import Guard, poisoned
 from runner.heartbeat import Heartbeat
 from runner.meter import Meter
 from runner.metrics import MetricsLog
@@ -27,20 +28,6 @@ if TYPE_CHECKING:
     from runner.schedule import Schedule
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of ``tensors`` together: finite exactly when every element is (barring overflow)."""
-    return torch.nn.utils.get_total_norm(tensors, foreach=True) if tensors else torch.zeros(())
-
-
-def poisoned(loss: torch.Tensor, buffers: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
-    """``scale · loss`` while the loss and the BatchNorm statistics its forward pass updated are finite, else
-    NaN: backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step
-    to every rank, and all of them decide alike (without a host sync). ``scale`` is the rule's
-    :attr:`~runner.rules.base.Rule.loss_scale`, applied in the same multiplication at no cost."""
-    ok = torch.isfinite(loss) & torch.isfinite(norm(buffers))
-    return loss * torch.where(ok, scale, float("nan"))
 
 
 def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
@@ -59,10 +46,6 @@ def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
         if len(group) == k:
             yield group
             group = []
-
-
-class Diverged(RuntimeError):
-    """A non-finite loss or gradient with ``train.on_nonfinite=stop``: the job ends with status diverged."""
 
 
 @dataclass
@@ -117,7 +100,6 @@ class Trainer:
         self.cfg, self.model, self.optimizer, self.rule = cfg, model, optimizer, rule
         self.task, self.schedule, self.monitor = task, schedule, monitor
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
-        self.overflows = 0  # fp16 steps skipped because the scaled gradients overflowed
         self.reported_prefix = ""  # the record prefix of the model the run reports ("" or e.g. "center_")
         self.stopped_early: int | None = None  # the epoch after which early stopping ended training
         self.train_loader, self.val_loader = loaders
@@ -125,11 +107,11 @@ class Trainer:
         self.control, self.checkpoint, self.beat, self.recovery = control, checkpoint, beat, recovery
         self.delay_s = delay_s
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.kept: list[torch.Tensor] = []
+        keep = cfg.on_nonfinite == "skip" or recovery is not None  # a step may be dropped or redone
+        fp16 = self.scaler is not None
+        rank = lambda: self.workers.rank  # noqa: E731 (recovery gives the survivors new ranks)
+        self.guard = Guard(model, optimizer, rule, cfg.on_nonfinite, keep, fp16, meter.echo, rank)
         self.history: list[dict[str, float]] = []
-        self.skipped = 0
         self.preempted = False
         self.first_step, self.last_loss = 0, float("nan")
 
@@ -191,22 +173,22 @@ class Trainer:
             self.rule.before_step(pos.step)
             self.schedule.apply(pos.step)
             self.optimizer.zero_grad(set_to_none=False)
-            self.keep_buffers()
+            self.guard.keep()
             scale = self.rule.loss_scale / len(micro)
             losses = []
             for i, (x, y) in enumerate(micro):
                 self.rule.micro_batch(last=i == len(micro) - 1)
                 loss = self.forward(x, y, first=pos.step == self.first_step and i == 0)
-                scaled = poisoned(loss, self.buffers, scale)
+                scaled = poisoned(loss, self.guard.buffers, scale)
                 (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
                 losses.append(loss.detach())
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
             self.rule.after_backward(pos.step)
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            if self.finite(loss, pos.step):
+            if self.guard.allows(loss, pos.step):
                 if self.cfg.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+                    nn.utils.clip_grad_norm_(self.guard.params, self.cfg.grad_clip, foreach=True)
                 if self.scaler is None:
                     self.optimizer.step()
                 else:
@@ -222,7 +204,7 @@ class Trainer:
                 raise
             done = self.recovery.recover(self, pos, holding=True, applied=applied)
             if not done:
-                self.restore_buffers()
+                self.guard.restore()
             if applied:
                 self.last_loss = loss.item()
             return done
@@ -285,82 +267,23 @@ class Trainer:
         return self.preempted
 
     def save(self, pos: Position, end: bool) -> None:
-        """Checkpoint, unless the model is no longer finite (a finite gradient times a large learning rate
-        can overflow a parameter, large activations a BatchNorm statistic): then the run has diverged, and
-        the last good checkpoint is kept."""
-        state = self.model.state_dict()
-        tensors = [t for t in state.values() if t.is_floating_point()]
-        if not bool(torch.isfinite(norm(tensors))):
-            bad = next(k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all())
-            raise Diverged(
-                f"non-finite {bad} after step {pos.step} on rank {self.workers.rank}; lower optim.lr; "
-                "the last good checkpoint is kept"
-            )
+        """Checkpoint, unless the model is no longer finite: then the run has diverged, and the last good
+        checkpoint is kept."""
+        self.guard.check_model(pos.step)
         self.checkpoint(pos, end)
-
-    def finite(self, loss: torch.Tensor, step: int) -> bool:
-        """Whether the step may be applied: loss, BatchNorm statistics and gradients finite. Otherwise
-        ``on_nonfinite=stop`` raises :class:`Diverged`; ``skip`` drops the step (its update and its
-        BatchNorm statistics) and counts it. Rules that exchange gradients (BSP) decide alike on every rank,
-        since a rank's non-finite step poisons the gradient it sends. A rule that holds every gradient in a
-        few flat buffers (BSP's buckets) has their sums checked, a third cheaper than the norm and as sure:
-        a NaN or infinity anywhere makes the sum non-finite."""
-        flat = self.rule.grad_buffers()
-        if flat:
-            grad_norm = torch.stack([b.sum() for b in flat]).sum()
-        else:
-            grad_norm = norm([p.grad for p in self.params if p.grad is not None])
-        if bool(torch.isfinite(grad_norm)):
-            return True
-        if self.scaler is not None and bool(torch.isfinite(loss)):
-            self.overflows += 1
-            self.optimizer.zero_grad(set_to_none=False)
-            return False
-        if not bool(torch.isfinite(loss)):
-            what = f"loss {loss.item()}"
-        elif not bool(torch.isfinite(norm(self.buffers))):
-            what = "BatchNorm statistics"
-        else:
-            what = f"gradient ({'sum' if flat else 'norm'} {grad_norm.item()})"
-        if self.cfg.on_nonfinite == "stop":
-            raise Diverged(
-                f"non-finite {what} at step {step + 1} on rank {self.workers.rank}; lower optim.lr, or "
-                "train.on_nonfinite=skip to drop such steps; the last good checkpoint is kept"
-            )
-        self.skipped += 1
-        self.optimizer.zero_grad(set_to_none=False)
-        self.restore_buffers()
-        if self.skipped <= 3 or self.skipped % 100 == 0:
-            self.meter.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
-        return False
-
-    def keep_buffers(self) -> None:
-        """With ``on_nonfinite=skip`` or fault tolerance, copy the BatchNorm statistics before the forward
-        pass updates them, so that a dropped or redone step leaves no trace in them either."""
-        if (self.cfg.on_nonfinite == "skip" or self.recovery is not None) and self.buffers:
-            if not self.kept:
-                self.kept = [b.clone() for b in self.buffers]
-            with torch.no_grad():
-                for kept, buffer in zip(self.kept, self.buffers, strict=True):
-                    kept.copy_(buffer)
-
-    @torch.no_grad()
-    def restore_buffers(self) -> None:
-        for buffer, kept in zip(self.buffers, self.kept, strict=True):
-            buffer.copy_(kept)
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.train_loader.sampler
         return {
             "history": self.history,
-            "skipped": self.skipped,
+            "skipped": self.guard.skipped,
             "meter": self.meter.state_dict(),
             "shard": [sampler.rank, sampler.num_replicas],
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
-        self.history, self.skipped = list(state["history"]), state["skipped"]
+        self.history, self.guard.skipped = list(state["history"]), state["skipped"]
         self.meter.load_state_dict(state["meter"], step, mid_epoch)
         if mid_epoch and "shard" in state:
             self.shard_plan = tuple(state["shard"])
@@ -394,12 +317,12 @@ class Trainer:
             "monitor": self.monitor,
             **final_and_best(self.history, self.reported_prefix),
             "stopped_early_after_epoch": self.stopped_early,
-            "fp16_overflow_steps": self.overflows if self.scaler is not None else None,
+            "fp16_overflow_steps": self.guard.overflows if self.scaler is not None else None,
             "samples_per_s": rates["samples_per_s"],
             "comm_fraction": rates["comm_frac"],
             "data_wait_fraction": rates["data_frac"],
             "compute_fraction": rates["compute_frac"],
             "bytes_sent": self.workers.allreduce_values([self.stats.bytes_sent])[0],
-            "skipped_steps": self.skipped,
+            "skipped_steps": self.guard.skipped,
             "validations": self.history,
         }

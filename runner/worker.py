@@ -31,11 +31,12 @@ from runner.checkpoint import (
     set_rng_state,
 )
 from runner.config import Config, load, monitored
+from runner.guard import Diverged
 from runner.hardware.placement import place_rank
 from runner.hardware.topology import read_topology
 from runner.heartbeat import Heartbeat
 from runner.identity import IDENTITY_FILE
-from runner.loop import Diverged, Position, Trainer, broadcast_state
+from runner.loop import Position, Trainer, broadcast_state
 from runner.meter import Meter
 from runner.metrics import MetricsLog, dumps, read_json, write_atomic
 from runner.recovery import Recovery

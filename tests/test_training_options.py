@@ -111,3 +111,21 @@ def test_eval_of_a_saved_model_gives_the_runs_final_metrics(cli, tmp_path):
         [*argv[:3], f"eval={tmp_path / 'nothing'}"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert missing.returncode == 2 and "config.yaml" in missing.stderr + missing.stdout
+
+
+def test_a_language_model_learns_next_tokens_to_a_perplexity_near_one(cli):
+    run = cli(
+        "data=dataset",
+        "data.train._target_=tests.tiny_lm.Counting",
+        "model=custom",
+        "model._target_=tests.tiny_lm.NextToken",
+        "task=language_model",
+        "optim=adam",
+        "optim.lr=0.05",
+        "train.epochs=3",
+    )
+    assert run.returncode == 0, run.output
+    s = run.summary
+    assert s["monitor"] == "val_loss" and s["model"] == "tests.tiny_lm.NextToken"
+    assert s["final_val_ppl"] < 1.2 and s["final_val_acc"] > 0.98, s["validations"]
+    assert s["final_val_ppl"] == pytest.approx(math.exp(s["final_val_loss"]))
