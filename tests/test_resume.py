@@ -72,9 +72,9 @@ def same_records(a: Run, b: Run) -> None:
 
 
 def test_preempted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
-    """4 ranks, momentum, BatchNorm (the CNN): SIGTERM after a checkpoint, then resume=, bit for bit. (BSP;
+    """2 ranks, momentum, BatchNorm (the CNN): SIGTERM after a checkpoint, then resume=, bit for bit. (BSP;
     every deterministic rule's state resumes exactly in tests/test_checkpoint.py, in-process.)"""
-    args = (*COMMON, "devices=4", "hardware.oversubscribe=true", "rule=bsp")
+    args = (*COMMON, "devices=2", "rule=bsp")
     whole = run_cli(tmp_path / "whole", *args, timeout=240)
     assert whole.returncode == 0, whole.output
     status, out = interrupted(tmp_path / "cut", signal.SIGTERM, *args)
@@ -94,7 +94,7 @@ def test_preempted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
 def test_gosgd_resumes_with_its_seeded_pushes_and_weights_summing_to_one(tmp_path):
     """Gossip merges arrive in an order MPI does not fix, so the model may differ in its last bits; the
     seeded push decisions do not, and the weights still sum to 1."""
-    args = (*COMMON, "devices=3", "hardware.oversubscribe=true", "rule=gosgd", "rule.p=0.3")
+    args = (*COMMON, "devices=2", "rule=gosgd", "rule.p=0.3")
     whole = run_cli(tmp_path / "whole", *args, timeout=240)
     assert whole.returncode == 0, whole.output
     status, out = interrupted(tmp_path / "cut", signal.SIGTERM, *args)

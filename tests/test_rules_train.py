@@ -8,9 +8,20 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
-@pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd", "diloco"])
+#: Epochs per rule: the synchronous and gossip rules pass 0.95 by their 4th (measured), ASGD's stale
+#: updates swing it between 0.8 and 0.97 until later, and DiLoCo needs its rounds.
+EPOCHS = {"bsp": 5, "easgd": 5, "gosgd": 5, "asgd": 10, "diloco": 10}
+
+
+@pytest.mark.parametrize("rule", list(EPOCHS))
 def test_rule_trains_the_cnn_on_digits_with_4_workers(cli, rule):
-    run = cli(f"rule={rule}", "devices=4", "hardware.oversubscribe=true", timeout=300)
+    run = cli(
+        f"rule={rule}",
+        "devices=4",
+        "hardware.oversubscribe=true",
+        f"train.epochs={EPOCHS[rule]}",
+        timeout=300,
+    )
     assert run.returncode == 0, run.output
     s = run.summary
     assert s["final_val_acc"] >= (0.97 if rule == "diloco" else 0.93), f"{rule}: {s['final_val_acc']:.4f}"
