@@ -1,6 +1,6 @@
 """Convert an image folder (``SRC/{train,val}/<class>/*.jpg``) into memory-mappable uint8 shards.
 
-    python -m data.convert SRC DST [--size 224]
+    python -m runner.data.convert SRC DST [--size 224]
 
 Every image is resized (shorter side to ``size``) and centre-cropped to size×size, then written to
 ``DST/{train,val}_x.npy`` (N×size×size×3 uint8) and ``DST/{train,val}_y.npy``; ``DST/meta.json`` records
@@ -62,7 +62,7 @@ def convert(src: Path, dst: Path, size: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m data.convert",
+        prog="python -m runner.data.convert",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Pre-processed images as uint8 ``.npy`` arrays read through memory maps: the fast path for big runs.
 
-A shard folder (written by ``python -m data.convert SRC DST``) holds ``train_x.npy`` / ``val_x.npy``
+A shard folder (written by ``python -m runner.data.convert SRC DST``) holds ``train_x.npy`` / ``val_x.npy``
 (N×H×W×C uint8), ``train_y.npy`` / ``val_y.npy`` (N int64 labels) and ``meta.json`` (classes, per-channel
 mean and std of the training images). Batches are gathered from the memory maps (the pages a batch touches
 are all that is read), randomly cropped to ``crop`` and flipped for training, centre-cropped for validation,
@@ -82,7 +82,7 @@ def read_meta(root: str) -> dict[str, Any]:
         not missing,
         "root",
         root,
-        f"missing {', '.join(missing)}: write shards with `python -m data.convert SRC {root}`",
+        f"missing {', '.join(missing)}: write shards with `python -m runner.data.convert SRC {root}`",
     )
     try:
         meta = json.loads((folder / "meta.json").read_text())
@@ -90,8 +90,8 @@ def read_meta(root: str) -> dict[str, Any]:
         meta["classes"] = list(meta["classes"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(
-            f"root={root!r} is invalid: {folder / 'meta.json'} is not the meta.json `python -m data.convert` "
-            f"writes ({type(err).__name__}: {err})"
+            f"root={root!r} is invalid: {folder / 'meta.json'} is not the meta.json "
+            f"`python -m runner.data.convert` writes ({type(err).__name__}: {err})"
         ) from None
     return meta
 
@@ -101,7 +101,7 @@ class ShardsConfig(DataConfig):
     """A shard folder. ``shape`` ([C, crop or H, crop or W]) and ``num_classes`` are what the shards hold,
     read from ``meta.json`` when the config is checked: leave them unset (a value given must match)."""
 
-    root: str = MISSING  # a folder written by `python -m data.convert SRC DST`
+    root: str = MISSING  # a folder written by `python -m runner.data.convert SRC DST`
     crop: int | None = None  # random (training) or centre (validation) crop to this side; None: stored size
     shape: list[int] = from_files("shape")
     num_classes: int = from_files("num_classes")

@@ -86,6 +86,8 @@ def evaluate(cfg: DictConfig) -> float:
                 "its model saved (train.save_model=rank0 or all)"
             )
     done = subprocess.run([sys.executable, "-m", "runner.evaluate", str(run_dir)])
+    if done.returncode == EXIT["invalid"]:
+        raise SystemExit(EXIT["invalid"])
     if done.returncode != 0:
         log.error("evaluation of %s failed (exit %d): the error is above", run_dir, done.returncode)
         raise SystemExit(EXIT["failed"])

@@ -58,6 +58,14 @@ class Config:
 
 #: ``_schemas_`` entry of a group given by its class (``model=custom model._target_=...``): no schema.
 TARGET_NODE = "target"
+#: The groups that may be given by a class of the user's, and where a stray ``_target_`` should go.
+TARGET_GROUPS = ("model", "optim")
+TARGET_HINTS = {
+    "model": "for a class of your own: model=custom model._target_=my_project.module.Net",
+    "optim": "for an optimizer class: optim=custom optim._target_=torch.optim.RMSprop",
+    "data": "for a torch Dataset of your own: data=dataset data.train._target_=my_project.module.Set",
+    "task": "for a loss of your own: task.loss={_target_: my_project.module.Loss}",
+}
 
 
 def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:
@@ -105,7 +113,7 @@ def schema_paths(cfg: DictConfig) -> dict[str, str]:
     paths = {}
     for group in GROUPS:
         cls = OmegaConf.get_type(cfg[group])
-        if cls is dict and "_target_" in cfg[group]:
+        if cls is dict and "_target_" in cfg[group] and group in TARGET_GROUPS:
             paths[group] = TARGET_NODE
             continue
         if cls is None or cls is dict:
@@ -125,8 +133,7 @@ def check_keys(node: DictConfig, path: str = "") -> None:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f"did you mean {path}{close[0]}?" if close else "no such key"
                 if key == "_target_":
-                    group = path.rstrip(".")
-                    hint = f"for a class of your own: {group}=custom {group}._target_=my_project.module.Class"
+                    hint = TARGET_HINTS.get(path.rstrip("."), hint)
                 raise ValueError(
                     f"{path}{key}: not an option of {cls.__name__} ({hint}); the keys are: {', '.join(known)}"
                 )
@@ -197,12 +204,18 @@ SCHEMAS_BEFORE = {
 }
 
 
+def packaged(path: str) -> str:
+    """A schema's path as this version names it: run folders written before the model zoo and the data sets
+    were installed inside ``runner`` name them ``models.cnn.CNNConfig``, ``data.digits.DigitsConfig``."""
+    return f"runner.{path}" if path.split(".", 1)[0] in ("models", "data") else path
+
+
 def load_structured(path: str | Path) -> DictConfig:
     """A run folder's ``config.yaml`` (written by the launcher with ``_schemas_``) as a typed config."""
     from runner.schema import locate
 
     raw = OmegaConf.load(path)
-    schemas = {**SCHEMAS_BEFORE, **raw.pop("_schemas_")}
+    schemas = {**SCHEMAS_BEFORE, **{g: packaged(p) for g, p in raw.pop("_schemas_").items()}}
     top = OmegaConf.structured(Config)
     for group, cls_path in schemas.items():
         node = raw.pop(group, {})

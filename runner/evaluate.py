@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m runner.evaluate RUN_DIR")
-    record = evaluate_run(Path(argv[0]))
+    try:
+        record = evaluate_run(Path(argv[0]))
+    except ValueError as err:  # the run's data or model cannot be built from here: one line, status 2
+        print(f"cannot evaluate {argv[0]}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("val_"))
     print(f"{record['model']}: {metrics} ({record['samples']} validation samples on {record['device']})")
 

@@ -42,6 +42,7 @@ from runner.failures import Failure, failure_report
 from runner.hardware.base import Launch
 from runner.identity import IDENTITY_FILE
 from runner.metrics import read_json, read_metrics, strict
+from runner.results import final_and_best
 from runner.supervise import Outcome, Supervisor
 from runner.watchdog import LOST_FILE
 
@@ -155,9 +156,9 @@ def write_failure_summary(
         "wall_time_s": wall,
         "validations": vals,
     }
-    accs = [v["val_acc"] for v in vals if isinstance(v.get("val_acc"), (int, float))]
-    if accs:
-        summary.update(final_val_acc=vals[-1].get("val_acc"), best_val_acc=max(accs))
+    summary.update(
+        final_and_best([{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in vals])
+    )
     write_atomic(run_dir / "summary.json", metrics.dumps(summary, indent=1))
 
 

@@ -249,7 +249,7 @@ class Trainer:
                     self.task.check(out, y)
                 return self.task.loss(out, y)
         except (RuntimeError, IndexError) as err:
-            if not first:
+            if not first or isinstance(err, torch.OutOfMemoryError):
                 raise
             raise ValueError(
                 f"{type(self.model).__name__} does not take this data: inputs {list(x.shape)}, targets "

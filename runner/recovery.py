@@ -125,10 +125,11 @@ class Recovery:
             return False
         src = int(w.allreduce_values([w.rank if done == top else w.size], "min")[0])
         broadcast_state(trainer.model, w, root=src)
-        opt, rule, where = w.broadcast_object(
+        opt, rule, scaler, where = w.broadcast_object(
             (
                 trainer.optimizer.state_dict(),
                 trainer.rule.state_dict(),
+                trainer.scaler.state_dict() if trainer.scaler is not None else None,
                 (top, pos.epoch, pos.batch + top - pos.step),
             ),
             root=src,
@@ -137,6 +138,8 @@ class Recovery:
             return False
         trainer.optimizer.load_state_dict(opt)
         trainer.rule.load_state_dict(rule)
+        if scaler is not None:  # fp16: every survivor scales its loss alike again
+            trainer.scaler.load_state_dict(scaler)
         pos.step, pos.epoch, pos.batch = where
         if holding:
             pos.step, pos.batch = pos.step - 1, pos.batch - 1

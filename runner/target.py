@@ -60,11 +60,18 @@ class Target:
         return name == TARGET or name in self.args
 
     def locate(self) -> Any:
-        module, _, name = self.path.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module), name)
-        except AttributeError:
-            raise ValueError(f"{self.key}._target_={self.path}: module {module} has no {name!r}") from None
+        """The class: the longest prefix of the path that is a module, then its attributes
+        (``mod.Outer.Inner``)."""
+        module, rest, _ = find_module(self.path)
+        found: Any = importlib.import_module(module)
+        for name in rest.split("."):
+            try:
+                found = getattr(found, name)
+            except AttributeError:
+                raise ValueError(
+                    f"{self.key}._target_={self.path}: {found.__name__} has no {name!r}"
+                ) from None
+        return found
 
     def build(self, *args: Any) -> Any:
         """Call the class with ``args`` (such as an optimizer's parameters) and the node's keyword arguments.

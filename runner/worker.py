@@ -160,16 +160,17 @@ def run(
         print(f"simulated stragglers: ranks {straggler['ranks']} sleep {straggler['ms']:g} ms per step")
     max_steps = train.max_steps or train.epochs * steps_per_epoch
     epochs = min(train.epochs, -(-max_steps // steps_per_epoch))
+    total_steps = min(max_steps, epochs * steps_per_epoch)  # what the run will do: the schedule's length
     optimizer = cfg.optim.build(model.parameters())
     rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch))
-    schedule = cfg.schedule.build(optimizer, max_steps, rule.lr_factor)
-    task = cfg.task.build(getattr(cfg.data, "num_classes", None))
+    schedule = cfg.schedule.build(optimizer, total_steps, rule.lr_factor)
+    task = cfg.task.build(data.num_classes)
     resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
     log = MetricsLog(run_dir, enabled=comm.rank == 0, resume=resume)
     meter = Meter(
         comm.stats,
         workers.size,
-        min(max_steps, epochs * steps_per_epoch),
+        total_steps,
         log,
         train.log_every,
         terminal=terminal if comm.rank == 0 else None,

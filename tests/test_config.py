@@ -275,3 +275,26 @@ def test_a_submitit_sweep_keeps_one_folder_for_all_its_points(tmp_path):
     (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     assert (sweep / ".submitit").is_dir(), proc.stdout + proc.stderr
     assert (sweep / "0" / ".hydra").is_dir() and (sweep / "1" / ".hydra").is_dir(), list(sweep.iterdir())
+
+
+def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
+    """Its config.yaml names the schemas models.cnn.CNNConfig and data.digits.DigitsConfig (installed now as
+    runner.models and runner.data) and has no task or schedule: resume= and eval= must still read it."""
+    from runner.config import load, schema_paths
+    from runner.models.cnn import CNNConfig
+    from runner.schedule.constant import ConstantConfig
+    from runner.tasks.classification import ClassificationConfig
+
+    cfg = _compose()
+    old = OmegaConf.to_container(cfg, resolve=True)
+    old["_schemas_"] = {
+        **schema_paths(cfg),
+        "model": "models.cnn.CNNConfig",
+        "data": "data.digits.DigitsConfig",
+    }
+    for group in ("task", "schedule"):
+        del old[group], old["_schemas_"][group]
+    OmegaConf.save(old, tmp_path / "config.yaml")
+    loaded = load(tmp_path / "config.yaml")
+    assert type(loaded.model) is CNNConfig and type(loaded.data).__module__ == "runner.data.digits"
+    assert isinstance(loaded.task, ClassificationConfig) and isinstance(loaded.schedule, ConstantConfig)

@@ -105,7 +105,7 @@ def test_a_model_and_an_optimizer_given_by_their_class():
         checked_config(
             ["optim=custom", "optim._target_=torch.optim.RMSprop", "+optim.momentm=0.9"]
         ).optim.build(model.parameters())
-    with pytest.raises(ValueError, match="model._target_=torch.nn.Linr: module torch.nn has no 'Linr'"):
+    with pytest.raises(ValueError, match="model._target_=torch.nn.Linr: torch.nn has no 'Linr'"):
         checked_config(["model=custom", "model._target_=torch.nn.Linr"]).model.build()
     with pytest.raises(ValueError, match="model._target_: no value given"):
         checked_config(["model=custom"])
@@ -163,3 +163,18 @@ def test_summary_keeps_the_final_and_best_of_every_metric_of_the_reported_model(
 def test_micro_batches_are_grouped_and_an_incomplete_group_dropped():
     assert list(grouped(range(7), 3)) == [[0, 1, 2], [3, 4, 5]]
     assert list(grouped(range(2), 1)) == [[0], [1]]
+
+
+def test_padding_only_float64_targets_and_an_unknown_class_count_are_handled():
+    lm = LanguageModelConfig().build()
+    out = torch.randn(2, 3, 5, requires_grad=True)
+    loss = lm.loss(out, torch.full((2, 3), -100))  # a micro-batch of padding only: no NaN to stop the run
+    assert loss.item() == 0.0
+    loss.backward()
+    huber = checked_config(["task=regression", "task.loss={_target_: torch.nn.HuberLoss}"]).task.build()
+    out, y = torch.randn(4, 2, requires_grad=True), torch.randn(4, 2, dtype=torch.float64)  # numpy's float64
+    huber.loss(out, y).backward()
+    assert out.grad is not None and out.grad.dtype == torch.float32
+    unknown = ClassificationConfig().build(None)
+    assert "top5" not in totals(unknown, [(torch.randn(6, 9), torch.arange(6))])
+    assert ClassificationConfig().metrics(None) == ("acc", "loss")

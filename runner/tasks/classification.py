@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,9 @@ class ClassificationConfig(TaskConfig):
     METRICS = ("acc", "loss", "top5")
 
     def metrics(self, num_classes: int | None) -> tuple[str, ...]:
-        return self.METRICS if num_classes is None or num_classes > 5 else ("acc", "loss")
+        """Top-5 needs a known class count above 5 (``data.num_classes``, or the data set's own), the same
+        on every rank whatever its share of the validation set."""
+        return self.METRICS if num_classes is not None and num_classes > 5 else ("acc", "loss")
 
     def build(self, num_classes: int | None = None) -> Classification:
         return Classification(self.loss_fn(), num_classes)
@@ -32,9 +35,11 @@ class ClassificationConfig(TaskConfig):
 class Classification(Task):
     width = 4
 
-    def __init__(self, loss, num_classes: int | None):
+    def __init__(
+        self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, num_classes: int | None
+    ):
         super().__init__(loss)
-        self.classes = num_classes
+        self.top5 = num_classes is not None and num_classes > 5
 
     def default_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(out, y)
@@ -58,7 +63,6 @@ class Classification(Task):
 
     def sums(self, out: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         n = y.numel()
-        self.classes = self.classes or out.shape[1]
         top5 = out.topk(min(5, out.shape[1]), dim=1).indices
         return [
             self.loss(out, y).float() * n,
@@ -70,6 +74,6 @@ class Classification(Task):
     def results(self, sums: list[float]) -> dict[str, float]:
         count = max(sums[-1], 1)
         out = {"loss": sums[0] / count, "acc": sums[1] / count}
-        if self.classes is not None and self.classes > 5:
+        if self.top5:
             out["top5"] = sums[2] / count
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,14 +31,16 @@ class LanguageModelConfig(TaskConfig):
 
 
 class LanguageModel(Task):
-    def __init__(self, loss, ignore_index: int):
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, ignore_index: int):
         super().__init__(loss)
         self.ignore_index = ignore_index
 
     def default_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(
-            out.flatten(0, 1), y.flatten(), ignore_index=self.ignore_index
+        """The mean over the counted tokens; 0 (not NaN) for a batch of padding only."""
+        total = torch.nn.functional.cross_entropy(
+            out.flatten(0, 1), y.flatten(), ignore_index=self.ignore_index, reduction="sum"
         )
+        return total / (y != self.ignore_index).sum().clamp(min=1)
 
     def check(self, out: torch.Tensor, y: torch.Tensor) -> None:
         if y.is_floating_point() or y.dim() != 2 or out.dim() != 3 or out.shape[:2] != y.shape:

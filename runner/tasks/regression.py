@@ -27,8 +27,14 @@ class RegressionConfig(TaskConfig):
 
 
 class Regression(Task):
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss in float32 at least, whatever the targets' type (numpy gives float64) or the autocast
+        type of the outputs (bf16 would round the targets to 3 digits)."""
+        dtype = torch.promote_types(out.dtype, torch.float32)
+        return super().loss(out.to(dtype), y.to(dtype))
+
     def default_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(out, y.to(out.dtype))
+        return torch.nn.functional.mse_loss(out, y)
 
     def check(self, out: torch.Tensor, y: torch.Tensor) -> None:
         if not y.is_floating_point():
