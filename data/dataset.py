@@ -25,37 +25,18 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import MISSING
 
 from runner.schema import DataConfig, require
-from runner.target import find_module
+from runner.target import TARGET, Target
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from runner.data.base import ClassificationData
 
-TARGET = "_target_"
-
 
 def check_target(key: str, node: Mapping[str, Any]) -> None:
-    """``node[_target_]`` is a dotted path to a class or function whose module can be found from here."""
-    path = node.get(TARGET)
-    require(
-        isinstance(path, str) and "." in path and all(path.split(".")),
-        f"{key}.{TARGET}",
-        path,
-        "name your Dataset class, or a function returning a data set or a (train, val) pair, by its dotted "
-        f"path, with its arguments as keys: e.g. data.{key}.{TARGET}=my_project.data.Reviews "
-        f"+data.{key}.root=/data/reviews",
-    )
-    module, rest, package = find_module(path)
-    wanted = path.rpartition(".")[0] if not module else f"{module}.{rest.partition('.')[0]}"
-    require(
-        bool(module) and not (package and "." in rest),
-        f"{key}.{TARGET}",
-        path,
-        f"no module {wanted!r} can be found from here: run from your project's folder, or add the folder "
-        "that holds it to PYTHONPATH",
-    )
-    require(bool(rest), f"{key}.{TARGET}", path, f"{path} is a module: name a class or function in it")
+    """``node[_target_]`` is a dotted path to a class or function whose module can be found from here (without
+    importing it): :meth:`runner.target.Target.of`'s check, for ``key`` of ``data``."""
+    Target.of(key, node)
 
 
 def describe(obj: Any) -> str:

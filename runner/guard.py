@@ -10,11 +10,13 @@ longer finite.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from runner.rules.base import Rule
+if TYPE_CHECKING:
+    from runner.rules.base import Rule
 
 
 def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
