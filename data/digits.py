@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from runner.schema import DataConfig, require
 
@@ -28,15 +32,10 @@ class DigitsConfig(DataConfig):
 
     def build(self) -> ClassificationData:
         import torch
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
 
         from runner.data.base import ClassificationData, TensorData
 
-        x, y = load_digits(return_X_y=True)
-        x_tr, x_va, y_tr, y_va = train_test_split(
-            x, y, test_size=self.val_fraction, random_state=self.split_seed, stratify=y
-        )
+        x_tr, x_va, y_tr, y_va = split(self.val_fraction, self.split_seed)
         mean, std = x_tr.mean(), x_tr.std()
 
         def tensors(xs, ys) -> TensorData:
@@ -44,3 +43,41 @@ class DigitsConfig(DataConfig):
             return TensorData(xs, torch.tensor(ys, dtype=torch.long))
 
         return ClassificationData(tensors(x_tr, y_tr), tensors(x_va, y_va), SHAPE, CLASSES)
+
+
+def cache_dir() -> Path:
+    """Where split data sets are kept: ``$MPITRAIN_CACHE``, else ``~/.cache/mpitrain``."""
+    return Path(os.environ.get("MPITRAIN_CACHE") or Path.home() / ".cache" / "mpitrain")
+
+
+def split(val_fraction: float, seed: int) -> tuple[Any, Any, Any, Any]:
+    """scikit-learn's stratified split of the digits, ``(x_train, x_val, y_train, y_val)`` as numpy arrays.
+
+    Importing scikit-learn costs every rank of every job over a second, so the split is kept in the cache
+    folder under a name made of scikit-learn's version and the arguments (written atomically: ranks that
+    split at once each write a whole file, one wins); a missing, unreadable or unwritable cache only means
+    splitting again."""
+    import numpy as np
+
+    name = f"digits-{version('scikit-learn')}-{val_fraction!r}-{seed}.npz"
+    path = cache_dir() / name
+    try:
+        with np.load(path) as kept:
+            return kept["x_tr"], kept["x_va"], kept["y_tr"], kept["y_va"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=val_fraction, random_state=seed, stratify=y)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as tmp:
+            np.savez(tmp, x_tr=x_tr, x_va=x_va, y_tr=y_tr, y_va=y_va)
+        os.replace(tmp.name, path)
+    except OSError:
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
+    return x_tr, x_va, y_tr, y_va

@@ -3,6 +3,7 @@ schemas (one per module, the YAML only selects it), and a launcher that reads th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -127,3 +128,25 @@ def test_default_data_modules_import_no_torch_numpy_or_sklearn():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_digits_split_is_kept_and_read_back_without_scikit_learn(tmp_path):
+    """Importing scikit-learn costs every rank over a second: the split is cached, the same arrays."""
+    code = (
+        "import sys; from runner.data.digits import DigitsConfig; d = DigitsConfig().build(); "
+        "print(int('sklearn' in sys.modules), float(d.train.x.sum()), d.train.y.tolist()[:20], len(d.val))"
+    )
+
+    def build(cache) -> list[str]:
+        env = {**os.environ, "MPITRAIN_CACHE": str(cache)}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return out.stdout.split(" ", 1)
+
+    first, second = build(tmp_path), build(tmp_path)
+    assert first[0] == "1" and second[0] == "0", "the second build reads the cache"
+    assert first[1] == second[1]
+    assert len(list(tmp_path.glob("digits-*.npz"))) == 1 and not list(tmp_path.glob("tmp*"))
+    unwritable = build("/proc/no-such-cache")  # no cache to be had: split again, same arrays
+    assert unwritable == first
