@@ -130,6 +130,7 @@ def test_default_data_modules_import_no_torch_numpy_or_sklearn():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_the_digits_split_is_kept_and_read_back_without_scikit_learn(tmp_path):
     """Importing scikit-learn costs every rank over a second: the split is cached, the same arrays."""
     code = (
