@@ -39,47 +39,13 @@ from runner.identity import IDENTITY_FILE
 from runner.loop import Position, Trainer, broadcast_state
 from runner.meter import Meter
 from runner.metrics import MetricsLog, dumps, read_json, write_atomic
+from runner.rank_output import redirect_output, root_cause
 from runner.recovery import Recovery
 from runner.rules.base import RuleContext, split_roles
 
 #: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
 #: at most this many steps apart); synchronous rules agree after every step.
 ASYNC_CONTROL_INTERVAL = 16
-
-
-class Tee:
-    """A text stream that writes to several streams."""
-
-    def __init__(self, *streams: TextIO):
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for s in self.streams:
-            s.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for s in self.streams:
-            s.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-
-def redirect_output(run_dir: Path, rank: int) -> tuple[TextIO, TextIO]:
-    """Send this rank's stdout/stderr to its log file (rank 0: and to the terminal).
-
-    Returns ``(log, terminal)``: the log file, and the terminal stream for rank 0's progress bar.
-    """
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    log = open(logs / f"rank{rank}.log", "a", buffering=1)
-    terminal = sys.stdout
-    if rank == 0:
-        sys.stdout, sys.stderr = Tee(log, sys.stdout), Tee(log, sys.stderr)
-    else:
-        sys.stdout = sys.stderr = log
-    return log, terminal
 
 
 def versions(comm: mpi.Comm) -> dict[str, Any]:
@@ -285,20 +251,6 @@ def run(
             "worker_wall_time_s": time.time() - start,
         }
         write_atomic(run_dir / "summary.json", dumps(summary, indent=1))
-
-
-def root_cause(err: BaseException) -> str:
-    """``Type: message (file:line)`` of the innermost exception that ``err`` was raised from or during
-    (``raise ... from None`` ends the chain: that error already says what went wrong)."""
-    while True:
-        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-        if inner is None or inner is err:
-            break
-        err = inner
-    frames = traceback.extract_tb(err.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {message}{where}"
 
 
 def main(argv: list[str] | None = None) -> None:

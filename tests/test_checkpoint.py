@@ -14,11 +14,11 @@ from runner.checkpoint import Checkpointer, Control, load_part, read_index, rng_
 from runner.data.base import ClassificationData, TensorData
 from runner.heartbeat import Heartbeat
 from runner.metrics import dumps
+from runner.rank_output import root_cause
 from runner.rules.asgd import ASGDConfig
 from runner.rules.easgd import EASGDConfig
 from runner.rules.gosgd import GoSGDConfig
 from runner.sections import CheckpointConfig
-from runner.worker import root_cause
 from tests.fakecomm import FakeWorld
 from tests.test_rules_math import batch, build, mlp, params, sgd
 
