@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.cli_help import CONF, register_help
 from runner.config import register
+from runner.hardware.mpirun import TTY_ENV
 from runner.identity import concurrent_points, identity, sweep_overrides
 from runner.launch import EXIT, JobEnded, launch
 
@@ -49,7 +50,7 @@ def main(cfg: DictConfig) -> float:
     ident = identity(list(hydra_cfg.overrides.task), sweep)
     share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
     if share > 1:  # sweep points that run at once must not draw their progress bars over each other
-        os.environ["MPITRAIN_TTY"] = "0"
+        os.environ[TTY_ENV] = "0"
     try:
         if cfg.eval:
             return evaluate(cfg)

@@ -21,6 +21,17 @@ from runner.schema import GROUPS, register_source, require
 from runner.sections import CheckpointConfig, SimulateConfig, TrainConfig
 from runner.target import of_node
 
+#: ``_schemas_`` entry of a group given by its class (``model=custom model._target_=...``): no schema.
+TARGET_NODE = "target"
+#: The groups that may be given by a class of the user's, and where a stray ``_target_`` should go.
+TARGET_GROUPS = ("model", "optim")
+TARGET_HINTS = {
+    "model": "for a class of your own: model=custom model._target_=my_project.module.Net",
+    "optim": "for an optimizer class: optim=custom optim._target_=torch.optim.RMSprop",
+    "data": "for a torch Dataset of your own: data=dataset data.train._target_=my_project.module.Set",
+    "task": "for a loss of your own: task.loss={_target_: my_project.module.Loss}",
+}
+
 
 @dataclass
 class Config:
@@ -41,8 +52,8 @@ class Config:
     task: Any = MISSING
 
     def __post_init__(self) -> None:
-        self.model = of_node("model", self.model)
-        self.optim = of_node("optim", self.optim)
+        for group in TARGET_GROUPS:
+            setattr(self, group, of_node(group, getattr(self, group)))
         require(
             isinstance(self.devices, int) and self.devices >= 1,
             "devices",
@@ -54,18 +65,6 @@ class Config:
     def world_size(self) -> int:
         """Ranks in the job: the workers plus any extra ranks the rule needs (servers)."""
         return self.devices + self.rule.extra_ranks()
-
-
-#: ``_schemas_`` entry of a group given by its class (``model=custom model._target_=...``): no schema.
-TARGET_NODE = "target"
-#: The groups that may be given by a class of the user's, and where a stray ``_target_`` should go.
-TARGET_GROUPS = ("model", "optim")
-TARGET_HINTS = {
-    "model": "for a class of your own: model=custom model._target_=my_project.module.Net",
-    "optim": "for an optimizer class: optim=custom optim._target_=torch.optim.RMSprop",
-    "data": "for a torch Dataset of your own: data=dataset data.train._target_=my_project.module.Set",
-    "task": "for a loss of your own: task.loss={_target_: my_project.module.Loss}",
-}
 
 
 def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:

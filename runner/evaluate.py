@@ -56,7 +56,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     state = torch.load(run_dir / "model.pt", map_location=device, weights_only=True)
     model.load_state_dict(state)
     data = cfg.data.build()
-    task = cfg.task.build(getattr(cfg.data, "num_classes", None))
+    task = cfg.task.build(data.num_classes)
     loader = data.val_loader(0, 1, cfg.train.val_batch_size, pin_memory=device.type == "cuda")
     start = time.perf_counter()
     results = task.results(validation_sums(model, loader, task, device, cfg.train.precision))

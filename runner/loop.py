@@ -299,9 +299,10 @@ class Trainer:
         """Evaluate the rule's models, record them, and return the one the run reports (the first)."""
         record: dict[str, float] = {}
         models = self.rule.eval_models()
-        for i, (name, model) in enumerate(models.items()):
+        first = next(iter(models))
+        self.reported_prefix = f"{first}_" if first else ""
+        for name, model in models.items():
             prefix = f"{name}_" if name else ""
-            self.reported_prefix = prefix if i == 0 else self.reported_prefix
             record.update({f"{prefix}val_{k}": v for k, v in self.evaluate(model).items()})
         self.history.append(record)
         self.log.write("val", step, epoch=epoch, **record)

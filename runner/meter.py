@@ -24,12 +24,9 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from runner.comm import CommStats
+from runner.hardware.mpirun import COLUMNS_ENV, TTY_ENV
 from runner.metrics import MetricsLog
 
-#: ``1`` when the launcher's output is a terminal, ``0`` when not (set by the launcher for every rank).
-TTY_ENV = "MPITRAIN_TTY"
-#: The width of the launcher's terminal, in columns (set with ``MPITRAIN_TTY=1``).
-COLUMNS_ENV = "MPITRAIN_COLUMNS"
 #: Seconds between two progress lines when the output is not a terminal.
 LINE_EVERY_S = 30.0
 #: Columns of the bar when no width is known.

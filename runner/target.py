@@ -56,9 +56,6 @@ class Target:
             raise ValueError(f"{key}._target_={path} is a module: name a class in it")
         return cls(f"{group}.{key}" if group else key, path, args)
 
-    def __contains__(self, name: str) -> bool:
-        return name == TARGET or name in self.args
-
     def locate(self) -> Any:
         """The class: the longest prefix of the path that is a module, then its attributes
         (``mod.Outer.Inner``)."""

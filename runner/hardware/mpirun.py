@@ -88,14 +88,21 @@ def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
     return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
 
 
+#: ``1`` when the launcher's output is a terminal, ``0`` when not (given to every rank; a launcher started
+#: with it set to ``0`` gives ``0``: concurrent sweep points must not draw over each other).
+TTY_ENV = "MPITRAIN_TTY"
+#: The width of the launcher's terminal, in columns (given with ``MPITRAIN_TTY=1``).
+COLUMNS_ENV = "MPITRAIN_COLUMNS"
+
+
 def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
     """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
     output is a terminal and its width (``MPITRAIN_TTY``, ``MPITRAIN_COLUMNS``: the ranks' own
     pseudo-terminals say 0×0 either way; :mod:`runner.meter` draws its bar by them), ``hardware.env``."""
-    tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get("MPITRAIN_TTY") != "0"
-    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "MPITRAIN_TTY": str(int(tty))}
+    tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get(TTY_ENV) != "0"
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", TTY_ENV: str(int(tty))}
     if tty:
-        env["MPITRAIN_COLUMNS"] = str(shutil.get_terminal_size().columns)
+        env[COLUMNS_ENV] = str(shutil.get_terminal_size().columns)
     env.update(hw.env)
     if gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use
