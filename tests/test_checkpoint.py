@@ -121,6 +121,48 @@ def test_gosgd_checkpoint_has_no_push_in_flight_and_weights_sum_to_one():
     assert [s["pushes"] for _, _, s in resumed] == [s["pushes"] for _, _, s in whole]
 
 
+def test_gosgd_checkpoint_keeps_out_a_push_made_after_another_worker_saved():
+    """A worker that sees the end of the count exchange late (its thread descheduled, as on a busy 2-core CI
+    machine) must not merge a push that a faster worker made after it saved: the saved weights sum to 1."""
+
+    def main(comm):
+        model, weights = mlp(seed=comm.rank), []
+        optimizer = sgd(model)
+        rule = build(comm, GoSGDConfig(p=1.0), model, optimizer)
+        if comm.rank == 1:
+            exchange = comm.iallreduce
+
+            def late(t, op="sum"):
+                request = exchange(t, op)
+                test = request.test
+
+                def seen_late() -> bool:
+                    if not test():
+                        return False
+                    time.sleep(0.3)
+                    request.test = test
+                    return False
+
+                request.test = seen_late
+                return request
+
+            comm.iallreduce = late
+        for step in range(4):
+            rule.before_step(step)
+            optimizer.zero_grad()
+            x, y = batch(8, seed=10 * comm.rank + step)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            rule.after_step(step)
+            if step == 1:
+                rule.before_checkpoint(step + 1)
+                weights.append(rule.state_dict()["weight"])
+        rule.finish()
+        return weights[0]
+
+    assert sum(FakeWorld(2).run(main)) == pytest.approx(1.0, abs=1e-12)
+
+
 def test_checkpointer_writes_parts_then_the_index_and_keeps_the_newest(tmp_path):
     cfg = CheckpointConfig(every=2, keep=2)
 

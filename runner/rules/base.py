@@ -71,6 +71,9 @@ class Rule:
     Checkpoints: at a step all workers agree on, the loop calls ``before_checkpoint`` (leave no message in
     flight; ask the server ranks to save, which they do through ``ctx.save``), then saves every worker's
     ``state_dict`` with its model and optimizer; ``load_state_dict`` restores it on resume (servers too).
+    The checkpointer's write ends in a barrier of all ranks, servers included, so no worker sends again
+    before every rank has taken its state; a rule whose workers talk to each other meets in its own
+    ``before_checkpoint`` as well (GoSGD), so that its saved states agree whoever calls it.
     """
 
     #: False for rules whose workers do not meet every step: they agree on checkpoints and stops less often.

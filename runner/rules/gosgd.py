@@ -144,7 +144,9 @@ class GoSGD(Rule):
 
         The workers sum, per destination, how many pushes were sent (a non-blocking all-reduce, draining
         meanwhile, since a rank may be waiting for us to receive its push), then each drains until it has
-        merged all the pushes sent to it.
+        merged all the pushes sent to it. A barrier ends it: a worker that sees the sum late would otherwise
+        still be draining when a faster one, already past its quiesce (saved, stepped), pushes again, and
+        would merge that push into the state it is about to save.
         """
         counts = torch.tensor(self.sent_to, dtype=torch.float64)
         request = self.comm.iallreduce(counts)
@@ -154,6 +156,7 @@ class GoSGD(Rule):
         while self.received < expected:
             self.drain()
         self._reap(0)
+        self.comm.barrier()
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
