@@ -8,9 +8,12 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
-#: Epochs per rule: the synchronous and gossip rules pass 0.95 by their 4th (measured), ASGD's stale
-#: updates swing it between 0.8 and 0.97 until later, and DiLoCo needs its rounds.
-EPOCHS = {"bsp": 5, "easgd": 5, "gosgd": 5, "asgd": 10, "diloco": 10}
+#: Epochs (and options) per rule: the synchronous and gossip rules pass 0.95 by their 4th (measured).
+#: ASGD's stale updates at a constant rate swing it between 0.80 and 0.99 from epoch to epoch (0.86 after
+#: 10 epochs, seen in a full run), so it decays its rate as Downpour did: with a cosine schedule it ended at
+#: 0.994 in 3 of 3 runs of 8 epochs. DiLoCo needs its rounds.
+EPOCHS = {"bsp": 5, "easgd": 5, "gosgd": 5, "asgd": 8, "diloco": 10}
+EXTRA = {"asgd": ["schedule=cosine"]}
 
 
 @pytest.mark.parametrize("rule", list(EPOCHS))
@@ -20,6 +23,7 @@ def test_rule_trains_the_cnn_on_digits_with_4_workers(cli, rule):
         "devices=4",
         "hardware.oversubscribe=true",
         f"train.epochs={EPOCHS[rule]}",
+        *EXTRA.get(rule, []),
         timeout=300,
     )
     assert run.returncode == 0, run.output
