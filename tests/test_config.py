@@ -242,8 +242,9 @@ def test_invalid_input_is_told_from_other_errors():
 def test_run_folders_of_one_second_never_collide(tmp_path, monkeypatch):
     """``${mpitrain_unique:...}`` makes the folder itself: DATE/TIME, then TIME-2, TIME-3 for the launchers
     started in the same second; one config reads the same folder however often it is resolved."""
-    from runner.config import unique_dir
+    from runner.config import register, unique_dir
 
+    register()
     monkeypatch.chdir(tmp_path)
     names = [unique_dir("outputs/2026-01-01/12-00-00") for _ in range(3)]
     assert names == [
@@ -262,6 +263,29 @@ def test_run_folders_of_one_second_never_collide(tmp_path, monkeypatch):
     assert (
         sweep.hydra.sweep.dir.startswith("outputs/multirun/") and (tmp_path / sweep.hydra.sweep.dir).is_dir()
     )
+
+
+def test_resume_and_eval_keep_the_run_folder_and_file_their_records_beside_it(tmp_path, monkeypatch):
+    from runner.config import register
+
+    register()
+    monkeypatch.chdir(tmp_path)
+    run = str(tmp_path / "outputs" / "old")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        resumed = compose(config_name="config", return_hydra_config=True, overrides=[f"resume={run}"])
+        evaluated = compose(config_name="config", return_hydra_config=True, overrides=[f"eval={run}"])
+        plain = compose(config_name="config", return_hydra_config=True)
+    assert resumed.hydra.run.dir == run and resumed.hydra.output_subdir.startswith(".hydra/resumed-")
+    assert evaluated.hydra.run.dir == run and evaluated.hydra.output_subdir.startswith(".hydra/eval-")
+    assert plain.hydra.run.dir != run and plain.hydra.output_subdir == ".hydra"
+
+
+def test_the_hydra_config_prints_resolved(tmp_path):
+    """Hydra prints its own node without the job's keys, which the run folder's interpolations read."""
+    argv = [sys.executable, "-m", "runner", "--cfg", "hydra", "--resolve"]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "output_subdir: .hydra\n" in proc.stdout and "dir: outputs/" in proc.stdout
 
 
 @pytest.mark.slow
