@@ -127,6 +127,9 @@ class Trainer:
             if self.recovery is not None and self.cfg.max_steps is None:  # survivors: longer epochs
                 steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
                 max_steps = pos.step - pos.batch + (epochs - epoch) * steps_per_epoch
+                if max_steps != self.schedule.total_steps:
+                    self.schedule.replan(max_steps)
+                    self.meter.replan(max_steps)
             sampler.set_epoch(epoch)
             sampler.start_at(pos.batch * self.cfg.batch_size * self.cfg.accumulate)
             self.model.train()

@@ -178,6 +178,13 @@ class Meter:
         if self.bar is not None:
             self.bar.update(step)
 
+    def replan(self, total_steps: int) -> None:
+        """The run will take ``total_steps`` steps after all (survivors of a lost worker: longer epochs)."""
+        self.total_steps = total_steps
+        if self.bar is not None:
+            self.bar.total = total_steps
+            self.bar.refresh()
+
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The batches of one epoch; the time waiting for each one counts as data wait."""
         if not self._resumed:

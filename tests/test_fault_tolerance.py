@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -87,6 +88,8 @@ def lost_once(run, rank: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
+    """With a cosine schedule: the survivors' longer epochs make the run longer than planned, and the rate
+    must still decay over the whole run (not sit at 0 past the planned end), the progress never past 100%."""
     run = run_cli(
         tmp_path / "run",
         *TOLERANT,
@@ -94,11 +97,19 @@ def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
         f"model.die_rank={die}",
         "model.die_at=20",
         "train.epochs=4",
+        "schedule=cosine",
+        "train.log_every=1",
+        "train.progress=true",
         timeout=240,
     )
     failure = lost_once(run, die)
     assert 15 <= failure["step"] <= 25, failure
     assert run.summary["final_val_acc"] >= 0.93, run.summary
+    lrs = [r["lr"] for r in run.records("step")]
+    assert len(lrs) > 48, "4 epochs of 12 steps, longer ones after the loss"
+    assert min(lrs) > 0 and lrs[-1] < 0.01 * lrs[0], lrs
+    shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+) \(", run.output)]
+    assert shown and all(step <= total for step, total in shown), shown
     if rule == ["rule=gosgd"]:
         assert abs(run.summary["weight_sum"] - 1) < 1e-12
         for record in run.records("epoch")[-3:]:

@@ -93,8 +93,9 @@ def test_rank_env_passes_the_launchers_terminal(monkeypatch):
     assert env[TTY_ENV] == "0" and COLUMNS_ENV not in env
 
 
-def run_meter(monkeypatch, tty: str | None, steps: int = 12, **kwargs) -> tuple[str, str]:
-    """What a Meter of ``steps`` steps writes to its terminal and its log file, with an echoed line."""
+def run_meter(monkeypatch, tty: str | None, steps: int = 12, longer: int = 0, **kwargs) -> tuple[str, str]:
+    """What a Meter of ``steps`` steps writes to its terminal and its log file, with an echoed line; with
+    ``longer``, the second epoch has that many more steps, told to the meter before it starts."""
     if tty is None:
         monkeypatch.delenv(TTY_ENV, raising=False)
     else:
@@ -104,7 +105,10 @@ def run_meter(monkeypatch, tty: str | None, steps: int = 12, **kwargs) -> tuple[
     log = SimpleNamespace(write=lambda *a, **k: None)
     meter = Meter(CommStats(), 2, steps, log, log_every=5, terminal=terminal, log_file=log_file, **kwargs)
     for epoch in range(2):
-        for step, _ in enumerate(meter.batches(range(steps // 2)), start=epoch * steps // 2 + 1):
+        if epoch == 1 and longer:
+            meter.replan(steps + longer)
+        batches = range(steps // 2 + (longer if epoch == 1 else 0))
+        for step, _ in enumerate(meter.batches(batches), start=epoch * steps // 2 + 1):
             meter.step_done(step, epoch, 0.5, 8, 0.1)
         meter.epoch_done()
         meter.echo(f"epoch {epoch}: val_acc 0.5")
@@ -122,6 +126,14 @@ def test_bar_draws_with_carriage_returns_at_the_launchers_width(monkeypatch):
     assert "samples/s" in last and "ETA" in last
     assert "epoch 0: val_acc 0.5\n" in out and "epoch 1: val_acc 0.5\n" in out
     assert log == "epoch 0: val_acc 0.5\nepoch 1: val_acc 0.5\n", "the log gets the echoed lines, no bar"
+
+
+@pytest.mark.parametrize("tty", ["1", "0"])
+def test_a_longer_run_than_planned_is_shown_against_its_new_length(monkeypatch, tty):
+    """Survivors of a lost worker run longer epochs: the bar and the lines count against the new total."""
+    out, _ = run_meter(monkeypatch, tty, longer=4, line_every_s=0.0)
+    shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+)", out)]
+    assert shown[-1] == (16, 16) and all(step <= total for step, total in shown), shown
 
 
 def test_lines_when_not_a_terminal(monkeypatch):

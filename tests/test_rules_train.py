@@ -8,12 +8,13 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
-#: Epochs (and options) per rule: the synchronous and gossip rules pass 0.95 by their 4th (measured).
-#: ASGD's stale updates at a constant rate swing it between 0.80 and 0.99 from epoch to epoch (0.86 after
-#: 10 epochs, seen in a full run), so it decays its rate as Downpour did: with a cosine schedule it ended at
-#: 0.994 in 3 of 3 runs of 8 epochs. DiLoCo needs its rounds.
+#: Epochs (and options) per rule: the synchronous rules pass 0.95 by their 4th (measured). The asynchronous
+#: ones swing from epoch to epoch at a constant rate (ASGD's stale updates between 0.80 and 0.99, 0.86 after
+#: 10 epochs in one full run; GoSGD's 5th epoch 0.939-0.953 in 4 runs, against the bar of 0.93), so they
+#: decay it: with a cosine schedule ASGD ended at 0.994 in 3 of 3 runs of 8 epochs, GoSGD at 0.969-0.972 in
+#: 3 runs of 5. DiLoCo needs its rounds.
 EPOCHS = {"bsp": 5, "easgd": 5, "gosgd": 5, "asgd": 8, "diloco": 10}
-EXTRA = {"asgd": ["schedule=cosine"]}
+EXTRA = {"asgd": ["schedule=cosine"], "gosgd": ["schedule=cosine"]}
 
 
 @pytest.mark.parametrize("rule", list(EPOCHS))

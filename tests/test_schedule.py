@@ -111,6 +111,19 @@ def test_rate_depends_on_the_step_alone():
     assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in first.optimizer.param_groups]
 
 
+def test_a_replanned_run_decays_over_its_new_length():
+    """Survivors of a lost worker run longer: from the replan on, the rate is the schedule's over the new
+    length (before it, the old length's), so it does not sit at the floor past the planned end."""
+    cfg = CosineConfig()
+    schedule = cfg.build(optimizer(), TOTAL)
+    assert schedule.lr(TOTAL + 10) == [0.0] * len(LRS), "past its end a schedule stays at its floor"
+    schedule.replan(TOTAL + 20)
+    for s in (0, TOTAL, TOTAL + 10, TOTAL + 19):
+        expected = [lr * cfg.factor(s, TOTAL + 20) for lr in LRS]
+        assert schedule.lr(s) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert 0 < schedule.lr(TOTAL + 19)[0] < 0.01 * LRS[0]
+
+
 @pytest.mark.parametrize(
     "total,pct_start,div,final_div",
     [

@@ -103,6 +103,12 @@ class Schedule:
         assert math.isfinite(factor), f"learning-rate factor {factor} at step {step}"
         return [lr * factor for lr in self.initial_lrs]
 
+    def replan(self, total_steps: int) -> None:
+        """The run's length changed (survivors of a lost worker share its data, so their later epochs are
+        longer): the schedule spans the new length from now on, and its rate may step once here."""
+        assert total_steps >= 1, f"total_steps={total_steps}: a run has at least one optimizer step"
+        self.total_steps = total_steps
+
     def apply(self, step: int) -> None:
         """Set the learning rates for optimizer step ``step``; call it before that step."""
         for group, lr in zip(self.optimizer.param_groups, self.lr(step), strict=True):
