@@ -2,7 +2,7 @@
 
 ``train`` (and optionally ``val``) name a ``torch.utils.data.Dataset`` class, or any callable that returns a
 data set or a ``(train, val)`` pair, with its keyword arguments as the node's other keys
-(``+data.train.root=/data/reviews``); each rank calls it through Hydra's ``instantiate``. Without a validation
+(``+data.train.root=/data/reviews``); each rank calls it (:class:`runner.target.Target`). Without a validation
 set, ``val_fraction`` of the training set is held out, drawn with ``split_seed``: the same samples on every
 rank and in every run. The rank then treats the data sets like the runner's own
 (:class:`runner.data.base.ClassificationData`): sharded by ``ShardSampler``, loaded by ``workers`` background
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def check_target(key: str, node: Mapping[str, Any]) -> None:
     """``node[_target_]`` is a dotted path to a class or function whose module can be found from here (without
     importing it): :meth:`runner.target.Target.of`'s check, for ``key`` of ``data``."""
-    Target.of(key, node)
+    Target.of(key, node, "data")
 
 
 def describe(obj: Any) -> str:
@@ -134,19 +134,14 @@ class DatasetConfig(DataConfig):
         return f"data.{key}.{TARGET}={getattr(self, key)[TARGET]}"
 
     def call(self, key: str) -> Any:
-        """What ``data.<key>._target_`` returns, called with the node's other keys as plain values."""
-        from hydra.errors import InstantiationException
-        from hydra.utils import instantiate
-
-        node = getattr(self, key)
+        """What ``data.<key>._target_`` returns, called with the node's other keys (nested ``_target_`` nodes
+        built first: :meth:`runner.target.Target.kwargs`); what it raises is named with the key."""
+        target = Target.of(f"data.{key}", getattr(self, key))
+        call = target.checked()
         try:
-            return instantiate({"_convert_": "all", **node})
-        except InstantiationException as err:
-            cause = err.__cause__ or err
-            hint = ""
-            if isinstance(cause, TypeError):
-                hint = f"; give its arguments as +data.{key}.NAME=VALUE, drop one with ~data.{key}.NAME"
-            raise ValueError(f"{self.named(key)} failed: {type(cause).__name__}: {cause}{hint}") from err
+            return call(**target.kwargs())
+        except Exception as err:
+            raise ValueError(f"{self.named(key)} failed: {type(err).__name__}: {err}") from err
 
     def datasets(self) -> tuple[Dataset, Dataset, str]:
         """The training and validation sets, and the key that made the training set (for messages)."""

@@ -1,12 +1,14 @@
 """Options given by their class: ``{_target_: my_project.models.Net, width: 64}``.
 
 ``model=custom model._target_=my_project.models.Net`` (``conf/model/custom.yaml``) takes any importable
-``torch.nn.Module``, ``optim=custom optim._target_=torch.optim.RMSprop`` any optimizer, and
-``task.loss._target_=...`` any loss. Such a node has no schema: its other keys are the class's keyword
-arguments (``+model.width=64`` on the command line, or a YAML file of the user's project). The launcher checks
-that the module can be found without importing it (nor its packages: ``torch.nn.HuberLoss`` does not import
-torch); the rank that builds the object names the key of an
-argument the class does not take.
+``torch.nn.Module``, ``optim=custom optim._target_=torch.optim.RMSprop`` any optimizer,
+``task.loss._target_=...`` any loss, and ``data=dataset data.train._target_=...`` any data set. Such a node
+has no schema: its other keys are the class's keyword arguments (``+model.width=64`` on the command line, or a
+YAML file of the user's project); an argument that is itself a node with a ``_target_`` (``model.act:
+{_target_: torch.nn.GELU}``) is built first and passed as the object, as Hydra's ``instantiate`` does. The
+launcher checks that every module named can be found without importing it (nor its packages:
+``torch.nn.HuberLoss`` does not import torch); the rank that builds the object names the key of an argument
+the class does not take.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 TARGET = "_target_"
+#: Hydra's other instantiation keys: not read here, so refused rather than passed to the class.
+HYDRA_KEYS = ("_args_", "_partial_", "_recursive_", "_convert_")
 
 
 @dataclass
@@ -35,10 +39,11 @@ class Target:
     def of(cls, key: str, node: Any, group: str = "") -> Target:
         """Check the node at ``key`` (of ``group``, which the caller's error handling names) and make it a
         Target; ValueError names the key and the fix."""
+        full = f"{group}.{key}" if group else key
         if not isinstance(node, Mapping) or TARGET not in node:
             raise ValueError(
                 f"{key}={node!r} is invalid: give a class with its arguments, e.g. "
-                f"{key}={{_target_: my_project.module.Class}}"
+                f"{full}={{_target_: my_project.module.Class}}"
             )
         path, args = node[TARGET], {k: v for k, v in node.items() if k != TARGET}
         if not isinstance(path, str) or "." not in path or not all(path.split(".")):
@@ -54,7 +59,15 @@ class Target:
             )
         if not rest:
             raise ValueError(f"{key}._target_={path} is a module: name a class in it")
-        return cls(f"{group}.{key}" if group else key, path, args)
+        for name in HYDRA_KEYS:
+            if name in args:
+                raise ValueError(
+                    f"{key}.{name} is not supported: the node's other keys are {path}'s keyword arguments; "
+                    f"drop it (~{full}.{name}), or name a function of your project that returns the object"
+                )
+        for name, value in nested(args):
+            Target.of(f"{key}.{name}", value, group)
+        return cls(full, path, args)
 
     def locate(self) -> Any:
         """The class: the longest prefix of the path that is a module, then its attributes
@@ -73,21 +86,28 @@ class Target:
     def build(self, *args: Any) -> Any:
         """Call the class with ``args`` (such as an optimizer's parameters) and the node's keyword arguments.
         An argument it does not take, or one it needs and was not given, is a ValueError naming the key."""
+        return self.checked(*args)(*args, **self.kwargs())
+
+    def checked(self, *args: Any) -> Any:
+        """The class, once known to take ``args`` and the node's keys (else a ValueError naming them)."""
         target = self.locate()
         try:
             signature = inspect.signature(target)
         except (TypeError, ValueError):
-            signature = None
-        if signature is not None:
-            try:
-                signature.bind(*args, **self.args)
-            except TypeError as err:
-                keys = ", ".join(f"{self.key}.{k}" for k in self.args) or "none"
-                raise ValueError(
-                    f"{self.key}._target_={self.path} cannot be called with the keys given ({keys}): {err}; "
-                    f"add or remove arguments with +{self.key}.NAME=VALUE / ~{self.key}.NAME"
-                ) from None
-        return target(*args, **self.args)
+            return target
+        try:
+            signature.bind(*args, **self.args)
+        except TypeError as err:
+            keys = ", ".join(f"{self.key}.{k}" for k in self.args) or "none"
+            raise ValueError(
+                f"{self.key}._target_={self.path} cannot be called with the keys given ({keys}): {err}; "
+                f"add or remove arguments with +{self.key}.NAME=VALUE / ~{self.key}.NAME"
+            ) from None
+        return target
+
+    def kwargs(self) -> dict[str, Any]:
+        """The node's keyword arguments as the class receives them (nested ``_target_`` nodes built)."""
+        return {k: built(f"{self.key}.{k}", v) for k, v in self.args.items()}
 
     def __str__(self) -> str:
         return self.path
@@ -112,6 +132,31 @@ def find_module(path: str) -> tuple[str, str, bool]:
             break
         spec, found = sub, found + 1
     return ".".join(parts[:found]), ".".join(parts[found:]), spec.submodule_search_locations is not None
+
+
+def nested(value: Any, prefix: str = "") -> list[tuple[str, Mapping[str, Any]]]:
+    """The nodes with a ``_target_`` inside the arguments ``value``, with their keys relative to it
+    (``act``, ``layers.0``); not those inside such a node (its own check finds them)."""
+    if isinstance(value, Mapping):
+        if prefix and TARGET in value:
+            return [(prefix, value)]
+        items = value.items()
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = enumerate(value)
+    else:
+        return []
+    return [found for k, v in items for found in nested(v, f"{prefix}.{k}" if prefix else str(k))]
+
+
+def built(key: str, value: Any) -> Any:
+    """An argument as the class receives it: nodes with a ``_target_`` built, config containers plain."""
+    if isinstance(value, Mapping):
+        if TARGET in value:
+            return Target.of(key, value).build()
+        return {k: built(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [built(f"{key}.{i}", v) for i, v in enumerate(value)]
+    return value
 
 
 def of_node(key: str, node: Any) -> Any:

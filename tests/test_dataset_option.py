@@ -43,6 +43,8 @@ TRAIN = f"data.train._target_={BLOBS}"
         (["data.train._target_=tests.plain_data"], r"tests\.plain_data is a module: name a class"),
         ([TRAIN, "data.val._target_=nowhere.Val"], r"data\.val\._target_=.*no module 'nowhere'"),
         ([TRAIN, "+data.val.size=3"], r"data\.val\._target_=None is invalid"),
+        ([TRAIN, "+data.train.base={_target_: nowhere.Set}"], r"data\.train\.base\._target_=.*no module"),
+        ([TRAIN, "+data.train._partial_=true"], r"data\.train\._partial_ is not supported.*~data\.train"),
         ([TRAIN, "data.val_fraction=1.5"], r"data\.val_fraction=1\.5.*\(0, 1\)"),
         ([TRAIN, "data.val_fraction=0"], r"data\.val_fraction=0"),
         ([TRAIN, "data.workers=-1"], r"data\.workers=-1.*null to decide by the cores"),
@@ -95,6 +97,17 @@ def test_what_the_built_data_set_tells():
     assert len(given.train) == 256 and len(given.val) == 7
 
 
+def test_a_node_with_a_target_inside_the_arguments_is_built_first():
+    """As with Hydra's instantiate: a torch Subset of the plain data set, both named by their class."""
+    inner = {"_target_": BLOBS, "size": 40, "seed": 5}
+    data = DatasetConfig(
+        train={"_target_": "torch.utils.data.Subset", "dataset": inner, "indices": list(range(30))}, workers=0
+    ).build()
+    assert len(data.train) + len(data.val) == 30 and data.num_classes == 3, "the classes seen through Subset"
+    x, y = data.train[0]
+    assert x.shape == (4,) and 0 <= y < 3
+
+
 def plain(name: str, **kwargs) -> dict:
     return {"_target_": f"tests.plain_data.{name}", **kwargs}
 
@@ -105,7 +118,8 @@ def plain(name: str, **kwargs) -> dict:
         ({"train": plain("Records")}, r"data\.train\._target_=.*Records: .*sample 0 is a dict with keys"),
         ({"train": plain("Points")}, r"data\.train\._target_=.*Points: .*sample 0 is a Tensor of shape"),
         ({"train": plain("nothing")}, r"data\.train\._target_=.*nothing returned a builtins\.int"),
-        ({"train": plain("Blobs", colour=1)}, r"Blobs failed: TypeError: .*colour.*~data\.train\.NAME"),
+        ({"train": plain("Blobs", colour=1)}, r"Blobs cannot be called .*train\.colour.*~data\.train\.NAME"),
+        ({"train": plain("Blobs", size=-1)}, r"data\.train\._target_=.*Blobs failed: RuntimeError"),
         ({"train": plain("Blobs"), "shape": [5]}, r"data\.shape=\[5\] .*inputs of shape \[4\].*=\[4\]"),
         ({"train": plain("Blobs"), "num_classes": 5}, r"data\.num_classes=5 .*has 3 classes"),
         (

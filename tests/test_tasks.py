@@ -113,6 +113,34 @@ def test_a_model_and_an_optimizer_given_by_their_class():
         checked_config(["+model._target_=torch.nn.Linear"])  # the CNN's keys would come along
 
 
+def test_an_argument_given_by_its_class_is_built_first_and_checked_before_launch():
+    """A model's module argument as a node with its own ``_target_``, in a dict and in a list too."""
+    linear = ["model=custom", "model._target_=torch.nn.Sequential"]
+    cfg = checked_config(
+        ["model=custom", "model._target_=torch.nn.TransformerEncoderLayer", "+model.d_model=8"]
+        + ["+model.nhead=2", "+model.activation={_target_: torch.nn.GELU, approximate: tanh}"]
+    )
+    layer = cfg.model.build()
+    assert isinstance(layer.activation, torch.nn.GELU) and layer.activation.approximate == "tanh"
+    sizes = Target.of("x", {"_target_": "builtins.dict", "parts": [1, {"_target_": "fractions.Fraction"}]})
+    assert sizes.build() == {"parts": [1, 0]}
+    with pytest.raises(ValueError, match=r"model\.activation\._target_=nowhere\.Act: no module 'nowhere'"):
+        checked_config([*linear, "+model.activation={_target_: nowhere.Act}"])
+    modules = [
+        "model=custom",
+        "model._target_=torch.nn.ModuleList",
+        "+model.modules=[{_target_: torch.nn.ReLU}]",
+    ]
+    assert isinstance(checked_config(modules).model.build()[0], torch.nn.ReLU)
+    typo = checked_config(
+        [*modules[:2], "+model.modules=[{_target_: torch.nn.ReLU}, {_target_: torch.nn.Relu}]"]
+    )
+    with pytest.raises(ValueError, match=r"model\.modules\.1\._target_=torch\.nn\.Relu: torch\.nn has no"):
+        typo.model.build()  # its module exists (checked before launch); the rank looks the class up
+    with pytest.raises(ValueError, match=r"model\._partial_ is not supported.*~model\._partial_"):
+        checked_config([*linear, "+model._partial_=true"])
+
+
 def test_monitor_must_be_a_metric_of_the_task_and_fp16_a_gpu_job():
     assert checked_config(["task=regression", "train.monitor=val_mae"]).train.monitor == "val_mae"
     with pytest.raises(ValueError, match="train.monitor='val_mae'.*classification reports val_acc, val_loss"):
