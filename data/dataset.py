@@ -135,13 +135,8 @@ class DatasetConfig(DataConfig):
 
     def call(self, key: str) -> Any:
         """What ``data.<key>._target_`` returns, called with the node's other keys (nested ``_target_`` nodes
-        built first: :meth:`runner.target.Target.kwargs`); what it raises is named with the key."""
-        target = Target.of(f"data.{key}", getattr(self, key))
-        call = target.checked()
-        try:
-            return call(**target.kwargs())
-        except Exception as err:
-            raise ValueError(f"{self.named(key)} failed: {type(err).__name__}: {err}") from err
+        built first); what it raises is named with its key (:meth:`runner.target.Target.build_named`)."""
+        return Target.of(f"data.{key}", getattr(self, key)).build_named()
 
     def datasets(self) -> tuple[Dataset, Dataset, str]:
         """The training and validation sets, and the key that made the training set (for messages)."""

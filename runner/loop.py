@@ -124,9 +124,10 @@ class Trainer:
             pos.epoch = epoch
             plan = self.shard_plan if epoch == start.epoch and self.shard_plan else None
             sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
-            if self.recovery is not None and self.cfg.max_steps is None:  # survivors: longer epochs
+            if self.recovery is not None:  # survivors: longer epochs
                 steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
-                max_steps = pos.step - pos.batch + (epochs - epoch) * steps_per_epoch
+                ahead = pos.step - pos.batch + (epochs - epoch) * steps_per_epoch
+                max_steps = min(ahead, self.cfg.max_steps or ahead)
                 if max_steps != self.schedule.total_steps:
                     self.schedule.replan(max_steps)
                     self.meter.replan(max_steps)

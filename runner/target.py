@@ -88,6 +88,15 @@ class Target:
         An argument it does not take, or one it needs and was not given, is a ValueError naming the key."""
         return self.checked(*args)(*args, **self.kwargs())
 
+    def build_named(self, *args: Any) -> Any:
+        """:meth:`build`, with what the class raises re-raised as a ValueError naming the key (for data sets
+        and nested arguments, whose traceback would not say which key made them)."""
+        call, kwargs = self.checked(*args), self.kwargs()
+        try:
+            return call(*args, **kwargs)
+        except Exception as err:
+            raise ValueError(f"{self.key}._target_={self.path} failed: {type(err).__name__}: {err}") from err
+
     def checked(self, *args: Any) -> Any:
         """The class, once known to take ``args`` and the node's keys (else a ValueError naming them)."""
         target = self.locate()
@@ -152,7 +161,7 @@ def built(key: str, value: Any) -> Any:
     """An argument as the class receives it: nodes with a ``_target_`` built, config containers plain."""
     if isinstance(value, Mapping):
         if TARGET in value:
-            return Target.of(key, value).build()
+            return Target.of(key, value).build_named()
         return {k: built(f"{key}.{k}", v) for k, v in value.items()}
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [built(f"{key}.{i}", v) for i, v in enumerate(value)]

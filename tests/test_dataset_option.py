@@ -15,6 +15,7 @@ from runner.data.dataset import DatasetConfig
 from tests.conftest import checked_config
 
 BLOBS = "tests.plain_data.Blobs"
+SUBSET = "torch.utils.data.Subset"
 MLP = ["model=mlp", "data=dataset", "data.shape=[4]", "data.num_classes=3"]
 
 
@@ -101,7 +102,7 @@ def test_a_node_with_a_target_inside_the_arguments_is_built_first():
     """As with Hydra's instantiate: a torch Subset of the plain data set, both named by their class."""
     inner = {"_target_": BLOBS, "size": 40, "seed": 5}
     data = DatasetConfig(
-        train={"_target_": "torch.utils.data.Subset", "dataset": inner, "indices": list(range(30))}, workers=0
+        train={"_target_": SUBSET, "dataset": inner, "indices": list(range(30))}, workers=0
     ).build()
     assert len(data.train) + len(data.val) == 30 and data.num_classes == 3, "the classes seen through Subset"
     x, y = data.train[0]
@@ -120,6 +121,16 @@ def plain(name: str, **kwargs) -> dict:
         ({"train": plain("nothing")}, r"data\.train\._target_=.*nothing returned a builtins\.int"),
         ({"train": plain("Blobs", colour=1)}, r"Blobs cannot be called .*train\.colour.*~data\.train\.NAME"),
         ({"train": plain("Blobs", size=-1)}, r"data\.train\._target_=.*Blobs failed: RuntimeError"),
+        (
+            {
+                "train": {
+                    "_target_": "torch.utils.data.Subset",
+                    "dataset": plain("Blobs", size=-1),
+                    "indices": [0],
+                }
+            },
+            r"data\.train\.dataset\._target_=tests\.plain_data\.Blobs failed: RuntimeError",
+        ),
         ({"train": plain("Blobs"), "shape": [5]}, r"data\.shape=\[5\] .*inputs of shape \[4\].*=\[4\]"),
         ({"train": plain("Blobs"), "num_classes": 5}, r"data\.num_classes=5 .*has 3 classes"),
         (
