@@ -17,7 +17,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,8 @@ class Target:
                     f"{key}.{name} is not supported: the node's other keys are {path}'s keyword arguments; "
                     f"drop it (~{full}.{name}), or name a function of your project that returns the object"
                 )
-        for name, value in nested(args):
-            Target.of(f"{key}.{name}", value, group)
+        for name, value in args.items():
+            resolved(f"{key}.{name}", value, lambda at, node: Target.of(at, node, group))
         return cls(full, path, args)
 
     def locate(self) -> Any:
@@ -116,7 +116,8 @@ class Target:
 
     def kwargs(self) -> dict[str, Any]:
         """The node's keyword arguments as the class receives them (nested ``_target_`` nodes built)."""
-        return {k: built(f"{self.key}.{k}", v) for k, v in self.args.items()}
+        build = lambda at, node: Target.of(at, node).build_named()  # noqa: E731
+        return {k: resolved(f"{self.key}.{k}", v, build) for k, v in self.args.items()}
 
     def __str__(self) -> str:
         return self.path
@@ -143,28 +144,15 @@ def find_module(path: str) -> tuple[str, str, bool]:
     return ".".join(parts[:found]), ".".join(parts[found:]), spec.submodule_search_locations is not None
 
 
-def nested(value: Any, prefix: str = "") -> list[tuple[str, Mapping[str, Any]]]:
-    """The nodes with a ``_target_`` inside the arguments ``value``, with their keys relative to it
-    (``act``, ``layers.0``); not those inside such a node (its own check finds them)."""
-    if isinstance(value, Mapping):
-        if prefix and TARGET in value:
-            return [(prefix, value)]
-        items = value.items()
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        items = enumerate(value)
-    else:
-        return []
-    return [found for k, v in items for found in nested(v, f"{prefix}.{k}" if prefix else str(k))]
-
-
-def built(key: str, value: Any) -> Any:
-    """An argument as the class receives it: nodes with a ``_target_`` built, config containers plain."""
+def resolved(key: str, value: Any, target: Callable[[str, Mapping[str, Any]], Any]) -> Any:
+    """The argument ``value`` at ``key`` with each node that has a ``_target_`` (at any depth of dicts and
+    lists, not inside such a node) replaced by ``target(its key, the node)``, config containers made plain."""
     if isinstance(value, Mapping):
         if TARGET in value:
-            return Target.of(key, value).build_named()
-        return {k: built(f"{key}.{k}", v) for k, v in value.items()}
+            return target(key, value)
+        return {k: resolved(f"{key}.{k}", v, target) for k, v in value.items()}
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [built(f"{key}.{i}", v) for i, v in enumerate(value)]
+        return [resolved(f"{key}.{i}", v, target) for i, v in enumerate(value)]
     return value
 
 
