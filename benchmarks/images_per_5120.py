@@ -86,7 +86,8 @@ def plain(model: str, args: argparse.Namespace) -> float:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from runner.config import register, validate
+    from runner.launcher.register import register
+    from runner.schema.config import validate
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -4,8 +4,8 @@
     python benchmarks/precision.py --device cpu --models cnn --batch 32
     python benchmarks/precision.py --models resnet18 resnet50 --size 64 --batch 128
 
-Each step is what ``runner.loop.Trainer`` does per micro-batch with one rank: forward and loss under
-``runner.evaluate.autocast``, backward (fp16: through ``torch.amp.GradScaler``, unscaled before the
+Each step is what ``runner.rank.loop.Trainer`` does per micro-batch with one rank: forward and loss under
+``runner.rank.validation.autocast``, backward (fp16: through ``torch.amp.GradScaler``, unscaled before the
 optimizer step as the loop does), SGD step. Inputs are fixed random batches on the device (no data loading).
 Per model, ``--rounds`` rounds run every precision for ``--warmup`` then ``--steps`` timed steps, in an order
 rotated every round; the table gives medians of ms per step, the ratio to fp32 of the same round (median
@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.evaluate import autocast  # noqa: E402
 from runner.models.cnn import CNNConfig  # noqa: E402
 from runner.models.resnet import ResNetConfig  # noqa: E402
-from runner.sections import PRECISIONS  # noqa: E402
+from runner.rank.validation import autocast  # noqa: E402
+from runner.schema.sections import PRECISIONS  # noqa: E402
 
 MODELS = {
     "cnn": lambda shape, classes: CNNConfig(shape, classes),

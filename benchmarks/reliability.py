@@ -5,7 +5,7 @@
 
 For each model: the median time of a plain training step (forward, backward, SGD with momentum), then of
 what the runner adds to every step, as a fraction of it: the divergence guard (the gradients' total norm
-and two finiteness checks) and the loss poisoning (``runner.guard.poisoned``); then the time to write one
+and two finiteness checks) and the loss poisoning (``runner.rank.guard.poisoned``); then the time to write one
 rank's checkpoint part (model, optimizer, random states; ``torch.save`` to a temporary file, fsync and
 rename), with its size and rate, which a run pays every ``checkpoint.every`` steps.
 """
@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runner.checkpoint import rng_state, save_atomic  # noqa: E402
-from runner.guard import poisoned  # noqa: E402
+from runner.rank.checkpoint import rng_state, save_atomic  # noqa: E402
+from runner.rank.guard import poisoned  # noqa: E402
 from tests.conftest import checked_config  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Training-step throughput: our BSP step (``runner.loop.Trainer.step``) against PyTorch's
+"""Training-step throughput: our BSP step (``runner.rank.loop.Trainer.step``) against PyTorch's
 ``DistributedDataParallel`` over gloo, on the same model, data and per-rank batch.
 
     python benchmarks/step_vs_ddp.py                            # 2 ranks, MLP, CNN and ResNet-18
@@ -87,10 +87,10 @@ class Ours:
     def __init__(self, cfg, comm, batches, batch: int, overlap: str, bucket_mb: float | None):
         import torch
 
-        from runner.loop import Position, Trainer, broadcast_state
+        from runner.rank.loop import Position, Trainer, broadcast_state
         from runner.rules.base import RuleContext
         from runner.rules.bsp import BSPConfig
-        from runner.sections import TrainConfig
+        from runner.schema.sections import TrainConfig
 
         torch.manual_seed(SEED)
         self.model = cfg.build()

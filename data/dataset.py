@@ -2,9 +2,9 @@
 
 ``train`` (and optionally ``val``) name a ``torch.utils.data.Dataset`` class, or any callable that returns a
 data set or a ``(train, val)`` pair, with its keyword arguments as the node's other keys
-(``+data.train.root=/data/reviews``); each rank calls it (:class:`runner.target.Target`). Without a validation
-set, ``val_fraction`` of the training set is held out, drawn with ``split_seed``: the same samples on every
-rank and in every run. The rank then treats the data sets like the runner's own
+(``+data.train.root=/data/reviews``); each rank calls it (:class:`runner.schema.target.Target`). Without a
+validation set, ``val_fraction`` of the training set is held out, drawn with ``split_seed``: the same samples
+on every rank and in every run. The rank then treats the data sets like the runner's own
 (:class:`runner.data.base.ClassificationData`): sharded by ``ShardSampler``, loaded by ``workers`` background
 processes.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import MISSING
 
 from runner.schema import DataConfig, require
-from runner.target import TARGET, Target
+from runner.schema.target import TARGET, Target
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def check_target(key: str, node: Mapping[str, Any]) -> None:
     """``node[_target_]`` is a dotted path to a class or function whose module can be found from here (without
-    importing it): :meth:`runner.target.Target.of`'s check, for ``key`` of ``data``."""
+    importing it): :meth:`runner.schema.target.Target.of`'s check, for ``key`` of ``data``."""
     Target.of(key, node, "data")
 
 
@@ -135,7 +135,8 @@ class DatasetConfig(DataConfig):
 
     def call(self, key: str) -> Any:
         """What ``data.<key>._target_`` returns, called with the node's other keys (nested ``_target_`` nodes
-        built first); what it raises is named with its key (:meth:`runner.target.Target.build_named`)."""
+        built first); what it raises is named with its key
+        (:meth:`runner.schema.target.Target.build_named`)."""
         return Target.of(f"data.{key}", getattr(self, key)).build_named()
 
     def datasets(self) -> tuple[Dataset, Dataset, str]:

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from runner.comm import init, wait_all
+from runner.comm.mpi import init, wait_all
 
 
 def odd(values: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def odd(values: torch.Tensor) -> torch.Tensor:
 
 
 def check_wire(c, dev: torch.device, wire: torch.dtype) -> None:
-    """16-bit exchange (runner/wire.py) over real MPI: sums in float32 of 16-bit contributions, the same
+    """16-bit exchange (runner/comm/wire.py) over real MPI: sums in float32 of 16-bit contributions, the same
     bits on every rank, half the bytes, and point-to-point messages widened on receipt; 1001 values, so
     the all-to-all's chunks are padded whenever 1001 is not a multiple of the ranks."""
     r, n = c.rank, c.size

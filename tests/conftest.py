@@ -84,7 +84,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()):
     """The config ``python -m runner OVERRIDES`` would compose (not yet checked: see ``checked_config``)."""
     from hydra import compose, initialize_config_dir
 
-    from runner.config import register
+    from runner.launcher.register import register
 
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -92,8 +92,8 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()):
 
 
 def checked_config(overrides: list[str] | tuple[str, ...] = ()):
-    """The composed config as checked schema objects (``runner.config.validate``)."""
-    from runner.config import validate
+    """The composed config as checked schema objects (``runner.schema.config.validate``)."""
+    from runner.schema.config import validate
 
     return validate(compose_config(overrides))
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from runner import wire as wire_ops
 from runner.comm import ANY_SOURCE, ANY_TAG, CommStats  # imports mpi4py without initialising MPI
+from runner.comm import wire as wire_ops
 
 _REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sum": lambda s: s.double().sum(0),
@@ -216,7 +216,7 @@ class FakeComm:
         """Nothing to prepare in-process."""
 
     def allreduce(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None) -> torch.Tensor:
-        """With ``wire``, runner/wire.py's 16-bit algorithm itself, over this fake's all-to-all and
+        """With ``wire``, runner/comm/wire.py's 16-bit algorithm itself, over this fake's all-to-all and
         all-gather."""
         if wire is not None and self.size > 1:
             with torch.no_grad():

@@ -34,7 +34,7 @@ def test_core_binding_one_rank_per_core():
     assert a[:3] == ["mpirun", "-n", "2"]
     assert flag_value(a, "--map-by") == "core" and flag_value(a, "--bind-to") == "core"
     assert "--report-bindings" in a and "--oversubscribe" not in a
-    assert a[-4:] == ["python", "-m", "runner.worker", "/run"]
+    assert a[-4:] == ["python", "-m", "runner.rank.worker", "/run"]
     assert "OMP_NUM_THREADS=1" in a
 
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from runner.checkpoint import Checkpointer, Control, load_part, read_index, rng_state, set_rng_state
 from runner.data.base import ClassificationData, TensorData
-from runner.heartbeat import Heartbeat
-from runner.metrics import dumps
-from runner.rank_output import root_cause
+from runner.rank.checkpoint import Checkpointer, Control, load_part, read_index, rng_state, set_rng_state
+from runner.rank.heartbeat import Heartbeat
+from runner.rank.metrics import dumps
+from runner.rank.output import root_cause
 from runner.rules.asgd import ASGDConfig
 from runner.rules.easgd import EASGDConfig
 from runner.rules.gosgd import GoSGDConfig
-from runner.sections import CheckpointConfig
+from runner.schema.sections import CheckpointConfig
 from tests.fakecomm import FakeWorld
 from tests.test_rules_math import batch, build, mlp, params, sgd
 

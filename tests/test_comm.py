@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.flat import FlatTensors
+from runner.comm.flat import FlatTensors
 from tests.conftest import ROOT, mpirun_argv
 
 
@@ -69,8 +69,8 @@ def test_flat_tensors_group_by_dtype():
 def test_cuda_awareness_is_read_from_the_mpi_library(monkeypatch):
     """Detection agrees with what ``ompi_info`` says the library was built with; the env override wins."""
     import runner.comm  # noqa: F401  (loads the MPI library, which the detection looks for)
+    from runner.comm.staging import CUDA_AWARE_ENV, cuda_aware_mpi
     from runner.hardware.mpirun import find_mpirun, mpi_flavor
-    from runner.staging import CUDA_AWARE_ENV, cuda_aware_mpi
 
     monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
     mpirun = find_mpirun(None)
@@ -91,7 +91,7 @@ def test_cuda_awareness_is_read_from_the_mpi_library(monkeypatch):
 
 
 def test_pinned_staging_buffers_are_reused_per_tensor_and_bounded():
-    from runner.staging import HostBuffers, Staged
+    from runner.comm.staging import HostBuffers, Staged
 
     pool = HostBuffers(capacity=2)
     a, b, c = torch.arange(4.0), torch.arange(6.0), torch.ones(3, dtype=torch.float64)

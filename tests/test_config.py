@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from runner.config import validate
+from runner.schema.config import validate
 from tests.conftest import CONF, ROOT, compose_config
 
 
@@ -165,8 +165,9 @@ def test_checked_config_holds_the_schema_objects():
 IMPORTS = """
 import sys
 from hydra import compose, initialize_config_dir
-from runner.config import register, validate
-import runner.launch
+from runner.launcher.register import register
+from runner.schema.config import validate
+import runner.launcher.launch
 register()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     for rule in ("bsp", "easgd", "gosgd", "asgd", "diloco"):
@@ -229,7 +230,7 @@ def test_invalid_input_is_told_from_other_errors():
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf.errors import InterpolationResolutionError
 
-    from runner.__main__ import invalid_input
+    from runner.launcher.cli import invalid_input
 
     assert invalid_input(ConfigCompositionException("x")) and invalid_input(MissingConfigException("x"))
     assert invalid_input(ValidationError("x")) and invalid_input(ValueError("x"))
@@ -242,7 +243,7 @@ def test_invalid_input_is_told_from_other_errors():
 def test_run_folders_of_one_second_never_collide(tmp_path, monkeypatch):
     """``${mpitrain_unique:...}`` makes the folder itself: DATE/TIME, then TIME-2, TIME-3 for the launchers
     started in the same second; one config reads the same folder however often it is resolved."""
-    from runner.config import register, unique_dir
+    from runner.launcher.register import register, unique_dir
 
     register()
     monkeypatch.chdir(tmp_path)
@@ -266,7 +267,7 @@ def test_run_folders_of_one_second_never_collide(tmp_path, monkeypatch):
 
 
 def test_resume_and_eval_keep_the_run_folder_and_file_their_records_beside_it(tmp_path, monkeypatch):
-    from runner.config import register
+    from runner.launcher.register import register
 
     register()
     monkeypatch.chdir(tmp_path)
@@ -304,9 +305,9 @@ def test_a_submitit_sweep_keeps_one_folder_for_all_its_points(tmp_path):
 def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
     """Its config.yaml names the schemas models.cnn.CNNConfig and data.digits.DigitsConfig (installed now as
     runner.models and runner.data) and has no task or schedule: resume= and eval= must still read it."""
-    from runner.config import load, schema_paths
     from runner.models.cnn import CNNConfig
     from runner.schedule.constant import ConstantConfig
+    from runner.schema.config import load, schema_paths
     from runner.tasks.classification import ClassificationConfig
 
     cfg = _compose()

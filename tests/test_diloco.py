@@ -285,7 +285,8 @@ def test_defaults_and_local_sgd_settings_validate():
 LAUNCHER = """
 import sys
 from hydra import compose, initialize_config_dir
-from runner.config import register, validate
+from runner.launcher.register import register
+from runner.schema.config import validate
 register()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     validate(compose(config_name="config", overrides=["rule=diloco"]))

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-import runner.launch
-from runner.failures import failure_report
-from runner.launch import EXIT, JobEnded, RunFolderError, conclude, prepare, write_atomic
-from runner.supervise import Outcome
-from runner.watchdog import Stall
+import runner.launcher.launch
+from runner.launcher.failures import failure_report
+from runner.launcher.launch import EXIT, JobEnded, RunFolderError, conclude, prepare, write_atomic
+from runner.launcher.supervise import Outcome
+from runner.launcher.watchdog import Stall
 from tests.conftest import ROOT, compose_config
 
 #: Open MPI 5's report of a rank killed by ``kill -9``, as mpirun.log had it (wrapped before "signal").
@@ -59,7 +59,7 @@ def run_folder(tmp_path: Path, output: str = "", errors: dict[int, str] | None =
 
 
 def test_the_exit_table_in_the_docstring_is_the_one_used():
-    rows = re.findall(r"^(\d+)\s+(\w+|\(none\))\s", runner.launch.__doc__, re.M)
+    rows = re.findall(r"^(\d+)\s+(\w+|\(none\))\s", runner.launcher.launch.__doc__, re.M)
     table = {("invalid" if status == "(none)" else status): int(code) for code, status in rows}
     assert table == EXIT
 
@@ -348,7 +348,7 @@ def test_a_failing_rank_shows_its_cause_once_on_the_console(job):
 def test_job_ended_survives_pickling_as_a_sweep_point_sends_it_back():
     import pickle
 
-    from runner.launch import JobEnded, RunFolderError
+    from runner.launcher.launch import JobEnded, RunFolderError
 
     for err in (JobEnded("diverged at step 3", "diverged"), RunFolderError("disk full")):
         back = pickle.loads(pickle.dumps(err))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint import CKPT_DIR, INDEX, read_index
 from runner.hardware.mpirun import check_ulfm, find_mpirun
+from runner.rank.checkpoint import CKPT_DIR, INDEX, read_index
 from tests.conftest import checked_config, run_cli
 
 TOLERANT = [

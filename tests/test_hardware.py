@@ -15,7 +15,7 @@ from runner.hardware.cluster import Cluster
 from runner.hardware.cpu import CPU
 from runner.hardware.gpu import GPU
 from runner.hardware.mpirun import find_mpirun, mpi_flavor
-from runner.hardware.placement import check_bindings, place_rank, select_device
+from runner.rank.placement import check_bindings, place_rank, select_device
 from runner.schema import schema_of
 from tests.conftest import ROOT, compose_config
 
@@ -26,15 +26,17 @@ def test_each_option_module_holds_one_schema(module):
     assert issubclass(cls, runner.hardware.base.HardwareConfig) and cls.__module__.endswith(module)
 
 
-@pytest.mark.parametrize("module", ["mpirun", "placement", "topology"])
+@pytest.mark.parametrize("module", ["mpirun", "topology"])
 def test_helper_modules_hold_no_schema(module):
     with pytest.raises(ValueError, match="found 0"):
         schema_of("hardware", module)
 
 
 def test_the_launcher_and_the_hardware_package_import_no_torch_sklearn_or_mpi():
-    modules = ("base", "cpu", "gpu", "cluster", "slurm", "mpirun", "placement", "topology")
-    imports = ", ".join(["runner.launch", *(f"runner.hardware.{m}" for m in modules)])
+    sides = [ROOT / "runner" / side for side in ("launcher", "schema", "hardware")]
+    found = sorted(p.relative_to(ROOT).with_suffix("") for side in sides for p in side.glob("*.py"))
+    imports = ", ".join(".".join(p.parts).removesuffix(".__init__") for p in found)
+    assert "runner.launcher.cli" in imports and "runner.hardware.topology" in imports
     heavy = "('torch', 'sklearn', 'mpi4py', 'numpy')"
     code = f"import {imports}, sys; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -91,7 +93,7 @@ def test_a_cluster_refuses_more_ranks_than_its_slots(cores, tmp_path):
 
 
 def test_devices_beyond_this_machine_are_refused_before_anything_starts(tmp_path):
-    from runner.launch import prepare
+    from runner.launcher.launch import prepare
 
     with pytest.raises(ValueError, match="hardware.oversubscribe=true"):
         prepare(compose_config(["devices=1000"]), tmp_path / "run")
@@ -194,8 +196,8 @@ def test_cuda_without_torch_cuda_fails_the_rank(tmp_path):
 
 
 def test_config_yaml_records_the_plan_and_loads_back(cores, tmp_path):
-    from runner.config import load
-    from runner.launch import prepare
+    from runner.launcher.launch import prepare
+    from runner.schema.config import load
 
     cores(8)
     argv = prepare(compose_config(["hardware.bind=numa", "hardware.flavor=openmpi"]), tmp_path)
@@ -208,7 +210,7 @@ def test_config_yaml_records_the_plan_and_loads_back(cores, tmp_path):
 
 @pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd"])
 def test_a_failure_summary_names_the_rule(tmp_path, rule):
-    from runner.launch import write_failure_summary
+    from runner.launcher.launch import write_failure_summary
 
     write_failure_summary(compose_config([f"rule={rule}"]), tmp_path, "diverged", "rank 1 failed", 1.5)
     summary = json.loads((tmp_path / "summary.json").read_text())

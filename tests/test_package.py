@@ -199,8 +199,8 @@ def _help(*overrides: str) -> str:
     """The help text ``--help`` prints, in-process: the help template resolved, Hydra's flags left out."""
     from hydra import compose, initialize_config_dir
 
-    from runner.cli_help import register_help
-    from runner.config import register
+    from runner.launcher.help import register_help
+    from runner.launcher.register import register
 
     register()
     register_help()

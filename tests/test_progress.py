@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from runner.comm import CommStats
-from runner.meter import COLUMNS_ENV, DEFAULT_COLUMNS, TTY_ENV, Display, Meter, display
+from runner.rank.meter import COLUMNS_ENV, DEFAULT_COLUMNS, TTY_ENV, Display, Meter, display
 
 ROOT = Path(__file__).resolve().parents[1]
 BAR_UPDATE = re.compile(rb"\r(?!\n)([^\r\n]*)")  # a carriage return that rewrites the line (not a \r\n)

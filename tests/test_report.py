@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from runner.callbacks import SweepReport
-from runner.plots import heatmap_grid
-from runner.report import load_runs, main, score, write_report
+from runner.launcher.callbacks import SweepReport
+from runner.report.__main__ import main
+from runner.report.plots import heatmap_grid
+from runner.report.runs import load_runs
+from runner.report.table import score
+from runner.report.write import write_report
 from tests.conftest import ROOT, run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -111,7 +114,7 @@ def test_a_failed_run_is_listed_with_its_cause_while_the_rest_are_compared(tmp_p
     assert last.samples_per_s == 100.0 and last.comm_fraction == 0.2  # from its epoch records
     assert [r.name for r in report.failed] == [last.name]
     assert report.best.name == "rule.alpha=0.1,optim.lr=0.05" and report.target == pytest.approx(0.912)
-    from runner.report import markdown
+    from runner.report.table import markdown
 
     md = markdown(report, [])
     assert "**Best run: rule.alpha=0.1,optim.lr=0.05**" in md

@@ -38,7 +38,7 @@ def test_default_job_trains_digits_and_fills_the_run_folder(cli):
         "logs/rank1.log",
     ):
         assert (d / name).exists(), name
-    assert "runner.worker" in (d / "mpirun.txt").read_text()
+    assert "runner.rank.worker" in (d / "mpirun.txt").read_text()
     assert list((d / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
     vals, steps = run.records("val"), run.records("step")
     assert len(vals) == 10 and vals[-1]["val_acc"] == s["final_val_acc"]
@@ -111,7 +111,7 @@ def test_two_host_job_through_hardware_cluster(cli):
 def test_a_rank_that_cannot_read_its_config_ends_the_job_and_says_why(tmp_path):
     """Failures before training (here: config.yaml with a key no schema has) are reported like any other."""
     (tmp_path / "config.yaml").write_text("devices: 2\ntrain: {epoch: 1}\n_schemas_: {}\n")
-    argv = mpirun_argv(2, sys.executable, "-m", "runner.worker", str(tmp_path))
+    argv = mpirun_argv(2, sys.executable, "-m", "runner.rank.worker", str(tmp_path))
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     errors = sorted((tmp_path / "logs").glob("rank*.error"))

@@ -12,8 +12,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from runner.config import validate
-from runner.launch import prepare
+from runner.launcher.launch import prepare
+from runner.schema.config import validate
 from tests.conftest import checked_config, compose_config
 
 
@@ -75,11 +75,11 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
     """The straggler's sleep comes before any of the step's work (the rule's first hook included) and
     inside the step's clock, as compute: no MPI, one rank, one step."""
     from runner.comm import CommStats
-    from runner.loop import Position, Trainer
-    from runner.meter import Meter
+    from runner.rank.loop import Position, Trainer
+    from runner.rank.meter import Meter
     from runner.rules.base import Rule, RuleContext
     from runner.schedule.constant import ConstantConfig
-    from runner.sections import TrainConfig
+    from runner.schema.sections import TrainConfig
     from runner.tasks.classification import ClassificationConfig
 
     class Clocked(Rule):

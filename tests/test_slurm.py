@@ -17,9 +17,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner.config import load
 from runner.hardware.slurm import Slurm, allocation, expand_counts
-from runner.launch import prepare
+from runner.launcher.launch import prepare
+from runner.schema.config import load
 from tests.conftest import ROOT, compose_config, mpirun_argv
 
 #: An sbatch script with 2 nodes x 4 tasks x 2 CPUs, as Slurm describes it to the script.
@@ -98,7 +98,7 @@ def test_srun_inside_a_job_step(slurm_env, tmp_path):
         "--overlap",
     ]
     assert argv[worker + 1 : worker + 3] == ["OMP_NUM_THREADS=2", "PYTHONUNBUFFERED=1"]
-    assert argv[-3:] == ["-m", "runner.worker", str(tmp_path)]
+    assert argv[-3:] == ["-m", "runner.rank.worker", str(tmp_path)]
 
 
 def test_srun_in_a_batch_script_when_asked(slurm_env, tmp_path):
@@ -182,7 +182,7 @@ def stand_in(folder: Path, name: str, script: str) -> None:
 @pytest.mark.mpi
 def test_the_srun_command_starts_a_working_job(cli, tmp_path):
     """The srun command line, as built, trains: a stand-in ``srun`` keeps its arguments and starts the
-    worker command after them (``env ... python -m runner.worker RUN``) with our mpirun."""
+    worker command after them (``env ... python -m runner.rank.worker RUN``) with our mpirun."""
     bin_dir = tmp_path / "bin"
     mpirun = mpirun_argv(1)
     stand_in(

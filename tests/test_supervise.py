@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import runner.supervise
-import runner.watchdog
-from runner.echo import EchoFilter
-from runner.supervise import Supervisor
-from runner.watchdog import read_beats, stall_check
+import runner.launcher.supervise
+import runner.launcher.watchdog
+from runner.launcher.echo import EchoFilter
+from runner.launcher.supervise import Supervisor
+from runner.launcher.watchdog import read_beats, stall_check
 
 ABORT = b"""--------------------------------------------------------------------------
 MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
@@ -174,7 +174,7 @@ while time.time() - start < 60:
 @pytest.fixture
 def job(tmp_path, monkeypatch):
     """Call with a mode: a Supervisor of the stand-in job in that mode, in ``tmp_path``."""
-    monkeypatch.setattr(runner.supervise, "TERM_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(runner.launcher.supervise, "TERM_TIMEOUT_S", 1.0)
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     (tmp_path / "logs").mkdir()
@@ -215,7 +215,7 @@ def test_a_stop_signal_asks_the_ranks_to_stop_and_the_job_goes_on_until_they_do(
 
 
 def test_a_job_that_does_not_stop_within_the_grace_period_is_ended(job, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner.supervise, "GRACE_S", 1.0)
+    monkeypatch.setattr(runner.launcher.supervise, "GRACE_S", 1.0)
     signal_when_ready(tmp_path, signal.SIGTERM)
     start = time.time()
     outcome = job("ignore").run()
@@ -233,7 +233,7 @@ def test_a_second_signal_ends_the_job_at_once(job, tmp_path):
 
 
 def test_the_watchdog_ends_a_stalled_job_and_names_the_silent_rank(job, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(runner.watchdog, "NOT_RESPONDING_S", 0.5)
+    monkeypatch.setattr(runner.launcher.watchdog, "NOT_RESPONDING_S", 0.5)
     start = time.time()
     outcome = job("beats", stall_timeout=2.0).run()
     assert outcome.stall is not None and outcome.stall.ranks == [1], outcome

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.identity import identity
+from runner.schema.identity import identity
 
 
 def test_a_sweep_point_names_only_what_the_sweep_varies():
@@ -64,7 +64,7 @@ def test_sweep_points_record_their_values_label_their_lines_and_write_hparams(cl
 def test_concurrent_points_follow_the_launcher_and_the_sweep_size():
     from omegaconf import OmegaConf
 
-    from runner.identity import concurrent_points
+    from runner.schema.identity import concurrent_points
 
     joblib = OmegaConf.create(
         {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"}

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.loop import grouped
+from runner.rank.loop import grouped
 from runner.results import final_and_best, no_improvement
-from runner.target import Target
+from runner.schema.target import Target
 from runner.tasks import maximized
 from runner.tasks.classification import ClassificationConfig
 from runner.tasks.language_model import LanguageModelConfig

@@ -241,7 +241,7 @@ def test_cuda_without_an_nvidia_gpu_is_refused_before_launch(this_machine, one_s
 def test_prepare_writes_the_gpu_plan(this_machine, two_sockets_four_gpus, tmp_path):
     import json
 
-    from runner.launch import prepare
+    from runner.launcher.launch import prepare
     from tests.conftest import compose_config
 
     this_machine(two_sockets_four_gpus, 16)

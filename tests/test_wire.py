@@ -1,5 +1,5 @@
-"""Half-precision exchange (``rule.comm_dtype``, runner/wire.py), in-process: the 16-bit all-reduce's exact
-result, and every rule sending half the bytes while training like its float32 self."""
+"""Half-precision exchange (``rule.comm_dtype``, runner/comm/wire.py), in-process: the 16-bit all-reduce's
+exact result, and every rule sending half the bytes while training like its float32 self."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from runner.comm.wire import allreduce
 from runner.rules.asgd import ASGDConfig
 from runner.rules.bsp import BSPConfig
 from runner.rules.easgd import EASGDConfig
 from runner.rules.gosgd import GoSGDConfig
-from runner.wire import allreduce
 from tests.fakecomm import FakeWorld
 from tests.test_rules_math import batch, build, mlp, params, sgd
 

@@ -98,7 +98,7 @@ COLUMNS_ENV = "MPITRAIN_COLUMNS"
 def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
     """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
     output is a terminal and its width (``MPITRAIN_TTY``, ``MPITRAIN_COLUMNS``: the ranks' own
-    pseudo-terminals say 0×0 either way; :mod:`runner.meter` draws its bar by them), ``hardware.env``."""
+    pseudo-terminals say 0×0 either way; :mod:`runner.rank.meter` draws its bar by them), ``hardware.env``."""
     tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get(TTY_ENV) != "0"
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", TTY_ENV: str(int(tty))}
     if tty:
@@ -111,7 +111,7 @@ def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, 
 
 def worker_argv(run_dir: Path, python: str = sys.executable) -> list[str]:
     """The command each rank runs (the worker initialises MPI and aborts the job if it fails)."""
-    return [python, "-m", "runner.worker", str(run_dir)]
+    return [python, "-m", "runner.rank.worker", str(run_dir)]
 
 
 def build_argv(

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.flat import FlatTensors, flat_copy
+from runner.comm.flat import FlatTensors, flat_copy
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, one_of, require

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from runner.flat import FlatTensors, flat_copy, float_buffers
+from runner.comm.flat import FlatTensors, flat_copy, float_buffers
+from runner.comm.wire import wire_dtype
 from runner.lazy import lazy_import
-from runner.wire import wire_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +153,7 @@ class Rule:
         """Collective over all ranks (workers and servers) after training: metrics for summary.json."""
         return {}
 
-    # -- fault tolerance (hardware.fault_tolerance=continue; runner/recovery.py) ----------------------------
+    # -- fault tolerance (hardware.fault_tolerance=continue; runner/rank/recovery.py) ------------------------
     def abandon(self) -> None:
         """Workers, when a worker was lost and the communicator is revoked: complete or forget the
         operations in flight (they fail), leaving the local state as it was before them."""

@@ -19,7 +19,7 @@ each rank steps on its own gradient and every ``avg_freq`` steps all ranks repla
 mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode: grads``.
 
 ``comm_dtype: bf16|fp16`` sends the gradients (or parameters) in 16 bits with float32 sums
-(runner/wire.py): half the bytes; validation's averages stay in float32.
+(runner/comm/wire.py): half the bytes; validation's averages stay in float32.
 
 ``lr_scaling: linear`` multiplies the learning rate by N (the global batch is N times larger), reached by a
 linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017): :meth:`BSP.lr_factor`,
@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.flat import FlatTensors, float_buffers, message_buffer
+from runner.comm.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext
 from runner.schema import RuleConfig, one_of, require

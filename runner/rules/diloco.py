@@ -46,7 +46,7 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.flat import FlatTensors, float_buffers
+from runner.comm.flat import FlatTensors, float_buffers
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, require

@@ -16,7 +16,7 @@ alpha = 0.5 and 4 workers the center fell to chance accuracy), so such settings 
 workers in arrival order; a worker sends x_i, receives the x̃ the server held before this exchange, and both
 sides apply the elastic step above (the server with ``center_alpha``, default ``alpha``).
 
-``comm_dtype: bf16|fp16`` sends the pulls (sync: summed in float32, runner/wire.py) and the exchanged
+``comm_dtype: bf16|fp16`` sends the pulls (sync: summed in float32, runner/comm/wire.py) and the exchanged
 parameters (async) in 16 bits; the center's replicas stay identical on all workers.
 
 The reported model is the center x̃ (BatchNorm statistics: the workers' mean); ``worker_mean`` is also
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.flat import FlatTensors, flat_copy
+from runner.comm.flat import FlatTensors, flat_copy
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, one_of, require

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.flat import FlatTensors
+from runner.comm.flat import FlatTensors
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, require

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from runner.lazy import lazy_import
-from runner.target import Target
+from runner.schema.target import Target
 
 if TYPE_CHECKING:
     import torch

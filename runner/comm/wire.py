@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
+from runner.schema import WIRE_NAMES as NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
     from runner.comm import Comm
 else:
     torch = lazy_import("torch")
-
-#: ``rule.comm_dtype`` names; fp32 is the exchange as it is.
-NAMES = ("fp32", "bf16", "fp16")
 
 
 def wire_dtype(name: str) -> torch.dtype | None:

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from runner.checkpoint import STOP_FILE
-from runner.echo import EchoFilter
-from runner.metrics import write_atomic
-from runner.watchdog import Stall, read_beats, stall_check
+from runner.launcher.echo import EchoFilter
+from runner.launcher.watchdog import Stall, read_beats, stall_check
+from runner.rank.checkpoint import STOP_FILE
+from runner.rank.metrics import write_atomic
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
 GRACE_S = 120.0

@@ -11,20 +11,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from runner.checkpoint import Control
 from runner.comm import Comm, CommStats, PeerLost
-from runner.evaluate import autocast, validation_sums
-from runner.guard import Guard, poisoned
-from runner.heartbeat import Heartbeat
-from runner.meter import Meter
-from runner.metrics import MetricsLog
+from runner.rank.checkpoint import Control
+from runner.rank.guard import Guard, poisoned
+from runner.rank.heartbeat import Heartbeat
+from runner.rank.meter import Meter
+from runner.rank.metrics import MetricsLog
+from runner.rank.validation import autocast, validation_sums
 from runner.results import final_and_best, no_improvement
 from runner.rules.base import Rule
-from runner.sections import TrainConfig
+from runner.schema.sections import TrainConfig
 from runner.tasks import Task
 
 if TYPE_CHECKING:
-    from runner.recovery import Recovery
+    from runner.rank.recovery import Recovery
     from runner.schedule import Schedule
 
 Batch = tuple[torch.Tensor, torch.Tensor]

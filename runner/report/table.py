@@ -1,32 +1,14 @@
-"""The sweep report: a table and plots comparing the runs of a sweep, or any set of run folders.
-
-    python -m runner.report outputs/multirun/DATE/TIME                  # a sweep: written into its folder
-    python -m runner.report outputs/DATE/T1 outputs/DATE/T2 --out cmp   # separate runs, compared in cmp/
-
-Writes ``report.md``, ``report.csv``, ``report.html`` and PNG plots (:mod:`runner.plots`). A run is named by
-the keys its sweep varied (``rule.alpha=0.5,optim.lr=0.05``); separate runs by the overrides whose values
-differ between them. Neither torch nor matplotlib is imported at the top: the launcher imports this module at
-the end of a multirun (:mod:`runner.callbacks`).
-"""
+"""The report's table: the runs scored against a metric and a target, as Markdown, CSV and plain rows."""
 
 from __future__ import annotations
 
-import argparse
-import csv
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.runs import (
-    NoRuns,
-    Run,
-    finite_or_none,
-    load_runs,
-)
+from runner.report.runs import Run, finite_or_none
 from runner.tasks import maximized
 
-RAW = argparse.RawDescriptionHelpFormatter
 #: The default target is this fraction of the best run's best value (divided by it for a loss).
 TARGET_FRACTION = 0.95
 
@@ -163,62 +145,3 @@ def csv_table(report: Report) -> tuple[list[str], list[list[Any]]]:
         for r in report.runs
     ]
     return header, [["" if v is None else v for v in row] for row in rows]
-
-
-def write_report(
-    dirs: list[Path], metric: str | None = None, target: float | None = None, out: Path | None = None
-) -> Report:
-    """Write report.md, report.csv, report.html and the plots for the runs in ``dirs`` into ``out``: by
-    default the folder given, if one was; else ``report`` beside the first of them. ``metric`` None: the
-    runs' ``train.monitor`` (``monitor`` in their summary.json; ``val_acc`` for runs older than it). Raises
-    NoRuns (a folder without run folders) or ValueError (a metric no run recorded)."""
-    from runner.plots import page, write_plots
-
-    runs, keys = load_runs(dirs)
-    if metric is None:
-        metric = next((run.summary["monitor"] for run in runs if run.summary.get("monitor")), "val_acc")
-    recorded = sorted(
-        {k for run in runs for r in run.vals for k in r if k.startswith("val_") or "_val_" in k}
-    )
-    if recorded and metric not in recorded:
-        raise ValueError(f"no run recorded {metric!r}; the validations have: {', '.join(recorded)}")
-    out = out or (dirs[0] if len(dirs) == 1 else dirs[0].parent / "report")
-    out.mkdir(parents=True, exist_ok=True)
-    report = score(runs, keys, out, metric, target)
-    report.title = ", ".join(str(d) for d in dirs)
-    plots = write_plots(report)
-    (out / "report.md").write_text(markdown(report, plots))
-    header, rows = csv_table(report)
-    with open(out / "report.csv", "w", newline="") as file:
-        csv.writer(file).writerows([header, *rows])
-    (out / "report.html").write_text(page(report, plots))
-    return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser("python -m runner.report", description=__doc__, formatter_class=RAW)
-    parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="a sweep folder, or run folders")
-    parser.add_argument(
-        "--metric",
-        default=None,
-        help="validation metric (default: the runs' train.monitor; *_acc: higher is better)",
-    )
-    parser.add_argument("--target", type=float, help="time to target's target (default: 95%% of the best)")
-    parser.add_argument("--out", type=Path, help="output folder (default: the one DIR, else DIR/../report)")
-    args = parser.parse_args(argv)
-    missing = [d for d in args.dirs if not d.is_dir()]
-    try:
-        if missing:
-            raise NoRuns(f"{missing[0]}: no such folder")
-        report = write_report(args.dirs, args.metric, args.target, args.out)
-    except (NoRuns, ValueError) as err:
-        print(f"report: {err}", file=sys.stderr)
-        return 2
-    best = report.best
-    print(f"{len(report.runs)} runs; best: {best.name if best else 'none'}; target: {report.target_text()}")
-    print(f"wrote {report.out / 'report.html'} (and report.md, report.csv and the PNGs beside it)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

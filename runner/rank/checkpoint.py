@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
-from runner.metrics import dumps, write_atomic
+from runner.rank.metrics import dumps, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
     from runner.comm import Comm
-    from runner.sections import CheckpointConfig
+    from runner.schema.sections import CheckpointConfig
 else:
     np, torch = lazy_import("numpy"), lazy_import("torch")
 

@@ -27,8 +27,8 @@ mpi4py.rc.finalize = False  # processes that import it never do); init() arrange
 
 from mpi4py import MPI  # noqa: E402
 
-from runner.staging import HostBuffers, Staged, cuda_aware_mpi  # noqa: E402
-from runner.wire import allreduce as wire_allreduce  # noqa: E402
+from runner.comm.staging import HostBuffers, Staged, cuda_aware_mpi  # noqa: E402
+from runner.comm.wire import allreduce as wire_allreduce  # noqa: E402
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -148,7 +148,7 @@ class Comm:
         self._node_comm: Any = None
         self._children: list[Comm] = []
         self._ready: dict[int, tuple[torch.Tensor, Any]] = {}
-        self.scratch: dict[Any, Any] = {}  # runner/wire.py's 16-bit buffers
+        self.scratch: dict[Any, Any] = {}  # runner/comm/wire.py's 16-bit buffers
         self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
@@ -191,7 +191,7 @@ class Comm:
     # -- collectives ------------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None) -> torch.Tensor:
         """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``. ``wire``: a 16-bit type
-        the sum travels in, accumulated in float32 (:mod:`runner.wire`)."""
+        the sum travels in, accumulated in float32 (:mod:`runner.comm.wire`)."""
         t0 = time.perf_counter()
         self._allreduce_now(t, op, wire)
         if wire is None:

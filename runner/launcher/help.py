@@ -8,7 +8,7 @@ Two OmegaConf resolvers, used by ``hydra.help.template`` and so evaluated only w
   group: ``devices``, ``train.*``, ``checkpoint.*``, ...) as ``KEY=VALUE`` with the command line's
   overrides applied, each explained by its trailing comment in ``conf/config.yaml``. Those comments are the
   one place a key is explained: the file is where its default is set and what a user reads next to it, and
-  it ships in the wheel; the schemas in :mod:`runner.sections` hold the types and checks.
+  it ships in the wheel; the schemas in :mod:`runner.schema.sections` hold the types and checks.
 
 Neither imports torch or a group's schema module, so ``--help`` answers as fast as ``--cfg job``.
 """
@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 #: The config tree: ``runner/conf`` (a link to the repository's ``conf/``; a real folder in the wheel).
-CONF = Path(__file__).resolve().parent / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 WIDTH = 110
 _KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)$")
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.identity import parse_overrides, varied_keys
-from runner.metrics import read_json, read_metrics
+from runner.rank.metrics import read_json, read_metrics
+from runner.schema.identity import parse_overrides, varied_keys
 
 #: Files that make a folder a run folder.
 RUN_FILES = ("summary.json", "metrics.jsonl", "run.json", ".hydra/overrides.yaml")

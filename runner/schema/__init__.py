@@ -28,13 +28,15 @@ from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSou
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import OmegaConf
 
-from runner.wire import NAMES as WIRE_NAMES
-
 if TYPE_CHECKING:
     import torch
 
     from runner.data.base import ClassificationData
     from runner.rules.base import Rule, RuleContext
+
+
+#: The types a rule may exchange parameters and gradients in (``rule.comm_dtype``; runner/comm/wire.py).
+WIRE_NAMES = ("fp32", "bf16", "fp16")
 
 
 def require(ok: bool, key: str, value: Any, hint: str) -> None:
@@ -50,7 +52,7 @@ def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
 @dataclass
 class RuleConfig:
     """Base of the synchronization rules' schemas (``runner/rules/``). ``comm_dtype``: the type parameters
-    and gradients travel in, fp32 or a 16-bit bf16|fp16 with float32 sums (runner/wire.py)."""
+    and gradients travel in, fp32 or a 16-bit bf16|fp16 with float32 sums (runner/comm/wire.py)."""
 
     comm_dtype: str = "fp32"
 

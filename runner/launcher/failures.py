@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 from typing import NamedTuple
 
-from runner.watchdog import read_lost
+from runner.launcher.watchdog import read_lost
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")

@@ -1,7 +1,7 @@
 """The report's plots (PNG, matplotlib's Agg canvas; no pyplot, no display) and its HTML page.
 
-matplotlib is imported inside the functions: :mod:`runner.report` is imported by the launcher at the end of
-a multirun, and a launch that writes no report should not pay for it.
+matplotlib is imported inside the functions: :mod:`runner.report.write` is imported by the launcher at the
+end of a multirun, and a launch that writes no report should not pay for it.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.report.table import Report, explanation, table
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from runner.report import Report, Run
+    from runner.report.runs import Run
 
 #: The report's plots, in the order shown.
 PLOTS = ("curves", "heatmap", "scatter", "time_to_target", "bytes_per_worker", "rule_metrics")
@@ -283,8 +285,6 @@ tr.bad td{color:#a00}img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
 
 def page(report: Report, plots: list[Path]) -> str:
     """report.html: the table, the runs that did not end ok and the plots (relative paths); static."""
-    from runner.report import explanation, table
-
     e = html.escape
     header, cells = table(report)
     best = report.best

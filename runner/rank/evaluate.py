@@ -1,14 +1,13 @@
-"""Validation of a model: for the training loop, and for ``python -m runner eval=RUN_DIR``.
+"""``python -m runner eval=RUN_DIR``: evaluate a finished run's saved model.
 
-``python -m runner.evaluate RUN_DIR`` (what ``eval=RUN_DIR`` starts) is one process, without MPI: it builds
-the run's model, task and data from the run folder's ``config.yaml``, loads ``model.pt`` (the model the run
-reported), evaluates it on the whole validation set with the run's precision, prints the metrics and writes
-them to ``RUN_DIR/eval.json``.
+``python -m runner.rank.evaluate RUN_DIR`` (what ``eval=RUN_DIR`` starts) is one process, without MPI: it
+builds the run's model, task and data from the run folder's ``config.yaml``, loads ``model.pt`` (the model the
+run reported), evaluates it on the whole validation set with the run's precision, prints the metrics and
+writes them to ``RUN_DIR/eval.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -16,39 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from runner.tasks import Task
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The forward pass's autocast for ``train.precision`` (nothing for fp32)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-
-
-@torch.no_grad()
-def validation_sums(
-    model: nn.Module, loader: Any, task: Task, device: torch.device, precision: str
-) -> list[float]:
-    """The task's sums over ``loader`` (zeros of the task's width when it has no batch, so every rank adds
-    the same number of values), with one host synchronisation at the end."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(task.width, dtype=torch.float64, device=device)
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, precision):
-            out = model(x)
-        total += torch.stack([s.double() for s in task.sums(out.float(), y)])
-    model.train(was_training)
-    return total.tolist()
+from runner.rank.validation import validation_sums
 
 
 def evaluate_run(run_dir: Path) -> dict[str, Any]:
     """Evaluate ``run_dir``'s saved model on its validation data; returns (and writes) ``eval.json``."""
-    from runner.config import load, monitored
+    from runner.schema.config import load, monitored
 
     cfg = load(run_dir / "config.yaml")
     device = torch.device("cuda" if cfg.hardware.device != "cpu" and torch.cuda.is_available() else "cpu")
@@ -76,7 +49,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m runner.evaluate RUN_DIR")
+        raise SystemExit("usage: python -m runner.rank.evaluate RUN_DIR")
     try:
         record = evaluate_run(Path(argv[0]))
     except ValueError as err:  # the run's data or model cannot be built from here: one line, status 2

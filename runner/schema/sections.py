@@ -1,6 +1,7 @@
 """The schemas of the top-level sections of ``conf/config.yaml``: ``train``, ``checkpoint``, ``simulate``.
 
-Like the groups' schemas, each holds its keys' defaults and checks; :mod:`runner.config` puts them together.
+Like the groups' schemas, each holds its keys' defaults and checks; :mod:`runner.schema.config` puts them
+together.
 """
 
 from __future__ import annotations

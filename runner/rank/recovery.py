@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from runner.comm import Comm
-from runner.loop import Position, broadcast_state
-from runner.metrics import dumps, write_atomic
-from runner.watchdog import LOST_FILE
+from runner.launcher.watchdog import LOST_FILE
+from runner.rank.loop import Position, broadcast_state
+from runner.rank.metrics import dumps, write_atomic
 
 if TYPE_CHECKING:
-    from runner.loop import Trainer
+    from runner.rank.loop import Trainer
 
 
 class TooFewWorkers(RuntimeError):

@@ -2,7 +2,7 @@
 
 Hydra runs only here. Where and how the ranks run is the hardware group's (``runner.hardware``); ranks
 read the resolved ``config.yaml`` this module writes; ``mpirun.txt`` holds the exact command line (mpirun
-or srun); :mod:`runner.supervise` streams the job's output, handles signals and watches for stalls.
+or srun); :mod:`runner.launcher.supervise` streams the job's output, handles signals and watches for stalls.
 Neither torch nor MPI is imported here.
 
 Exit status of ``python -m runner`` (a single run), and ``status`` in ``summary.json``:
@@ -35,16 +35,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner import metrics
-from runner.checkpoint import STOP_FILE
-from runner.config import Config, schema_paths, validate
-from runner.failures import Failure, failure_report
 from runner.hardware.base import Launch
-from runner.identity import IDENTITY_FILE
-from runner.metrics import read_json, read_metrics, strict
+from runner.launcher.failures import Failure, failure_report
+from runner.launcher.supervise import Outcome, Supervisor
+from runner.launcher.watchdog import LOST_FILE
+from runner.rank import metrics
+from runner.rank.checkpoint import STOP_FILE
+from runner.rank.metrics import read_json, read_metrics, strict
 from runner.results import final_and_best
-from runner.supervise import Outcome, Supervisor
-from runner.watchdog import LOST_FILE
+from runner.schema.config import Config, schema_paths, validate
+from runner.schema.identity import IDENTITY_FILE
 
 log = logging.getLogger("runner")
 
@@ -129,7 +129,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     """Validate ``cfg``, plan the job on its hardware, write the run folder and return the command.
 
     The run folder gets ``config.yaml`` (resolved, with the threads, binding and launcher the plan settled
-    and ``_schemas_`` for :func:`runner.config.load`), ``plan.json`` (GPU placements, when planned) and
+    and ``_schemas_`` for :func:`runner.schema.config.load`), ``plan.json`` (GPU placements, when planned) and
     ``mpirun.txt``. Raises ValueError naming the offending key (nothing has been started then), or
     RunFolderError when the folder cannot be written.
     """
@@ -220,9 +220,9 @@ def launch(
     share: int = 1,
 ) -> dict[str, Any]:
     """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded
-    (ValueError on bad input, before anything starts). ``ident`` (:func:`runner.identity.identity`) goes to
-    ``run.json`` and the summary; ``label`` prefixes the job's lines on the terminal (a sweep's points);
-    ``share``: the jobs that run at once on this machine, which share its cores."""
+    (ValueError on bad input, before anything starts). ``ident`` (:func:`runner.schema.identity.identity`)
+    goes to ``run.json`` and the summary; ``label`` prefixes the job's lines on the terminal (a sweep's
+    points); ``share``: the jobs that run at once on this machine, which share its cores."""
     planned, checked = _prepare(cfg, run_dir, ident, reserve=True, share=share)
     argv = planned.argv
     log.info("run folder: %s", run_dir)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.metrics import write_atomic
+from runner.rank.metrics import write_atomic
 
 INTERVAL_S = 1.0
 

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.schema import GROUPS, register_source, require
-from runner.sections import CheckpointConfig, SimulateConfig, TrainConfig
-from runner.target import of_node
+from runner.schema import GROUPS, require
+from runner.schema.sections import CheckpointConfig, SimulateConfig, TrainConfig
+from runner.schema.target import of_node
 
 #: ``_schemas_`` entry of a group given by its class (``model=custom model._target_=...``): no schema.
 TARGET_NODE = "target"
@@ -65,46 +63,6 @@ class Config:
     def world_size(self) -> int:
         """Ranks in the job: the workers plus any extra ranks the rule needs (servers)."""
         return self.devices + self.rule.extra_ranks()
-
-
-def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:
-    """``path`` if this call could create it, else the first of ``path-2``, ``path-3``... it could: the
-    directories are made here with one atomic ``mkdir`` each, so two launchers started in the same second
-    (two ``outputs/DATE/TIME``) never get the same folder. With ``resume`` or ``evaluated`` (``eval=``),
-    that run's folder."""
-    if resume or evaluated:
-        return resume or evaluated
-    base = Path(path)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
-        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return str(candidate)
-    raise AssertionError("unreachable")
-
-
-def register() -> None:
-    """Make the schemas known to Hydra (idempotent): ``schema`` here, the groups' through ``mpitrain://``,
-    and the resolver ``${mpitrain_unique:PATH}`` (:func:`unique_dir`) that ``hydra.run.dir`` and
-    ``hydra.sweep.dir`` use. It is cached, so every read of one config (and of the sweep points' configs,
-    which Hydra gives the cache of the sweep's config) sees the same folder."""
-    from runner.hardware.slurm import register_launcher
-
-    ConfigStore.instance().store(name="schema", node=Config)
-    register_source()
-    register_launcher()
-    OmegaConf.register_new_resolver("mpitrain_unique", unique_dir, use_cache=True, replace=True)
-    OmegaConf.register_new_resolver(
-        "mpitrain_hydra_subdir",
-        lambda resume, now, evaluated=None: (
-            f".hydra/resumed-{now}" if resume else f".hydra/eval-{now}" if evaluated else ".hydra"
-        ),
-        use_cache=True,
-        replace=True,
-    )
 
 
 def schema_paths(cfg: DictConfig) -> dict[str, str]:

@@ -20,7 +20,7 @@ log = logging.getLogger("runner")
 
 
 class SweepReport(Callback):
-    """Writes :mod:`runner.report`'s report into the sweep folder (``hydra.sweep.dir``).
+    """Writes :mod:`runner.report.write`'s report into the sweep folder (``hydra.sweep.dir``).
 
     ``metric`` is the validation metric compared (``hydra.callbacks.report.metric=val_loss``; None: the
     runs' ``train.monitor``), ``target`` the value of time to target (None: 95% of the best run's best),
@@ -49,7 +49,7 @@ class SweepReport(Callback):
         """Write the report of ``sweep_dir``; log (never raise) why it could not be written."""
         self.done = True
         try:
-            from runner.report import NoRuns, write_report
+            from runner.report.write import NoRuns, write_report
 
             try:
                 report = write_report([sweep_dir], self.metric, self.target)

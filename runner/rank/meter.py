@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from runner.comm import CommStats
 from runner.hardware.mpirun import COLUMNS_ENV, TTY_ENV
-from runner.metrics import MetricsLog
+from runner.rank.metrics import MetricsLog
 
 #: Seconds between two progress lines when the output is not a terminal.
 LINE_EVERY_S = 30.0

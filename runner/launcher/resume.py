@@ -12,9 +12,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.checkpoint import CKPT_DIR, INDEX, read_index
-from runner.config import load_structured
-from runner.identity import override_key
+from runner.rank.checkpoint import CKPT_DIR, INDEX, read_index
+from runner.schema.config import load_structured
+from runner.schema.identity import override_key
 
 #: Keys (or key prefixes, ending in ".") that a resumed run may change.
 SAFE_TO_CHANGE = (

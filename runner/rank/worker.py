@@ -1,4 +1,4 @@
-"""The worker entry point, one process per rank: ``python -m runner.worker RUN_DIR`` under mpirun.
+"""The worker entry point, one process per rank: ``python -m runner.rank.worker RUN_DIR`` under mpirun.
 
 It reads the config the launcher checked and wrote into RUN_DIR (Hydra does not run here), initialises MPI,
 sends its output to ``RUN_DIR/logs/rank<r>.log`` (rank 0 also to the terminal), is placed on its cores
@@ -20,8 +20,9 @@ from typing import Any, TextIO
 
 import torch
 
-from runner import comm as mpi
-from runner.checkpoint import (
+from runner.comm import mpi
+from runner.hardware.topology import read_topology
+from runner.rank.checkpoint import (
     Checkpointer,
     Control,
     latest_checkpoint,
@@ -30,18 +31,17 @@ from runner.checkpoint import (
     save_atomic,
     set_rng_state,
 )
-from runner.config import Config, load, monitored
-from runner.guard import Diverged
-from runner.hardware.placement import place_rank
-from runner.hardware.topology import read_topology
-from runner.heartbeat import Heartbeat
-from runner.identity import IDENTITY_FILE
-from runner.loop import Position, Trainer, broadcast_state
-from runner.meter import Meter
-from runner.metrics import MetricsLog, dumps, read_json, write_atomic
-from runner.rank_output import redirect_output, root_cause
-from runner.recovery import Recovery
+from runner.rank.guard import Diverged
+from runner.rank.heartbeat import Heartbeat
+from runner.rank.loop import Position, Trainer, broadcast_state
+from runner.rank.meter import Meter
+from runner.rank.metrics import MetricsLog, dumps, read_json, write_atomic
+from runner.rank.output import redirect_output, root_cause
+from runner.rank.placement import place_rank
+from runner.rank.recovery import Recovery
 from runner.rules.base import RuleContext, split_roles
+from runner.schema.config import Config, load, monitored
+from runner.schema.identity import IDENTITY_FILE
 
 #: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
 #: at most this many steps apart); synchronous rules agree after every step.
@@ -256,7 +256,7 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: mpirun ... python -m runner.worker RUN_DIR")
+        raise SystemExit("usage: mpirun ... python -m runner.rank.worker RUN_DIR")
     run_dir = Path(argv[0])
     comm = mpi.init()
     log_file, terminal = redirect_output(run_dir, comm.rank)

@@ -1,0 +1,137 @@
+"""``mpitrain`` (``python -m runner``): compose the config with Hydra and run one mpirun job (or one per
+sweep point).
+
+This process composes, checks, starts and supervises; it imports neither torch nor MPI. Its exit status
+says how a single run ended (the table is :mod:`runner.launcher.launch`'s): 0 ok, 1 failed, 2 invalid input
+(Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.hardware.mpirun import TTY_ENV
+from runner.launcher.help import CONF, register_help
+from runner.launcher.launch import EXIT, JobEnded, launch
+from runner.launcher.register import register
+from runner.schema.identity import concurrent_points, identity, sweep_overrides
+
+log = logging.getLogger("runner")
+register()
+register_help()
+# A log file that cannot be written (full disk) must not print a traceback per message: the console
+# handler still shows them, and the launcher reports the run folder's I/O errors itself.
+logging.raiseExceptions = False
+
+
+# An absolute path: the console script imports this module as runner.launcher.cli, for which Hydra would look
+# for a package runner.conf (with an __init__.py) instead of the folder next to this file.
+@hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    """Train; returns the final value of the monitored metric (``train.monitor``, e.g. ``val_acc``) so
+    sweepers (e.g. Optuna) can optimise it."""
+    hydra_cfg = HydraConfig.get()
+    single = hydra_cfg.mode == RunMode.RUN
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    sweep = None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
+    ident = identity(list(hydra_cfg.overrides.task), sweep)
+    share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
+    if share > 1:  # sweep points that run at once must not draw their progress bars over each other
+        os.environ[TTY_ENV] = "0"
+    try:
+        if cfg.eval:
+            return evaluate(cfg)
+        if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
+            from runner.launcher.resume import resume_config
+
+            cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
+            ident = None
+        summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
+    except (ValueError, OmegaConfBaseException) as err:
+        if single:  # a user error, named with its key and fix: no traceback
+            log.error("invalid input, nothing was started: %s", err)
+            raise SystemExit(EXIT["invalid"]) from None
+        raise
+    except JobEnded as err:
+        (log.warning if err.status == "preempted" else log.error)("job %s: %s", err.status, err)
+        if single:
+            raise SystemExit(err.code) from None
+        raise
+    return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
+
+
+def evaluate(cfg: DictConfig) -> float:
+    """``eval=RUN_DIR``: the metrics of the run's saved model on its validation data, by
+    :mod:`runner.rank.evaluate` (one process, no MPI), printed and written to ``RUN_DIR/eval.json``;
+    returns the run's monitored metric."""
+    run_dir = Path(cfg.eval)
+    if cfg.resume:
+        raise ValueError(f"eval={cfg.eval} and resume={cfg.resume}: give one of them")
+    for name in ("config.yaml", "model.pt"):
+        if not (run_dir / name).is_file():
+            raise ValueError(
+                f"eval={cfg.eval}: there is no {run_dir / name}; give the folder of a run that ended with "
+                "its model saved (train.save_model=rank0 or all)"
+            )
+    done = subprocess.run([sys.executable, "-m", "runner.rank.evaluate", str(run_dir)])
+    if done.returncode == EXIT["invalid"]:
+        raise SystemExit(EXIT["invalid"])
+    if done.returncode != 0:
+        log.error("evaluation of %s failed (exit %d): the error is above", run_dir, done.returncode)
+        raise SystemExit(EXIT["failed"])
+    record = json.loads((run_dir / "eval.json").read_text())
+    return record[record["monitor"]]
+
+
+def invalid_input(err: BaseException | None) -> bool:
+    """Whether ``err``, which made Hydra give up before or around the task, is the user's input: a config
+    that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
+    refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
+    top, seen = err, set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and not isinstance(err, HydraException):
+            return False
+        err = err.__cause__ or err.__context__
+    return isinstance(top, (HydraException, OmegaConfBaseException, ValueError))
+
+
+def run() -> None:
+    """:func:`main`, with Hydra's exit status 1 for a config it could not compose turned into 2."""
+    # The console script's sys.path starts with its own folder, python -m runner's with the working folder,
+    # where a project's own packages are (data.train._target_=my_project...): both must find them.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if Path(sys.argv[0]).resolve() == Path(__file__).resolve().parents[1] / "__main__.py":
+        sys.argv[0] = "mpitrain"  # python -m runner: named as Hydra's help and completion name it
+    try:
+        main()
+    except SystemExit as done:
+        if done.code == 1 and invalid_input(done.__context__):
+            raise SystemExit(EXIT["invalid"]) from None
+        raise
+    except BrokenPipeError:  # `mpitrain --help | head`: the reader has gone, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except Exception as err:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead of exiting
+        if not invalid_input(err):
+            raise
+        traceback.print_exc()
+        sys.exit(EXIT["invalid"])
+
+
+if __name__ == "__main__":
+    run()

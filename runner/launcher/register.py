@@ -1,0 +1,53 @@
+"""Hydra's registration, in the launcher: the schemas, the ``mpitrain://`` source of the groups' schemas,
+the Slurm launcher's defaults, and the resolvers that name run folders."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from runner.schema import register_source
+from runner.schema.config import Config
+
+
+def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:
+    """``path`` if this call could create it, else the first of ``path-2``, ``path-3``... it could: the
+    directories are made here with one atomic ``mkdir`` each, so two launchers started in the same second
+    (two ``outputs/DATE/TIME``) never get the same folder. With ``resume`` or ``evaluated`` (``eval=``),
+    that run's folder."""
+    if resume or evaluated:
+        return resume or evaluated
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return str(candidate)
+    raise AssertionError("unreachable")
+
+
+def register() -> None:
+    """Make the schemas known to Hydra (idempotent): ``schema`` here, the groups' through ``mpitrain://``,
+    and the resolver ``${mpitrain_unique:PATH}`` (:func:`unique_dir`) that ``hydra.run.dir`` and
+    ``hydra.sweep.dir`` use. It is cached, so every read of one config (and of the sweep points' configs,
+    which Hydra gives the cache of the sweep's config) sees the same folder."""
+    from runner.hardware.slurm import register_launcher
+
+    ConfigStore.instance().store(name="schema", node=Config)
+    register_source()
+    register_launcher()
+    OmegaConf.register_new_resolver("mpitrain_unique", unique_dir, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver(
+        "mpitrain_hydra_subdir",
+        lambda resume, now, evaluated=None: (
+            f".hydra/resumed-{now}" if resume else f".hydra/eval-{now}" if evaluated else ".hydra"
+        ),
+        use_cache=True,
+        replace=True,
+    )

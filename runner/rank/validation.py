@@ -1,0 +1,36 @@
+"""The task's sums of a model over a loader, under the run's precision (for the loop and for eval=)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.tasks import Task
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The forward pass's autocast for ``train.precision`` (nothing for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+@torch.no_grad()
+def validation_sums(
+    model: nn.Module, loader: Any, task: Task, device: torch.device, precision: str
+) -> list[float]:
+    """The task's sums over ``loader`` (zeros of the task's width when it has no batch, so every rank adds
+    the same number of values), with one host synchronisation at the end."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(task.width, dtype=torch.float64, device=device)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, precision):
+            out = model(x)
+        total += torch.stack([s.double() for s in task.sums(out.float(), y)])
+    model.train(was_training)
+    return total.tolist()
