@@ -75,8 +75,9 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
     """The straggler's sleep comes before any of the step's work (the rule's first hook included) and
     inside the step's clock, as compute: no MPI, one rank, one step."""
     from runner.comm import CommStats
-    from runner.rank.loop import Position, Trainer
+    from runner.rank.loop import Parts, Place, Records, Trainer
     from runner.rank.meter import Meter
+    from runner.rank.state import Position
     from runner.rules.base import Rule, RuleContext
     from runner.schedule.constant import ConstantConfig
     from runner.schema.sections import TrainConfig
@@ -91,24 +92,10 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
     rule = Clocked(RuleContext(SimpleNamespace(size=1), None, model, optimizer))
     stats, log = CommStats(), SimpleNamespace(write=lambda *a, **k: None)
     meter = Meter(stats, 1, 1, log, log_every=100, progress=False)
-    trainer = Trainer(
-        TrainConfig(),
-        model,
-        optimizer,
-        (None, None),
-        rule,
-        None,
-        stats,
-        torch.device("cpu"),
-        log,
-        meter,
-        None,
-        None,
-        None,
-        delay_s=0.05,
-        task=ClassificationConfig().build(3),
-        schedule=ConstantConfig().build(optimizer, 1),
-    )
+    task, schedule = ClassificationConfig().build(3), ConstantConfig().build(optimizer, 1)
+    parts = Parts(model, optimizer, rule, task, schedule)
+    place = Place(SimpleNamespace(stats=stats, rank=0, size=1), torch.device("cpu"), delay_s=0.05)
+    trainer = Trainer(TrainConfig(), parts, (None, None), place, Records(log, meter, None, None))
     for x, y in meter.batches([(torch.randn(8, 4), torch.randint(0, 3, (8,)))]):
         called = time.perf_counter()
         assert trainer.step([(x, y)], Position())

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
+from runner.run_folder import COLUMNS_ENV, TTY_ENV
 
 if TYPE_CHECKING:
     from runner.hardware.base import HardwareConfig
@@ -86,13 +87,6 @@ def threads_per_rank(hw: HardwareConfig, ranks: int, cores: int) -> int:
 def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
     """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them)."""
     return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
-
-
-#: ``1`` when the launcher's output is a terminal, ``0`` when not (given to every rank; a launcher started
-#: with it set to ``0`` gives ``0``: concurrent sweep points must not draw over each other).
-TTY_ENV = "MPITRAIN_TTY"
-#: The width of the launcher's terminal, in columns (given with ``MPITRAIN_TTY=1``).
-COLUMNS_ENV = "MPITRAIN_COLUMNS"
 
 
 def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:

@@ -23,10 +23,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.hardware.mpirun import TTY_ENV
-from runner.launcher.help import CONF, register_help
-from runner.launcher.launch import EXIT, JobEnded, launch
+from runner.launcher.help import CONF, PRIMARY, register_help
+from runner.launcher.launch import JobEnded, launch
 from runner.launcher.register import register
+from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
 from runner.schema.identity import concurrent_points, identity, sweep_overrides
 
 log = logging.getLogger("runner")
@@ -39,7 +39,7 @@ logging.raiseExceptions = False
 
 # An absolute path: the console script imports this module as runner.launcher.cli, for which Hydra would look
 # for a package runner.conf (with an __init__.py) instead of the folder next to this file.
-@hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF), config_name=PRIMARY, version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Train; returns the final value of the monitored metric (``train.monitor``, e.g. ``val_acc``) so
     sweepers (e.g. Optuna) can optimise it."""
@@ -80,7 +80,7 @@ def evaluate(cfg: DictConfig) -> float:
     run_dir = Path(cfg.eval)
     if cfg.resume:
         raise ValueError(f"eval={cfg.eval} and resume={cfg.resume}: give one of them")
-    for name in ("config.yaml", "model.pt"):
+    for name in (CONFIG, MODEL):
         if not (run_dir / name).is_file():
             raise ValueError(
                 f"eval={cfg.eval}: there is no {run_dir / name}; give the folder of a run that ended with "
@@ -92,7 +92,7 @@ def evaluate(cfg: DictConfig) -> float:
     if done.returncode != 0:
         log.error("evaluation of %s failed (exit %d): the error is above", run_dir, done.returncode)
         raise SystemExit(EXIT["failed"])
-    record = json.loads((run_dir / "eval.json").read_text())
+    record = json.loads((run_dir / EVAL).read_text())
     return record[record["monitor"]]
 
 

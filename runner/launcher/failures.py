@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from runner.launcher.watchdog import read_lost
+from runner.run_folder import LOGS, MPIRUN_LOG, rank_file
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
@@ -50,14 +51,14 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
     diverged); a rank that exited with a non-zero status or called MPI_Abort; else mpirun's status.
     Only the output from ``log_start`` on is this job's (a resumed run appends to ``mpirun.log``).
     """
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS
     try:
         errors = sorted(logs.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
         causes = {int(p.name[4:-6]): (p.read_text(errors="replace").splitlines() or [""])[0] for p in errors}
     except (OSError, ValueError):
         causes = {}
     try:
-        with open(run_dir / "mpirun.log", "rb") as log:
+        with open(run_dir / MPIRUN_LOG, "rb") as log:
             log.seek(log_start)
             output = log.read().decode(errors="replace")
     except OSError:
@@ -68,20 +69,19 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
         rank, pid, node, number = kills[0].group(1, 2, 3, 4)
         cause = f"killed by signal {number} ({_signal_name(int(number))})"
         also = _after([r for r in causes if r != int(rank)])
-        log = logs / f"rank{rank}.log"
+        log = rank_file(run_dir, rank, "log")
         return Failure(
             f"rank {rank} {cause}, pid {pid} on {node}{also}; its output is in {log}", int(rank), cause
         )
     if causes:
         rank, cause = next(iter(causes.items()))
-        message = (
-            f"rank {rank} failed: {cause}{_after(list(causes)[1:])}; traceback in {logs / f'rank{rank}.log'}"
-        )
+        log = rank_file(run_dir, rank, "log")
+        message = f"rank {rank} failed: {cause}{_after(list(causes)[1:])}; traceback in {log}"
         return Failure(message, rank, cause, "diverged" if cause.startswith("Diverged:") else "failed")
     if exited := EXITED.search(output):
         cause = f"exited with status {exited.group(2)}"
         return Failure(f"rank {exited.group(1)} {cause}; see {logs}", int(exited.group(1)), cause)
-    mpirun_log = run_dir / "mpirun.log"
+    mpirun_log = run_dir / MPIRUN_LOG
     if aborted := ABORTED.search(output):
         cause = f"called MPI_Abort (error code {aborted.group(2)})"
         return Failure(f"rank {aborted.group(1)} {cause}; see {mpirun_log}", int(aborted.group(1)), cause)

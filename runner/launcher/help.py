@@ -24,6 +24,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 #: The config tree: ``runner/conf`` (a link to the repository's ``conf/``; a real folder in the wheel).
 CONF = Path(__file__).resolve().parents[1] / "conf"
+#: The primary config of the tree, ``conf/config.yaml`` (Hydra's ``config_name``).
+PRIMARY = "config"
 WIDTH = 110
 _KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)$")
 
@@ -40,7 +42,7 @@ def groups(conf: Path = CONF) -> dict[str, list[str]]:
     return found
 
 
-def key_comments(path: Path = CONF / "config.yaml") -> dict[str, str]:
+def key_comments(path: Path = CONF / f"{PRIMARY}.yaml") -> dict[str, str]:
     """``dotted.key -> its trailing comment`` in a YAML config, up to its ``hydra:`` section."""
     comments: dict[str, str] = {}
     stack: list[tuple[int, str]] = []

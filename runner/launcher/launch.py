@@ -35,21 +35,29 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import run_folder
 from runner.hardware.base import Launch
 from runner.launcher.failures import Failure, failure_report
 from runner.launcher.supervise import Outcome, Supervisor
-from runner.launcher.watchdog import LOST_FILE
-from runner.rank import metrics
-from runner.rank.checkpoint import STOP_FILE
-from runner.rank.metrics import read_json, read_metrics, strict
 from runner.results import final_and_best
+from runner.run_folder import (
+    COMMAND,
+    CONFIG,
+    EXIT,
+    IDENTITY,
+    LOGS,
+    LOST,
+    METRICS,
+    PLAN,
+    STOP,
+    SUMMARY,
+    read_json,
+    read_metrics,
+)
+from runner.schema import option_name
 from runner.schema.config import Config, schema_paths, validate
-from runner.schema.identity import IDENTITY_FILE
 
 log = logging.getLogger("runner")
-
-#: status -> exit status of ``python -m runner`` ("invalid" has no summary: nothing was started).
-EXIT = {"ok": 0, "failed": 1, "invalid": 2, "diverged": 3, "stalled": 4, "preempted": 5, "interrupted": 130}
 
 
 class JobEnded(RuntimeError):
@@ -82,7 +90,7 @@ def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all (a temporary file, then rename: an earlier ``path`` stays intact
     when writing fails); raises RunFolderError naming the file and the OS error."""
     try:
-        metrics.write_atomic(path, text)
+        run_folder.write_atomic(path, text)
     except OSError as err:
         raise RunFolderError(str(err.strerror)) from None
 
@@ -113,16 +121,16 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
     resolved["_schemas_"] = schema_paths(cfg)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / STOP_FILE).unlink(missing_ok=True)  # a previous job's stop request
-        (run_dir / "logs" / LOST_FILE).unlink(missing_ok=True)  # and the ranks it lost
+        (run_dir / STOP).unlink(missing_ok=True)  # a previous job's stop request
+        (run_dir / LOGS / LOST).unlink(missing_ok=True)  # and the ranks it lost
     except OSError as err:
         raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
-    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))
+    write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(resolved))
     if ident is not None:
-        write_atomic(run_dir / IDENTITY_FILE, json.dumps(ident, indent=1))
+        write_atomic(run_dir / IDENTITY, json.dumps(ident, indent=1))
     if launch.placements:
-        write_atomic(run_dir / "plan.json", json.dumps([asdict(p) for p in launch.placements], indent=1))
-    write_atomic(run_dir / "mpirun.txt", shlex.join(launch.argv) + "\n")
+        write_atomic(run_dir / PLAN, json.dumps([asdict(p) for p in launch.placements], indent=1))
+    write_atomic(run_dir / COMMAND, shlex.join(launch.argv) + "\n")
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
@@ -142,30 +150,21 @@ def write_failure_summary(
     """summary.json for a job that did not end ok (``status``: failed, diverged, stalled, interrupted),
     with the validations recorded before it ended. Raises RunFolderError if it cannot be written."""
     try:
-        vals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "val"]
+        vals = [r for r in read_metrics(run_dir / METRICS) if r.get("kind") == "val"]
     except OSError:
         vals = []
-    summary: dict[str, Any] = {
-        "status": status,
-        "exit_status": EXIT[status],
-        "error": reason,
-        **fields,
-        **read_json(run_dir / IDENTITY_FILE),
-        "rule": schema_paths(cfg)["rule"].split(".")[-2],
-        "devices": cfg.devices,
-        "wall_time_s": wall,
-        "validations": vals,
-    }
-    summary.update(
-        final_and_best([{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in vals])
-    )
-    write_atomic(run_dir / "summary.json", metrics.dumps(summary, indent=1))
+    numbers = [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in vals]
+    ident = read_json(run_dir / IDENTITY)
+    rule = option_name(OmegaConf.get_type(cfg.rule))
+    given = {"error": reason, **fields, **ident, "rule": rule, "devices": cfg.devices, "wall_time_s": wall}
+    summary = run_folder.summary(status, **given, validations=vals, **final_and_best(numbers))
+    write_atomic(run_dir / SUMMARY, run_folder.dumps(summary, indent=1))
 
 
 def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
     """Record how the job ended in summary.json (the ranks' own, completed, or one written here); returns
     it when the job ended ok, else raises JobEnded (RunFolderError when summary.json cannot be written)."""
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / SUMMARY
     sent = {"signal": outcome.signal} if outcome.signal else {}
     job = read_json(summary_path) if outcome.returncode == 0 else {}
     if outcome.stall is not None:
@@ -193,12 +192,12 @@ def _complete(
     job: dict[str, Any], path: Path, run_dir: Path, outcome: Outcome, wall: float
 ) -> dict[str, Any]:
     """The ranks' summary.json with the launcher's fields added; JobEnded unless its status is ok."""
-    status, job = job["status"], strict(job)
-    job.update(exit_status=EXIT[status], wall_time_s=wall, run_dir=str(run_dir))
-    if outcome.signal:
-        job["signal"] = outcome.signal
+    status = job.pop("status")
+    job.pop("exit_status", None)
+    signal = {"signal": outcome.signal} if outcome.signal else {}
+    job = run_folder.summary(status, **{**job, "wall_time_s": wall, "run_dir": str(run_dir), **signal})
     try:
-        write_atomic(path, metrics.dumps(job, indent=1))
+        write_atomic(path, run_folder.dumps(job, indent=1))
     except RunFolderError as err:
         raise RunFolderError(f"{err}; the job itself ended {status}") from None
     if status == "preempted":

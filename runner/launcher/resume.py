@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.rank.checkpoint import CKPT_DIR, INDEX, read_index
+from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, CONFIG, LOGS, read_checkpoint_index
 from runner.schema.config import load_structured
 from runner.schema.identity import override_key
 
@@ -47,13 +47,13 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     they are not taken for this attempt's (the launcher removes its stop request, as for every job).
     """
     run_dir = Path(cfg.resume).expanduser()
-    if not (run_dir / "config.yaml").is_file():
+    if not (run_dir / CONFIG).is_file():
         raise ValueError(
-            f"resume={cfg.resume}: {run_dir / 'config.yaml'} does not exist; give the folder of a run "
+            f"resume={cfg.resume}: {run_dir / CONFIG} does not exist; give the folder of a run "
             "(e.g. resume=outputs/2026-01-31/12-00-00)"
         )
-    if not read_index(run_dir):
-        index = run_dir / CKPT_DIR / INDEX
+    if not read_checkpoint_index(run_dir):
+        index = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
         raise ValueError(
             f"resume={cfg.resume}: the run has no complete checkpoint ({index} is missing): it stopped "
             "before its first one, so start it again (checkpoint.every=N checkpoints every N steps)"
@@ -66,12 +66,12 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
                 f"drop {override!r}, or start a new run. Safe to change: "
                 + ", ".join(s.rstrip(".") + ("*" if s.endswith(".") else "") for s in SAFE_TO_CHANGE)
             )
-    resumed = load_structured(run_dir / "config.yaml")
+    resumed = load_structured(run_dir / CONFIG)
     for override in overrides:
         key = override_key(override)
         if not key.startswith("hydra.") and key != "resume":
             OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
-    latest = read_index(run_dir)[-1]
+    latest = read_checkpoint_index(run_dir)[-1]
     ranks = resumed.devices + OmegaConf.to_object(resumed.rule).extra_ranks()
     if latest["world_size"] < ranks:  # the run went on without lost workers (fault tolerance)
         resumed.devices -= ranks - latest["world_size"]
@@ -82,6 +82,6 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             resumed.devices,
         )
     resumed.resume = str(run_dir)
-    for error in (run_dir / "logs").glob("rank*.error"):
+    for error in (run_dir / LOGS).glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir

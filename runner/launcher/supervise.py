@@ -30,8 +30,7 @@ from typing import Any, BinaryIO
 
 from runner.launcher.echo import EchoFilter
 from runner.launcher.watchdog import Stall, read_beats, stall_check
-from runner.rank.checkpoint import STOP_FILE
-from runner.rank.metrics import write_atomic
+from runner.run_folder import LOGS, MPIRUN_LOG, STOP, write_atomic
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
 GRACE_S = 120.0
@@ -102,7 +101,7 @@ class Supervisor:
         """Run the job to its end and say how it ended. Any exception here ends the job first."""
         previous = self._install_handlers()
         self.proc: subprocess.Popen | None = None
-        log = self.run_dir / "mpirun.log"
+        log = self.run_dir / MPIRUN_LOG
         log_start = log.stat().st_size if log.is_file() else 0
         try:
             self.launch_time = time.time()
@@ -149,7 +148,7 @@ class Supervisor:
             return
         self.stop_time = time.time()
         try:
-            write_atomic(self.run_dir / STOP_FILE, name + "\n")
+            write_atomic(self.run_dir / STOP, name + "\n")
         except OSError as err:
             self._end(f"{name}, and the ranks could not be told to stop ({err})", interrupted=True)
             return
@@ -177,14 +176,14 @@ class Supervisor:
     def _check_errors(self, now: float) -> None:
         """End a job that goes on after one of its ranks failed with an error."""
         if self.failed_since is None:
-            errors = (self.run_dir / "logs").glob("rank*.error")
+            errors = (self.run_dir / LOGS).glob("rank*.error")
             if any(e.stat().st_mtime >= self.launch_time for e in errors):
                 self.failed_since = now
         elif now - self.failed_since > FAILED_RANK_GRACE_S:
             self._end("a rank failed with an error and the others did not stop")
 
     def _watch(self, now: float) -> None:
-        beats = read_beats(self.run_dir / "logs", self.ranks, self.launch_time, self.beats)
+        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
         stall = stall_check(beats, now, self.launch_time, self.stall_timeout)
         if stall is not None:
             self.stall = stall
@@ -219,10 +218,10 @@ class Supervisor:
         the job never blocks on its output."""
         log: BinaryIO | None
         try:
-            log = open(self.run_dir / "mpirun.log", "ab")
+            log = open(self.run_dir / MPIRUN_LOG, "ab")
         except OSError as err:
             log = None
-            _say(f"cannot write {self.run_dir / 'mpirun.log'}: {err}; the output goes to the terminal only")
+            _say(f"cannot write {self.run_dir / MPIRUN_LOG}: {err}; the output goes to the terminal only")
         fd = self.proc.stdout.fileno()
         while chunk := os.read(fd, 65536):
             if log is not None:
@@ -230,7 +229,7 @@ class Supervisor:
                     log.write(chunk)
                     log.flush()
                 except OSError as err:
-                    _say(f"cannot write {self.run_dir / 'mpirun.log'}: {err}; it stops here")
+                    _say(f"cannot write {self.run_dir / MPIRUN_LOG}: {err}; it stops here")
                     _close_quietly(log)
                     log = None
             self._echo(self.filter.feed(chunk))

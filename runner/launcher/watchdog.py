@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.run_folder import LOST, rank_file_name
+
 #: A rank whose heartbeat thread has not written for this long is stopped or dead, not merely waiting.
 NOT_RESPONDING_S = 10.0
 #: ``logs/lost.json``: ``{"lost": [ranks]}``, workers the survivors went on without (fault tolerance).
-LOST_FILE = "lost.json"
 
 
 @dataclass
@@ -83,7 +84,7 @@ def stall_check(
 def read_lost(logs: Path) -> set[int]:
     """The ranks the others went on without (``logs/lost.json``; empty if none)."""
     try:
-        return set(json.loads((logs / LOST_FILE).read_text())["lost"])
+        return set(json.loads((logs / LOST).read_text())["lost"])
     except (OSError, ValueError, KeyError):
         return set()
 
@@ -101,7 +102,7 @@ def read_beats(
         if r in lost:
             continue
         try:
-            beat = json.loads((logs / f"rank{r}.beat").read_text())
+            beat = json.loads((logs / rank_file_name(r, "beat")).read_text())
         except FileNotFoundError:
             if r not in previous:
                 beats[r] = None

@@ -17,7 +17,6 @@ launcher reads the index and the file names from here.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -27,7 +26,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
-from runner.rank.metrics import dumps, write_atomic
+from runner.run_folder import (
+    CHECKPOINT_INDEX,
+    CHECKPOINTS,
+    STOP,
+    checkpoint_part,
+    dumps,
+    read_checkpoint_index,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,9 +45,8 @@ if TYPE_CHECKING:
 else:
     np, torch = lazy_import("numpy"), lazy_import("torch")
 
-CKPT_DIR = "checkpoints"
-INDEX = "checkpoint.json"
-STOP_FILE = "STOP"
+# TODO(layout): old names, until the tests import them from runner.run_folder
+CKPT_DIR, INDEX, STOP_FILE, read_index = CHECKPOINTS, CHECKPOINT_INDEX, STOP, read_checkpoint_index
 
 
 def rng_state() -> dict[str, Any]:
@@ -91,17 +97,9 @@ def save_atomic(obj: Any, path: Path) -> None:
         raise
 
 
-def read_index(run_dir: Path) -> list[dict[str, Any]]:
-    """The complete checkpoints of a run folder, oldest first (empty if none)."""
-    path = run_dir / CKPT_DIR / INDEX
-    if not path.exists():
-        return []
-    return json.loads(path.read_text())["checkpoints"]
-
-
 def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
     """The newest complete checkpoint of ``run_dir``, checked against this job's number of ranks."""
-    entries = read_index(run_dir)
+    entries = read_checkpoint_index(run_dir)
     if not entries:
         return None
     entry = entries[-1]
@@ -115,7 +113,7 @@ def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
 
 def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]:
     """This rank's part of the checkpoint ``entry`` (an item of :func:`read_index`)."""
-    path = run_dir / CKPT_DIR / entry["dir"] / f"rank{rank}.pt"
+    path = checkpoint_part(run_dir, entry["dir"], rank)
     if not path.exists():
         raise FileNotFoundError(f"{path}: the checkpoint has no part for rank {rank}")
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -126,7 +124,7 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, world: Comm, resumed: dict[str, Any] | None):
         self.cfg, self.world = cfg, world
-        self.root = run_dir / CKPT_DIR
+        self.root = run_dir / CHECKPOINTS
         self.root.mkdir(exist_ok=True)
         self.last_time = time.time()
         self.count = resumed["seq"] if resumed else 0
@@ -167,7 +165,9 @@ class Checkpointer:
                 **(info or {}),
             }
         )
-        write_atomic(self.root / INDEX, dumps({"checkpoints": entries[-self.cfg.keep :]}, indent=1))
+        write_atomic(
+            self.root / CHECKPOINT_INDEX, dumps({"checkpoints": entries[-self.cfg.keep :]}, indent=1)
+        )
         for old in entries[: -self.cfg.keep]:
             shutil.rmtree(self.root / old["dir"], ignore_errors=True)
 
@@ -191,7 +191,7 @@ class Control:
     def __init__(
         self, workers: Comm, run_dir: Path, checkpointer: Checkpointer, interval: int, start: int = 0
     ):
-        self.workers, self.stop_file = workers, run_dir / STOP_FILE
+        self.workers, self.stop_file = workers, run_dir / STOP
         self.checkpointer, self.interval = checkpointer, interval
         self.flags = torch.zeros(2, dtype=torch.float64)
         self.reset((start // interval + 1) * interval, forced=False)

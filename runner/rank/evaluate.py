@@ -17,16 +17,17 @@ from typing import Any
 import torch
 
 from runner.rank.validation import validation_sums
+from runner.run_folder import CONFIG, EVAL, MODEL
 
 
 def evaluate_run(run_dir: Path) -> dict[str, Any]:
     """Evaluate ``run_dir``'s saved model on its validation data; returns (and writes) ``eval.json``."""
     from runner.schema.config import load, monitored
 
-    cfg = load(run_dir / "config.yaml")
+    cfg = load(run_dir / CONFIG)
     device = torch.device("cuda" if cfg.hardware.device != "cpu" and torch.cuda.is_available() else "cpu")
     model = cfg.model.build().to(device)
-    state = torch.load(run_dir / "model.pt", map_location=device, weights_only=True)
+    state = torch.load(run_dir / MODEL, map_location=device, weights_only=True)
     model.load_state_dict(state)
     data = cfg.data.build()
     task = cfg.task.build(data.num_classes)
@@ -35,14 +36,14 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     results = task.results(validation_sums(model, loader, task, device, cfg.train.precision))
     record = {
         "run": str(run_dir),
-        "model": str(run_dir / "model.pt"),
+        "model": str(run_dir / MODEL),
         "monitor": monitored(cfg),
         **{f"val_{k}": v for k, v in results.items()},
         "samples": len(loader.dataset),
         "device": str(device),
         "seconds": time.perf_counter() - start,
     }
-    (run_dir / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
+    (run_dir / EVAL).write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.rank.metrics import write_atomic
+from runner.run_folder import rank_file, write_atomic
 
 INTERVAL_S = 1.0
 
@@ -29,7 +29,7 @@ class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, counter: Callable[[], float] | None = None):
         self.counter = counter
         self.last_count = counter() if counter else 0.0
-        self.path = run_dir / "logs" / f"rank{rank}.beat"
+        self.path = rank_file(run_dir, rank, "beat")
         self.record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "role": "worker"}
         self.step = -1
         self.progress_time = time.time()

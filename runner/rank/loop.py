@@ -11,12 +11,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from runner.comm import Comm, CommStats, PeerLost
-from runner.rank.checkpoint import Control
+from runner.comm import Comm, PeerLost
+from runner.rank.checkpoint import Control, rng_state, set_rng_state
 from runner.rank.guard import Guard, poisoned
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.meter import Meter
 from runner.rank.metrics import MetricsLog
+from runner.rank.state import Position, broadcast_state, run_length
 from runner.rank.validation import autocast, validation_sums
 from runner.results import final_and_best, no_improvement
 from runner.rules.base import Rule
@@ -28,13 +29,6 @@ if TYPE_CHECKING:
     from runner.schedule import Schedule
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
-    """Give every rank ``root``'s parameters and buffers."""
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, root=root)
 
 
 def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
@@ -49,68 +43,85 @@ def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
 
 
 @dataclass
-class Position:
-    """Where training stands: ``step`` steps done, ``batch`` of them in epoch ``epoch``."""
+class Parts:
+    """What is trained, and how: the model, its optimizer, the synchronization rule, the task (loss and
+    metrics) and the learning-rate schedule."""
 
-    step: int = 0
-    epoch: int = 0
-    batch: int = 0
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    rule: Rule
+    task: Task
+    schedule: Schedule
+
+
+@dataclass
+class Place:
+    """Where a worker trains: its communicator with the other workers (``workers.stats`` accounts its
+    communication), its device, and ``delay_s`` slept at the start of every step (a simulated straggler)."""
+
+    workers: Comm
+    device: torch.device
+    delay_s: float = 0.0
+
+
+@dataclass
+class Records:
+    """What the loop reports to and agrees through: ``metrics.jsonl``, the meter (timing and progress),
+    the heartbeat, the workers' agreement on checkpoints and stops (``control``, with its checkpointer),
+    and the validation metric the run reports (``monitor``: early stopping watches it)."""
+
+    log: MetricsLog
+    meter: Meter
+    beat: Heartbeat
+    control: Control
+    monitor: str = "val_acc"
 
 
 class Trainer:
-    """Trains ``model`` on this rank's shard (``train_loader``), handing control to ``rule`` at its hooks.
+    """Trains ``parts.model`` on this rank's shard (``loaders``: train and validation), handing control to
+    the rule at its hooks.
 
-    ``workers`` is the communicator of the training ranks (for metrics), ``stats`` this rank's
-    communication accounting (shared by all of its communicators). ``checkpoint(position, end)`` saves a
-    checkpoint (collective over the job); ``control`` says, at the same step on every worker, when to take
-    one or stop; ``beat`` is told of every step. ``delay_s`` (``simulate.straggler_ms`` on a straggler,
-    else 0) is slept at the start of every step, before any of the step's work: a worker that much slower
-    to compute, under every rule, and counted in the step's measured time.
-
-    A step is ``train.accumulate`` loader batches (micro-batches): their gradients are summed, each loss
+    A step is ``cfg.accumulate`` loader batches (micro-batches): their gradients are summed, each loss
     divided by their number, and the rule exchanges once per step (BSP: its buckets are all-reduced during
-    the last micro-batch's backward). ``task`` gives the loss and the validation metrics, ``schedule`` sets
-    the learning rate before every optimizer step, ``monitor`` (``val_acc``...) is the metric that early
-    stopping watches. With ``train.precision`` bf16 or fp16 the forward passes run under autocast; fp16
-    scales the loss with a gradient scaler (a step whose gradients overflow is skipped and the scale halved).
+    the last micro-batch's backward). The schedule sets the learning rate before every optimizer step.
+    With ``cfg.precision`` bf16 or fp16 the forward passes run under autocast; fp16 scales the loss with a
+    gradient scaler (a step whose gradients overflow is skipped and the scale halved). ``records.control``
+    says, at the same step on every worker, when to checkpoint or stop. With ``recovery`` (fault
+    tolerance) a lost worker is survived: recovery works through this class's :class:`Survivor
+    <runner.rank.recovery.Survivor>` methods.
     """
 
     def __init__(
         self,
         cfg: TrainConfig,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        parts: Parts,
         loaders: tuple[DataLoader, DataLoader],
-        rule: Rule,
-        workers: Comm,
-        stats: CommStats,
-        device: torch.device,
-        log: MetricsLog,
-        meter: Meter,
-        control: Control,
-        checkpoint: Callable[[Position, bool], None],
-        beat: Heartbeat,
+        place: Place,
+        records: Records,
         recovery: Recovery | None = None,
-        delay_s: float = 0.0,
-        *,
-        task: Task,
-        schedule: Schedule,
-        monitor: str = "val_acc",
     ):
-        self.cfg, self.model, self.optimizer, self.rule = cfg, model, optimizer, rule
-        self.task, self.schedule, self.monitor = task, schedule, monitor
-        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.cfg, self.parts, self.records, self.recovery = cfg, parts, records, recovery
+        self.model, self.optimizer, self.rule = parts.model, parts.optimizer, parts.rule
+        self.task, self.schedule, self.monitor = parts.task, parts.schedule, records.monitor
+        self.workers, self.stats, self.device = place.workers, place.workers.stats, place.device
+        self.delay_s = place.delay_s
+        self.log, self.meter, self.beat, self.control = (
+            records.log,
+            records.meter,
+            records.beat,
+            records.control,
+        )
+        self.train_loader, self.val_loader = loaders
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         self.reported_prefix = ""  # the record prefix of the model the run reports ("" or e.g. "center_")
         self.stopped_early: int | None = None  # the epoch after which early stopping ended training
-        self.train_loader, self.val_loader = loaders
-        self.workers, self.stats, self.device, self.log, self.meter = workers, stats, device, log, meter
-        self.control, self.checkpoint, self.beat, self.recovery = control, checkpoint, beat, recovery
-        self.delay_s = delay_s
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         keep = cfg.on_nonfinite == "skip" or recovery is not None  # a step may be dropped or redone
         fp16 = self.scaler is not None
         rank = lambda: self.workers.rank  # noqa: E731 (recovery gives the survivors new ranks)
-        self.guard = Guard(model, optimizer, rule, cfg.on_nonfinite, keep, fp16, meter.echo, rank)
+        self.guard = Guard(
+            self.model, self.optimizer, self.rule, cfg.on_nonfinite, keep, fp16, self.meter.echo, rank
+        )
         self.history: list[dict[str, float]] = []
         self.preempted = False
         self.first_step, self.last_loss = 0, float("nan")
@@ -126,8 +137,8 @@ class Trainer:
             sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
             if self.recovery is not None:  # survivors: longer epochs
                 steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
-                ahead = pos.step - pos.batch + (epochs - epoch) * steps_per_epoch
-                max_steps = min(ahead, self.cfg.max_steps or ahead)
+                done = pos.step - pos.batch
+                _, max_steps = run_length(epochs, self.cfg.max_steps, steps_per_epoch, epoch, done)
                 if max_steps != self.schedule.total_steps:
                     self.schedule.replan(max_steps)
                     self.meter.replan(max_steps)
@@ -274,7 +285,26 @@ class Trainer:
         """Checkpoint, unless the model is no longer finite: then the run has diverged, and the last good
         checkpoint is kept."""
         self.guard.check_model(pos.step)
-        self.checkpoint(pos, end)
+        self.rule.before_checkpoint(pos.step)
+        loop = {"step": pos.step, "epoch": pos.epoch, "batch": pos.batch, **self.state_dict()}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rule": self.rule.state_dict(),
+            "loop": loop,
+            "rng": rng_state(),
+        }
+        self.log.flush()
+        info = {
+            "epoch": pos.epoch,
+            "batch": pos.batch,
+            "end": end,
+            "metrics_lines": self.log.lines,
+            "elapsed": self.log.elapsed(),
+            "validation": self.history[-1] if self.history else None,
+        }
+        self.control.checkpointer.save(pos.step, state, info)
+        self.meter.echo(f"checkpoint after step {pos.step} (epoch {pos.epoch}, batch {pos.batch})")
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.train_loader.sampler
@@ -285,6 +315,17 @@ class Trainer:
             "shard": [sampler.rank, sampler.num_replicas],
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
+
+    def restore(self, part: dict[str, Any]) -> Position:
+        """Take this rank's part of a checkpoint (as :meth:`save` wrote it); returns where training stood."""
+        self.model.load_state_dict(part["model"])
+        self.optimizer.load_state_dict(part["optimizer"])
+        self.rule.load_state_dict(part["rule"])
+        loop = part["loop"]
+        start = Position(loop["step"], loop["epoch"], loop["batch"])
+        self.load_state_dict(loop, start.step, mid_epoch=start.batch > 0)
+        set_rng_state(part["rng"])
+        return start
 
     def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
         self.history, self.guard.skipped = list(state["history"]), state["skipped"]
@@ -312,6 +353,42 @@ class Trainer:
         self.log.write("val", step, epoch=epoch, **record)
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
         return next(iter(models.values()))
+
+    # -- what recovery asks of the loop (runner.rank.recovery.Survivor) ------------------------------------
+    @property
+    def synchronous(self) -> bool:
+        return self.rule.synchronous
+
+    def abandon(self) -> None:
+        self.rule.abandon()
+
+    def share_state(self, comm: Comm, root: int) -> Any:
+        broadcast_state(self.model, comm, root=root)
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return comm.broadcast_object((self.optimizer.state_dict(), self.rule.state_dict(), scaler), root=root)
+
+    def adopt(self, state: Any) -> None:
+        optimizer, rule, scaler = state
+        self.optimizer.load_state_dict(optimizer)
+        self.rule.load_state_dict(rule)
+        if scaler is not None:  # fp16: every survivor scales its loss alike again
+            self.scaler.load_state_dict(scaler)
+
+    def rejoin(self, val_loader: Any, next_poll: int) -> None:
+        self.rule.recover()
+        self.val_loader = val_loader
+        self.control.reset(next_poll)
+        self.meter.world = self.workers.size
+
+    def agreement_after(self, step: int) -> int:
+        return (step // self.control.interval + 1) * self.control.interval
+
+    def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: Any) -> None:
+        if not self.log.enabled:  # the lowest survivor is the new rank 0: it takes the records over
+            self.log.take_over()
+            self.meter.terminal = terminal
+        self.log.write("failure", step, lost=lost, workers=self.workers.size, recovery_s=round(seconds, 4))
+        self.meter.echo(line)
 
     def _summary(self, epochs: int, steps: int) -> dict[str, Any]:
         """The run's results (validation results None when it was preempted before its first)."""

@@ -24,8 +24,8 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from runner.comm import CommStats
-from runner.hardware.mpirun import COLUMNS_ENV, TTY_ENV
 from runner.rank.metrics import MetricsLog
+from runner.run_folder import COLUMNS_ENV, TTY_ENV
 
 #: Seconds between two progress lines when the output is not a terminal.
 LINE_EVERY_S = 30.0

@@ -2,43 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-
-def strict(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None, so ``json.dumps`` writes strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict(v) for v in value]
-    return value
-
-
-def dumps(obj: Any, **kwargs: Any) -> str:
-    """Strict JSON (NaN and infinities become null)."""
-    return json.dumps(strict(obj), allow_nan=False, **kwargs)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, then a rename, so an earlier
-    ``path`` stays intact when writing fails. The OSError raised names the file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+from runner.run_folder import METRICS, TENSORBOARD, dumps
 
 
 class MetricsLog:
@@ -57,18 +26,18 @@ class MetricsLog:
         self.file = self.tb = None
         if not enabled:
             return
-        path = run_dir / "metrics.jsonl"
+        path = run_dir / METRICS
         if resume:
             kept = path.read_text().splitlines(keepends=True)[: resume[0]] if path.exists() else []
             path.write_text("".join(kept))
             self.lines = len(kept)
         self.file = open(path, "a", buffering=1)
-        self.tb = EventFile(run_dir / "tb", purge_step=resume[1] + 1 if resume else None)
+        self.tb = EventFile(run_dir / TENSORBOARD, purge_step=resume[1] + 1 if resume else None)
 
     def take_over(self) -> None:
         """This rank writes the records from now on (the writing rank was lost): append to what it wrote,
         without a line it may have left half-written."""
-        path = self.dir / "metrics.jsonl"
+        path = self.dir / METRICS
         text = path.read_text() if path.exists() else ""
         kept = text.splitlines(keepends=True)
         if kept and not kept[-1].endswith("\n"):
@@ -76,7 +45,7 @@ class MetricsLog:
             path.write_text("".join(kept))
         self.lines, self.enabled = len(kept), True
         self.file = open(path, "a", buffering=1)
-        self.tb = EventFile(self.dir / "tb")
+        self.tb = EventFile(self.dir / TENSORBOARD)
 
     def elapsed(self) -> float:
         return time.time() - self.start
@@ -166,25 +135,3 @@ def _scalars(values: dict[str, Any], prefix: str = "") -> list[tuple[str, float]
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out.append((f"{prefix}{key}", float(value)))
     return out
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A run-folder JSON object (summary.json, run.json), or {} when it is missing, torn or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl (a torn last line, from a killed job, is skipped)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records

@@ -11,6 +11,8 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
+from runner.run_folder import LOGS, rank_file
+
 
 class Tee:
     """A text stream that writes to several streams."""
@@ -36,9 +38,9 @@ def redirect_output(run_dir: Path, rank: int) -> tuple[TextIO, TextIO]:
 
     Returns ``(log, terminal)``: the log file, and the terminal stream for rank 0's progress bar.
     """
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS
     logs.mkdir(exist_ok=True)
-    log = open(logs / f"rank{rank}.log", "a", buffering=1)
+    log = open(rank_file(run_dir, rank, "log"), "a", buffering=1)
     terminal = sys.stdout
     if rank == 0:
         sys.stdout, sys.stderr = Tee(log, sys.stdout), Tee(log, sys.stderr)

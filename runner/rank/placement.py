@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runner.hardware.topology import Topology, gpu_slots, read_topology
+from runner.run_folder import BINDINGS, PLAN
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +78,7 @@ def check_bindings(bindings: list[dict[str, Any]], bind: str, plan: list[dict[st
 
 def read_plan(run_dir: Path) -> list[dict[str, Any]] | None:
     """The launcher's ``plan.json`` (each rank's NUMA node, cores and GPU), or None when it made none."""
-    plan_file = run_dir / "plan.json"
+    plan_file = run_dir / PLAN
     return json.loads(plan_file.read_text()) if plan_file.exists() else None
 
 
@@ -124,5 +125,5 @@ def place_rank(hw: HardwareConfig, comm: RankComm, run_dir: Path) -> tuple[torch
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)
         report = {"ranks": bindings, "plan": plan, "problems": problems}
-        (run_dir / "bindings.json").write_text(json.dumps(report, indent=1))
+        (run_dir / BINDINGS).write_text(json.dumps(report, indent=1))
     return device, binding

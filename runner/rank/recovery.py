@@ -27,15 +27,42 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from runner.comm import Comm
-from runner.launcher.watchdog import LOST_FILE
-from runner.rank.loop import Position, broadcast_state
-from runner.rank.metrics import dumps, write_atomic
+from runner.rank.state import Position
+from runner.run_folder import LOGS, LOST, dumps, write_atomic
 
 if TYPE_CHECKING:
-    from runner.rank.loop import Trainer
+    from runner.comm import Comm
+
+
+class Survivor(Protocol):
+    """What recovery asks of the training loop (:class:`runner.rank.loop.Trainer` provides it)."""
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether the rule's workers step together (then they agree on one step to continue from)."""
+
+    def abandon(self) -> None:
+        """Complete or forget the rule's communication in flight (the communicator is revoked)."""
+
+    def save(self, pos: Position, end: bool) -> None:
+        """Checkpoint (collective over the workers)."""
+
+    def share_state(self, comm: Comm, root: int) -> Any:
+        """Give every survivor ``root``'s model, and return ``root``'s optimizer, rule and scaler states."""
+
+    def adopt(self, state: Any) -> None:
+        """Take the states :meth:`share_state` returned (this survivor was behind)."""
+
+    def rejoin(self, val_loader: Any, next_poll: int) -> None:
+        """Go on over the survivors: the rule's own recovery, the validation share, the next agreement."""
+
+    def agreement_after(self, step: int) -> int:
+        """The first step after ``step`` at which the workers agree on checkpoints and stops."""
+
+    def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: TextIO) -> None:
+        """Record the loss in the run's records and on the console (the new rank 0 takes them over)."""
 
 
 class TooFewWorkers(RuntimeError):
@@ -69,36 +96,32 @@ class Recovery:
         self.failures: list[dict[str, Any]] = []
         self.seconds = 0.0
 
-    def recover(self, trainer: Trainer, pos: Position, holding: bool, applied: bool) -> bool:
+    def recover(self, trainer: Survivor, pos: Position, holding: bool, applied: bool) -> bool:
         """Collective over the surviving workers. ``holding``: the failure came inside a step, on a batch
         this rank had not finished (``applied``: its optimizer step was taken). Returns True when that batch
         counts as done, False when it must be redone."""
         start = time.time()
         self._check_servers(pos)
         self.workers.revoke()
-        trainer.rule.abandon()
+        trainer.abandon()
         lost = self.workers.shrink()
         if not lost:
             raise RuntimeError(
                 "a communication call failed on a worker although no worker was lost (see the ranks' logs)"
             ) from None
         adopted = False
-        if trainer.rule.synchronous:
+        if trainer.synchronous:
             adopted = self._agree(trainer, pos, holding, pos.step + int(holding and applied))
         if self.workers.size < self.min_workers:
-            if trainer.rule.synchronous:  # asynchronous workers stand at different steps: the last one stays
+            if trainer.synchronous:  # asynchronous workers stand at different steps: the last one stays
                 trainer.save(pos, False)
             raise TooFewWorkers(
                 f"{self.workers.size} worker(s) left after losing rank(s) {lost}, fewer than "
                 f"hardware.min_workers={self.min_workers}; the job ends, resume=RUN_DIR continues it from "
                 "its last checkpoint"
             ) from None
-        trainer.rule.recover()
-        trainer.val_loader = self.val_loader(self.workers.rank, self.workers.size)
-        interval = trainer.control.interval
-        next_poll = self.workers.allreduce_values([(pos.step // interval + 1) * interval], "max")[0]
-        trainer.control.reset(int(next_poll))
-        trainer.meter.world = self.workers.size
+        next_poll = self.workers.allreduce_values([trainer.agreement_after(pos.step)], "max")[0]
+        trainer.rejoin(self.val_loader(self.workers.rank, self.workers.size), int(next_poll))
         seconds = time.time() - start
         self.seconds += seconds
         self._record(trainer, lost, pos.step, start, seconds)
@@ -116,7 +139,7 @@ class Recovery:
                 "job ends; resume=RUN_DIR continues from the last checkpoint"
             ) from None
 
-    def _agree(self, trainer: Trainer, pos: Position, holding: bool, done: int) -> bool:
+    def _agree(self, trainer: Survivor, pos: Position, holding: bool, done: int) -> bool:
         """Bring every survivor to the state of the most advanced one (``done``: steps applied); True if
         this one took it. The loop counts a held batch as a step when this returns True."""
         w = self.workers
@@ -124,45 +147,31 @@ class Recovery:
         if not w.allreduce_values([float(done != top)], "max")[0]:
             return False
         src = int(w.allreduce_values([w.rank if done == top else w.size], "min")[0])
-        broadcast_state(trainer.model, w, root=src)
-        opt, rule, scaler, where = w.broadcast_object(
-            (
-                trainer.optimizer.state_dict(),
-                trainer.rule.state_dict(),
-                trainer.scaler.state_dict() if trainer.scaler is not None else None,
-                (top, pos.epoch, pos.batch + top - pos.step),
-            ),
-            root=src,
-        )
+        state = trainer.share_state(w, src)
+        where = w.broadcast_object((top, pos.epoch, pos.batch + top - pos.step), root=src)
         if done == top:
             return False
-        trainer.optimizer.load_state_dict(opt)
-        trainer.rule.load_state_dict(rule)
-        if scaler is not None:  # fp16: every survivor scales its loss alike again
-            trainer.scaler.load_state_dict(scaler)
+        trainer.adopt(state)
         pos.step, pos.epoch, pos.batch = where
         if holding:
             pos.step, pos.batch = pos.step - 1, pos.batch - 1
         return True
 
-    def _record(self, trainer: Trainer, lost: list[int], step: int, when: float, seconds: float) -> None:
+    def _record(self, trainer: Survivor, lost: list[int], step: int, when: float, seconds: float) -> None:
         for rank in lost:
             self.failures.append(
                 {"rank": rank, "host": self.hosts[rank], "step": step, "time": when, "cause": LOST_CAUSE}
             )
         if self.workers.rank != 0:
             return
-        if not trainer.log.enabled:
-            trainer.log.take_over()
-            trainer.meter.terminal = self.terminal
         ranks = ", ".join(f"rank {r} ({self.hosts[r]})" for r in lost)
-        trainer.log.write("failure", step, lost=lost, workers=self.workers.size, recovery_s=round(seconds, 4))
-        trainer.meter.echo(
+        line = (
             f"{ranks} lost at step {step}; continuing with {self.workers.size} workers "
             f"(recovered in {seconds:.2f} s)"
         )
+        trainer.record_failure(step, lost, seconds, line, self.terminal)
         lost_all = sorted({f["rank"] for f in self.failures})
-        write_atomic(self.run_dir / "logs" / LOST_FILE, dumps({"lost": lost_all}))
+        write_atomic(self.run_dir / LOGS / LOST, dumps({"lost": lost_all}))
 
     def summary(self) -> dict[str, Any]:
         """The fields summary.json gets."""

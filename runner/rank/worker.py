@@ -1,10 +1,19 @@
 """The worker entry point, one process per rank: ``python -m runner.rank.worker RUN_DIR`` under mpirun.
 
 It reads the config the launcher checked and wrote into RUN_DIR (Hydra does not run here), initialises MPI,
-sends its output to ``RUN_DIR/logs/rank<r>.log`` (rank 0 also to the terminal), is placed on its cores
-and device, builds the roles (which ranks train, which serve), the model, data, optimizer and rule from
-their schemas, and trains. An exception is written to ``RUN_DIR/logs/rank<r>.error`` and to the rank's
-log, and aborts the whole job (``MPI_Abort``), so no peer waits forever for a rank that is gone.
+sends its output to ``RUN_DIR/logs/rank<r>.log`` (rank 0 also to the terminal), and then, in order:
+
+1. :func:`place`: binds the rank to its cores and device, splits the roles (which ranks train, which serve)
+   and finds the checkpoint to resume from;
+2. :func:`build_model`: the model, the same on every rank;
+3. :func:`serve`: a server rank (ASGD's parameter servers) serves until the workers are done; or
+4. :func:`build`: a worker builds its data, optimizer, rule, task, schedule and records into a
+   :class:`~runner.rank.loop.Trainer`;
+5. :func:`fit`: restores the checkpoint's state, trains, and records the rule's final metrics;
+6. :func:`finish`: saves the model and writes ``summary.json``.
+
+An exception is written to ``RUN_DIR/logs/rank<r>.error`` and to the rank's log, and aborts the whole job
+(``MPI_Abort``), so no peer waits forever for a rank that is gone.
 """
 
 from __future__ import annotations
@@ -15,10 +24,12 @@ import platform
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch import nn
 
 from runner.comm import mpi
 from runner.hardware.topology import read_topology
@@ -33,22 +44,46 @@ from runner.rank.checkpoint import (
 )
 from runner.rank.guard import Diverged
 from runner.rank.heartbeat import Heartbeat
-from runner.rank.loop import Position, Trainer, broadcast_state
+from runner.rank.loop import Parts, Place, Records, Trainer
 from runner.rank.meter import Meter
-from runner.rank.metrics import MetricsLog, dumps, read_json, write_atomic
+from runner.rank.metrics import MetricsLog
 from runner.rank.output import redirect_output, root_cause
 from runner.rank.placement import place_rank
 from runner.rank.recovery import Recovery
+from runner.rank.state import Position, broadcast_state, run_length
 from runner.rules.base import RuleContext, split_roles
+from runner.run_folder import CONFIG, EXIT, IDENTITY, MODEL, rank_file, rank_model, read_json, write_summary
+from runner.schema import option_name
 from runner.schema.config import Config, load, monitored
-from runner.schema.identity import IDENTITY_FILE
 
 #: Steps between the workers' agreements on checkpoints and stops for asynchronous rules (so they drift
 #: at most this many steps apart); synchronous rules agree after every step.
 ASYNC_CONTROL_INTERVAL = 16
 
 
+@dataclass
+class Rank:
+    """What a rank knows once placed: its config and folder, its communicators (``workers`` None on a
+    server rank), device, the checkpoint it resumes from (``entry``, and ``part``, its own part of it),
+    its streams, and what it found of the machine (``env``, ``topology``)."""
+
+    cfg: Config
+    run_dir: Path
+    comm: mpi.Comm
+    workers: mpi.Comm | None
+    device: torch.device
+    hosts: list[str] | None  # every rank's host, by launch rank (fault tolerance only)
+    entry: dict[str, Any] | None
+    part: dict[str, Any] | None
+    checkpointer: Checkpointer
+    streams: tuple[TextIO, TextIO]  # (its log file, the terminal)
+    beat: Heartbeat
+    env: dict[str, Any]
+    topology: dict[str, Any]
+
+
 def versions(comm: mpi.Comm) -> dict[str, Any]:
+    """The versions of what this rank runs on (recorded in summary.json)."""
     import numpy
 
     return {
@@ -61,199 +96,211 @@ def versions(comm: mpi.Comm) -> dict[str, Any]:
     }
 
 
-def run(
-    cfg: Config, run_dir: Path, comm: mpi.Comm, log_file: TextIO, terminal: TextIO, beat: Heartbeat
-) -> None:
+def run(cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat) -> None:
     """Everything one rank does, from placement to the run's records (resuming from the run folder's
     latest checkpoint when the launcher set ``resume``)."""
     start = time.time()
-    topo, env = read_topology(), versions(comm)
+    rank = place(cfg, run_dir, comm, streams, beat)
+    model = build_model(rank)
+    if rank.workers is None:
+        serve(rank, model)
+        return
+    trainer, epochs, steps = build(rank, model)
+    reported, result = fit(rank, trainer, epochs, steps)
+    finish(rank, trainer, reported, result, time.time() - start)
+
+
+def place(
+    cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat
+) -> Rank:
+    """Bind this rank to its cores and device, split the roles, and find the checkpoint to resume from."""
+    topology, env = read_topology().to_dict(), versions(comm)
     if comm.rank == 0:
         print(f"versions: {json.dumps(env)}")
-        print(f"topology: {json.dumps(topo.to_dict())}")
+        print(f"topology: {json.dumps(topology)}")
     device, _ = place_rank(cfg.hardware, comm, run_dir)
-    tolerant = cfg.hardware.fault_tolerance == "continue"
-    if tolerant:
+    hosts = None
+    if cfg.hardware.fault_tolerance == "continue":
         comm.return_errors()
         hosts = comm.allgather_object(platform.node())
     workers = split_roles(comm, cfg.rule.extra_ranks())
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
-    train = cfg.train
+    return Rank(
+        cfg, run_dir, comm, workers, device, hosts, entry, part, checkpointer, streams, beat, env, topology
+    )
+
+
+def build_model(rank: Rank) -> nn.Module:
+    """The model, on the rank's device: rank 0's initial parameters on every rank (``train.same_init``)."""
+    train, comm = rank.cfg.train, rank.comm
     torch.manual_seed(train.seed + (0 if train.same_init else comm.rank))
-    model = cfg.model.build().to(device)
+    model = rank.cfg.model.build().to(rank.device)
     if train.same_init:
         broadcast_state(model, comm)
     torch.manual_seed(train.seed + 1000 * comm.rank + 1)
-    if workers is None:
-        beat.set_role("server")
+    return model
 
-        def save_server(step: int, state: dict[str, Any]) -> None:
-            checkpointer.save(step, {"rule": state, "rng": rng_state()})
 
-        rule = cfg.rule.build(RuleContext(comm, None, model, save=save_server))
-        if part:
-            rule.load_state_dict(part["rule"])
-            set_rng_state(part["rng"])
-        print(f"rank {comm.rank}: server of {type(rule).__name__}")
-        rule.serve()
-        if tolerant:
-            comm.fault_barrier()
-        rule.final_metrics()
-        return
-    data = cfg.data.build()
-    pin = device.type == "cuda"
-    loaders = (
+def serve(rank: Rank, model: nn.Module) -> None:
+    """A server rank: serve the workers (the rule's :meth:`~runner.rules.base.Rule.serve`) until they end."""
+    rank.beat.set_role("server")
+
+    def save(step: int, state: dict[str, Any]) -> None:
+        rank.checkpointer.save(step, {"rule": state, "rng": rng_state()})
+
+    rule = rank.cfg.rule.build(RuleContext(rank.comm, None, model, save=save))
+    if rank.part:
+        rule.load_state_dict(rank.part["rule"])
+        set_rng_state(rank.part["rng"])
+    print(f"rank {rank.comm.rank}: server of {type(rule).__name__}")
+    rule.serve()
+    if rank.hosts is not None:
+        rank.comm.fault_barrier()
+    rule.final_metrics()
+
+
+def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
+    """This worker's training and validation loaders, and the optimizer steps of an epoch; refuses a
+    setting the data cannot serve."""
+    train, workers, pin = rank.cfg.train, rank.workers, rank.device.type == "cuda"
+    pair = (
         data.train_loader(workers.rank, workers.size, train.batch_size, train.seed, pin_memory=pin),
         data.val_loader(workers.rank, workers.size, train.val_batch_size, pin_memory=pin),
     )
-    steps_per_epoch = len(loaders[0]) // train.accumulate
+    steps_per_epoch = len(pair[0]) // train.accumulate
     if steps_per_epoch == 0:
         raise ValueError(
-            f"train.accumulate={train.accumulate} is invalid: an epoch has only {len(loaders[0])} batches of "
+            f"train.accumulate={train.accumulate} is invalid: an epoch has only {len(pair[0])} batches of "
             f"train.batch_size={train.batch_size} per rank; lower train.accumulate or the batch size"
         )
-    if train.precision == "fp16" and device.type != "cuda":
+    if train.precision == "fp16" and rank.device.type != "cuda":
         raise ValueError("train.precision=fp16 needs a GPU (this rank runs on the CPU): use bf16 on CPUs")
-    if comm.rank == 0 and train.batch_size > len(loaders[0].sampler):
+    if rank.comm.rank == 0 and train.batch_size > len(pair[0].sampler):
         print(
             f"warning: train.batch_size={train.batch_size} exceeds this rank's shard of "
-            f"{len(loaders[0].sampler)} samples: every step trains on the whole shard"
+            f"{len(pair[0].sampler)} samples: every step trains on the whole shard"
         )
+    return pair, steps_per_epoch
+
+
+def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
+    """A worker's trainer, with the epochs and steps the run takes."""
+    cfg, comm, workers = rank.cfg, rank.comm, rank.workers
+    data = cfg.data.build()
+    pair, steps_per_epoch = loaders(rank, data)
     straggler = cfg.simulate.record()
     if comm.rank == 0 and straggler:
         print(f"simulated stragglers: ranks {straggler['ranks']} sleep {straggler['ms']:g} ms per step")
-    max_steps = train.max_steps or train.epochs * steps_per_epoch
-    epochs = min(train.epochs, -(-max_steps // steps_per_epoch))
-    total_steps = min(max_steps, epochs * steps_per_epoch)  # what the run will do: the schedule's length
+    epochs, steps = run_length(cfg.train.epochs, cfg.train.max_steps, steps_per_epoch)
     optimizer = cfg.optim.build(model.parameters())
     rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch))
-    schedule = cfg.schedule.build(optimizer, total_steps, rule.lr_factor)
-    task = cfg.task.build(data.num_classes)
-    resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
-    log = MetricsLog(run_dir, enabled=comm.rank == 0, resume=resume)
-    meter = Meter(
-        comm.stats,
-        workers.size,
-        total_steps,
-        log,
-        train.log_every,
-        terminal=terminal if comm.rank == 0 else None,
-        log_file=log_file,
-        progress=train.progress,
-    )
-    interval = 1 if rule.synchronous else ASYNC_CONTROL_INTERVAL
-    control = Control(workers, run_dir, checkpointer, interval, part["loop"]["step"] if part else 0)
+    schedule = cfg.schedule.build(optimizer, steps, rule.lr_factor)
+    parts = Parts(model, optimizer, rule, cfg.task.build(data.num_classes), schedule)
     recovery = None
-    if tolerant:
+    if rank.hosts is not None:
+        val_batch = cfg.train.val_batch_size
+        pin = rank.device.type == "cuda"
         recovery = Recovery(
             workers,
             comm,
             cfg.rule.extra_ranks(),
-            run_dir,
+            rank.run_dir,
             cfg.hardware.min_workers,
-            terminal,
-            lambda r, n: data.val_loader(r, n, train.val_batch_size, pin_memory=pin),
-            hosts,
+            rank.streams[1],
+            lambda r, n: data.val_loader(r, n, val_batch, pin_memory=pin),
+            rank.hosts,
         )
-    trainer: Trainer
+    place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank))
+    return (
+        Trainer(cfg.train, parts, pair, place, records(rank, rule.synchronous, steps), recovery),
+        epochs,
+        steps,
+    )
 
-    def checkpoint(pos: Position, end: bool) -> None:
-        rule.before_checkpoint(pos.step)
-        loop = {"step": pos.step, "epoch": pos.epoch, "batch": pos.batch, **trainer.state_dict()}
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "rule": rule.state_dict(),
-            "loop": loop,
-            "rng": rng_state(),
-        }
-        log.flush()
-        info = {
-            "epoch": pos.epoch,
-            "batch": pos.batch,
-            "end": end,
-            "metrics_lines": log.lines,
-            "elapsed": log.elapsed(),
-            "validation": trainer.history[-1] if trainer.history else None,
-        }
-        checkpointer.save(pos.step, state, info)
-        meter.echo(f"checkpoint after step {pos.step} (epoch {pos.epoch}, batch {pos.batch})")
 
-    start_at = Position()
+def records(rank: Rank, synchronous: bool, steps: int) -> Records:
+    """The worker's records (rank 0 writes them), its meter, and the workers' agreement on checkpoints and
+    stops; a resumed run continues its records from the checkpoint's."""
+    cfg, comm, entry, part = rank.cfg, rank.comm, rank.entry, rank.part
+    resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
+    log = MetricsLog(rank.run_dir, enabled=comm.rank == 0, resume=resume)
+    log_file, terminal = rank.streams
+    meter = Meter(
+        comm.stats,
+        rank.workers.size,
+        steps,
+        log,
+        cfg.train.log_every,
+        terminal=terminal if comm.rank == 0 else None,
+        log_file=log_file,
+        progress=cfg.train.progress,
+    )
+    interval = 1 if synchronous else ASYNC_CONTROL_INTERVAL
+    start = part["loop"]["step"] if part else 0
+    control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start)
+    return Records(log, meter, rank.beat, control, monitored(cfg))
+
+
+def fit(rank: Rank, trainer: Trainer, epochs: int, steps: int) -> tuple[nn.Module, dict[str, Any]]:
+    """Restore the checkpoint's state (when resuming), train, and record the rule's final metrics; returns
+    the model the run reports and the run's results."""
+    log = trainer.log
     try:
-        trainer = Trainer(
-            train,
-            model,
-            optimizer,
-            loaders,
-            rule,
-            workers,
-            comm.stats,
-            device,
-            log,
-            meter,
-            control,
-            checkpoint,
-            beat,
-            recovery,
-            delay_s=cfg.simulate.delay_s(comm.rank),
-            task=task,
-            schedule=schedule,
-            monitor=monitored(cfg),
-        )
-        if part:
-            model.load_state_dict(part["model"])
-            optimizer.load_state_dict(part["optimizer"])
-            rule.load_state_dict(part["rule"])
-            loop = part["loop"]
-            start_at = Position(loop["step"], loop["epoch"], loop["batch"])
-            trainer.load_state_dict(loop, start_at.step, mid_epoch=start_at.batch > 0)
-            set_rng_state(part["rng"])
-            meter.echo(f"resumed from the checkpoint after step {start_at.step} ({entry['dir']})")
-        reported, result = trainer.fit(max_steps, epochs, start_at)
-        if recovery is not None:
-            comm.fault_barrier()
-            result.update(recovery.summary())
-        final = rule.final_metrics()
+        start_at = Position()
+        if rank.part:
+            start_at = trainer.restore(rank.part)
+            trainer.meter.echo(
+                f"resumed from the checkpoint after step {start_at.step} ({rank.entry['dir']})"
+            )
+        reported, result = trainer.fit(steps, epochs, start_at)
+        if trainer.recovery is not None:
+            rank.comm.fault_barrier()
+            result.update(trainer.recovery.summary())
+        final = trainer.rule.final_metrics()
         if final:
             log.write("final", result["steps"], **final)
-        ident = read_json(run_dir / IDENTITY_FILE)
-        monitor = monitored(cfg)
-        log.hparams(
-            ident.get("swept", {}),
-            {f"hparam/{k}_{monitor}": result.get(f"{k}_{monitor}") for k in ("final", "best")},
-        )
+        swept = read_json(rank.run_dir / IDENTITY).get("swept", {})
+        monitor = trainer.monitor
+        log.hparams(swept, {f"hparam/{k}_{monitor}": result.get(f"{k}_{monitor}") for k in ("final", "best")})
+        result.update(final)
     finally:
         log.close()
-    if train.save_model != "none" and comm.rank == 0:
-        save_atomic(reported.state_dict(), run_dir / "model.pt")
-    if train.save_model == "all":
-        save_atomic(model.state_dict(), run_dir / f"model.rank{comm.rank}.pt")
-    if comm.rank == 0:
-        summary = {
-            "status": "preempted" if trainer.preempted else "ok",
-            **ident,
-            "rule": type(cfg.rule).__module__.rsplit(".", 1)[-1],
-            "model": f"{type(model).__module__}.{type(model).__qualname__}",
-            "data": cfg.data.name(),
-            "task": type(cfg.task).__module__.rsplit(".", 1)[-1],
-            "devices": cfg.devices,
-            "world_size": comm.size,
-            "resumed_from_step": entry["step"] if entry else None,
-            "straggler": straggler,
-            "checkpoint": checkpointer.latest,
-            "versions": env,
-            "topology": topo.to_dict(),
-            **result,
-            **final,
-            "worker_wall_time_s": time.time() - start,
-        }
-        write_atomic(run_dir / "summary.json", dumps(summary, indent=1))
+    return reported, result
+
+
+def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, Any], wall: float) -> None:
+    """Save the model (``train.save_model``) and write ``summary.json`` (rank 0)."""
+    cfg, comm, run_dir = rank.cfg, rank.comm, rank.run_dir
+    if cfg.train.save_model != "none" and comm.rank == 0:
+        save_atomic(reported.state_dict(), run_dir / MODEL)
+    if cfg.train.save_model == "all":
+        save_atomic(trainer.model.state_dict(), rank_model(run_dir, comm.rank))
+    if comm.rank != 0:
+        return
+    model = trainer.model
+    fields = {
+        **read_json(run_dir / IDENTITY),
+        "rule": option_name(type(cfg.rule)),
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "data": cfg.data.name(),
+        "task": option_name(type(cfg.task)),
+        "devices": cfg.devices,
+        "world_size": comm.size,
+        "resumed_from_step": rank.entry["step"] if rank.entry else None,
+        "straggler": cfg.simulate.record(),
+        "checkpoint": rank.checkpointer.latest,
+        "versions": rank.env,
+        "topology": rank.topology,
+        **result,
+        "worker_wall_time_s": wall,
+    }
+    write_summary(run_dir, "preempted" if trainer.preempted else "ok", **fields)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one rank of the job whose run folder is ``argv[0]``; a failure aborts the job with its status."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: mpirun ... python -m runner.rank.worker RUN_DIR")
@@ -262,27 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     log_file, terminal = redirect_output(run_dir, comm.rank)
     beat = Heartbeat(run_dir, comm.rank, counter=lambda: comm.stats.seconds)
     try:
-        cfg = load(str(run_dir / "config.yaml"))
+        cfg = load(str(run_dir / CONFIG))
         if cfg.hardware.cuda_aware is not None:
             comm.cuda_aware = cfg.hardware.cuda_aware
-        run(cfg, run_dir, comm, log_file, terminal, beat)
+        run(cfg, run_dir, comm, (log_file, terminal), beat)
     except BaseException as err:
-        cause = root_cause(err)
-        try:
-            (run_dir / "logs" / f"rank{comm.rank}.error").write_text(f"{cause}\n\n{traceback.format_exc()}")
-        except OSError as io:
-            print(f"rank {comm.rank}: could not write its error file: {io}", file=sys.stderr)
-        log_file.write(traceback.format_exc())
-        print(f"rank {comm.rank} failed: {cause}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if isinstance(err, Diverged):
-            status = 3
-        elif isinstance(err, SystemExit) and isinstance(err.code, int) and err.code:
-            status = err.code
-        else:
-            status = 1
-        mpi.abort(status)
+        fail(err, run_dir, comm.rank, log_file)
         raise
     finally:
         beat.close()
@@ -291,6 +323,27 @@ def main(argv: list[str] | None = None) -> None:
     if comm.tolerant:  # after a lost rank, ULFM's MPI_Finalize (or loader shutdown) was seen to hang
         log_file.flush()
         os._exit(0)
+
+
+def fail(err: BaseException, run_dir: Path, rank: int, log_file: TextIO) -> None:
+    """Name the failure (``logs/rank<r>.error``, the rank's log, stderr) and abort the job with its status:
+    3 diverged, a SystemExit's own code, else 1."""
+    cause = root_cause(err)
+    try:
+        rank_file(run_dir, rank, "error").write_text(f"{cause}\n\n{traceback.format_exc()}")
+    except OSError as io:
+        print(f"rank {rank}: could not write its error file: {io}", file=sys.stderr)
+    log_file.write(traceback.format_exc())
+    print(f"rank {rank} failed: {cause}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if isinstance(err, Diverged):
+        status = EXIT["diverged"]
+    elif isinstance(err, SystemExit) and isinstance(err.code, int) and err.code:
+        status = err.code
+    else:
+        status = EXIT["failed"]
+    mpi.abort(status)
 
 
 if __name__ == "__main__":

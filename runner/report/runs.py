@@ -8,11 +8,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.rank.metrics import read_json, read_metrics
+from runner.run_folder import (
+    CONFIG,
+    HYDRA_CONFIG,
+    HYDRA_DIR,
+    HYDRA_OVERRIDES,
+    IDENTITY,
+    METRICS,
+    SUMMARY,
+    SWEEP_CONFIG,
+    read_json,
+    read_metrics,
+)
 from runner.schema.identity import parse_overrides, varied_keys
 
 #: Files that make a folder a run folder.
-RUN_FILES = ("summary.json", "metrics.jsonl", "run.json", ".hydra/overrides.yaml")
+RUN_FILES = (SUMMARY, METRICS, IDENTITY, f"{HYDRA_DIR}/{HYDRA_OVERRIDES}")
 
 
 class NoRuns(ValueError):
@@ -89,11 +100,11 @@ class Run:
         or config value (a key that another run overrode)."""
         if key in self.given:
             return self.given[key]
-        hydra = _read_yaml(self.dir / ".hydra" / "hydra.yaml") or {}
+        hydra = _read_yaml(self.dir / HYDRA_DIR / HYDRA_CONFIG) or {}
         value = (((hydra.get("hydra") or {}).get("runtime") or {}).get("choices") or {}).get(key)
         value = self.summary.get(key) if value is None else value
         if value is None:
-            value = _read_yaml(self.dir / "config.yaml") or {}
+            value = _read_yaml(self.dir / CONFIG) or {}
             for part in key.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
         return None if value is None or isinstance(value, (dict, list)) else (value, str(value))
@@ -102,7 +113,7 @@ class Run:
 def declared_keys(folder: Path) -> list[str]:
     """The keys a sweep folder's multirun.yaml says its sweep varied: its sweep overrides (lists, ranges,
     Optuna's intervals) and ``hydra.sweeper.params``. (Without one, the keys whose values differ count.)"""
-    hydra = (_read_yaml(folder / "multirun.yaml") or {}).get("hydra") or {}
+    hydra = (_read_yaml(folder / SWEEP_CONFIG) or {}).get("hydra") or {}
     keys = varied_keys((hydra.get("overrides") or {}).get("task") or [])
     return list(dict.fromkeys(keys + [str(k) for k in (hydra.get("sweeper") or {}).get("params") or {}]))
 
@@ -120,14 +131,14 @@ def run_folders(folder: Path) -> list[Path]:
 
 
 def load_run(path: Path) -> Run:
-    summary, ident = read_json(path / "summary.json"), read_json(path / "run.json")
+    summary, ident = read_json(path / SUMMARY), read_json(path / IDENTITY)
     overrides = summary.get("overrides") or ident.get("overrides")
     if overrides is None:
-        overrides = _read_yaml(path / ".hydra" / "overrides.yaml") or []
+        overrides = _read_yaml(path / HYDRA_DIR / HYDRA_OVERRIDES) or []
     given = parse_overrides([str(o) for o in overrides])
     for key, value in (summary.get("swept") or ident.get("swept") or {}).items():
         given[key] = (value, given[key][1] if key in given else str(value))
-    run = Run(path, summary, read_metrics(path / "metrics.jsonl"), given)
+    run = Run(path, summary, read_metrics(path / METRICS), given)
     run.name = summary.get("name") or ident.get("name") or ""
     return run
 

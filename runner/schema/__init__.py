@@ -45,6 +45,11 @@ def require(ok: bool, key: str, value: Any, hint: str) -> None:
         raise ValueError(f"{key}={value!r} is invalid: {hint}")
 
 
+def option_name(schema: type) -> str:
+    """The option a schema class belongs to, as users select it: ``BSPConfig`` of rules/bsp.py -> ``bsp``."""
+    return schema.__module__.rsplit(".", 1)[-1]
+
+
 def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
     require(value in choices, key, value, "choose one of " + ", ".join(choices))
 

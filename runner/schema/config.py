@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.schema import GROUPS, require
+from runner.schema import GROUPS, option_name, require
 from runner.schema.sections import CheckpointConfig, SimulateConfig, TrainConfig
 from runner.schema.target import of_node
 
@@ -137,7 +137,7 @@ def check_training(cfg: Config) -> None:
     (which needs a GPU's gradient scaler) is not asked of a CPU job."""
     metrics = [f"val_{m}" for m in cfg.task.metrics(getattr(cfg.data, "num_classes", None))]
     if cfg.train.monitor is not None and cfg.train.monitor not in metrics:
-        task = type(cfg.task).__module__.rsplit(".", 1)[-1]
+        task = option_name(type(cfg.task))
         raise ValueError(
             f"train.monitor={cfg.train.monitor!r} is invalid: task={task} reports {', '.join(metrics)}"
         )

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from runner.run_folder import SWEEP_CONFIG
+
 #: Overrides that say where or how a run is shown, not what it is.
 IGNORED = ("hydra.", "hydra/", "train.progress", "resume")
-IDENTITY_FILE = "run.json"
 
 
 def override_key(override: str) -> str:
@@ -62,7 +63,7 @@ def sweep_overrides(sweep_dir: Path) -> list[str] | None:
     """The overrides a multirun was started with (from the ``multirun.yaml`` Hydra wrote), or None."""
     from omegaconf import OmegaConf
 
-    path = sweep_dir / "multirun.yaml"
+    path = sweep_dir / SWEEP_CONFIG
     if not path.is_file():
         return None
     return list(OmegaConf.load(path).hydra.overrides.task)
