@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from runner.hardware.cluster import Cluster
-from runner.hardware.cpu import CPU
+from runner.hardware.cluster import ClusterConfig
+from runner.hardware.cpu import CPUConfig
 from runner.hardware.mpirun import build_argv, threads_per_rank
 
 
 def argv(ranks=2, cores=2, as_root=False, flavor="openmpi", **hw):
-    schema = Cluster if "hosts" in hw or "hostfile" in hw else CPU
+    schema = ClusterConfig if "hosts" in hw or "hostfile" in hw else CPUConfig
     return build_argv(
         schema(**hw),
         ranks,
@@ -42,7 +42,7 @@ def test_several_cores_per_rank():
     a = argv(ranks=2, cores=8)
     assert flag_value(a, "--map-by") == "slot:PE=4" and flag_value(a, "--bind-to") == "core"
     assert "OMP_NUM_THREADS=4" in a
-    assert threads_per_rank(CPU(threads_per_rank=3), 2, 8) == 3
+    assert threads_per_rank(CPUConfig(threads_per_rank=3), 2, 8) == 3
 
 
 @pytest.mark.parametrize("bind,domain", [("numa", "numa"), ("socket", "package")])
@@ -100,8 +100,8 @@ def test_hosts_and_hostfile(tmp_path):
     assert flag_value(a, "--host") == "node1:2,node2:2" and "--oversubscribe" not in a
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=4  # first\nnode2 slots=4\n\n")
-    assert Cluster(hostfile=str(hostfile)).slots() == 8
-    assert Cluster(hosts=["a", "b:3"]).slots() == 4
+    assert ClusterConfig(hostfile=str(hostfile)).slots() == 8
+    assert ClusterConfig(hosts=["a", "b:3"]).slots() == 4
     assert flag_value(argv(hostfile=str(hostfile)), "--hostfile") == str(hostfile)
     assert flag_value(argv(flavor="mpich", hosts=["a:1", "b:1"]), "-hosts") == "a:1,b:1"
     assert flag_value(argv(flavor="mpich", hostfile=str(hostfile)), "-f") == str(hostfile)

@@ -129,7 +129,7 @@ def test_wrong_type_fails_at_compose():
         (["hardware.ranks_per_gpu=0"], "hardware.ranks_per_gpu"),
         (["+train.epoch=1"], "train.epoch: not an option of TrainConfig (did you mean train.epochs?)"),
         (["+model.widht=3"], "model.widht: not an option of CNNConfig (did you mean model.width?)"),
-        (["+hardware.launcher=srun"], "hardware.launcher: not an option of CPU"),
+        (["+hardware.launcher=srun"], "hardware.launcher: not an option of CPUConfig"),
     ],
 )
 def test_bad_values_name_their_key(overrides, key):
@@ -154,11 +154,11 @@ def test_options_only_select_their_schema():
 
 
 def test_checked_config_holds_the_schema_objects():
-    from runner.optim.sgd import SGD
+    from runner.optim.sgd import SGDConfig
     from runner.rules.easgd import EASGDConfig
 
     checked = validate(_compose("rule=easgd", "rule.beta=0.6", "devices=3", "optim.lr=0.2"))
-    assert isinstance(checked.rule, EASGDConfig) and isinstance(checked.optim, SGD)
+    assert isinstance(checked.rule, EASGDConfig) and isinstance(checked.optim, SGDConfig)
     assert checked.rule.alpha_for(checked.devices) == pytest.approx(0.2) and checked.optim.lr == 0.2
 
 
@@ -304,7 +304,8 @@ def test_a_submitit_sweep_keeps_one_folder_for_all_its_points(tmp_path):
 
 def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
     """Its config.yaml names the schemas models.cnn.CNNConfig and data.digits.DigitsConfig (installed now as
-    runner.models and runner.data) and has no task or schedule: resume= and eval= must still read it."""
+    runner.models and runner.data), runner.optim.sgd.SGD and runner.hardware.cpu.CPU (now SGDConfig and
+    CPUConfig), and has no task or schedule: resume= and eval= must still read it."""
     from runner.models.cnn import CNNConfig
     from runner.schedule.constant import ConstantConfig
     from runner.schema.config import load, schema_paths
@@ -316,6 +317,8 @@ def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
         **schema_paths(cfg),
         "model": "models.cnn.CNNConfig",
         "data": "data.digits.DigitsConfig",
+        "optim": "runner.optim.sgd.SGD",  # before every schema was named <Name>Config
+        "hardware": "runner.hardware.cpu.CPU",
     }
     for group in ("task", "schedule"):
         del old[group], old["_schemas_"][group]
@@ -323,3 +326,4 @@ def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
     loaded = load(tmp_path / "config.yaml")
     assert type(loaded.model) is CNNConfig and type(loaded.data).__module__ == "runner.data.digits"
     assert isinstance(loaded.task, ClassificationConfig) and isinstance(loaded.schedule, ConstantConfig)
+    assert (type(loaded.optim).__name__, type(loaded.hardware).__name__) == ("SGDConfig", "CPUConfig")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import runner.hardware.base
-from runner.hardware.cluster import Cluster
-from runner.hardware.cpu import CPU
-from runner.hardware.gpu import GPU
+from runner.hardware.cluster import ClusterConfig
+from runner.hardware.cpu import CPUConfig
+from runner.hardware.gpu import GPUConfig
 from runner.hardware.mpirun import find_mpirun, mpi_flavor
 from runner.rank.placement import check_bindings, place_rank, select_device
 from runner.schema import schema_of
@@ -52,42 +52,46 @@ def cores(monkeypatch):
 
 def test_this_machine_shares_its_cores_among_the_ranks(cores):
     cores(8)
-    launch = CPU(flavor="openmpi").plan_launch(2, Path("/run"))
+    launch = CPUConfig(flavor="openmpi").plan_launch(2, Path("/run"))
     assert (launch.threads, launch.bind, launch.launcher, launch.placements) == (4, "core", "mpirun", None)
     assert Path(launch.argv[0]).name == "mpirun" and launch.argv[1:3] == ["-n", "2"]
     assert launch.argv[launch.argv.index("--map-by") + 1] == "slot:PE=4"
     assert launch.argv[-1] == "/run"
-    crowded = CPU(flavor="openmpi").plan_launch(4, Path("/run"))
+    crowded = CPUConfig(flavor="openmpi").plan_launch(4, Path("/run"))
     assert (crowded.threads, crowded.bind) == (2, "core")
     cores(2)
-    oversubscribed = CPU(flavor="openmpi", bind="numa", oversubscribe=True).plan_launch(4, Path("/run"))
+    oversubscribed = CPUConfig(flavor="openmpi", bind="numa", oversubscribe=True).plan_launch(4, Path("/run"))
     assert (oversubscribed.threads, oversubscribed.bind) == (1, "none")
     assert "--oversubscribe" in oversubscribed.argv
 
 
 def test_more_ranks_than_cores_are_refused_unless_oversubscribe(cores):
     cores(2)
-    assert CPU(flavor="openmpi").plan_launch(2, Path("/run")).bind == "core", "one rank per core fits"
+    assert CPUConfig(flavor="openmpi").plan_launch(2, Path("/run")).bind == "core", "one rank per core fits"
     with pytest.raises(ValueError) as refused:
-        CPU(flavor="openmpi").plan_launch(3, Path("/run"))
+        CPUConfig(flavor="openmpi").plan_launch(3, Path("/run"))
     message = str(refused.value)
     assert message.startswith("devices: the job needs 3 ranks") and "2 usable cores" in message
     assert "hardware.oversubscribe=true" in message
-    assert "--oversubscribe" in CPU(flavor="openmpi", oversubscribe=True).plan_launch(3, Path("/run")).argv
+    assert (
+        "--oversubscribe" in CPUConfig(flavor="openmpi", oversubscribe=True).plan_launch(3, Path("/run")).argv
+    )
 
 
 def test_a_cluster_refuses_more_ranks_than_its_slots(cores, tmp_path):
     cores(64)
     with pytest.raises(ValueError, match=r"needs 5 ranks .*hardware.hosts=\['a:2', 'b:2'\] have 4 slots"):
-        Cluster(flavor="openmpi", hosts=["a:2", "b:2"]).plan_launch(5, Path("/run"))
-    assert Cluster(flavor="openmpi", hosts=["a:2", "b:2"], oversubscribe=True).plan_launch(5, Path("/run"))
+        ClusterConfig(flavor="openmpi", hosts=["a:2", "b:2"]).plan_launch(5, Path("/run"))
+    assert ClusterConfig(flavor="openmpi", hosts=["a:2", "b:2"], oversubscribe=True).plan_launch(
+        5, Path("/run")
+    )
     counted = tmp_path / "counted"
     counted.write_text("a slots=2\n")
     with pytest.raises(ValueError, match=f"the hostfile {counted} has 2 slots"):
-        Cluster(flavor="openmpi", hostfile=str(counted)).plan_launch(3, Path("/run"))
+        ClusterConfig(flavor="openmpi", hostfile=str(counted)).plan_launch(3, Path("/run"))
     uncounted = tmp_path / "uncounted"
     uncounted.write_text("a\nb slots=1\n")
-    assert Cluster(flavor="openmpi", hostfile=str(uncounted)).plan_launch(16, Path("/run")), (
+    assert ClusterConfig(flavor="openmpi", hostfile=str(uncounted)).plan_launch(16, Path("/run")), (
         "a host without slots= has as many as mpirun finds cores there: not checked"
     )
 
@@ -104,16 +108,16 @@ def test_devices_beyond_this_machine_are_refused_before_anything_starts(tmp_path
 
 def test_a_cluster_shares_its_hosts_slots(cores, tmp_path):
     cores(2)
-    launch = Cluster(flavor="openmpi", hosts=["node1:4", "node2:4"]).plan_launch(4, Path("/run"))
+    launch = ClusterConfig(flavor="openmpi", hosts=["node1:4", "node2:4"]).plan_launch(4, Path("/run"))
     assert launch.threads == 2 and "--oversubscribe" not in launch.argv
     assert launch.argv[launch.argv.index("--host") + 1] == "node1:4,node2:4"
     empty = tmp_path / "hosts"
     empty.write_text("# no hosts yet\n")
-    assert Cluster(hostfile=str(empty)).cores() == 2, "no slots in the hostfile: this machine's cores"
+    assert ClusterConfig(hostfile=str(empty)).cores() == 2, "no slots in the hostfile: this machine's cores"
 
 
 def test_gpu_defaults():
-    assert (GPU().device, GPU().bind) == ("cuda", "numa")
+    assert (GPUConfig().device, GPUConfig().bind) == ("cuda", "numa")
 
 
 def test_mpirun_discovery_and_flavor(tmp_path):
@@ -163,7 +167,7 @@ def test_place_rank_reports_and_records_the_binding(tmp_path, capsys):
 
     threads = torch.get_num_threads()
     try:
-        device, binding = place_rank(CPU(threads_per_rank=1), OneRank(), tmp_path)
+        device, binding = place_rank(CPUConfig(threads_per_rank=1), OneRank(), tmp_path)
     finally:
         torch.set_num_threads(threads)
     assert device == torch.device("cpu") and binding["gpu"] is None and binding["threads"] == 1
@@ -179,7 +183,7 @@ def test_place_rank_warns_when_a_rank_is_off_its_plan(tmp_path, capsys):
     (tmp_path / "plan.json").write_text(json.dumps([{"rank": 0, "numa": 7, "cpus": [0], "gpu": None}]))
     threads = torch.get_num_threads()
     try:
-        place_rank(CPU(threads_per_rank=1), OneRank(), tmp_path)
+        place_rank(CPUConfig(threads_per_rank=1), OneRank(), tmp_path)
     finally:
         torch.set_num_threads(threads)
     assert "warning: rank 0 runs on NUMA node(s)" in capsys.readouterr().err
@@ -192,7 +196,7 @@ def test_cuda_without_torch_cuda_fails_the_rank(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="torch sees no CUDA device; use hardware=cpu"):
-        select_device(GPU(), OneRank(), tmp_path)
+        select_device(GPUConfig(), OneRank(), tmp_path)
 
 
 def test_config_yaml_records_the_plan_and_loads_back(cores, tmp_path):
@@ -203,7 +207,7 @@ def test_config_yaml_records_the_plan_and_loads_back(cores, tmp_path):
     argv = prepare(compose_config(["hardware.bind=numa", "hardware.flavor=openmpi"]), tmp_path)
     assert (tmp_path / "mpirun.txt").read_text().split()[0] == argv[0]
     checked = load(str(tmp_path / "config.yaml"))
-    assert isinstance(checked.hardware, CPU)
+    assert isinstance(checked.hardware, CPUConfig)
     assert (checked.hardware.threads_per_rank, checked.hardware.bind) == (4, "numa")
     assert not (tmp_path / "plan.json").exists()
 
@@ -218,14 +222,16 @@ def test_a_failure_summary_names_the_rule(tmp_path, rule):
 
 
 def test_slurm_takes_more_ranks_than_tasks_only_when_told(monkeypatch, tmp_path):
-    from runner.hardware.slurm import Slurm
+    from runner.hardware.slurm import SlurmConfig
 
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(key)
     for key, value in {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_CPUS_PER_NODE": "2"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=r"needs 3 ranks .*hardware.oversubscribe=true"):
-        Slurm(flavor="openmpi").plan_launch(3, tmp_path)
-    assert "--oversubscribe" in Slurm(flavor="openmpi", oversubscribe=True).plan_launch(3, tmp_path).argv
+        SlurmConfig(flavor="openmpi").plan_launch(3, tmp_path)
+    assert (
+        "--oversubscribe" in SlurmConfig(flavor="openmpi", oversubscribe=True).plan_launch(3, tmp_path).argv
+    )
     monkeypatch.setenv("SLURM_STEP_ID", "0")
-    assert "--overcommit" in Slurm(oversubscribe=True).plan_launch(3, tmp_path).argv, "srun's own flag"
+    assert "--overcommit" in SlurmConfig(oversubscribe=True).plan_launch(3, tmp_path).argv, "srun's own flag"

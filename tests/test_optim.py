@@ -8,11 +8,11 @@ import inspect
 import pytest
 import torch
 
-from runner.optim.adam import Adam
-from runner.optim.adamw import AdamW
+from runner.optim.adam import AdamConfig
+from runner.optim.adamw import AdamWConfig
 from tests.conftest import checked_config
 
-OPTIONS = [("adam", Adam, torch.optim.Adam), ("adamw", AdamW, torch.optim.AdamW)]
+OPTIONS = [("adam", AdamConfig, torch.optim.Adam), ("adamw", AdamWConfig, torch.optim.AdamW)]
 
 
 @pytest.mark.parametrize("option,schema,cls", OPTIONS)

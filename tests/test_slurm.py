@@ -17,7 +17,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner.hardware.slurm import Slurm, allocation, expand_counts
+from runner.hardware.slurm import SlurmConfig, allocation, expand_counts
 from runner.launcher.launch import prepare
 from runner.schema.config import load
 from tests.conftest import ROOT, compose_config, mpirun_argv
@@ -151,12 +151,12 @@ def test_gpus_are_planned_only_on_a_single_node_started_by_mpirun(slurm_env, tmp
     one_node = {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"}
     slurm_env({**one_node, "SLURM_JOB_CPUS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "2"})
     with pytest.raises(ValueError, match="hardware.device='cuda'.*no NVIDIA GPU.*hardware=cpu"):
-        Slurm(device="cuda", flavor="openmpi").plan_launch(2, tmp_path)
-    launch = Slurm(device="cuda", launcher="srun").plan_launch(2, tmp_path)
+        SlurmConfig(device="cuda", flavor="openmpi").plan_launch(2, tmp_path)
+    launch = SlurmConfig(device="cuda", launcher="srun").plan_launch(2, tmp_path)
     assert launch.launcher == "srun" and launch.placements is None
     assert "--gpus-per-task=1" in launch.argv and "--gpu-bind=closest" in launch.argv
     slurm_env(BATCH)
-    two_nodes = Slurm(device="cuda", flavor="openmpi").plan_launch(8, tmp_path)
+    two_nodes = SlurmConfig(device="cuda", flavor="openmpi").plan_launch(8, tmp_path)
     assert two_nodes.launcher == "mpirun" and two_nodes.placements is None
 
 
@@ -165,8 +165,8 @@ def test_the_chosen_launcher_and_threads_are_recorded(slurm_env, tmp_path):
     slurm_env(STEP)
     prepare(compose_config(["hardware=slurm", "devices=4"]), tmp_path)
     hw = load(str(tmp_path / "config.yaml")).hardware
-    assert isinstance(hw, Slurm) and (hw.launcher, hw.threads_per_rank, hw.bind) == ("srun", 2, "core")
-    direct = Slurm().plan_launch(4, tmp_path)
+    assert isinstance(hw, SlurmConfig) and (hw.launcher, hw.threads_per_rank, hw.bind) == ("srun", 2, "core")
+    direct = SlurmConfig().plan_launch(4, tmp_path)
     assert (direct.launcher, direct.threads, direct.bind) == ("srun", 2, "core")
 
 

@@ -84,20 +84,20 @@ def test_jobs_on_one_machine_hold_disjoint_cores(tmp_path, monkeypatch):
     from pathlib import Path
 
     from runner.hardware import cores
-    from runner.hardware.cpu import CPU
+    from runner.hardware.cpu import CPUConfig
 
     monkeypatch.setattr(cores, "LOCK_DIR", tmp_path / "locks")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine, whatever this is
     first = cores.reserve(1, [0, 1])
     assert first.cores == [0]
-    launch = CPU(flavor="openmpi").plan_launch(1, Path("/run"), reserve=True, share=2)
+    launch = CPUConfig(flavor="openmpi").plan_launch(1, Path("/run"), reserve=True, share=2)
     assert launch.lease.cores == [1] and "pe-list=1:ordered" in launch.argv and launch.threads == 1
-    crowded = CPU(flavor="openmpi").plan_launch(1, Path("/run"), reserve=True, share=2)
+    crowded = CPUConfig(flavor="openmpi").plan_launch(1, Path("/run"), reserve=True, share=2)
     assert crowded.lease is None and "--bind-to" in crowded.argv and "none" in crowded.argv
     assert "held by other mpitrain jobs" in crowded.warning
     first.release()
     launch.lease.release()
-    again = CPU(flavor="openmpi").plan_launch(1, Path("/run"), reserve=True, share=2)
+    again = CPUConfig(flavor="openmpi").plan_launch(1, Path("/run"), reserve=True, share=2)
     assert again.lease.cores == [0] and not any("pe-list" in a for a in again.argv)
     again.lease.release()
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.hardware.cluster import Cluster
-from runner.hardware.gpu import GPU
+from runner.hardware.cluster import ClusterConfig
+from runner.hardware.gpu import GPUConfig
 from runner.hardware.mpirun import build_argv
 from runner.hardware.topology import format_cpulist, gpu_slots, main, parse_cpulist, plan, read_topology
 
@@ -93,7 +93,7 @@ def test_two_numa_nodes_four_gpus(two_sockets_four_gpus):
 def gpu_argv(placements, flavor: str) -> list[str]:
     """The launcher's command for ``placements`` of 4 ranks with hardware=gpu on the 16-core fake machine."""
     return build_argv(
-        GPU(),
+        GPUConfig(),
         4,
         Path("/run"),
         mpirun="mpirun" if flavor == "openmpi" else "mpiexec",
@@ -208,33 +208,33 @@ def this_machine(monkeypatch):
 
 def test_hardware_gpu_plans_its_ranks_onto_this_machines_gpus(this_machine, two_sockets_four_gpus):
     this_machine(two_sockets_four_gpus, 16)
-    launch = GPU(flavor="openmpi").plan_launch(4, Path("/run"))
+    launch = GPUConfig(flavor="openmpi").plan_launch(4, Path("/run"))
     assert [p.gpu for p in launch.placements] == [0, 1, 2, 3] and launch.threads == 4
     assert launch.launcher == "mpirun" and launch.bind == "numa"
     assert launch.argv[launch.argv.index("--map-by") + 1] == "ppr:2:numa:pe=4"
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in launch.argv
-    sharing = GPU(flavor="openmpi", gpus_per_node=1, ranks_per_gpu=2, threads_per_rank=4)
+    sharing = GPUConfig(flavor="openmpi", gpus_per_node=1, ranks_per_gpu=2, threads_per_rank=4)
     shared = sharing.plan_launch(2, Path("/run"))
     assert [p.gpu for p in shared.placements] == [0, 0]
     with pytest.raises(ValueError, match="hardware.ranks_per_gpu=2"):
-        GPU(flavor="openmpi").plan_launch(8, Path("/run"))
+        GPUConfig(flavor="openmpi").plan_launch(8, Path("/run"))
 
 
 def test_hardware_gpu_honours_cuda_visible_devices(this_machine, two_sockets_four_gpus, monkeypatch):
     this_machine(two_sockets_four_gpus, 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    launch = GPU(flavor="openmpi", threads_per_rank=4).plan_launch(2, Path("/run"))
+    launch = GPUConfig(flavor="openmpi", threads_per_rank=4).plan_launch(2, Path("/run"))
     assert [(p.gpu, p.numa) for p in launch.placements] == [(0, 1), (1, 1)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='' hides every GPU.*hardware=cpu"):
-        GPU(flavor="openmpi").plan_launch(2, Path("/run"))
+        GPUConfig(flavor="openmpi").plan_launch(2, Path("/run"))
 
 
 def test_cuda_without_an_nvidia_gpu_is_refused_before_launch(this_machine, one_socket):
     this_machine(one_socket, 4)
     with pytest.raises(ValueError, match="hardware.device='cuda'.*no NVIDIA GPU.*use hardware=cpu"):
-        GPU(flavor="openmpi").plan_launch(2, Path("/run"))
-    cluster = Cluster(device="cuda", flavor="openmpi", hosts=["node1:2", "node2:2"])
+        GPUConfig(flavor="openmpi").plan_launch(2, Path("/run"))
+    cluster = ClusterConfig(device="cuda", flavor="openmpi", hosts=["node1:2", "node2:2"])
     assert cluster.plan_launch(4, Path("/run")).placements is None, "other hosts: no plan, no refusal"
 
 

@@ -14,7 +14,7 @@ from runner.schema import require
 
 
 @dataclass
-class Cluster(HardwareConfig):
+class ClusterConfig(HardwareConfig):
     """Ranks on the hosts of ``hosts`` (``host:slots``) or of an Open MPI ``hostfile``."""
 
     hosts: list[str] = field(default_factory=list)

@@ -13,7 +13,7 @@ from runner.hardware.topology import format_cpulist
 
 
 @dataclass
-class CPU(HardwareConfig):
+class CPUConfig(HardwareConfig):
     """This machine, CPU only (the defaults of :class:`HardwareConfig`).
 
     Jobs that run at once on the machine (a sweep's points in parallel, ``share`` of them) bind to

@@ -8,6 +8,6 @@ from runner.hardware.base import HardwareConfig
 
 
 @dataclass
-class GPU(HardwareConfig):
+class GPUConfig(HardwareConfig):
     device: str = "cuda"
     bind: str = "numa"

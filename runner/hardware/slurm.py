@@ -45,7 +45,7 @@ def expand_counts(text: str) -> list[int]:
 
 
 @dataclass
-class Slurm(HardwareConfig):
+class SlurmConfig(HardwareConfig):
     """Inside a Slurm allocation; ``launcher``: auto (srun inside a job step, else mpirun) | mpirun | srun."""
 
     launcher: str = "auto"
@@ -151,7 +151,7 @@ def choose_launcher(launcher: str, alloc: Allocation) -> str:
 
 
 def check_fits(alloc: Allocation, launcher: str, ranks: int, threads: int) -> None:
-    """Refuse a job that the allocation cannot hold (Slurm would queue the step forever or fail late);
+    """Refuse a job that the allocation cannot hold (SlurmConfig would queue the step forever or fail late);
     not called with ``hardware.oversubscribe=true``."""
     if launcher == "mpirun" and ranks > alloc.tasks:
         raise ValueError(
@@ -168,7 +168,7 @@ def check_fits(alloc: Allocation, launcher: str, ranks: int, threads: int) -> No
 
 
 def srun_argv(
-    hw: Slurm,
+    hw: SlurmConfig,
     ranks: int,
     threads: int,
     bind: str,

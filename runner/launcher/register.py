@@ -9,6 +9,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from runner.run_folder import HYDRA_DIR
 from runner.schema import register_source
 from runner.schema.config import Config
 
@@ -46,7 +47,7 @@ def register() -> None:
     OmegaConf.register_new_resolver(
         "mpitrain_hydra_subdir",
         lambda resume, now, evaluated=None: (
-            f".hydra/resumed-{now}" if resume else f".hydra/eval-{now}" if evaluated else ".hydra"
+            f"{HYDRA_DIR}/resumed-{now}" if resume else f"{HYDRA_DIR}/eval-{now}" if evaluated else HYDRA_DIR
         ),
         use_cache=True,
         replace=True,

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Adam(OptimConfig):
+class AdamConfig(OptimConfig):
     """``torch.optim.Adam``'s arguments and defaults (``lr`` 1e-3, not SGD's 0.05). With moments
     m ← β₁·m + (1 − β₁)·g and v ← β₂·v + (1 − β₂)·g², x ← x − lr·m̂/(√v̂ + eps) (m̂, v̂ bias-corrected);
     ``weight_decay`` adds weight_decay·x to g (L2, coupled to the moments: ``optim=adamw`` decouples it);

@@ -7,14 +7,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.optim.adam import Adam
+from runner.optim.adam import AdamConfig
 
 if TYPE_CHECKING:
     import torch
 
 
 @dataclass
-class AdamW(Adam):
+class AdamWConfig(AdamConfig):
     """``torch.optim.AdamW``'s arguments and defaults: Adam's keys and checks, with the weight decay
     decoupled from the moments, x ← x − lr·weight_decay·x before Adam's step (default 0.01, as torch's)."""
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SGD(OptimConfig):
+class SGDConfig(OptimConfig):
     """``torch.optim.SGD``'s arguments (PyTorch's update: with momentum μ and dampening d,
     b ← μ·b + (1 − d)·g, then x ← x − lr·b, or x ← x − lr·(g + μ·b) with Nesterov)."""
 

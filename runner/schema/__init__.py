@@ -31,9 +31,6 @@ from omegaconf import OmegaConf
 if TYPE_CHECKING:
     import torch
 
-    from runner.data.base import ClassificationData
-    from runner.rules.base import Rule, RuleContext
-
 
 #: The types a rule may exchange parameters and gradients in (``rule.comm_dtype``; runner/comm/wire.py).
 WIRE_NAMES = ("fp32", "bf16", "fp16")
@@ -71,7 +68,8 @@ class RuleConfig:
     def check_devices(self, devices: int) -> None:
         """Checks that involve the number of workers; raise ValueError through :func:`require`."""
 
-    def build(self, ctx: RuleContext) -> Rule:
+    def build(self, ctx: Any) -> Any:
+        """The rule (a :class:`runner.rules.base.Rule`) for ``ctx`` (a ``RuleContext``)."""
         raise NotImplementedError
 
 
@@ -175,7 +173,8 @@ class DataConfig:
             f"{name} has {num_classes} classes; leave it unset",
         )
 
-    def build(self) -> ClassificationData:
+    def build(self) -> Any:
+        """The data set (a :class:`runner.data.base.ClassificationData`)."""
         raise NotImplementedError
 
 

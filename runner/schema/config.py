@@ -161,10 +161,27 @@ SCHEMAS_BEFORE = {
 }
 
 
+#: Schemas renamed since (every schema is ``<Name>Config``), for run folders written before.
+RENAMED = {
+    f"runner.{module}.{old}": f"runner.{module}.{old}Config"
+    for module, old in (
+        ("optim.sgd", "SGD"),
+        ("optim.adam", "Adam"),
+        ("optim.adamw", "AdamW"),
+        ("hardware.cpu", "CPU"),
+        ("hardware.gpu", "GPU"),
+        ("hardware.cluster", "Cluster"),
+        ("hardware.slurm", "Slurm"),
+    )
+}
+
+
 def packaged(path: str) -> str:
     """A schema's path as this version names it: run folders written before the model zoo and the data sets
-    were installed inside ``runner`` name them ``models.cnn.CNNConfig``, ``data.digits.DigitsConfig``."""
-    return f"runner.{path}" if path.split(".", 1)[0] in ("models", "data") else path
+    were installed inside ``runner`` name them ``models.cnn.CNNConfig``, ``data.digits.DigitsConfig``; before
+    the schemas were all named ``<Name>Config``, ``runner.hardware.cpu.CPU``."""
+    path = f"runner.{path}" if path.split(".", 1)[0] in ("models", "data") else path
+    return RENAMED.get(path, path)
 
 
 def load_structured(path: str | Path) -> DictConfig:
