@@ -132,27 +132,14 @@ def build_argv(
     ``hw.host_args``.
     """
     threads = threads_per_rank(hw, ranks, cores)
-    oversubscribed = ranks * threads > cores
     bind = effective_bind(hw, ranks, cores)
     env = rank_env(hw, threads, gpus=bool(placements))
     argv = [mpirun, "-n", str(ranks)]
     if flavor == "openmpi":
-        if hw.fault_tolerance == "continue":
-            argv += ["--with-ft", "ulfm"]
-        if placements and bind != "none":
-            argv += ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
-        elif bind == "core" and pe_list:
-            argv += ["--map-by", f"pe-list={','.join(map(str, pe_list))}:ordered", "--bind-to", "core"]
-        elif bind == "core":
-            argv += ["--map-by", f"slot:PE={threads}" if threads > 1 else "core", "--bind-to", "core"]
-        elif bind == "none":
-            argv += ["--bind-to", "none"]
-        else:
-            domain = "package" if bind == "socket" else bind
-            argv += ["--map-by", domain, "--bind-to", domain]
+        argv += _openmpi_binding(hw, ranks, threads, bind, placements, pe_list)
         if hw.report_bindings and bind != "none":
             argv.append("--report-bindings")
-        if oversubscribed or hw.oversubscribe:
+        if ranks * threads > cores or hw.oversubscribe:
             argv.append("--oversubscribe")
         if as_root:
             argv.append("--allow-run-as-root")
@@ -162,15 +149,42 @@ def build_argv(
         for key, value in env.items():
             argv += ["-x", f"{key}={value}"]
     else:
-        if pe_list and bind == "core":
-            argv += ["-bind-to", "user:" + ",".join(map(str, pe_list))]
-        elif placements and bind != "none":
-            argv += ["-bind-to", "user:" + ",".join(format_cpulist(p.cpus, "+") for p in placements)]
-        else:
-            argv += ["-bind-to", "none" if bind == "none" else f"core:{threads}"]
-            if bind != "none":
-                argv += ["-map-by", bind]
+        argv += _mpich_binding(threads, bind, placements, pe_list)
         for key, value in env.items():
             argv += ["-genv", str(key), str(value)]
         argv += hw.host_args(flavor)
     return argv + list(hw.extra_args) + worker_argv(run_dir, python)
+
+
+def _openmpi_binding(
+    hw: HardwareConfig,
+    ranks: int,
+    threads: int,
+    bind: str,
+    placements: list[Placement] | None,
+    pe_list: list[int] | None,
+) -> list[str]:
+    """Open MPI's fault-tolerance, mapping and binding flags (see :func:`build_argv`)."""
+    argv = ["--with-ft", "ulfm"] if hw.fault_tolerance == "continue" else []
+    if placements and bind != "none":
+        return argv + ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
+    if bind == "core" and pe_list:
+        return argv + ["--map-by", f"pe-list={','.join(map(str, pe_list))}:ordered", "--bind-to", "core"]
+    if bind == "core":
+        return argv + ["--map-by", f"slot:PE={threads}" if threads > 1 else "core", "--bind-to", "core"]
+    if bind == "none":
+        return argv + ["--bind-to", "none"]
+    domain = "package" if bind == "socket" else bind
+    return argv + ["--map-by", domain, "--bind-to", domain]
+
+
+def _mpich_binding(
+    threads: int, bind: str, placements: list[Placement] | None, pe_list: list[int] | None
+) -> list[str]:
+    """MPICH (Hydra)'s binding flags (see :func:`build_argv`)."""
+    if pe_list and bind == "core":
+        return ["-bind-to", "user:" + ",".join(map(str, pe_list))]
+    if placements and bind != "none":
+        return ["-bind-to", "user:" + ",".join(format_cpulist(p.cpus, "+") for p in placements)]
+    argv = ["-bind-to", "none" if bind == "none" else f"core:{threads}"]
+    return argv + (["-map-by", bind] if bind != "none" else [])
