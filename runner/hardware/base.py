@@ -25,8 +25,8 @@ from runner.hardware.topology import Placement, plan, read_topology
 from runner.schema import one_of, require
 
 #: Open MPI options every job gets unless ``hardware.mca`` sets the same key. The libfabric BTL (``ofi``)
-#: probes the fabric providers inside MPI_Init: measured 1.1 s of every rank's start on our 2-core machines,
-#: 0.09 s without it. Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi).
+#: probes the fabric providers inside MPI_Init, a large part of a rank's start (benchmarks/README.md).
+#: Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi).
 DEFAULT_MCA = {"btl": "^ofi"}
 
 

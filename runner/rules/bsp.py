@@ -120,7 +120,7 @@ class BSP(Rule):
     def auto_overlap(device: torch.device) -> str:
         """``thread`` where the all-reduce can run beside the backward pass (a GPU, or two or more cores
         for this rank), else ``none``: on one core the communication thread only competes with compute
-        (measured: 1.19× the step time of ``none``; Open MPI's non-blocking all-reduce: 1.07×)."""
+        (benchmarks/README.md, "Numbers behind design choices")."""
         return "thread" if device.type == "cuda" or len(os.sched_getaffinity(0)) >= 2 else "none"
 
     @staticmethod

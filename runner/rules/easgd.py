@@ -9,8 +9,8 @@ either is written:
 ``variant: sync`` (the paper's synchronous EASGD): all workers exchange at once and the center takes the sum
 of their pulls, x̃ ← x̃ + Σ_i d_i, by one all-reduce; every worker keeps an identical replica of x̃ and no
 extra rank is needed. The paper's β = N·alpha may be given instead of ``alpha``; with neither, β = 0.9, the
-paper's choice. The center's recursion x̃ ← (1 − β)·x̃ + β·mean(x_i) diverges for β ≥ 2 (measured: with
-alpha = 0.5 and 4 workers the center fell to chance accuracy), so such settings are refused.
+paper's choice. The center's recursion x̃ ← (1 − β)·x̃ + β·mean(x_i) diverges for β ≥ 2, so such settings
+are refused.
 
 ``variant: async`` (the paper's asynchronous EASGD, Algorithm 1): one extra rank holds x̃ and serves the
 workers in arrival order; a worker sends x_i, receives the x̃ the server held before this exchange, and both
