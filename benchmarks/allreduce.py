@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py                 # 2 ranks, 1 MB to 256 MB
     python benchmarks/allreduce.py --ranks 4 --sizes 1 16 --ring
+    python benchmarks/allreduce.py --smoke         # a few seconds: 0.25 MB, 1 repetition, a tiny MLP
 
 Starts itself under mpirun. For each buffer size every method reduces the same number of float32 values:
 ``raw``: one ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` on a numpy array (the floor for MPI); ``ours``: BSP's
@@ -11,6 +12,8 @@ hand the gradients back; ``gloo``: ``torch.distributed.all_reduce``. Times are m
 ratios are against ``raw``. With several ``--bucket-mb`` values, one ``ours`` column per bucket size;
 ``bf16``: the same exchange with ``rule.comm_dtype=bf16`` at the first bucket size, against its float32 time.
 A second table times whole BSP training steps with the all-reduce overlapped with backward or not.
+``--smoke`` checks that all of it runs, in seconds: one 0.25 MB buffer, one repetition, and the step table
+on an MLP of 2 layers of 64 for 2 timed steps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from mpijob import in_mpirun, relaunch
 
 #: Open MPI's ring all-reduce (coll_tuned algorithm 4).
 RING = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}
+#: The step table's MLP (layers of width × width, batch per rank, timed steps): the real one, and --smoke's.
+MLP = {"layers": 10, "width": 1024, "batch": 64, "reps": 15}
+SMOKE_MLP = {"layers": 2, "width": 64, "batch": 8, "reps": 2}
 
 
 def parse() -> argparse.Namespace:
@@ -37,7 +43,16 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--reps", type=int, default=0, help="repetitions per size (0: by size)")
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that the benchmark runs, in seconds: --sizes 0.25 --reps 1, a tiny MLP's steps",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.sizes, args.reps = [0.25], 1
+    args.mlp = SMOKE_MLP if args.smoke else MLP
+    return args
 
 
 def alternated(methods: dict, reps: int, barrier) -> dict:
@@ -144,14 +159,15 @@ def bench(args: argparse.Namespace) -> None:
                 f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} "
                 f"{t_bf16:10.5f} {t_bf16 / t_ours[0]:6.2f} {bus / t_raw:9.2f}"
             )
-    overlap_table(comm, rank, n, world)
+    overlap_table(comm, rank, n, world, **args.mlp)
     if not args.no_gloo:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def overlap_table(comm, rank: int, n: int, world) -> None:
-    """Seconds per BSP training step of an MLP with about 40 MB of gradients, for each overlap mode."""
+def overlap_table(comm, rank: int, n: int, world, layers: int, width: int, batch: int, reps: int) -> None:
+    """Seconds per BSP training step of an MLP of ``layers`` layers of ``width``² (the real run's: 10 of
+    1024², about 40 MB of gradients), for each overlap mode: medians of ``reps`` steps after one."""
     import torch
 
     from runner.rules.base import RuleContext
@@ -161,12 +177,12 @@ def overlap_table(comm, rank: int, n: int, world) -> None:
     for overlap in ("none", "nonblocking", "thread"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            *[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU()) for _ in range(10)],
-            torch.nn.Linear(1024, 10),
+            *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)],
+            torch.nn.Linear(width, 10),
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         rule = BSPConfig(bucket_mb=4.0, overlap=overlap).build(RuleContext(comm, comm, model, opt, 1))
-        x, y = torch.randn(64, 1024), torch.randint(0, 10, (64,))
+        x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
 
         def step(model=model, opt=opt, rule=rule, x=x, y=y):
             opt.zero_grad(set_to_none=False)
@@ -175,11 +191,12 @@ def overlap_table(comm, rank: int, n: int, world) -> None:
             opt.step()
 
         comm.stats.seconds = 0.0
-        results[overlap] = (median_time(step, 15, world.Barrier), comm.stats.seconds / 16)
+        results[overlap] = (median_time(step, reps, world.Barrier), comm.stats.seconds / (reps + 1))
     if rank == 0:
         base = results["none"][0]
         print(
-            f"\nBSP step, MLP 10×1024², batch 64/rank, {n} ranks, 4 MB buckets (median ms; exposed comm ms):"
+            f"\nBSP step, MLP {layers}×{width}², batch {batch}/rank, {n} ranks, 4 MB buckets "
+            "(median ms; exposed comm ms):"
         )
         for mode, (t, c) in results.items():
             print(f"  overlap={mode:<12} {t * 1e3:7.1f} ms  comm {c * 1e3:6.1f} ms  vs none {t / base:5.2f}")

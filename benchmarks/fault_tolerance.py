@@ -3,16 +3,20 @@ survivors' next step, and the step time with and without it.
 
     python benchmarks/fault_tolerance.py                  # BSP, 4 workers, 5 kills; 3 rounds of step times
     python benchmarks/fault_tolerance.py --rule gosgd --kills 3
+    python benchmarks/fault_tolerance.py --smoke          # one job: 3 workers, a kill at step 3, one epoch
 
-Recovery: each job trains the CNN on digits with 4 workers (oversubscribed on a small machine) and worker 2
-kills itself (SIGKILL, ``tests/dies.py``) at its 20th step, writing the time first. From ``metrics.jsonl``
-(one record per step) and ``summary.json``: *detect* is from the kill to the survivors' recovery starting
-(their pending call failing), *recover* the revoke, shrink, agreement and rule fix-up
-(``recovery_time_s``), *first step* from the kill to the end of the survivors' first step after it.
+Recovery: each job trains the CNN on digits for 3 epochs (``--epochs``) with 4 workers (``--workers``;
+oversubscribed on a small machine) and worker 2 kills itself (SIGKILL, ``tests/helpers/dies.py``) at its 20th
+step (``--die-at``), writing the time first. From ``metrics.jsonl`` (one record per step) and
+``summary.json``: *detect* is from the kill to the survivors' recovery starting (their pending call failing),
+*recover* the revoke, shrink, agreement and rule fix-up (``recovery_time_s``), *first step* from the kill to
+the end of the survivors' first step after it.
 
 Step time: the same job without a kill, ``fault_tolerance=none`` against ``continue`` (mpirun
 ``--with-ft ulfm``, errors returned, BatchNorm statistics kept each step), alternated in rounds; medians of
-the per-step times of rank 0 (from its step records, the first epoch left out).
+the per-step times of rank 0 (from its step records, the first epoch left out). ``--kills 0`` or
+``--rounds 0`` leaves that part out. ``--smoke`` checks that it runs, in seconds: a single job, the recovery
+one (the step-time jobs are plain training), with 3 workers, the kill at step 3, one epoch.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ def job(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[dict, 
     return json.loads((run_dir / "summary.json").read_text()), records
 
 
-def recovery(scratch: Path, rule: str, kills: int) -> list[dict[str, float]]:
+def recovery(
+    scratch: Path, rule: str, kills: int, workers: int = 4, die_at: int = 20, epochs: int = 3
+) -> list[dict[str, float]]:
     import os
 
     results = []
@@ -48,12 +54,12 @@ def recovery(scratch: Path, rule: str, kills: int) -> list[dict[str, float]]:
         summary, records = job(
             run_dir,
             f"rule={rule}",
-            "devices=4",
+            f"devices={workers}",
             "hardware.oversubscribe=true",
             "hardware.fault_tolerance=continue",
             "model.die_rank=2",
-            "model.die_at=20",
-            "train.epochs=3",
+            f"model.die_at={die_at}",
+            f"train.epochs={epochs}",
             env=env,
         )
         killed = float(stamp.read_text())
@@ -95,16 +101,32 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", type=int, default=2, help="workers of the step-time jobs")
+    p.add_argument("--workers", type=int, default=4, help="workers of the kill jobs (worker 2 dies)")
+    p.add_argument("--die-at", type=int, default=20, help="the step worker 2 dies at")
+    p.add_argument("--epochs", type=int, default=3, help="epochs of the kill jobs")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that it runs, in seconds: one kill job (3 workers, the kill at step 3, 1 epoch), "
+        "no step-time rounds",
+    )
     args = p.parse_args()
+    if args.smoke:
+        args.kills, args.rounds, args.workers, args.die_at, args.epochs = 1, 0, 3, 3, 1
+    if args.workers < 3:
+        p.error("--workers must be at least 3 (worker 2 dies)")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        kills = recovery(scratch, args.rule, args.kills)
+        kills = recovery(scratch, args.rule, args.kills, args.workers, args.die_at, args.epochs)
         times: dict[str, list[float]] = {"none": [], "continue": []}
         for r in range(args.rounds):
             for tolerance in times:
                 times[tolerance] += step_times(scratch, args.rule, tolerance, r, args.devices)
     if kills:
-        print(f"rule={args.rule}: a worker of 4 killed at its 20th step, {args.kills} jobs (medians, ms)")
+        print(
+            f"rule={args.rule}: a worker of {args.workers} killed at its step {args.die_at}, {args.kills} "
+            "jobs (medians, ms)"
+        )
         print("| from the kill to | median | min | max |")
         print("| --- | --- | --- | --- |")
         for key, label in (
@@ -115,6 +137,8 @@ def main() -> None:
             values = [k[key] * 1e3 for k in kills]
             print(f"| {label} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
 
+    if not args.rounds:
+        return
     none, cont = (statistics.median(times[t]) * 1e3 for t in ("none", "continue"))
     print(f"\nstep time, {args.devices} workers, {args.rounds} rounds alternated (median ms per step)")
     print("| fault_tolerance=none | continue | ratio |")

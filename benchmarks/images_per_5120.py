@@ -3,6 +3,7 @@
     python benchmarks/images_per_5120.py            # 64×64 images, 3 timed steps: fits a 2-core machine
     python benchmarks/images_per_5120.py --full     # 224×224 images, 10 timed steps
     python benchmarks/images_per_5120.py --models resnet50 --ranks 1 2 4 8 --size 128
+    python benchmarks/images_per_5120.py --smoke    # a few seconds: googlenet, 1 rank, 32×32, batch 2, 1 step
 
 For each model at its published per-rank batch (alexnet 128, googlenet 32, vgg16 32, resnet50 64) on
 synthetic data with 1000 classes, every rank count runs as a real job (``python -m runner rule=bsp``, one
@@ -10,7 +11,8 @@ step logged per line, the first step not timed). Rank 0's timed steps give secon
 compute + communication (exposed, i.e. not hidden behind backward) + data wait. ``plain`` is the same model
 trained in one process with plain PyTorch and no runner, at the 1-rank batch: ``1 rank / plain`` is the
 runner's overhead. Speed-up is against 1 rank; efficiency is speed-up / ranks. On a machine with fewer cores
-than ranks the jobs are oversubscribed and the speed-up says so.
+than ranks the jobs are oversubscribed and the speed-up says so. ``--smoke`` checks that it all runs, in
+seconds, on the CPU: one job (googlenet on 1 rank, 32×32 images, batch 2, 1 timed step) and its ``plain``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = {"alexnet": 128, "googlenet": 32, "vgg16": 32, "resnet50": 64}
 IMAGES = 5120
+#: --smoke: the arguments it stands for (one job; googlenet: the fewest parameters to build and checkpoint).
+SMOKE = {"models": ["googlenet"], "ranks": [1], "size": 32, "steps": 1, "batch": 2}
 
 
 def parse() -> argparse.Namespace:
@@ -35,17 +39,30 @@ def parse() -> argparse.Namespace:
     p.add_argument("--size", type=int, default=None, help="image side (default 64; --full: 224)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per job (default 3; --full: 10)")
     p.add_argument("--full", action="store_true", help="ImageNet-sized images and more steps")
+    p.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the model's published)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that it runs, in seconds: googlenet, 1 rank, 32x32, batch 2, 1 timed step",
+    )
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job (after --)")
     args = p.parse_args()
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
     args.size = args.size or (224 if args.full else 64)
     args.steps = args.steps or (10 if args.full else 3)
     return args
 
 
+def batch_of(model: str, args: argparse.Namespace) -> int:
+    return args.batch or BATCH[model]
+
+
 def job(model: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     """Seconds per 5,120 images of one BSP job, split into compute, comm and data."""
     run_dir = tmp / f"{model}-{ranks}"
-    batch = BATCH[model]
+    batch = batch_of(model, args)
     samples = batch * ranks * (args.steps + 1)
     argv = [
         sys.executable,
@@ -106,7 +123,7 @@ def plain(model: str, args: argparse.Namespace) -> float:
     device = torch.device(cfg.hardware.device)
     net = cfg.model.build().to(device)
     opt = cfg.optim.build(net.parameters())
-    batch = BATCH[model]
+    batch = batch_of(model, args)
     x = torch.randn(batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
     times = []
@@ -144,7 +161,7 @@ def main() -> None:
             cells.append(f"{r['total']:7.2f} = {r['compute']:6.2f} + {r['comm']:5.2f} ({r['data']:.2f})")
         overhead = results[args.ranks[0]]["total"] / base if args.ranks[0] == 1 else float("nan")
         print(
-            f"{model + '-' + str(BATCH[model]) + 'b':<14} {base:7.2f} "
+            f"{model + '-' + str(batch_of(model, args)) + 'b':<14} {base:7.2f} "
             + " ".join(f"{c:>26}" for c in cells)
             + f" {overhead:12.2f}"
         )

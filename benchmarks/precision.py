@@ -3,13 +3,16 @@
     python benchmarks/precision.py                                  # the device torch sees first
     python benchmarks/precision.py --device cpu --models cnn --batch 32
     python benchmarks/precision.py --models resnet18 resnet50 --size 64 --batch 128
+    python benchmarks/precision.py --smoke                          # a few seconds, also without a GPU
 
 Each step is what ``runner.rank.loop.Trainer`` does per micro-batch with one rank: forward and loss under
 ``runner.rank.validation.autocast``, backward (fp16: through ``torch.amp.GradScaler``, unscaled before the
 optimizer step as the loop does), SGD step. Inputs are fixed random batches on the device (no data loading).
 Per model, ``--rounds`` rounds run every precision for ``--warmup`` then ``--steps`` timed steps, in an order
 rotated every round; the table gives medians of ms per step, the ratio to fp32 of the same round (median
-over rounds; < 1 is faster), and on CUDA the peak memory of the timed steps.
+over rounds; < 1 is faster), and on CUDA the peak memory of the timed steps. fp16 needs CUDA: on a CPU it
+is left out. ``--smoke`` checks that it all runs, in seconds, on whatever device (a CPU will do): the CNN on
+16×16 images, batch 4, one round of 1 warm-up and 1 timed step.
 """
 
 from __future__ import annotations
@@ -84,7 +87,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that it runs, in seconds: cnn, 16x16, batch 4, 1 round of 1 warm-up and 1 timed step",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.models, args.size, args.batch, args.rounds, args.warmup, args.steps = ["cnn"], 16, 4, 1, 1, 1
     device = torch.device(args.device)
     precisions = [p for p in args.precisions if not (p == "fp16" and device.type != "cuda")]
     name = (
@@ -113,7 +123,8 @@ def main() -> None:
                 ms, peaks[precision] = timed(model, batch, device, precision, args.warmup, args.steps)
                 times[precision].append(ms)
         for precision in precisions:
-            ratio = statistics.median(t / f for t, f in zip(times[precision], times["fp32"], strict=True))
+            base = times.get("fp32", [float("nan")] * len(times[precision]))  # (--precisions without fp32)
+            ratio = statistics.median(t / f for t, f in zip(times[precision], base, strict=True))
             print(
                 f"| {model_name} | {precision} | {statistics.median(times[precision]):.2f} | {ratio:.2f} | "
                 f"{peaks[precision]:.0f} |"

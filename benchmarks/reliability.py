@@ -2,6 +2,7 @@
 
     python benchmarks/reliability.py                      # cnn, resnet18, resnet50 at batch 32, 64x64
     python benchmarks/reliability.py --models resnet50 --size 224 --batch 64
+    python benchmarks/reliability.py --smoke              # a few seconds: cnn, 16x16, batch 4, once each
 
 For each model: the median time of a plain training step (forward, backward, SGD with momentum), then of
 what the runner adds to every step, as a fraction of it: the divergence guard (the gradients' total norm
@@ -38,7 +39,7 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, size: int, batch: int, repeat: int) -> dict[str, float]:
+def measure(name: str, size: int, batch: int, repeat: int, saves: int = 3) -> dict[str, float]:
     cfg = checked_config([f"model={name}", "data=synthetic", f"data.shape=[3,{size},{size}]"])
     model = cfg.model.build()
     optimizer = cfg.optim.build(model.parameters())
@@ -65,7 +66,7 @@ def measure(name: str, size: int, batch: int, repeat: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rank0.pt"
         part = lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()}  # noqa: E731
-        save = median_time(lambda: save_atomic(part(), path), 3)
+        save = median_time(lambda: save_atomic(part(), path), saves)
         mb = path.stat().st_size / 2**20
     return {"step": plain, "guarded": guarded, "guard": guard_only, "save": save, "mb": mb}
 
@@ -76,13 +77,20 @@ def main() -> None:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that it runs, in seconds: cnn, 16x16 images, batch 4, every measurement once",
+    )
     args = p.parse_args()
+    if args.smoke:
+        args.models, args.size, args.batch, args.repeat = ["cnn"], 16, 4, 1
     torch.manual_seed(0)
     print(f"{args.size}x{args.size} images, batch {args.batch}, {torch.get_num_threads()} threads; medians")
     print("| model | step s | guarded / step | guard alone / step | checkpoint part MB | save s | MB/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
-        r = measure(name, args.size, args.batch, args.repeat)
+        r = measure(name, args.size, args.batch, args.repeat, saves=1 if args.smoke else 3)
         print(
             f"| {name} | {r['step']:.4f} | {r['guarded'] / r['step']:.3f} | {r['guard'] / r['step']:.4f} "
             f"| {r['mb']:.1f} | {r['save']:.3f} | {r['mb'] / r['save']:.0f} |"

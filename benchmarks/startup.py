@@ -2,6 +2,8 @@
 
     python benchmarks/startup.py                         # this tree, 5 rounds
     python benchmarks/startup.py --trees /tmp/old . --rounds 5
+    python benchmarks/startup.py -- train.epochs=1        # extra Hydra overrides for every job
+    python benchmarks/startup.py --smoke                 # one round, a job of 2 steps
 
 For each tree (a checkout of mpitrain; the command runs with it as the working directory, so its
 ``runner``, ``models`` and ``data`` packages are the ones imported) it times, with the same Python:
@@ -12,7 +14,8 @@ For each tree (a checkout of mpitrain; the command runs with it as the working d
 - ``job``: the whole default job (``python -m runner``), wall time.
 
 Rounds alternate between the trees so that drift of the machine falls on all of them; medians are printed,
-and ratios against the first tree.
+and ratios against the first tree. ``--smoke`` checks that it runs, in seconds: one round, and a job of one
+epoch cut at 2 steps (``SMOKE``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: --smoke's overrides of the job: one epoch cut at 2 steps.
+SMOKE = ["train.epochs=1", "train.max_steps=2"]
 
 
 def timed(argv: list[str], cwd: Path, metrics: Path | None = None) -> tuple[float, float | None]:
@@ -43,12 +48,12 @@ def timed(argv: list[str], cwd: Path, metrics: Path | None = None) -> tuple[floa
     return wall, first
 
 
-def measure(tree: Path, scratch: Path) -> dict[str, float]:
+def measure(tree: Path, scratch: Path, overrides: list[str]) -> dict[str, float]:
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     py = [sys.executable, "-m", "runner"]
     cfg, _ = timed([*py, "--cfg", "job"], tree)
     job, first = timed(
-        [*py, f"hydra.run.dir={run_dir}", "train.progress=false", "train.log_every=1"],
+        [*py, f"hydra.run.dir={run_dir}", "train.progress=false", "train.log_every=1", *overrides],
         tree,
         run_dir / "metrics.jsonl",
     )
@@ -59,13 +64,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", nargs="+", type=Path, default=[ROOT], help="source trees to compare")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="check that it runs, in seconds: 1 round, 2 steps")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job (after --)")
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.overrides = 1, SMOKE + args.overrides
     trees = [t.resolve() for t in args.trees]
     results: dict[Path, list[dict[str, float]]] = {t: [] for t in trees}
     with tempfile.TemporaryDirectory() as scratch:
         for r in range(args.rounds):
             for tree in trees:
-                results[tree].append(measure(tree, Path(scratch)))
+                results[tree].append(measure(tree, Path(scratch), args.overrides))
                 print(f"round {r + 1} {tree}: {results[tree][-1]}", file=sys.stderr)
     keys = ("cfg", "first_step", "job")
     base = {k: statistics.median(m[k] for m in results[trees[0]]) for k in keys}

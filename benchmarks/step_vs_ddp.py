@@ -4,6 +4,7 @@
     python benchmarks/step_vs_ddp.py                            # 2 ranks, MLP, CNN and ResNet-18
     python benchmarks/step_vs_ddp.py --models mlp --rounds 3 --steps 10
     python benchmarks/step_vs_ddp.py --overlap none thread      # one "ours" row per overlap mode
+    python benchmarks/step_vs_ddp.py --smoke                    # a few seconds: tiny MLP, 1 round of 2 steps
 
 Starts itself under mpirun (one core per rank, one torch thread). Each rank trains on a few fixed in-memory
 batches of its own (``torch.randn`` inputs, random labels, made once), so no data loading is timed on either
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from mpijob import in_mpirun, relaunch
 
@@ -36,6 +38,9 @@ MODELS = ("mlp", "cnn", "resnet18")
 #: (warm-up, timed) steps per round: 1.5 to 4 s of timed steps per method and round on one core per rank.
 STEPS = {"mlp": (5, 40), "cnn": (3, 20), "resnet18": (2, 10)}
 BATCHES = 8
+#: --smoke: the MLP's hidden layers, and the arguments it stands for.
+SMOKE_HIDDEN = [64]
+SMOKE = {"models": ["mlp"], "batch": 4, "rounds": 1, "steps": 2, "warmup": 1}
 SEED = 0
 TOLERANCE = 1e-4
 
@@ -56,41 +61,75 @@ def parse() -> argparse.Namespace:
         default=["auto"],
         help="BSP overlap modes, one 'ours' per mode",
     )
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that the benchmark runs, in seconds: an MLP with one hidden layer of 64, batch 4, "
+        "one round of 1 warm-up and 2 timed steps (the parameters still checked against DDP's)",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    return args
 
 
-def model_config(name: str):
-    """The model's config (the project's dataclasses), for 32×32 RGB images and 10 classes."""
+def model_config(name: str, smoke: bool = False):
+    """The model's config (the project's dataclasses), for 32×32 RGB images and 10 classes (``smoke``: the
+    MLP's hidden layers tiny)."""
     from runner.models.cnn import CNNConfig
     from runner.models.mlp import MLPConfig
     from runner.models.resnet import ResNetConfig
 
     shape = [3, 32, 32]
     if name == "mlp":
-        return MLPConfig(input_shape=shape, num_classes=10, hidden=[1024, 1024])
+        return MLPConfig(input_shape=shape, num_classes=10, hidden=SMOKE_HIDDEN if smoke else [1024, 1024])
     if name == "cnn":
         return CNNConfig(input_shape=shape, num_classes=10)
     return ResNetConfig(input_shape=shape, num_classes=10, depth=18)
 
 
 def sgd(params):
-    from runner.optim.sgd import SGD
+    from runner.optim.sgd import SGDConfig
 
-    return SGD(lr=0.01, momentum=0.9, weight_decay=0.0).build(params)
+    return SGDConfig(lr=0.01, momentum=0.9, weight_decay=0.0).build(params)
+
+
+def make_trainer(model, optimizer, rule, comm, batch: int, total_steps: int):
+    """A ``runner.rank.loop.Trainer`` for ``Trainer.step`` alone, built as ``runner.rank.worker.build`` builds
+    it (the task and schedule from their configs: classification, a constant rate), on the CPU. The whole
+    construction is here, so that a change of the constructor is made in this one place. What ``step`` does
+    not use is inert: no loaders, a metrics log that writes nothing, a meter with no output (the guard
+    echoes through it), no heartbeat, control or recovery."""
+    import torch
+
+    from runner.rank.loop import Parts, Place, Records, Trainer
+    from runner.rank.meter import Meter
+    from runner.rank.metrics import MetricsLog
+    from runner.schedule.constant import ConstantConfig
+    from runner.schema.sections import TrainConfig
+    from runner.tasks.classification import ClassificationConfig
+
+    task = ClassificationConfig().build(10)
+    schedule = ConstantConfig().build(optimizer, total_steps, rule.lr_factor)
+    log = MetricsLog(Path(os.devnull), enabled=False)
+    meter = Meter(comm.stats, comm.size, total_steps, log, log_every=1, progress=False)
+    records = Records(log, meter, None, None)
+    place = Place(comm, torch.device("cpu"))
+    parts = Parts(model, optimizer, rule, task, schedule)
+    return Trainer(TrainConfig(batch_size=batch), parts, (None, None), place, records)
 
 
 class Ours:
     """The runner's training step: ``Trainer.step`` with the BSP rule, advancing a ``Position`` as ``fit``
-    does. The collaborators ``step`` does not use (loaders, metrics, meter, control, checkpoint,
-    heartbeat, recovery) are None."""
+    does (one micro-batch per step)."""
 
-    def __init__(self, cfg, comm, batches, batch: int, overlap: str, bucket_mb: float | None):
+    def __init__(self, cfg, comm, batches, batch: int, overlap: str, bucket_mb: float | None, steps: int):
         import torch
 
-        from runner.rank.loop import Position, Trainer, broadcast_state
+        from runner.rank.state import Position, broadcast_state
         from runner.rules.base import RuleContext
         from runner.rules.bsp import BSPConfig
-        from runner.schema.sections import TrainConfig
 
         torch.manual_seed(SEED)
         self.model = cfg.build()
@@ -102,26 +141,12 @@ class Ours:
         self.name = f"ours {overlap}" + (f"→{self.rule.overlap}" if overlap == "auto" else "")
         count = len(self.rule.buckets)
         self.settings = f"{count} bucket{'s' * (count != 1)} of ≤{rule_cfg.bucket_mb:g} MB"
-        self.trainer = Trainer(
-            TrainConfig(batch_size=batch),
-            self.model,
-            optimizer,
-            (None, None),
-            self.rule,
-            comm,
-            comm.stats,
-            torch.device("cpu"),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        self.trainer = make_trainer(self.model, optimizer, self.rule, comm, batch, steps)
         self.batches, self.pos = batches, Position()
 
     def step(self) -> None:
         x, y = self.batches[self.pos.step % len(self.batches)]
-        assert self.trainer.step(x, y, self.pos)
+        assert self.trainer.step([(x, y)], self.pos)
         self.pos.step, self.pos.batch = self.pos.step + 1, self.pos.batch + 1
 
 
@@ -165,7 +190,7 @@ def bench_model(name: str, args: argparse.Namespace, comm, world) -> list[dict]:
     warmup, steps = STEPS[name]
     warmup = warmup if args.warmup < 0 else args.warmup
     steps = args.steps or steps
-    cfg = model_config(name)
+    cfg = model_config(name, args.smoke)
     g = torch.Generator().manual_seed(SEED + 1000 * comm.rank + 1)
     shape = (args.batch, *cfg.input_shape)
     batches = [
@@ -173,7 +198,8 @@ def bench_model(name: str, args: argparse.Namespace, comm, world) -> list[dict]:
         for _ in range(BATCHES)
     ]
     modes = dict.fromkeys(args.overlap)
-    ours = [Ours(cfg, comm, batches, args.batch, mode, args.bucket_mb) for mode in modes]
+    total = args.rounds * (warmup + steps)
+    ours = [Ours(cfg, comm, batches, args.batch, mode, args.bucket_mb, total) for mode in modes]
     ddp = DDP(cfg, batches)
     methods = [*ours, ddp]
     times: dict = {m.name: [] for m in methods}
