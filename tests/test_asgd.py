@@ -1,36 +1,142 @@
-"""ASGD / Downpour in real mpirun jobs: one worker is plain SGD, sharding is exact, staleness is handled."""
+"""ASGD / Downpour (runner/rules/asgd.py). In process, rank by rank on tests/helpers/fakecomm.py: one
+worker is plain SGD, two servers equal one, the staleness policies by hand. In real mpirun jobs: one worker
+is plain SGD, sharding is exact, staleness is handled."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.conftest import COMMON, assert_close, params_of, reference_params
+from runner.rules.asgd import ASGDConfig
+from tests.conftest import COMMON, params_of, reference_params
+from tests.conftest import assert_close as assert_params_close
+from tests.helpers.fakecomm import FakeWorld
+from tests.helpers.rule_math import DT, B, assert_close, batch, build, fit, mlp, params, plain, sgd, vector
 
-pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
+# -- in process -------------------------------------------------------------------------------------------
+def asgd(n, cfg, worker):
+    """Workers run ``worker(comm, rule, model)`` then evaluate and finish; servers serve. Returns per rank
+    (the value ``worker`` returned, the servers' model as evaluated, final_metrics)."""
+
+    def main(comm):
+        model = mlp()
+        rule = build(comm, cfg, model, sgd(model))
+        out = evaluated = None
+        if rule.is_server:
+            rule.serve()
+        else:
+            out = worker(comm, rule, model)
+            evaluated = params(rule.eval_models()[""])
+            rule.finish()
+        return out, evaluated, rule.final_metrics()
+
+    return FakeWorld(n).run(main)
+
+
+BATCHES = [batch(B, seed=s) for s in range(7)]
+
+
+def train_asgd(comm, rule, model):
+    optimizer = sgd(model, momentum=0.9)
+    fit(rule, model, optimizer, BATCHES)
+    return params(model)
+
+
+@pytest.mark.parametrize("n_push,n_fetch", [(1, 1), (2, 3)])
+def test_asgd_one_worker_equals_plain_sgd(n_push, n_fetch):
+    """With one worker the fetched parameters are its own pushed ones, so the worker and the server follow
+    plain SGD (with momentum) for any schedule."""
+    (got, served, final), *_ = asgd(2, ASGDConfig(n_push=n_push, n_fetch=n_fetch), train_asgd)
+    ref = plain(mlp(), BATCHES, momentum=0.9)
+    assert_close(got, ref)
+    assert_close(served, ref)
+    if n_push == n_fetch == 1:
+        assert final["staleness_histogram"] == {"0": 7} and final["server_versions"] == [7]
+
+
+def test_asgd_two_servers_equal_one():
+    """Sharding (here across a tensor) changes nothing: same worker and server parameters, same versions;
+    staleness scaling makes the fetches matter (n_fetch = 3 lags n_push = 2)."""
+    cfg = {"n_push": 2, "n_fetch": 3, "staleness": "scale"}
+    (one, one_served, one_final), _ = asgd(2, ASGDConfig(servers=1, **cfg), train_asgd)
+    (two, two_served, two_final), *_ = asgd(3, ASGDConfig(servers=2, **cfg), train_asgd)
+    assert (one - plain(mlp(), BATCHES, momentum=0.9)).abs().max() > 1e-3, "staleness never mattered"
+    assert_close(two, one)
+    assert_close(two_served, one_served)
+    assert two_final["server_versions"] == one_final["server_versions"] * 2
+
+
+@pytest.mark.parametrize(
+    "policy,bound,expected,dropped",
+    [
+        ("accept", None, (11.0, 11.0), 0),
+        ("scale", None, (1 + 10 / 3, 0.5 + 10 / 3), 0),
+        ("drop", 1, (1.0, 1.0), 1),
+        ("drop", 2, (11.0, 11.0), 0),
+    ],
+)
+def test_asgd_staleness_policies_by_hand(policy, bound, expected, dropped):
+    """From (0, 0), no worker fetches: worker 0 pushes (1, 0) (staleness 0), then worker 1 pushes (0, 1)
+    (staleness 1), then worker 0 pushes (10, 10) (staleness 2). accept adds all, scale adds Δ/(1 + τ),
+    drop discards what exceeds the bound."""
+    pushes = [(0, (1.0, 0.0)), (1, (0.0, 1.0)), (0, (10.0, 10.0))]
+
+    def main(comm):
+        model = vector(0.0, 0.0)
+        rule = build(
+            comm, ASGDConfig(staleness=policy, max_staleness=bound, n_fetch=10**6), model, sgd(model)
+        )
+        if rule.is_server:
+            rule.serve()
+            return None, rule.final_metrics()
+        for who, delta in pushes:
+            if who == rule.workers.rank:
+                rule.x.add_(torch.tensor(delta, dtype=DT))
+                rule.push()
+            rule.workers.barrier()  # the server receives the pushes in this order
+        served = params(rule.eval_models()[""])
+        rule.finish()
+        return served, rule.final_metrics()
+
+    ranks = FakeWorld(3).run(main)
+    for served, _ in ranks[:2]:
+        assert_close(served, torch.tensor(expected, dtype=DT))
+    final = ranks[0][1]
+    assert final["staleness_histogram"] == {"0": 1, "1": 1, "2": 1}
+    assert final["dropped_pushes"] == dropped and final["server_versions"] == [3 - dropped]
+
+
+# -- mpirun jobs ------------------------------------------------------------------------------------------
 NEVER = "rule.n_fetch=100000"
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_one_worker_equals_single_process_sgd(cli):
     overrides = ["model=mlp", *COMMON]
     run = cli("rule=asgd", "devices=1", "train.batch_size=16", "train.save_model=all", *overrides)
     assert run.returncode == 0, run.output
     ref = reference_params(16, overrides)
-    assert_close(params_of(run.dir / "model.pt"), ref, atol=1e-6)
-    assert_close(params_of(run.dir / "model.rank0.pt"), ref, atol=1e-6)
+    assert_params_close(params_of(run.dir / "model.pt"), ref, atol=1e-6)
+    assert_params_close(params_of(run.dir / "model.rank0.pt"), ref, atol=1e-6)
     s = run.summary
     assert s["world_size"] == 2 and s["pushes"] == 6 and s["staleness_histogram"] == {"0": 6}
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_two_servers_hold_the_same_parameters_as_one(cli):
     """Workers that never fetch follow a fixed schedule: the servers end at x0 + all pushed updates."""
     overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON, "hardware.oversubscribe=true"]
     one, two = cli(*overrides, "rule.servers=1"), cli(*overrides, "rule.servers=2")
     assert one.returncode == 0 and two.returncode == 0, one.output + two.output
     assert two.summary["world_size"] == 4 and len(two.summary["server_versions"]) == 2
-    assert_close(params_of(two.dir / "model.pt"), params_of(one.dir / "model.pt"), atol=1e-6)
+    assert_params_close(params_of(two.dir / "model.pt"), params_of(one.dir / "model.pt"), atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_staleness_is_recorded_and_drop_drops_what_exceeds_the_bound(cli):
     overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON, "hardware.oversubscribe=true"]
     accept = cli(*overrides)

@@ -13,6 +13,8 @@ import torch
 from runner.comm.flat import FlatTensors
 from tests.conftest import ROOT, mpirun_argv
 
+COMM_JOB = ROOT / "tests" / "helpers" / "comm_job.py"
+
 
 def run_job(argv: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.run(
@@ -31,17 +33,14 @@ def run_job(argv: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_comm_layer_in_an_mpirun_job(ranks):
-    proc = run_job(mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "comm_job.py")))
+    proc = run_job(mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(COMM_JOB)))
     assert f"comm checks passed on {ranks} ranks" in proc.stdout
 
 
 @pytest.mark.slow
 def test_comm_layer_without_mpirun():
     """A plain ``python`` process is a one-rank world (singleton MPI init)."""
-    assert (
-        "comm checks passed on 1 ranks"
-        in run_job([sys.executable, str(ROOT / "tests" / "comm_job.py")]).stdout
-    )
+    assert "comm checks passed on 1 ranks" in run_job([sys.executable, str(COMM_JOB)]).stdout
 
 
 def test_flat_tensors_are_views_and_keep_values():
@@ -117,7 +116,7 @@ def test_pinned_staging_buffers_are_reused_per_tensor_and_bounded():
 def test_comm_layer_on_cuda_tensors(cuda_aware):
     """Every operation on CUDA tensors: staged through pinned buffers ("0"), or as detected ("auto")."""
     forced = [] if cuda_aware == "auto" else ["-x", f"MPITRAIN_CUDA_AWARE={cuda_aware}"]
-    job = [sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "comm_job.py"), "cuda"]
+    job = [sys.executable, "-m", "mpi4py", str(COMM_JOB), "cuda"]
     proc = run_job(mpirun_argv(2, *forced, *job))
     assert "comm checks passed on 2 ranks (cuda" in proc.stdout
     if cuda_aware == "0":

@@ -14,6 +14,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from runner.schema.config import validate
 from tests.conftest import CONF, ROOT, compose_config
+from tests.helpers.rules import rules
 
 
 def _compose(*overrides: str):
@@ -153,6 +154,24 @@ def test_options_only_select_their_schema():
             assert set(node.keys()) == own, f"{yaml} repeats {set(node.keys()) - own}"
 
 
+@pytest.mark.parametrize("rule", rules())
+def test_each_rule_option_is_its_module_s_schema_and_its_defaults_validate(rule):
+    """``rule=NAME`` (conf/rule/NAME.yaml, what tests/helpers/rules.py lists for every per-rule test) takes
+    runner/rules/NAME.py's schema, whose defaults pass the checks."""
+    from runner.schema import RuleConfig, schema_of
+
+    cls = schema_of("rule", rule)
+    assert issubclass(cls, RuleConfig) and cls.__module__ == f"runner.rules.{rule}"
+    assert isinstance(validate(_compose(f"rule={rule}")).rule, cls)
+
+
+def test_every_rule_module_is_an_option():
+    """The other way round: a rule's module without its YAML would be left out of every per-rule test."""
+    from runner.schema import option_modules
+
+    assert set(option_modules("rule")) - {"base"} == set(rules())
+
+
 def test_checked_config_holds_the_schema_objects():
     from runner.optim.sgd import SGDConfig
     from runner.rules.easgd import EASGDConfig
@@ -170,7 +189,7 @@ from runner.schema.config import validate
 import runner.launcher.launch
 register()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
-    for rule in ("bsp", "easgd", "gosgd", "asgd", "diloco"):
+    for rule in sys.argv[2:]:
         validate(compose(config_name="config", overrides=[f"rule={rule}"]))
 print(sorted(m for m in ("torch", "sklearn", "numpy", "mpi4py") if m in sys.modules))
 """
@@ -178,9 +197,8 @@ print(sorted(m for m in ("torch", "sklearn", "numpy", "mpi4py") if m in sys.modu
 
 def test_the_launcher_imports_no_torch_sklearn_or_mpi():
     """Composing and checking the default job with every rule imports none of torch, scikit-learn, MPI."""
-    out = subprocess.run(
-        [sys.executable, "-c", IMPORTS, str(CONF)], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    argv = [sys.executable, "-c", IMPORTS, str(CONF), *rules()]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -1,6 +1,7 @@
-"""``data=dataset``: a plain torch Dataset (tests/plain_data.py) given by its class. The launcher checks the
-paths without importing them; the rank wraps the data sets like the runner's own (disjoint shards, a fixed
-held-out split) and refuses samples that are not (input, target) pairs. Also: loader processes by cores."""
+"""``data=dataset``: a plain torch Dataset (tests/helpers/plain_data.py) given by its class. The launcher
+checks the paths without importing them; the rank wraps the data sets like the runner's own (disjoint shards,
+a fixed held-out split) and refuses samples that are not (input, target) pairs. Also: loader processes by
+cores."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from runner.data.base import ClassificationData, loader_workers
 from runner.data.dataset import DatasetConfig
 from tests.conftest import checked_config
 
-BLOBS = "tests.plain_data.Blobs"
+BLOBS = "tests.helpers.plain_data.Blobs"
 SUBSET = "torch.utils.data.Subset"
 MLP = ["model=mlp", "data=dataset", "data.shape=[4]", "data.num_classes=3"]
 
@@ -25,11 +26,11 @@ def dataset(target: str = BLOBS, **kwargs) -> DatasetConfig:
 
 
 def test_the_launcher_checks_the_paths_without_importing_them():
-    sys.modules.pop("tests.plain_data", None)
+    sys.modules.pop("tests.helpers.plain_data", None)
     cfg = checked_config([*MLP, f"data.train._target_={BLOBS}", "+data.train.size=64"])
     assert cfg.data.train == {"_target_": BLOBS, "size": 64} and cfg.model.input_shape == [4]
     assert cfg.model.num_classes == 3 and cfg.data.workers is None
-    assert "tests.plain_data" not in sys.modules, "the launcher must not import the user's module"
+    assert "tests.helpers.plain_data" not in sys.modules, "the launcher must not import the user's module"
 
 
 TRAIN = f"data.train._target_={BLOBS}"
@@ -40,8 +41,14 @@ TRAIN = f"data.train._target_={BLOBS}"
     [
         ([], r"data\.train\._target_: no value given.*data\.train\._target_="),
         (["data.train._target_=nowhere.data.Set"], r"_target_=.*no module 'nowhere\.data'.*PYTHONPATH"),
-        (["data.train._target_=tests.plain_datx.Blobs"], r"no module 'tests\.plain_datx'.*project's folder"),
-        (["data.train._target_=tests.plain_data"], r"tests\.plain_data is a module: name a class"),
+        (
+            ["data.train._target_=tests.helpers.plain_datx.Blobs"],
+            r"no module 'tests\.helpers\.plain_datx'.*project's folder",
+        ),
+        (
+            ["data.train._target_=tests.helpers.plain_data"],
+            r"tests\.helpers\.plain_data is a module: name a class",
+        ),
         ([TRAIN, "data.val._target_=nowhere.Val"], r"data\.val\._target_=.*no module 'nowhere'"),
         ([TRAIN, "+data.val.size=3"], r"data\.val\._target_=None is invalid"),
         ([TRAIN, "+data.train.base={_target_: nowhere.Set}"], r"data\.train\.base\._target_=.*no module"),
@@ -77,7 +84,8 @@ def test_shards_are_disjoint_across_two_ranks_and_targets_pass_unchanged():
     assert set(shards[0]) | set(shards[1]) == set(range(len(data.train)))
     val = [i for r in range(2) for i in data.val_loader(r, 2, 8).dataset.indices]
     assert sorted(val) == list(range(len(data.val))), "validation is split exactly"
-    x, y = next(iter(dataset("tests.plain_data.Distances", size=20).build().train_loader(0, 1, 4, seed=0)))
+    distances = dataset("tests.helpers.plain_data.Distances", size=20).build()
+    x, y = next(iter(distances.train_loader(0, 1, 4, seed=0)))
     assert y.dtype == torch.float32 and y.shape == (4,), "regression targets stay floats"
 
 
@@ -92,7 +100,7 @@ def test_the_held_out_split_is_fixed_by_its_seed():
 def test_what_the_built_data_set_tells():
     data = dataset().build()
     assert data.shape == (4,) and data.num_classes == 3 and data.classes == ["blob0", "blob1", "blob2"]
-    pair = dataset("tests.plain_data.blobs_pair", val_size=30).build()
+    pair = dataset("tests.helpers.plain_data.blobs_pair", val_size=30).build()
     assert len(pair.train) == 256 and len(pair.val) == 30 and pair.num_classes == 3
     given = DatasetConfig(train={"_target_": BLOBS}, val={"_target_": BLOBS, "seed": 1, "size": 7}).build()
     assert len(given.train) == 256 and len(given.val) == 7
@@ -110,7 +118,7 @@ def test_a_node_with_a_target_inside_the_arguments_is_built_first():
 
 
 def plain(name: str, **kwargs) -> dict:
-    return {"_target_": f"tests.plain_data.{name}", **kwargs}
+    return {"_target_": f"tests.helpers.plain_data.{name}", **kwargs}
 
 
 @pytest.mark.parametrize(
@@ -129,7 +137,7 @@ def plain(name: str, **kwargs) -> dict:
                     "indices": [0],
                 }
             },
-            r"data\.train\.dataset\._target_=tests\.plain_data\.Blobs failed: RuntimeError",
+            r"data\.train\.dataset\._target_=tests\.helpers\.plain_data\.Blobs failed: RuntimeError",
         ),
         ({"train": plain("Blobs"), "shape": [5]}, r"data\.shape=\[5\] .*inputs of shape \[4\].*=\[4\]"),
         ({"train": plain("Blobs"), "num_classes": 5}, r"data\.num_classes=5 .*has 3 classes"),
@@ -170,5 +178,5 @@ def test_a_plain_dataset_trains_under_mpirun(cli):
         timeout=240,
     )
     assert run.returncode == 0, run.output
-    assert run.summary["data"] == "tests.plain_data.Blobs" and run.summary["steps"] == 4 * 12
+    assert run.summary["data"] == "tests.helpers.plain_data.Blobs" and run.summary["steps"] == 4 * 12
     assert run.summary["best_val_acc"] >= 0.95, "the blobs are well apart"

@@ -1,5 +1,6 @@
-"""DiLoCo (runner/rules/diloco.py) in process: ranks are threads talking through FakeWorld, models tiny
-float64 MLPs, so the outer step is checked against torch.optim.SGD and a hand computation to 1e-12."""
+"""DiLoCo (runner/rules/diloco.py). In process: ranks are threads talking through FakeWorld, models tiny
+float64 MLPs, so the outer step is checked against torch.optim.SGD and a hand computation to 1e-12. In a
+real mpirun job: the local SGD settings follow BSP's parameter averaging."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from torch.nn import functional as F
 
 from runner.rules.bsp import BSPConfig
 from runner.rules.diloco import DiLoCoConfig
-from tests.conftest import CONF, ROOT, checked_config
-from tests.fakecomm import FakeWorld
+from tests.conftest import COMMON, CONF, ROOT, checked_config, initial_model, params_of
+from tests.conftest import assert_close as assert_params_close
+from tests.helpers.fakecomm import FakeWorld
+from tests.helpers.rule_math import DT, assert_close, batch, build, fit, mlp, params, plain, sgd
 from tests.test_checkpoint import CUT, _tensors, train
-from tests.test_rules_math import DT, assert_close, batch, build, fit, mlp, params, plain, sgd
 
 N, H, ROUNDS = 3, 3, 3
 LOCAL_SGD = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
@@ -300,3 +302,21 @@ def test_the_launcher_checks_rule_diloco_without_torch_or_mpi():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- mpirun jobs ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_local_sgd_settings_follow_bsp_params_averaging_under_mpirun(cli):
+    """The in-process test_outer_lr_1_without_momentum_is_bsp_params_averaging through the command line:
+    2 ranks, 6 steps in rounds of 3, every rank's model and the reported one as BSP's (float32 rounding)."""
+    overrides = ["model=mlp", "devices=2", "train.batch_size=8", "train.save_model=all", *COMMON]
+    local = ["rule.inner_steps=3", "rule.outer_lr=1", "rule.outer_momentum=0", "rule.nesterov=false"]
+    diloco = cli("rule=diloco", *local, *overrides)
+    bsp = cli("rule=bsp", "rule.mode=params", "rule.avg_freq=3", *overrides)
+    assert diloco.returncode == 0 and bsp.returncode == 0, diloco.output + bsp.output
+    assert diloco.summary["outer_steps"] == 2 and diloco.summary["steps"] == 6
+    for name in ("model.pt", "model.rank0.pt", "model.rank1.pt"):
+        assert_params_close(params_of(diloco.dir / name), params_of(bsp.dir / name), atol=1e-6)
+    moved, start = params_of(bsp.dir / "model.pt"), dict(initial_model(overrides).named_parameters())
+    assert max((moved[k] - start[k]).abs().max().item() for k in moved) > 1e-3, "BSP did not train"

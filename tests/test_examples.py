@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, Run, cli_argv
+from tests.helpers.rules import per_rule, rules
 
 PROJECT = ROOT / "examples" / "my_project"
 SEARCH = "hydra.searchpath=[file://conf]"
@@ -20,6 +21,8 @@ WAVE = [SEARCH, "model=wave_mlp", "data=wave"]
 #: The README's numbers: the blobs are classified almost perfectly (chance: 0.25), the wave is fitted close
 #: to its noise (variance 0.01; predicting the mean: about 0.83).
 ACCURACY, MSE = 0.9, 0.03
+#: Per rule, what its run needs beyond the defaults: ASGD's server is a third rank on 2 cores.
+EXTRA = per_rule({"asgd": ["hardware.oversubscribe=true"]}, default=[])
 
 
 def run_example(run_dir: Path, *overrides: str, timeout: float = 120) -> Run:
@@ -38,10 +41,9 @@ def run_example(run_dir: Path, *overrides: str, timeout: float = 120) -> Run:
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd"])
+@pytest.mark.parametrize("rule", rules())
 def test_classification_example_trains_with_every_rule(tmp_path, rule):
-    servers = ["hardware.oversubscribe=true"] if rule == "asgd" else []  # 2 workers + 1 server on 2 cores
-    run = run_example(tmp_path / "run", *BLOBS, f"rule={rule}", *servers)
+    run = run_example(tmp_path / "run", *BLOBS, f"rule={rule}", *EXTRA[rule])
     assert run.returncode == 0, run.output
     summary = run.summary
     assert summary["model"] == "models.nets.MLP"  # the project's class, imported by every rank

@@ -340,7 +340,8 @@ def test_a_failing_rank_shows_its_cause_once_on_the_console(job):
     output = run.output()
     cause = "RuntimeError: injected failure at forward call 5"
     assert output.count(cause) == 1, output
-    assert f"job failed: rank 1 failed: {cause} ({ROOT / 'tests' / 'faulty.py'}:" in output.splitlines()[-1]
+    faulty = ROOT / "tests" / "helpers" / "faulty.py"
+    assert f"job failed: rank 1 failed: {cause} ({faulty}:" in output.splitlines()[-1]
     assert "MPI_ABORT" not in output and "Traceback" not in output and "prterun" not in output, output
     assert run.summary["failed_rank"] == 1 and run.summary["cause"].startswith(cause)
 

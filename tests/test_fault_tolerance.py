@@ -1,5 +1,6 @@
-"""hardware.fault_tolerance=continue: a worker killed mid-training (SIGKILL, by tests/dies.py), the others go
-on by their rule's math, and the run's records say so. Real mpirun jobs of 4-5 ranks with timeouts."""
+"""hardware.fault_tolerance=continue: a worker killed mid-training (SIGKILL, by tests/helpers/dies.py), the
+others go on by their rule's math, and the run's records say so. Real mpirun jobs of 4-5 ranks with
+timeouts."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from runner.hardware.mpirun import check_ulfm, find_mpirun
-from runner.rank.checkpoint import CKPT_DIR, INDEX, read_index
+from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, checkpoint_part, read_checkpoint_index
 from tests.conftest import checked_config, run_cli
+from tests.helpers.rules import variants
 
 TOLERANT = [
     "hydra.searchpath=[file://tests/conf]",
@@ -74,27 +76,27 @@ def lost_once(run, rank: int) -> dict:
     return failure
 
 
-@pytest.mark.parametrize(
-    "rule, die",
-    [
-        (["rule=bsp"], 2),
-        (["rule=easgd"], 1),
-        (["rule=gosgd", "train.max_steps=1000"], 3),
-        (["rule=asgd"], 2),
-        (["rule=easgd", "rule.variant=async", "train.max_steps=1000"], 1),
-    ],
-    ids=["bsp", "easgd-sync", "gosgd", "asgd", "easgd-async"],
-)
+#: Per rule (tests/helpers/rules.py discovers them) and variant: (overrides, the launch rank killed); a rule
+#: not named here runs with its defaults and loses launch rank 2.
+KILLED = {
+    "easgd": {"sync": ([], 1), "async": (["rule.variant=async", "train.max_steps=1000"], 1)},
+    "gosgd": {"": (["train.max_steps=1000"], 3)},
+}
+
+
+@pytest.mark.parametrize("rule, setting", variants(KILLED, default=([], 2)))
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
+def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, setting):
     """With a cosine schedule: the survivors' longer epochs make the run longer than planned, and the rate
     must still decay over the whole run (not sit at 0 past the planned end), the progress never past 100%;
     also when ``train.max_steps`` is set but the epochs end first."""
+    overrides, die = setting
     run = run_cli(
         tmp_path / "run",
         *TOLERANT,
-        *rule,
+        f"rule={rule}",
+        *overrides,
         f"model.die_rank={die}",
         "model.die_at=20",
         "train.epochs=4",
@@ -111,7 +113,7 @@ def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, die):
     assert min(lrs) > 0 and lrs[-1] < 0.01 * lrs[0], lrs
     shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+) \(", run.output)]
     assert shown and all(step <= total for step, total in shown), shown
-    if "rule=gosgd" in rule:
+    if rule == "gosgd":
         assert abs(run.summary["weight_sum"] - 1) < 1e-12
         for record in run.records("epoch")[-3:]:
             assert abs(record["weight_sum"] - 1) < 1e-12
@@ -130,14 +132,14 @@ def test_bsp_goes_on_without_rank_0_exactly_as_bsp_over_the_survivors(tmp_path):
     epochs = [r["epoch"] for r in run.records("epoch")]
     assert epochs == [0, 1, 2], "every epoch recorded once, before and after rank 0 was lost"
     assert len(run.summary["validations"]) == 3 and (run.dir / "model.pt").exists()
-    entries = read_index(run.dir)
+    entries = read_checkpoint_index(run.dir)
     recovered = next(e for e in entries if e["world_size"] == 3 and not e["end"])
     assert recovered["step"] == failure["step"] + 1, "checkpointed at the first agreement after recovery"
 
     reference = tmp_path / "reference"
     shutil.copytree(run.dir, reference, ignore=shutil.ignore_patterns("summary.json", "*.beat"))
     kept = [e for e in entries if e["seq"] <= recovered["seq"]]
-    (reference / CKPT_DIR / INDEX).write_text(json.dumps({"checkpoints": kept}))
+    (reference / CHECKPOINTS / CHECKPOINT_INDEX).write_text(json.dumps({"checkpoints": kept}))
     resumed = run_cli(
         reference,
         f"resume={reference}",
@@ -149,8 +151,8 @@ def test_bsp_goes_on_without_rank_0_exactly_as_bsp_over_the_survivors(tmp_path):
     assert resumed.summary["world_size"] == 3 and resumed.summary["resumed_from_step"] == recovered["step"]
 
     def final(run_dir: Path) -> dict[str, torch.Tensor]:
-        last = read_index(run_dir)[-1]
-        return torch.load(run_dir / CKPT_DIR / last["dir"] / "rank0.pt", weights_only=True)["model"]
+        last = read_checkpoint_index(run_dir)[-1]
+        return torch.load(checkpoint_part(run_dir, last["dir"], 0), weights_only=True)["model"]
 
     ours, theirs = final(run.dir), final(reference)
     assert resumed.summary["steps"] == run.summary["steps"]
@@ -173,7 +175,7 @@ def test_too_few_survivors_end_the_job_with_a_checkpoint(tmp_path):
     )
     assert run.returncode == 1, run.output
     assert "fewer than hardware.min_workers=2" in run.output
-    [entry] = [e for e in read_index(run.dir) if e["world_size"] == 1]
+    [entry] = [e for e in read_checkpoint_index(run.dir) if e["world_size"] == 1]
     assert entry["step"] == 9
 
 
@@ -193,11 +195,11 @@ def test_a_lost_asgd_server_ends_the_job_naming_it(tmp_path):
     server_beat = run_dir / "logs" / "rank4.beat"
     deadline = time.time() + 120
     while time.time() < deadline:
-        if (run_dir / CKPT_DIR / INDEX).exists() and server_beat.exists():
+        if (run_dir / CHECKPOINTS / CHECKPOINT_INDEX).exists() and server_beat.exists():
             break
         time.sleep(0.2)
     os.kill(json.loads(server_beat.read_text())["pid"], signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1, out
     assert "server rank 4 (" in out and "was lost at step" in out, out
-    assert read_index(run_dir), "the checkpoints written before are kept"
+    assert read_checkpoint_index(run_dir), "the checkpoints written before are kept"

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from tests.helpers.rules import rules
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.mpi,
@@ -30,7 +32,7 @@ def test_each_rank_trains_on_its_planned_gpu(cli):
     assert run.summary["final_val_acc"] > 0.95
 
 
-@pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd"])
+@pytest.mark.parametrize("rule", rules())
 def test_every_rule_trains_on_gpus_shared_by_two_ranks(cli, rule):
     run = cli(
         "hardware=gpu",

@@ -18,6 +18,7 @@ from runner.hardware.mpirun import find_mpirun, mpi_flavor
 from runner.rank.placement import check_bindings, place_rank, select_device
 from runner.schema import schema_of
 from tests.conftest import ROOT, compose_config
+from tests.helpers.rules import rules
 
 
 @pytest.mark.parametrize("module", ["cpu", "gpu", "cluster", "slurm"])
@@ -212,7 +213,7 @@ def test_config_yaml_records_the_plan_and_loads_back(cores, tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
-@pytest.mark.parametrize("rule", ["bsp", "easgd", "gosgd", "asgd"])
+@pytest.mark.parametrize("rule", rules())
 def test_a_failure_summary_names_the_rule(tmp_path, rule):
     from runner.launcher.launch import write_failure_summary
 

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from runner.comm import CommStats
-from runner.rank.meter import COLUMNS_ENV, DEFAULT_COLUMNS, TTY_ENV, Display, Meter, display
+from runner.rank.meter import DEFAULT_COLUMNS, Display, Meter, display
+from runner.run_folder import COLUMNS_ENV, TTY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 BAR_UPDATE = re.compile(rb"\r(?!\n)([^\r\n]*)")  # a carriage return that rewrites the line (not a \r\n)

@@ -18,6 +18,7 @@ from runner.report.runs import load_runs
 from runner.report.table import score
 from runner.report.write import write_report
 from tests.conftest import ROOT, run_cli
+from tests.helpers.rules import rules
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -140,12 +141,12 @@ def test_the_heatmap_grid_of_a_two_key_sweep(tmp_path):
 
 
 def test_separate_runs_are_named_by_what_differs_and_prefer_the_recorded_identity(tmp_path):
-    for rule in ("bsp", "easgd", "gosgd", "asgd"):
-        overrides = [] if rule == "bsp" else [f"rule={rule}"]
+    for rule in rules():
+        overrides = [] if rule == "bsp" else [f"rule={rule}"]  # the default rule: no override recorded
         make_run(tmp_path / rule, [*overrides, "model=mlp"], [0.9], rule=rule)
-    report = report_of(*(tmp_path / r for r in ("bsp", "easgd", "gosgd", "asgd")))
+    report = report_of(*(tmp_path / r for r in rules()))
     assert report.keys == ["rule"]
-    assert sorted(r.name for r in report.runs) == ["rule=asgd", "rule=bsp", "rule=easgd", "rule=gosgd"]
+    assert sorted(r.name for r in report.runs) == [f"rule={r}" for r in rules()]
     sweep = tmp_path / "recorded"
     make_run(sweep / "0", ["optim.lr=0.01"], [0.5], name="optim.lr=0.010", swept={"optim.lr": 0.01})
     make_run(sweep / "1", ["optim.lr=0.05"], [0.6], name="optim.lr=0.050", swept={"optim.lr": 0.05})

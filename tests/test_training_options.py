@@ -52,6 +52,9 @@ def test_clipping_applies_to_the_averaged_gradient_identically_on_every_rank(cli
     assert_close(ranks[0], ref)
 
 
+# Two rules, not each rule: a test of the optimizer and the schedule, whose rate the loop sets whatever the
+# rule (each rule trains in tests/test_rules_train.py). BSP (gradients averaged before the step) and EASGD
+# (local steps between exchanges) stand for the two kinds of rule; each job is 4 epochs of mpirun.
 @pytest.mark.parametrize("rule", ["bsp", "easgd"])
 def test_adamw_with_a_cosine_schedule_and_warmup_trains_at_the_formulas_rate(cli, rule):
     run = cli(
@@ -113,9 +116,9 @@ def test_early_stop_ends_training_and_eval_of_the_saved_model_gives_its_final_me
 def test_a_language_model_learns_next_tokens_to_a_perplexity_near_one(cli):
     run = cli(
         "data=dataset",
-        "data.train._target_=tests.tiny_lm.Counting",
+        "data.train._target_=tests.helpers.tiny_lm.Counting",
         "model=custom",
-        "model._target_=tests.tiny_lm.NextToken",
+        "model._target_=tests.helpers.tiny_lm.NextToken",
         "task=language_model",
         "optim=adam",
         "optim.lr=0.05",
@@ -123,6 +126,6 @@ def test_a_language_model_learns_next_tokens_to_a_perplexity_near_one(cli):
     )
     assert run.returncode == 0, run.output
     s = run.summary
-    assert s["monitor"] == "val_loss" and s["model"] == "tests.tiny_lm.NextToken"
+    assert s["monitor"] == "val_loss" and s["model"] == "tests.helpers.tiny_lm.NextToken"
     assert s["final_val_ppl"] < 1.2 and s["final_val_acc"] > 0.98, s["validations"]
     assert s["final_val_ppl"] == pytest.approx(math.exp(s["final_val_loss"]))

@@ -8,12 +8,11 @@ import torch
 from torch.nn import functional as F
 
 from runner.comm.wire import allreduce
-from runner.rules.asgd import ASGDConfig
 from runner.rules.bsp import BSPConfig
-from runner.rules.easgd import EASGDConfig
-from runner.rules.gosgd import GoSGDConfig
-from tests.fakecomm import FakeWorld
-from tests.test_rules_math import batch, build, mlp, params, sgd
+from runner.schema import schema_of
+from tests.helpers.fakecomm import FakeWorld
+from tests.helpers.rule_math import batch, build, mlp, params, sgd
+from tests.helpers.rules import variants
 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
@@ -48,14 +47,23 @@ def test_16_bit_allreduce_of_float64_accumulates_in_float64():
         assert got.dtype == torch.float64 and torch.equal(got, torch.full((4,), 2.0, dtype=torch.float64))
 
 
-RULES = {
-    "bsp-grads": BSPConfig(overlap="none"),
-    "bsp-grads-thread": BSPConfig(overlap="thread", bucket_mb=1e-4),
-    "bsp-params": BSPConfig(mode="params", avg_freq=1),
-    "easgd-sync": EASGDConfig(alpha=0.3, tau=1),
-    "easgd-async": EASGDConfig(alpha=0.3, tau=1, variant="async"),
-    "gosgd": GoSGDConfig(p=1.0),
-    "asgd": ASGDConfig(n_push=1, n_fetch=1),
+#: Per rule (tests/helpers/rules.py discovers them) and variant: (the rule's settings, steps, whether every
+#: worker ends holding the same parameters); a rule not named runs its defaults for 6 steps, asynchronous
+#: (bytes only). Each exchanges every step or two: DiLoCo once per round, so rounds of 2 steps and 16 steps
+#: (8 outer steps, against which worker 0's float32 broadcast at the start weighs little).
+SETTINGS = {
+    "bsp": {
+        "grads": ({"overlap": "none"}, 6, True),
+        "grads-thread": ({"overlap": "thread", "bucket_mb": 1e-4}, 6, True),
+        "params": ({"mode": "params", "avg_freq": 1}, 6, True),
+    },
+    "easgd": {
+        "sync": ({"alpha": 0.3, "tau": 1}, 6, True),
+        "async": ({"alpha": 0.3, "tau": 1, "variant": "async"}, 6, False),
+    },
+    "gosgd": {"": ({"p": 1.0}, 6, False)},
+    "asgd": {"": ({"n_push": 1, "n_fetch": 1}, 6, False)},
+    "diloco": {"": ({"inner_steps": 2}, 16, True)},
 }
 
 
@@ -86,17 +94,18 @@ def train(cfg, n: int = 3, steps: int = 6):
     return FakeWorld(n).run(main)
 
 
-@pytest.mark.parametrize("name", list(RULES))
-def test_bf16_exchange_halves_the_bytes_and_follows_fp32(name):
+@pytest.mark.parametrize("rule, setting", variants(SETTINGS, default=({}, 6, False)))
+def test_bf16_exchange_halves_the_bytes_and_follows_fp32(rule, setting):
     """The same steps with comm_dtype fp32 and bf16: the bytes every rank sent halve (up to the float64
     headers, weights and padding); the synchronous rules' parameters stay within bf16's rounding of the
     fp32 run (the asynchronous ones follow the threads' timing, so their trajectories differ anyway)."""
-    cfg = RULES[name]
-    full = train(cfg)
-    half = train(type(cfg)(**{**cfg.__dict__, "comm_dtype": "bf16"}))
+    kwargs, steps, synchronous = setting
+    schema = schema_of("rule", rule)
+    full = train(schema(**kwargs), steps=steps)
+    half = train(schema(**kwargs, comm_dtype="bf16"), steps=steps)
     sent_full, sent_half = sum(r[1] for r in full), sum(r[1] for r in half)
     assert 0.45 <= sent_half / sent_full <= 0.56, (sent_half, sent_full)
-    if name.startswith(("bsp", "easgd-sync")):
+    if synchronous:
         for (x_full, *_), (x_half, *_) in zip(full, half, strict=True):
             assert not torch.equal(x_full, x_half), "bf16 must change the exchange"
             assert torch.allclose(x_half, x_full, atol=2e-2), (x_half - x_full).abs().max()
@@ -126,17 +135,3 @@ def test_default_job_with_bf16_exchange_reaches_97_percent_on_half_the_bytes(cli
     parameters = sum(p.numel() for p in checked_config([]).model.build().parameters())
     fp32 = n * 2 * (n - 1) / n * 4 * parameters * s["steps"]
     assert 0.45 * fp32 <= s["bytes_sent"] <= 0.55 * fp32, (s["bytes_sent"], fp32)
-
-
-def test_diloco_outer_step_in_bf16_keeps_the_workers_identical_on_half_the_bytes():
-    from runner.rules.diloco import DiLoCoConfig
-
-    """(16 steps: 8 outer steps, against which worker 0's float32 broadcast at the start weighs little.)"""
-    full = train(DiLoCoConfig(inner_steps=2), steps=16)
-    half = train(DiLoCoConfig(inner_steps=2, comm_dtype="bf16"), steps=16)
-    sent_full, sent_half = sum(r[1] for r in full), sum(r[1] for r in half)
-    assert 0.45 <= sent_half / sent_full <= 0.56, (sent_half, sent_full)
-    workers = [r[0] for r in half]
-    assert all(torch.equal(workers[0], w) for w in workers)
-    assert not torch.equal(full[0][0], workers[0])
-    assert torch.allclose(full[0][0], workers[0], atol=2e-2)

@@ -45,9 +45,6 @@ if TYPE_CHECKING:
 else:
     np, torch = lazy_import("numpy"), lazy_import("torch")
 
-# TODO(layout): old names, until the tests import them from runner.run_folder
-CKPT_DIR, INDEX, STOP_FILE, read_index = CHECKPOINTS, CHECKPOINT_INDEX, STOP, read_checkpoint_index
-
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a rank uses: torch (CPU and CUDA), numpy and Python's."""
@@ -112,7 +109,7 @@ def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
 
 
 def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]:
-    """This rank's part of the checkpoint ``entry`` (an item of :func:`read_index`)."""
+    """This rank's part of the checkpoint ``entry`` (an item of ``read_checkpoint_index``)."""
     path = checkpoint_part(run_dir, entry["dir"], rank)
     if not path.exists():
         raise FileNotFoundError(f"{path}: the checkpoint has no part for rank {rank}")
@@ -154,7 +151,7 @@ class Checkpointer:
         self.last_time = time.time()
         if self.world.rank != 0:
             return
-        entries = read_index(self.root.parent)
+        entries = read_checkpoint_index(self.root.parent)
         entries.append(
             {
                 "step": step,

@@ -1,8 +1,8 @@
 """Checks of runner.comm run inside an mpirun job (any number of ranks); exits non-zero on failure.
 
-``comm_job.py [cpu|cuda]``: the tensors live on that device. On the CPU, non-contiguous tensors take the
-staging path (host copy in, MPI call, copy back) of every operation; on a GPU every tensor does, unless
-the MPI library is CUDA-aware, when device memory goes to MPI directly.
+``python -m mpi4py tests/helpers/comm_job.py [cpu|cuda]``: the tensors live on that device. On the CPU,
+non-contiguous tensors take the staging path (host copy in, MPI call, copy back) of every operation; on a GPU
+every tensor does, unless the MPI library is CUDA-aware, when device memory goes to MPI directly.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Reference run with torch DistributedDataParallel (gloo), started by mpirun, fed our data shards.
 
-Usage: mpirun -n N python tests/ddp_reference.py OUT.pt PORT STEPS BATCH OVERRIDES...
+Usage, in the repository's root (whose ``tests`` package it imports):
+
+    mpirun -n N python -m tests.helpers.ddp_reference OUT.pt PORT STEPS BATCH OVERRIDES...
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.conftest import checked_config  # noqa: E402
+from tests.conftest import checked_config
 
 
 def main() -> None:

@@ -1,0 +1,48 @@
+"""The rules, as the tests that cover each rule take them: discovered, never listed by hand, so that adding
+``runner/rules/<name>.py`` with ``conf/rule/<name>.yaml`` adds the rule to every such test.
+
+A test that needs settings for some rules (a server rank, more epochs, a variant such as EASGD's async one)
+keeps a small table of them, and :func:`per_rule` or :func:`variants` give every other rule the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+RULE_CONF = Path(__file__).resolve().parents[2] / "conf" / "rule"
+T = TypeVar("T")
+
+
+def rules() -> list[str]:
+    """The rules a user can select (``rule=NAME``): the options ``conf/rule/*.yaml``, sorted."""
+    found = sorted(p.stem for p in RULE_CONF.glob("*.yaml"))
+    assert found, f"no rule options in {RULE_CONF}"
+    return found
+
+
+def _known(table: Mapping[str, Any]) -> None:
+    stale = set(table) - set(rules())
+    assert not stale, f"settings for rules that do not exist: {sorted(stale)} (options: {rules()})"
+
+
+def per_rule(table: Mapping[str, T], default: T) -> dict[str, T]:
+    """Every rule's value: ``table``'s, or ``default`` for a rule it does not name (a rule it names that
+    does not exist fails, so that a renamed rule does not silently lose its settings)."""
+    _known(table)
+    return {rule: table.get(rule, default) for rule in rules()}
+
+
+def variants(table: Mapping[str, Mapping[str, T]], default: T) -> list:
+    """``pytest.param(rule, value)`` for every rule, with the rule's name as the id. A rule that ``table``
+    names is run in each of its variants instead: ``{"easgd": {"sync": a, "async": b}}`` gives the ids
+    ``easgd-sync`` and ``easgd-async`` (the variant ``""`` is the rule's name alone)."""
+    _known(table)
+    cases = []
+    for rule in rules():
+        for name, value in table.get(rule, {"": default}).items():
+            cases.append(pytest.param(rule, value, id=f"{rule}-{name}" if name else rule))
+    return cases
