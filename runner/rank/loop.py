@@ -100,17 +100,13 @@ class Trainer:
         records: Records,
         recovery: Recovery | None = None,
     ):
-        self.cfg, self.parts, self.records, self.recovery = cfg, parts, records, recovery
+        self.cfg, self.recovery = cfg, recovery
         self.model, self.optimizer, self.rule = parts.model, parts.optimizer, parts.rule
         self.task, self.schedule, self.monitor = parts.task, parts.schedule, records.monitor
         self.workers, self.stats, self.device = place.workers, place.workers.stats, place.device
         self.delay_s = place.delay_s
-        self.log, self.meter, self.beat, self.control = (
-            records.log,
-            records.meter,
-            records.beat,
-            records.control,
-        )
+        self.log, self.meter = records.log, records.meter
+        self.beat, self.control = records.beat, records.control
         self.train_loader, self.val_loader = loaders
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         self.reported_prefix = ""  # the record prefix of the model the run reports ("" or e.g. "center_")
