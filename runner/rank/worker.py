@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -161,13 +162,20 @@ def serve(rank: Rank, model: nn.Module) -> None:
     rule.final_metrics()
 
 
+def val_share(rank: Rank, data: Any) -> Callable[[int, int], Any]:
+    """``(r, n) ->`` the loader of share ``r`` of ``n`` of the validation data: this worker's, and the
+    survivors' new shares after a worker is lost."""
+    batch, pin = rank.cfg.train.val_batch_size, rank.device.type == "cuda"
+    return lambda r, n: data.val_loader(r, n, batch, pin_memory=pin)
+
+
 def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
     """This worker's training and validation loaders, and the optimizer steps of an epoch; refuses a
     setting the data cannot serve."""
     train, workers, pin = rank.cfg.train, rank.workers, rank.device.type == "cuda"
     pair = (
         data.train_loader(workers.rank, workers.size, train.batch_size, train.seed, pin_memory=pin),
-        data.val_loader(workers.rank, workers.size, train.val_batch_size, pin_memory=pin),
+        val_share(rank, data)(workers.rank, workers.size),
     )
     steps_per_epoch = len(pair[0]) // train.accumulate
     if steps_per_epoch == 0:
@@ -200,8 +208,6 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     parts = Parts(model, optimizer, rule, cfg.task.build(data.num_classes), schedule)
     recovery = None
     if rank.hosts is not None:
-        val_batch = cfg.train.val_batch_size
-        pin = rank.device.type == "cuda"
         recovery = Recovery(
             workers,
             comm,
@@ -209,7 +215,7 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.run_dir,
             cfg.hardware.min_workers,
             rank.streams[1],
-            lambda r, n: data.val_loader(r, n, val_batch, pin_memory=pin),
+            val_share(rank, data),
             rank.hosts,
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank))
