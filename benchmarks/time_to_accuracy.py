@@ -1,98 +1,116 @@
-"""Time to accuracy and bytes sent of every rule on the same job, without and with a straggler, against BSP
-measured in the same run.
+"""Time to accuracy of every rule on the same job, with static shards and dynamic assignment, without and
+with a straggler, against BSP measured in the same run.
 
-    python benchmarks/time_to_accuracy.py                       # CNN on digits, 4 workers, target 95%
-    python benchmarks/time_to_accuracy.py --straggler-ms 100 --straggler-rank 3
+    python benchmarks/time_to_accuracy.py                        # CNN on digits, 4 workers, target 95%
+    python benchmarks/time_to_accuracy.py --straggler-ms 16 --straggler-rank 3 --repeats 3
+    python benchmarks/time_to_accuracy.py --sweep 0 8 24          # heterogeneity: the straggler's delay
     python benchmarks/time_to_accuracy.py --devices 2 --target 0.97 -- model=mlp train.epochs=20
-    python benchmarks/time_to_accuracy.py --quick --rules bsp easgd   # quick look: 20 steps, target 50%
-    python benchmarks/time_to_accuracy.py --smoke                     # one job of 4 steps: does it run?
+    python benchmarks/time_to_accuracy.py --rules bsp gosgd --repeats 1   # a quick look
+    python benchmarks/time_to_accuracy.py --smoke                  # one job of 4 steps: does it run?
 
-Each rule (bsp, easgd, gosgd, asgd, and diloco where ``conf/rule/diloco.yaml`` exists) runs twice as a real
-job through ``python -m runner`` (validation every epoch): as it is, and with worker ``--straggler-rank``
-sleeping ``--straggler-ms`` at the start of every step (``simulate.straggler_ranks``/``straggler_ms``;
-``--straggler-ms 0`` runs the first condition only). One table gives, per rule and condition, the wall time
-from the start of training to the first validation at or above the target, the final accuracy, the bytes
-each worker sent (summary.json's ``bytes_sent`` over ``devices``; a server rank's replies are not counted),
-samples/s and the fraction of step time in communication; the time to target and the bytes divided by
-BSP's under the same condition, and, for the straggler rows, the time to target divided by the rule's own
-without the straggler: what the slow worker costs that rule. A job that fails is reported on stderr and left
-out of the table, and the script then exits with status 1. ``--smoke`` checks that it all runs, in seconds:
-one job, BSP on 2 workers with the straggler (which covers the options of the plain job and more), one
-epoch cut at 4 steps, target 50%.
+Each rule (bsp, easgd, easgd-async = ``rule=easgd rule.variant=async``, gosgd, asgd, and diloco where
+``conf/rule/diloco.yaml`` exists) runs as a real job through ``python -m runner``, validating four times an
+epoch (``train.val_every=0.25``), under each straggler delay (``--sweep``: worker ``--straggler-rank``
+sleeps that many ms at the start of every step, ``simulate.straggler_ms``; 0 is no straggler), and the
+asynchronous rules (easgd-async, gosgd, asgd) with ``data.assignment=static`` and ``dynamic``. ``--repeats``
+rounds run every job once each, in the same order, so drift of the machine falls on all of them; the table
+gives medians: the wall time from the start of training to the first validation at or above the target,
+and that time against BSP's under the same delay (``vs bsp``), against the same rule with static shards
+(``vs static``) and against the rule's own without a straggler (``vs own``); the final accuracy, the bytes
+each worker sent (summary.json's ``bytes_sent`` over ``devices``) and the samples per second. A job that
+fails is reported on stderr and left out, and the script then exits with status 1. ``--smoke`` checks that
+it all runs, in seconds: one job, GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RULES = ["bsp", "easgd", "gosgd", "asgd"] + (["diloco"] if (ROOT / "conf/rule/diloco.yaml").exists() else [])
-QUICK = ["train.epochs=1", "train.max_steps=20"]
+RULES = ["bsp", "easgd", "easgd-async", "gosgd", "asgd"]
+RULES += ["diloco"] if (ROOT / "conf/rule/diloco.yaml").exists() else []
+ASYNCHRONOUS = {"easgd-async", "gosgd", "asgd"}
+RULE_ARGS = {"easgd-async": ["rule=easgd", "rule.variant=async"]}
 SMOKE = ["train.epochs=1", "train.max_steps=4"]
 
 
-@dataclass
-class Result:
+@dataclass(frozen=True)
+class Job:
     rule: str
-    straggler: bool
-    hit: float | None  # seconds to the target, None if never reached
-    summary: dict[str, Any]
+    assignment: str
+    straggler_ms: float
+
+
+@dataclass
+class Runs:
+    """The repeats of one job: the times to target (None: not reached) and the summaries."""
+
+    hits: list[float | None] = field(default_factory=list)
+    summaries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def bytes_per_worker(self) -> float:
-        return self.summary["bytes_sent"] / self.summary["devices"]
+    def hit(self) -> float | None:
+        """The median time to target; None unless most repeats reached it."""
+        reached = [h for h in self.hits if h is not None]
+        return statistics.median(reached) if len(reached) * 2 > len(self.hits) else None
+
+    def median(self, key: str) -> float:
+        return statistics.median(s[key] for s in self.summaries)
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=None, help="workers (default 4; --quick: 2)")
-    p.add_argument(
-        "--target", type=float, default=None, help="validation accuracy (default 0.95; --quick: 0.5)"
-    )
-    p.add_argument("--rules", nargs="+", default=RULES)
-    p.add_argument("--straggler-ms", type=float, default=30.0, help="delay per step (0: no straggler runs)")
+    p.add_argument("--devices", type=int, default=4, help="workers (default 4)")
+    p.add_argument("--target", type=float, default=0.95, help="validation accuracy (default 0.95)")
+    p.add_argument("--rules", nargs="+", default=RULES, choices=RULES)
+    p.add_argument("--assignments", nargs="+", default=["static", "dynamic"], choices=["static", "dynamic"])
+    p.add_argument("--straggler-ms", type=float, default=16.0, help="the straggler's delay per step")
+    p.add_argument("--sweep", type=float, nargs="+", help="straggler delays (default: 0 and --straggler-ms)")
     p.add_argument("--straggler-rank", type=int, default=1, help="the worker slowed down")
-    p.add_argument("--quick", action="store_true", help="quick look: 2 workers, 20 steps, target 50%%")
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="check that it runs, in seconds: one job (bsp, 2 workers, the straggler at 5 ms), 4 steps",
-    )
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every job; medians are reported")
+    p.add_argument("--smoke", action="store_true", help="check that it runs, in seconds: one job of 4 steps")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job (after --)")
     args = p.parse_args()
     if args.smoke:
-        args.quick, args.rules, args.straggler_ms, args.straggler_rank = True, ["bsp"], 5.0, 1
-    args.devices = args.devices or (2 if args.quick else 4)
-    args.target = args.target or (0.5 if args.quick else 0.95)
-    if args.quick:
-        args.overrides = (SMOKE if args.smoke else QUICK) + args.overrides
-    if args.straggler_ms < 0 or not 0 <= args.straggler_rank < args.devices:
-        p.error(f"--straggler-ms must be >= 0 and --straggler-rank a worker, 0..{args.devices - 1}")
-    # each rule runs as it is and with the straggler (--smoke: with it only, a single job)
-    args.conditions = [True] if args.smoke else [False, True] if args.straggler_ms > 0 else [False]
+        args.devices, args.target, args.rules, args.assignments = 2, 0.5, ["gosgd"], ["dynamic"]
+        args.sweep, args.repeats, args.overrides = [5.0], 1, SMOKE + args.overrides
+    args.sweep = args.sweep if args.sweep is not None else [0.0, args.straggler_ms]
+    if min(args.sweep) < 0 or not 0 <= args.straggler_rank < args.devices or args.repeats < 1:
+        p.error(f"delays must be >= 0, --straggler-rank a worker (0..{args.devices - 1}), --repeats >= 1")
     return args
 
 
-def run_job(args: argparse.Namespace, rule: str, straggler: bool, run_dir: Path) -> Result | None:
-    slow = [f"simulate.straggler_ranks=[{args.straggler_rank}]", f"simulate.straggler_ms={args.straggler_ms}"]
+def jobs(args: argparse.Namespace) -> list[Job]:
+    """Every job of a round: each rule under each delay, asynchronous ones under each assignment."""
+    out = []
+    for rule in args.rules:
+        kinds = args.assignments if rule in ASYNCHRONOUS else ["static"]
+        out += [Job(rule, kind, ms) for ms in args.sweep for kind in kinds]
+    return out
+
+
+def run_job(args: argparse.Namespace, job: Job, run_dir: Path) -> tuple[float | None, dict] | None:
+    slow = [f"simulate.straggler_ranks=[{args.straggler_rank}]", f"simulate.straggler_ms={job.straggler_ms}"]
     argv = [
         sys.executable,
         "-m",
         "runner",
-        f"rule={rule}",
+        *RULE_ARGS.get(job.rule, [f"rule={job.rule}"]),
+        f"data.assignment={job.assignment}",
         f"devices={args.devices}",
         "hardware.oversubscribe=true",
         f"hydra.run.dir={run_dir}",
         "train.progress=false",
-        "train.val_every=1",
-        *(slow if straggler else []),
+        "train.val_every=0.25",
+        *(slow if job.straggler_ms else []),
         *args.overrides,
     ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
@@ -101,52 +119,68 @@ def run_job(args: argparse.Namespace, rule: str, straggler: bool, run_dir: Path)
         return None
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    hit = next((r["time"] for r in records if r["kind"] == "val" and r["val_acc"] >= args.target), None)
-    print(f"{run_dir.name}: {'not hit' if hit is None else f'{hit:.1f} s'}", file=sys.stderr)
-    return Result(rule, straggler, hit, summary)
+    hit = next((r["time"] for r in records if r["kind"] == "val" and reported(r) >= args.target), None)
+    print(f"{run_dir.name}: {'not hit' if hit is None else f'{hit:.2f} s'}", file=sys.stderr)
+    return hit, summary
 
 
-def ratio(value: float | None, base: float | None, width: int) -> str:
-    return f"{value / base:{width}.2f}" if value is not None and base else f"{'-':>{width}}"
+def reported(record: dict[str, Any]) -> float:
+    """The accuracy of the model a validation record reports: ``val_acc``, else the rule's first model's."""
+    return record.get("val_acc", next((v for k, v in record.items() if k.endswith("val_acc")), 0.0))
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}" if value is not None and base else "-"
+
+
+def table(args: argparse.Namespace, results: dict[Job, Runs]) -> None:
+    job_args = " ".join(args.overrides) or "default job"
+    print(
+        f"\ntime to {args.target:.0%} validation accuracy, {args.devices} workers ({job_args}); worker "
+        f"{args.straggler_rank} sleeps the straggler ms per step; medians of {args.repeats}"
+    )
+    head = ("rule", "data", "straggler", "to target s", "vs bsp", "vs static", "vs own", "final acc",
+            "MB/worker", "samples/s")  # fmt: skip
+    print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
+    for job, runs in results.items():
+        if not runs.summaries:
+            continue
+        bsp = results.get(Job("bsp", "static", job.straggler_ms))
+        static = results.get(Job(job.rule, "static", job.straggler_ms))
+        own = results.get(Job(job.rule, job.assignment, 0.0))
+        hit = runs.hit
+        row = (
+            job.rule,
+            job.assignment,
+            f"r{args.straggler_rank} +{job.straggler_ms:g} ms" if job.straggler_ms else "none",
+            "not hit" if hit is None else f"{hit:.2f}",
+            ratio(hit, bsp and bsp.hit),
+            ratio(hit, static and static.hit) if job.assignment == "dynamic" else "-",
+            ratio(hit, own and own.hit) if job.straggler_ms else "-",
+            f"{runs.median('final_val_acc'):.4f}",
+            f"{runs.median('bytes_sent') / runs.summaries[0]['devices'] / 1e6:.2f}",
+            f"{runs.median('samples_per_s'):.0f}",
+        )
+        print("| " + " | ".join(row) + " |")
 
 
 def main() -> None:
     args = parse()
-    slow = f"r{args.straggler_rank} +{args.straggler_ms:g}ms"
-    results: list[Result] = []
+    results = {job: Runs() for job in jobs(args)}
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for rule in args.rules:
-            for straggler in args.conditions:
-                run_dir = Path(tmp) / f"{rule}-{'straggler' if straggler else 'none'}"
-                result = run_job(args, rule, straggler, run_dir)
-                if result is not None:
-                    results.append(result)
-                failed += result is None
-    bsp = {r.straggler: r for r in results if r.rule == "bsp"}
-    own = {r.rule: r.hit for r in results if not r.straggler}
-    job = " ".join(args.overrides) or "default job"
-    print(
-        f"\ntime to {args.target:.0%} validation accuracy, {args.devices} workers ({job}); straggler "
-        f"{slow}: worker {args.straggler_rank} sleeps {args.straggler_ms:g} ms per step"
-    )
-    print(
-        f"{'rule':<7} {'straggler':<12} {'to target s':>11} {'vs bsp':>7} {'vs own':>7} {'final acc':>9} "
-        f"{'MB/worker':>9} {'vs bsp':>7} {'samples/s':>9} {'comm frac':>9}"
-    )
-    for r in results:
-        base = bsp.get(r.straggler)
-        hit = f"{r.hit:11.1f}" if r.hit is not None else "    not hit"
-        vs_own = ratio(r.hit, own.get(r.rule), 7) if r.straggler else f"{'-':>7}"
-        s = r.summary
-        print(
-            f"{r.rule:<7} {slow if r.straggler else 'none':<12} {hit} {ratio(r.hit, base and base.hit, 7)} "
-            f"{vs_own} {s['final_val_acc']:9.4f} {r.bytes_per_worker / 1e6:9.2f} "
-            f"{ratio(r.bytes_per_worker, base and base.bytes_per_worker, 7)} {s['samples_per_s']:9.0f} "
-            f"{s['comm_fraction']:9.3f}"
-        )
+        for repeat in range(args.repeats):
+            for job in results:
+                name = f"{job.rule}-{job.assignment}-{job.straggler_ms:g}ms-{repeat}"
+                got = run_job(args, job, Path(tmp) / name)
+                if got is None:
+                    failed += 1
+                    continue
+                results[job].hits.append(got[0])
+                results[job].summaries.append(got[1])
+    table(args, results)
     if failed:
-        sys.exit(f"{failed} of {len(args.rules) * len(args.conditions)} jobs failed (their output above)")
+        sys.exit(f"{failed} of {len(results) * args.repeats} jobs failed (their output above)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 #: The most background loader processes per rank that ``workers=None`` starts.
 MAX_AUTO_WORKERS = 4
@@ -119,7 +119,9 @@ class ClassificationData:
         self.shape = tuple(self.shape)
         self.workers = loader_workers(self.workers)
 
-    def _loader(self, dataset: Dataset, batch_size: int, pin_memory: bool = False, **kwargs) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset, batch_size: int | None, pin_memory: bool = False, prefetch: int = 4, **kwargs
+    ) -> DataLoader:
         root = dataset
         while isinstance(root, Subset):
             root = root.dataset
@@ -128,10 +130,12 @@ class ClassificationData:
                 num_workers=self.workers,
                 multiprocessing_context="forkserver",
                 persistent_workers=True,
-                prefetch_factor=4,
+                prefetch_factor=prefetch,
             )
+        if batch_size is not None:
+            kwargs["batch_size"] = batch_size
         collate = _batch if isinstance(root, BatchedData) else None
-        return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, pin_memory=pin_memory, **kwargs)
+        return DataLoader(dataset, collate_fn=collate, pin_memory=pin_memory, **kwargs)
 
     def train_loader(
         self, rank: int, world: int, batch_size: int, seed: int, pin_memory: bool = False
@@ -142,6 +146,14 @@ class ClassificationData:
             self.train, num_replicas=world, rank=rank, shuffle=True, seed=seed, generator=generator
         )
         return self._loader(self.train, batch_size, pin_memory, sampler=sampler, generator=generator)
+
+    def dealt_loader(self, dealer: Sampler[list[int]], seed: int, pin_memory: bool = False) -> DataLoader:
+        """Loader of the micro-batches ``dealer`` draws (dynamic assignment, runner/rank/assignment.py).
+        Loader processes take one batch ahead each, so a worker holds few chunks it has not trained."""
+        generator = torch.Generator().manual_seed(seed)
+        return self._loader(
+            self.train, None, pin_memory, prefetch=1, batch_sampler=dealer, generator=generator
+        )
 
     def val_loader(self, rank: int, world: int, batch_size: int, pin_memory: bool = False) -> DataLoader:
         """Loader of this rank's share of the validation set (rank, rank + N, ...; no padding)."""

@@ -109,7 +109,7 @@ class DatasetConfig(DataConfig):
     split_seed: int = 0
     shape: list[int] | None = None
     num_classes: int | None = None
-    workers: int | None = None  # background loader processes per rank; None: by the rank's cores
+    workers: int | None = None  # loader processes per rank; None: by its cores (0 for tensors in memory)
 
     def __post_init__(self) -> None:
         check_target("train", self.train)
@@ -194,4 +194,17 @@ class DatasetConfig(DataConfig):
                 f"data.num_classes={count}, or leave it unset"
             )
         num_classes = self.num_classes if self.num_classes is not None else count
-        return ClassificationData(train, val, shape, num_classes, self.workers, names)
+        workers = 0 if self.workers is None and in_memory(train) else self.workers
+        return ClassificationData(train, val, shape, num_classes, workers, names)
+
+
+def in_memory(dataset: Dataset) -> bool:
+    """A data set of tensors already in memory (``TensorDataset``, the runner's ``TensorData``, or a subset
+    of one): indexing it is cheaper than starting loader processes (``workers=None`` picks 0 for it)."""
+    from torch.utils.data import Subset, TensorDataset
+
+    from runner.data.base import TensorData
+
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return isinstance(dataset, (TensorDataset, TensorData))

@@ -48,7 +48,9 @@ RESULT = {
         rf"^\| mlp \| [\d,]+ \| 3×32×32 \| ours auto→\w+ \(.*\) \| 1×\(1\+2\) (\| {NUM} ){{6}}\| {NUM} \|$",
         rf"^  mlp\s+ours auto→\w+\s+{NUM}$",
     ],
-    "time_to_accuracy": [rf"^bsp\s+r1 \+5ms\s+(not hit|{NUM})\s+(\S+\s+){{2}}\d\.\d{{4}}(\s+{NUM}){{4}}$"],
+    "time_to_accuracy": [
+        rf"^\| gosgd \| dynamic \| r1 \+5 ms \| (not hit|{NUM})( \| -){{3}}( \| {NUM}){{3}} \|$"
+    ],
 }
 
 

@@ -17,10 +17,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runner.comm.mpi import ANY_SOURCE, ANY_TAG, BackgroundRequest, Comm, CommStats, PeerLost, Request
+    from runner.comm.mpi import (
+        ANY_SOURCE,
+        ANY_TAG,
+        BackgroundRequest,
+        Comm,
+        CommStats,
+        Counter,
+        PeerLost,
+        Request,
+    )
 
 #: The face of the layer: what the ranks, the loop and the rules use.
-__all__ = ["ANY_SOURCE", "ANY_TAG", "BackgroundRequest", "Comm", "CommStats", "PeerLost", "Request"]
+__all__ = [
+    "ANY_SOURCE",
+    "ANY_TAG",
+    "BackgroundRequest",
+    "Comm",
+    "CommStats",
+    "Counter",
+    "PeerLost",
+    "Request",
+]
 
 
 def __getattr__(name: str) -> Any:

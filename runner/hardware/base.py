@@ -26,8 +26,10 @@ from runner.schema import one_of, require
 
 #: Open MPI options every job gets unless ``hardware.mca`` sets the same key. The libfabric BTL (``ofi``)
 #: probes the fabric providers inside MPI_Init, a large part of a rank's start (benchmarks/README.md).
-#: Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi).
-DEFAULT_MCA = {"btl": "^ofi"}
+#: Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi). One-sided calls (dynamic
+#: assignment's counter) leave out ``osc/ucx``, which without UCX devices prints an error at every window
+#: made; on a UCX fabric give ``hardware.mca.osc=ucx`` for counters across nodes.
+DEFAULT_MCA = {"btl": "^ofi", "osc": "^ucx"}
 
 
 @dataclass

@@ -131,6 +131,12 @@ class Checkpointer:
         """Whether the step count alone asks for a checkpoint after ``step`` steps (the same on all ranks)."""
         return self.cfg.every is not None and step % self.cfg.every == 0
 
+    def due_between(self, before: int, after: int) -> bool:
+        """Whether the step count asks for a checkpoint between ``before`` and ``after`` steps (dynamic
+        assignment: the run's chunks per worker at two meetings)."""
+        every = self.cfg.every
+        return every is not None and after // every > before // every
+
     def time_due(self) -> bool:
         minutes = self.cfg.every_minutes
         return minutes is not None and time.time() - self.last_time >= 60 * minutes

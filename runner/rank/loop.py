@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
+from runner.rank.assignment import CHUNKS_PER_WORKER, Dealer, Meetings, dealing_state, redeal, val_chunks
 from runner.rank.checkpoint import Control, rng_state, set_rng_state
 from runner.rank.guard import Guard, poisoned
 from runner.rank.heartbeat import Heartbeat
@@ -121,28 +123,29 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.preempted = False
         self.first_step, self.last_loss = 0, float("nan")
+        # dynamic assignment (data.assignment): the dealer of this worker's chunks, the epoch's meetings
+        sampler = getattr(self.train_loader, "batch_sampler", None)
+        self.dealer: Dealer | None = sampler if isinstance(sampler, Dealer) else None
+        self.meetings: Meetings | None = None
+        if self.dealer is not None:
+            per_epoch = self.dealer.chunks.per_epoch
+            val = val_chunks(cfg.val_every, per_epoch)
+            self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
+        self.passed = 0  # meetings of this epoch passed
+        self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
         results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
         pos, reported = Position(start.step, start.epoch, start.batch), self.model
-        sampler, self.first_step = self.train_loader.sampler, start.step
+        self.first_step = start.step
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
-            plan = self.shard_plan if epoch == start.epoch and self.shard_plan else None
-            sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
-            if self.recovery is not None:  # survivors: longer epochs
-                steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
-                done = pos.step - pos.batch
-                _, max_steps = run_length(epochs, self.cfg.max_steps, steps_per_epoch, epoch, done)
-                if max_steps != self.schedule.total_steps:
-                    self.schedule.replan(max_steps)
-                    self.meter.replan(max_steps)
-            sampler.set_epoch(epoch)
-            sampler.start_at(pos.batch * self.cfg.batch_size * self.cfg.accumulate)
+            max_steps = self.begin_epoch(pos, epochs, start, max_steps)
             self.model.train()
             for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
-                if pos.step >= max_steps:
+                dealt = self.dealer is not None
+                if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
                     break
                 micro = [
                     (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
@@ -151,18 +154,22 @@ class Trainer:
                 while not self.step(micro, pos):
                     pass
                 pos.step, pos.batch = pos.step + 1, pos.batch + 1
+                if dealt:
+                    self.dealer.trained()
                 self.beat.progress(pos.step)
                 samples = sum(len(x) for x, _ in micro)
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr)
-                if self.tolerant(self.at_step_end, pos) or pos.step >= max_steps:
+                if self.dealer is None and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
                     break
+            if self.dealer is not None and not self.preempted:
+                self.tolerant(self.meet, pos, None)
             if self.preempted:
                 self.meter.epoch_done()
                 break
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
-            pos.batch = 0
+            pos.batch, self.passed = 0, 0
             if no_improvement(self.history, self.reported_prefix + self.monitor, self.cfg.early_stop):
                 self.stopped_early = epoch
                 self.meter.echo(
@@ -174,6 +181,52 @@ class Trainer:
         self.tolerant(self.end, pos, epochs, start)
         return reported, self._summary(epochs, pos.step)
 
+    def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
+        """Deal epoch ``pos.epoch``'s data (static shards: this worker's, from ``pos.batch`` on); returns the
+        run's steps, which the survivors of a lost worker re-plan with their longer epochs (static)."""
+        if self.dealer is not None:  # the dealer ends the run when the tickets are spent
+            self.dealer.set_epoch(pos.epoch)
+            return sys.maxsize
+        sampler = self.train_loader.sampler
+        plan = self.shard_plan if pos.epoch == start.epoch and self.shard_plan else None
+        sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
+        if self.recovery is not None:  # survivors: longer epochs
+            steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
+            done = pos.step - pos.batch
+            _, max_steps = run_length(epochs, self.cfg.max_steps, steps_per_epoch, pos.epoch, done)
+            if max_steps != self.schedule.total_steps:
+                self.schedule.replan(max_steps)
+                self.meter.replan(max_steps)
+        sampler.set_epoch(pos.epoch)
+        sampler.start_at(pos.batch * self.cfg.batch_size * self.cfg.accumulate)
+        return max_steps
+
+    def meet(self, pos: Position, ticket: int | None) -> bool:
+        """Dynamic assignment: pass the meetings of this epoch that come before ``ticket``, the one this
+        worker is about to train (None: the epoch has ended, pass them all); at each, validate when due,
+        and checkpoint or stop as the workers agreed. True when they agreed to stop."""
+        meetings, chunks = self.meetings, self.dealer.chunks
+        if ticket is None:
+            upto = meetings.count
+        else:
+            upto = meetings.passed_by(ticket) if chunks.epoch_of(ticket) == pos.epoch else self.passed
+        while self.passed < upto:
+            k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
+            if meetings.validates(k):
+                self.validate(pos.epoch, pos.step)
+                self.model.train()
+            decision = self.control.poll(self.meetings_done)
+            position = pos.epoch * chunks.per_epoch + meetings.position(k)
+            due = self.control.checkpointer.due_between(
+                (position - meetings.gap(k)) // self.dealer.workers, position // self.dealer.workers
+            )
+            if decision.stop or decision.checkpoint or due:
+                self.preempted = decision.stop
+                self.save(pos, False)
+            if self.preempted:
+                return True
+        return False
+
     def step(self, micro: list[Batch], pos: Position) -> bool:
         """One training step on its micro-batches; False when it must be redone (workers were lost during
         it)."""
@@ -182,7 +235,7 @@ class Trainer:
             time.sleep(self.delay_s)
         try:
             self.rule.before_step(pos.step)
-            self.schedule.apply(pos.step)
+            self.schedule.apply(pos.step if self.dealer is None else self.dealer.step_of(self.dealer.current))
             self.optimizer.zero_grad(set_to_none=False)
             self.guard.keep()
             scale = self.rule.loss_scale / len(micro)
@@ -234,7 +287,8 @@ class Trainer:
         """The epoch's records, after validation when due; the model validated (None: no validation)."""
         self.rule.on_epoch_end(pos.epoch)
         reported = None
-        if (pos.epoch + 1) % self.cfg.val_every == 0 or pos.epoch == epochs - 1:
+        every = self.cfg.val_every
+        if every < 1 or (pos.epoch + 1) % int(every) == 0 or pos.epoch == epochs - 1:
             reported = self.validate(pos.epoch, pos.step)
         mean_loss = span.loss / max(1, span.steps)
         train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
@@ -271,6 +325,11 @@ class Trainer:
 
     def at_step_end(self, pos: Position) -> bool:
         """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""
+        steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
+        every = val_chunks(self.cfg.val_every, steps_per_epoch)
+        if every and pos.batch % every == 0 and pos.batch < steps_per_epoch:
+            self.validate(pos.epoch, pos.step)
+            self.model.train()
         decision = self.control.poll(pos.step)
         self.preempted = decision.stop
         if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
@@ -281,7 +340,9 @@ class Trainer:
         """Checkpoint, unless the model is no longer finite: then the run has diverged, and the last good
         checkpoint is kept."""
         self.guard.check_model(pos.step)
-        self.rule.before_checkpoint(pos.step)
+        # the checkpoint is named by rank 0's step (dynamic assignment: each worker is at its own)
+        step = pos.step if self.dealer is None else int(self.workers.broadcast_object(pos.step))
+        self.rule.before_checkpoint(step)
         loop = {"step": pos.step, "epoch": pos.epoch, "batch": pos.batch, **self.state_dict()}
         state = {
             "model": self.model.state_dict(),
@@ -299,17 +360,24 @@ class Trainer:
             "elapsed": self.log.elapsed(),
             "validation": self.history[-1] if self.history else None,
         }
-        self.control.checkpointer.save(pos.step, state, info)
-        self.meter.echo(f"checkpoint after step {pos.step} (epoch {pos.epoch}, batch {pos.batch})")
+        self.control.checkpointer.save(step, state, info)
+        self.meter.echo(f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})")
 
     def state_dict(self) -> dict[str, Any]:
+        """The loop's part of a checkpoint (collective under dynamic assignment: the workers agree on the
+        lowest ticket any of them holds, where a resumed run deals from)."""
         sampler = self.train_loader.sampler
+        deal = None
+        if self.dealer is not None:
+            deal = {**dealing_state(self.dealer, self.workers), "meetings": self.meetings_done}
+            deal["passed"] = self.passed
         return {
             "history": self.history,
             "skipped": self.guard.skipped,
             "meter": self.meter.state_dict(),
-            "shard": [sampler.rank, sampler.num_replicas],
+            "shard": [sampler.rank, sampler.num_replicas] if self.dealer is None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "deal": deal,
         }
 
     def restore(self, part: dict[str, Any]) -> Position:
@@ -326,10 +394,27 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
         self.history, self.guard.skipped = list(state["history"]), state["skipped"]
         self.meter.load_state_dict(state["meter"], step, mid_epoch)
-        if mid_epoch and "shard" in state:
+        if mid_epoch and state.get("shard"):
             self.shard_plan = tuple(state["shard"])
+        if self.dealer is not None:
+            self.resume_dealing(state.get("deal"), step)
+        elif state.get("deal"):
+            raise ValueError(
+                f"the checkpoint after step {step} was written with data.assignment=dynamic: resume it "
+                "with data.assignment=dynamic (and hardware.fault_tolerance=none)"
+            )
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+    def resume_dealing(self, deal: dict[str, Any] | None, step: int) -> None:
+        """Deal what the checkpoint's workers had not trained: its ``pending`` tickets, then from ``base``."""
+        if deal is None:
+            raise ValueError(
+                f"the checkpoint after step {step} was written with data.assignment=static: resume it "
+                "with data.assignment=static"
+            )
+        self.dealer.base, self.dealer.pending = deal["base"], list(deal["pending"])
+        self.meetings_done, self.passed = deal["meetings"], deal["passed"]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """The task's metrics of ``model`` over the whole validation set (all ranks' shares)."""
@@ -370,13 +455,19 @@ class Trainer:
         if scaler is not None:  # fp16: every survivor scales its loss alike again
             self.scaler.load_state_dict(scaler)
 
-    def rejoin(self, val_loader: Any, next_poll: int) -> None:
+    def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
         self.rule.recover()
         self.val_loader = val_loader
         self.control.reset(next_poll)
         self.meter.world = self.workers.size
+        if self.dealer is not None:  # the lost workers' chunks go back to the pool
+            note = redeal(self.dealer, self.workers, before, lost)
+            if note and self.workers.rank == 0:
+                self.meter.echo(f"warning: {note}")
 
     def agreement_after(self, step: int) -> int:
+        if self.dealer is not None:  # dynamic assignment: the workers agree at meetings, counted
+            return self.meetings_done + 1
         return (step // self.control.interval + 1) * self.control.interval
 
     def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: Any) -> None:

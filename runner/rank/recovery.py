@@ -55,8 +55,10 @@ class Survivor(Protocol):
     def adopt(self, state: Any) -> None:
         """Take the states :meth:`share_state` returned (this survivor was behind)."""
 
-    def rejoin(self, val_loader: Any, next_poll: int) -> None:
-        """Go on over the survivors: the rule's own recovery, the validation share, the next agreement."""
+    def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
+        """Go on over the survivors: the rule's own recovery, the validation share, the next agreement, and
+        (dynamic assignment) the lost workers' data back to the pool; ``before``: the workers' launch ranks
+        before the loss, ``lost``: the lost ones'."""
 
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
@@ -104,6 +106,7 @@ class Recovery:
         self._check_servers(pos)
         self.workers.revoke()
         trainer.abandon()
+        before = [self.workers.launch_rank(r) for r in range(self.workers.size)]
         lost = self.workers.shrink()
         if not lost:
             raise RuntimeError(
@@ -121,7 +124,7 @@ class Recovery:
                 "its last checkpoint"
             ) from None
         next_poll = self.workers.allreduce_values([trainer.agreement_after(pos.step)], "max")[0]
-        trainer.rejoin(self.val_loader(self.workers.rank, self.workers.size), int(next_poll))
+        trainer.rejoin(self.val_loader(self.workers.rank, self.workers.size), int(next_poll), before, lost)
         seconds = time.time() - start
         self.seconds += seconds
         self._record(trainer, lost, pos.step, start, seconds)

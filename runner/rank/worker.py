@@ -34,6 +34,7 @@ from torch import nn
 
 from runner.comm import mpi
 from runner.hardware.topology import read_topology
+from runner.rank.assignment import Chunks, Dealer, counter_slots, plan
 from runner.rank.checkpoint import (
     Checkpointer,
     Control,
@@ -169,15 +170,32 @@ def val_share(rank: Rank, data: Any) -> Callable[[int, int], Any]:
     return lambda r, n: data.val_loader(r, n, batch, pin_memory=pin)
 
 
+def dealer(rank: Rank, data: Any) -> Dealer | None:
+    """This worker's dealer of chunks under dynamic assignment (``data.assignment``), else None."""
+    cfg, workers, tolerant = rank.cfg, rank.workers, rank.hosts is not None
+    if not cfg.data.dynamic(cfg.rule.asynchronous()):
+        return None
+    train = cfg.train
+    chunks = Chunks(len(data.train), train.batch_size, train.accumulate, train.seed)
+    total, _, _ = plan(chunks, train.epochs, train.max_steps, workers.size)
+    counter = workers.counter(counter_slots(workers.size))
+    return Dealer(chunks, counter, total, workers.size, workers.rank, publish=tolerant)
+
+
 def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
-    """This worker's training and validation loaders, and the optimizer steps of an epoch; refuses a
-    setting the data cannot serve."""
+    """This worker's training and validation loaders, and the optimizer steps of an epoch (under dynamic
+    assignment, an epoch's chunks per worker); refuses a setting the data cannot serve."""
     train, workers, pin = rank.cfg.train, rank.workers, rank.device.type == "cuda"
+    dealt = dealer(rank, data)
     pair = (
-        data.train_loader(workers.rank, workers.size, train.batch_size, train.seed, pin_memory=pin),
+        data.train_loader(workers.rank, workers.size, train.batch_size, train.seed, pin_memory=pin)
+        if dealt is None
+        else data.dealt_loader(dealt, train.seed + 7919 * workers.rank, pin_memory=pin),
         val_share(rank, data)(workers.rank, workers.size),
     )
     steps_per_epoch = len(pair[0]) // train.accumulate
+    if dealt is not None:
+        steps_per_epoch = -(-dealt.chunks.per_epoch // workers.size)
     if steps_per_epoch == 0:
         raise ValueError(
             f"train.accumulate={train.accumulate} is invalid: an epoch has only {len(pair[0])} batches of "
@@ -185,7 +203,7 @@ def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
         )
     if train.precision == "fp16" and rank.device.type != "cuda":
         raise ValueError("train.precision=fp16 needs a GPU (this rank runs on the CPU): use bf16 on CPUs")
-    if rank.comm.rank == 0 and train.batch_size > len(pair[0].sampler):
+    if rank.comm.rank == 0 and dealt is None and train.batch_size > len(pair[0].sampler):
         print(
             f"warning: train.batch_size={train.batch_size} exceeds this rank's shard of "
             f"{len(pair[0].sampler)} samples: every step trains on the whole shard"
@@ -202,6 +220,14 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     if comm.rank == 0 and straggler:
         print(f"simulated stragglers: ranks {straggler['ranks']} sleep {straggler['ms']:g} ms per step")
     epochs, steps = run_length(cfg.train.epochs, cfg.train.max_steps, steps_per_epoch)
+    dealt = pair[0].batch_sampler if isinstance(pair[0].batch_sampler, Dealer) else None
+    if dealt is not None:
+        _, epochs, steps = plan(dealt.chunks, cfg.train.epochs, cfg.train.max_steps, workers.size)
+        if comm.rank == 0:
+            print(
+                f"data: dynamic assignment, {dealt.chunks.per_epoch} chunks of {dealt.chunks.size} samples "
+                "per epoch, dealt to the workers as they ask"
+            )
     optimizer = cfg.optim.build(model.parameters())
     rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch))
     schedule = cfg.schedule.build(optimizer, steps, rule.lr_factor)
@@ -219,14 +245,11 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.hosts,
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank))
-    return (
-        Trainer(cfg.train, parts, pair, place, records(rank, rule.synchronous, steps), recovery),
-        epochs,
-        steps,
-    )
+    kept = records(rank, rule.synchronous, steps, dealt is not None)
+    return Trainer(cfg.train, parts, pair, place, kept, recovery), epochs, steps
 
 
-def records(rank: Rank, synchronous: bool, steps: int) -> Records:
+def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> Records:
     """The worker's records (rank 0 writes them), its meter, and the workers' agreement on checkpoints and
     stops; a resumed run continues its records from the checkpoint's."""
     cfg, comm, entry, part = rank.cfg, rank.comm, rank.entry, rank.part
@@ -243,8 +266,10 @@ def records(rank: Rank, synchronous: bool, steps: int) -> Records:
         log_file=log_file,
         progress=cfg.train.progress,
     )
-    interval = 1 if synchronous else ASYNC_CONTROL_INTERVAL
+    interval = 1 if synchronous or dealt else ASYNC_CONTROL_INTERVAL
     start = part["loop"]["step"] if part else 0
+    if dealt and part:  # dynamic assignment: the workers agree at meetings, counted over the run
+        start = (part["loop"].get("deal") or {}).get("meetings", 0)
     control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start)
     return Records(log, meter, rank.beat, control, monitored(cfg))
 

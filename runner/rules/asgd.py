@@ -67,6 +67,9 @@ class ASGDConfig(RuleConfig):
     def extra_ranks(self) -> int:
         return self.servers
 
+    def asynchronous(self) -> bool:
+        return True
+
     def check_devices(self, devices: int) -> None:
         require(
             self.servers <= devices,

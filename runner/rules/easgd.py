@@ -74,6 +74,9 @@ class EASGDConfig(RuleConfig):
     def extra_ranks(self) -> int:
         return 1 if self.variant == "async" else 0
 
+    def asynchronous(self) -> bool:
+        return self.variant == "async"
+
     def alpha_for(self, workers: int) -> float:
         """The moving rate: ``alpha``, else ``beta`` / workers (beta defaults to the paper's 0.9)."""
         return self.alpha if self.alpha is not None else (self.beta or DEFAULT_BETA) / workers
@@ -108,7 +111,7 @@ class EASGD(Rule):
         self.cfg = cfg
         self.alpha = cfg.alpha_for(self.num_workers)
         self.center_alpha = self.alpha if cfg.center_alpha is None else cfg.center_alpha
-        self.synchronous = cfg.variant == "sync"
+        self.synchronous = not cfg.asynchronous()
         self.exchanges = 0
         self.served = 0
         self.center_model, self.center = self._init_center()

@@ -53,6 +53,9 @@ class GoSGDConfig(RuleConfig):
             self.max_inflight >= 1, "max_inflight", self.max_inflight, "pushes in flight per worker, >= 1"
         )
 
+    def asynchronous(self) -> bool:
+        return True
+
     def check_devices(self, devices: int) -> None:
         require(devices >= 2 or self.p == 0, "p", self.p, "gossip needs devices >= 2 (or rule.p=0)")
 

@@ -68,6 +68,10 @@ class RuleConfig:
     def check_devices(self, devices: int) -> None:
         """Checks that involve the number of workers; raise ValueError through :func:`require`."""
 
+    def asynchronous(self) -> bool:
+        """Whether the workers train without stepping together (then they may take the data dynamically)."""
+        return False
+
     def build(self, ctx: Any) -> Any:
         """The rule (a :class:`runner.rules.base.Rule`) for ``ctx`` (a ``RuleContext``)."""
         raise NotImplementedError
@@ -127,6 +131,20 @@ class DataConfig:
 
     shape: list[int] = field(default_factory=lambda: [1, 8, 8])
     num_classes: int = 10
+    assignment: str = "auto"  # static, dynamic, or auto: dynamic for asynchronous rules (rank/assignment.py)
+
+    def dynamic(self, asynchronous: bool) -> bool:
+        """Whether the workers take chunks from a shared counter (``dynamic``) rather than fixed shards;
+        raises ValueError for a setting that cannot work. ``asynchronous``: the rule's workers do not step
+        together."""
+        one_of("assignment", self.assignment, ("auto", "static", "dynamic"))
+        if self.assignment == "dynamic" and not asynchronous:
+            raise ValueError(
+                "assignment='dynamic' is invalid with this rule: its workers step together, so they take "
+                "equal shares; use data.assignment=static (or auto), or an asynchronous rule (rule=gosgd, "
+                "rule=asgd, rule=easgd rule.variant=async)"
+            )
+        return asynchronous and self.assignment != "static"
 
     @classmethod
     def files_outputs(cls, settings: Any) -> dict[str, Any]:

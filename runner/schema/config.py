@@ -126,6 +126,10 @@ def validate(cfg: DictConfig) -> Config:
     except ValueError as err:
         raise ValueError(f"simulate.{err}") from None
     check_training(checked)
+    try:
+        checked.data.dynamic(checked.rule.asynchronous())
+    except ValueError as err:
+        raise ValueError(f"data.{err}") from None
     warning = checked.simulate.warning()
     if warning:
         logging.getLogger("runner").warning(warning)

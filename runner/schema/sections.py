@@ -22,7 +22,7 @@ class TrainConfig:
     batch_size: int = 32
     val_batch_size: int = 256
     seed: int = 0
-    val_every: int = 1
+    val_every: float = 1
     log_every: int = 10
     max_steps: int | None = None
     save_model: str = "rank0"
@@ -40,7 +40,13 @@ class TrainConfig:
         require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
         require(self.batch_size >= 1, "batch_size", self.batch_size, "the per-rank batch must be >= 1")
         require(self.val_batch_size >= 1, "val_batch_size", self.val_batch_size, "must be >= 1")
-        require(self.val_every >= 1, "val_every", self.val_every, "validate every N >= 1 epochs")
+        require(
+            0 < self.val_every < 1 or (self.val_every >= 1 and float(self.val_every).is_integer()),
+            "val_every",
+            self.val_every,
+            "validate every N epochs: a whole number >= 1, or a fraction of an epoch's samples below 1 "
+            "(e.g. 0.25: four times an epoch)",
+        )
         require(self.log_every >= 1, "log_every", self.log_every, "log every N >= 1 steps")
         require(
             self.max_steps is None or self.max_steps >= 1,

@@ -284,6 +284,12 @@ class FakeComm:
             group, rank = self._collective(("split",), mine, combine)(True)[1][self.rank]
         return FakeComm(group, rank, self.stats)
 
+    def counter(self, slots: int = 1, host: int = 0) -> FakeCounter:
+        """Collective, like ``Comm.counter``: shared int64 slots, all zero."""
+        with self._clock():
+            shared = self._collective(("counter", slots), None, lambda xs: [0] * slots)(True)[1]
+        return FakeCounter(shared, self._w.cond)
+
     tolerant = False  # no process of a fake world dies
 
     def launch_rank(self, rank: int | None = None) -> int:
@@ -374,3 +380,30 @@ class FakeComm:
         with torch.no_grad():
             t.copy_(m.data.view(t.shape))
         return m.source, m.tag
+
+
+class FakeCounter:
+    """The API of :class:`runner.comm.Counter` over a list every rank of a fake world shares."""
+
+    def __init__(self, values: list[int], lock: threading.Condition):
+        self.values, self._lock = values, lock
+
+    def fetch_add(self, slot: int = 0, value: int = 1) -> int:
+        with self._lock:
+            before = self.values[slot]
+            self.values[slot] += value
+            return before
+
+    def put(self, slot: int, values: Sequence[int]) -> None:
+        with self._lock:
+            self.values[slot : slot + len(values)] = list(values)
+
+    def read(self, slot: int = 0, count: int = 1) -> list[int]:
+        with self._lock:
+            return self.values[slot : slot + count]
+
+    def snapshot(self) -> list[int]:
+        return self.read(0, len(self.values))
+
+    def close(self) -> None:
+        pass

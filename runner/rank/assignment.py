@@ -1,0 +1,250 @@
+"""Dynamic assignment (``data.assignment=dynamic``): the workers take an epoch's samples chunk by chunk from
+one shared counter, so a fast worker trains on more of the epoch and a slow one on less.
+
+Every epoch is one permutation of the training set, drawn from ``train.seed + epoch`` on every worker, cut
+into ``per_epoch`` chunks of one step each (``batch_size × accumulate`` samples; the last chunk also takes
+the remainder, so every sample is in exactly one chunk). Chunks are numbered over the whole run, ``ticket =
+epoch × per_epoch + chunk``, and dealt in that order by a :class:`~runner.comm.Counter` (MPI one-sided
+atomics held by worker 0): a worker draws its next ticket when it starts a step, and no worker waits for
+another to get one. The run ends when the tickets do (``train.epochs``, or ``train.max_steps × devices``
+chunks: as many samples as with static shards).
+
+The workers meet at fixed ticket positions of each epoch (:class:`Meetings`): every ``interval`` chunks for
+the stop/checkpoint agreement, at the validations of ``train.val_every`` below one epoch, and at the epoch's
+end. A worker passes a position when it draws a ticket at or past it (or when its epoch ends), before it
+trains that ticket; so at a meeting every ticket below the smallest ticket any worker holds has been trained,
+and no ticket above it: a checkpoint records that one number (:meth:`Dealer.state_dict`), and a resumed run
+deals again from it, with no chunk lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from runner.comm import Comm, Counter
+
+#: Meetings for the stop/checkpoint agreement are this many chunks per worker apart. A fast worker waits at
+#: one for the agreement started at the one before, so it waits only for a worker more than an interval's
+#: chunks behind it: 8 per worker lets one worker be about 8x slower than the rest before it holds them.
+CHUNKS_PER_WORKER = 8
+#: Tickets a worker may hold at once (the step's, its loader processes' one batch ahead each, the next
+#: epoch's first), published for the survivors under fault tolerance.
+HELD_SLOTS = 8
+
+
+@dataclass
+class Chunks:
+    """An epoch's permutation of ``samples`` training samples cut into chunks of one step: ``accumulate``
+    micro-batches of ``batch`` samples (the epoch's last chunk takes the remainder in its last one)."""
+
+    samples: int
+    batch: int
+    accumulate: int
+    seed: int
+    _perm: tuple[int, list[int]] = field(default=(-1, []), repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.batch * self.accumulate
+
+    @property
+    def per_epoch(self) -> int:
+        return max(1, self.samples // self.size)
+
+    def epoch_of(self, ticket: int) -> int:
+        return ticket // self.per_epoch
+
+    def micro_batches(self, ticket: int) -> list[list[int]]:
+        """The sample indices of chunk ``ticket``, as its micro-batches."""
+        epoch, chunk = divmod(ticket, self.per_epoch)
+        if self._perm[0] != epoch:
+            order = torch.randperm(self.samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+            self._perm = (epoch, order.tolist())
+        start = chunk * self.size
+        end = self.samples if chunk == self.per_epoch - 1 else start + self.size
+        cuts = [start + i * self.batch for i in range(self.accumulate)] + [end]
+        return [self._perm[1][a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+class Dealer:
+    """The batch sampler of a worker's loader under dynamic assignment: each epoch it yields the
+    micro-batches of the tickets it draws, until it draws one of a later epoch (kept for that epoch) or
+    the run's tickets are spent (``total``).
+
+    ``counter`` deals positions 0, 1, 2...: position i is ticket ``pending[i]`` while ``pending`` lasts
+    (tickets not trained when the dealing restarted: a checkpoint's, a lost worker's), then ``base``
+    onwards. Tickets drawn and not yet trained are held: ``held`` (drawn, in order), ``current`` (the step's,
+    taken by :meth:`take`) and ``carry``. With ``publish`` (fault tolerance) the worker writes the tickets it
+    holds into its row of the counter's slots, so the survivors of its loss can deal them again."""
+
+    def __init__(
+        self, chunks: Chunks, counter: Counter, total: int, workers: int, rank: int = 0, publish: bool = False
+    ):
+        self.chunks, self.counter, self.total = chunks, counter, total
+        self.workers, self.rank, self.publish = workers, rank, publish
+        self.base, self.pending = 0, []
+        self.held: deque[int] = deque()
+        self.current: int | None = None  # the ticket of the step in progress
+        self.carry: int | None = None  # a ticket of a later epoch, drawn at the end of this one
+        self.epoch = 0
+        self.last_position = -1  # the last counter position this worker drew
+
+    def __len__(self) -> int:
+        """Micro-batches of an epoch over all workers (each worker trains a share of them)."""
+        return self.chunks.per_epoch * self.chunks.accumulate
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def restart(self, counter: Counter, base: int, pending: list[int], workers: int, rank: int) -> None:
+        """Deal anew from a fresh ``counter``: ``pending`` first, then ``base`` onwards (this worker now
+        ``rank`` of ``workers``); the tickets this worker holds stay its own."""
+        self.counter, self.base, self.pending = counter, base, sorted(pending)
+        self.workers, self.rank, self.last_position = workers, rank, -1
+        self._publish()
+
+    def undrawn(self, position: int) -> tuple[list[int], int]:
+        """``(pending, base)`` of the tickets not drawn once the counter stands at ``position``."""
+        return self.pending[position:], self.base + max(0, position - len(self.pending))
+
+    def draw(self) -> int | None:
+        """The next ticket from the counter; None once the run's tickets are spent."""
+        position = self.last_position = self.counter.fetch_add()
+        if position < len(self.pending):
+            return self.pending[position]
+        ticket = self.base + position - len(self.pending)
+        return ticket if ticket < self.total else None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            ticket, self.carry = (self.carry, None) if self.carry is not None else (self.draw(), None)
+            if ticket is None:
+                return
+            if self.chunks.epoch_of(ticket) > self.epoch:
+                self.carry = ticket
+                self._publish()
+                return
+            self.held.append(ticket)
+            self._publish()
+            yield from self.chunks.micro_batches(ticket)
+
+    def step_of(self, ticket: int | None) -> int:
+        """The schedule's step for ``ticket``: the run's chunks so far per worker."""
+        return 0 if ticket is None else min(ticket, self.total - 1) // self.workers
+
+    def take(self) -> int:
+        """The ticket of the step about to train (the oldest drawn, not yet trained)."""
+        self.current = self.held.popleft()
+        return self.current
+
+    def trained(self) -> None:
+        """The step of :attr:`current` is done."""
+        self.current = None
+        self._publish()
+
+    def holding(self) -> list[int]:
+        """The tickets this worker holds, drawn and not trained."""
+        return sorted(t for t in (self.current, self.carry, *self.held) if t is not None)
+
+    def _publish(self) -> None:
+        if self.publish:
+            row = self.holding()
+            assert len(row) <= HELD_SLOTS, f"a worker holds {len(row)} chunks, more than {HELD_SLOTS}"
+            self.counter.put(1 + self.rank * HELD_SLOTS, row + [-1] * (HELD_SLOTS - len(row)))
+
+
+def counter_slots(workers: int) -> int:
+    """A dealer's counter: the position, then :data:`HELD_SLOTS` per worker for the tickets it holds."""
+    return 1 + workers * HELD_SLOTS
+
+
+def held_rows(slots: list[int], workers: int) -> list[list[int]]:
+    """The tickets each worker published, by its rank, from the counter's ``slots``."""
+    rows = [slots[1 + r * HELD_SLOTS : 1 + (r + 1) * HELD_SLOTS] for r in range(workers)]
+    return [[t for t in row if t >= 0] for row in rows]
+
+
+class Meetings:
+    """The ticket positions of each epoch where the workers meet, in order: agreement points every
+    ``interval`` chunks, validations every ``val_chunks`` chunks (None: at epoch ends only), and the
+    epoch's end (the last index). Every worker passes all of them, each epoch, in the same order."""
+
+    def __init__(self, per_epoch: int, interval: int, val_chunks: int | None):
+        agree = set(range(interval, per_epoch, interval))
+        self.validations = set(range(val_chunks, per_epoch, val_chunks)) if val_chunks else set()
+        self.positions = sorted(agree | self.validations)
+        self.per_epoch = per_epoch
+        self.count = len(self.positions) + 1  # the epoch's end is the last meeting
+
+    def position(self, index: int) -> int:
+        """The chunk of its epoch at which meeting ``index`` is (the epoch's end: ``per_epoch``)."""
+        return self.positions[index] if index < len(self.positions) else self.per_epoch
+
+    def gap(self, index: int) -> int:
+        """Chunks between meeting ``index`` and the one before it (or the epoch's start)."""
+        return self.position(index) - (self.position(index - 1) if index else 0)
+
+    def passed_by(self, ticket: int) -> int:
+        """How many of its epoch's meetings a worker has passed once it draws ``ticket``."""
+        return bisect_right(self.positions, ticket % self.per_epoch)
+
+    def validates(self, index: int) -> bool:
+        """Whether meeting ``index`` of an epoch validates (the epoch's end: by ``train.val_every``)."""
+        return index < len(self.positions) and self.positions[index] in self.validations
+
+
+def val_chunks(val_every: float, per_epoch: int) -> int | None:
+    """Chunks (or steps) between validations within an epoch for ``train.val_every`` below 1 (None: at
+    epoch ends only)."""
+    return max(1, round(val_every * per_epoch)) if val_every < 1 else None
+
+
+def plan(chunks: Chunks, epochs: int, max_steps: int | None, workers: int) -> tuple[int, int, int]:
+    """``(tickets, epochs, steps)`` of a dynamic run: all epochs' chunks, cut at ``max_steps × workers``;
+    ``steps``, the schedule's length, counts chunks per worker (ticket t is at step t // workers)."""
+    per_epoch = chunks.per_epoch
+    total = epochs * per_epoch
+    if max_steps is not None:
+        total = min(total, max_steps * workers)
+    return total, min(epochs, math.ceil(total / per_epoch)), math.ceil(total / workers)
+
+
+def dealing_state(dealer: Dealer, workers: Comm) -> dict[str, Any]:
+    """Collective over the workers, at a meeting: what is left to deal, for a checkpoint. ``pending``: every
+    ticket drawn and not trained (the ones the workers hold) or left pending; ``base``: the first never
+    drawn."""
+    position = workers.broadcast_object(dealer.counter.read()[0] if workers.rank == 0 else None)
+    left, base = dealer.undrawn(position)
+    held = [t for row in workers.allgather_object(dealer.holding()) for t in row]
+    return {"pending": sorted(held + left), "base": base}
+
+
+def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) -> str | None:
+    """Collective over the survivors, after ``lost`` (launch ranks) were lost from the workers ``before``
+    (launch ranks, by old rank): a new counter over the survivors, which deals the tickets the lost
+    workers held, then what was never drawn. Worker 0 held the counter; if it was lost, what it held is
+    gone: returns a line saying so (else None)."""
+    host_alive = before[0] not in lost
+    slots = dealer.counter.snapshot() if host_alive and workers.rank == 0 else None
+    slots = workers.broadcast_object(slots)
+    drawn = max(workers.allgather_object(dealer.last_position))
+    note = None
+    if slots is not None:
+        position, rows = slots[0], held_rows(slots, len(before))
+        returned = [t for r, launch in enumerate(before) if launch in lost for t in rows[r]]
+    else:
+        position, returned = drawn + 1, []
+        note = "the chunks lost worker 0 held (it held the counter) are not dealt again"
+    left, base = dealer.undrawn(position)
+    counter = workers.counter(counter_slots(workers.size))
+    dealer.counter.close()
+    dealer.restart(counter, base, returned + left, workers.size, workers.rank)
+    return note

@@ -1,0 +1,232 @@
+"""Dynamic assignment (``data.assignment``, runner/rank/assignment.py): chunks of each epoch's permutation
+dealt from one shared counter. In process: every chunk dealt once, and more of them to fast workers, on a
+fake world with a real shared counter; the meetings. Under mpirun: with a straggler on 3 workers, stopped
+mid-run and resumed, every sample is trained exactly once per epoch (the indices each worker trained on
+are recorded by the model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from subprocess import PIPE, STDOUT
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+from runner.rank.assignment import (
+    Chunks,
+    Dealer,
+    Meetings,
+    counter_slots,
+    held_rows,
+    plan,
+    redeal,
+    val_chunks,
+)
+from tests.conftest import ROOT, Run, checked_config, cli_argv, run_cli
+from tests.helpers.fakecomm import FakeWorld
+from tests.helpers.traced import OVERRIDES, TRACE_ENV, read_trace
+
+
+def all_chunks(chunks: Chunks, epochs: int) -> dict[frozenset[int], int]:
+    """Every chunk of ``epochs`` epochs by its samples (within its epoch): ticket by (epoch, samples)."""
+    out = {}
+    for t in range(epochs * chunks.per_epoch):
+        samples = [i for mb in chunks.micro_batches(t) for i in mb]
+        out[(chunks.epoch_of(t), frozenset(samples))] = t
+    return out
+
+
+@pytest.mark.parametrize("samples,batch,accumulate", [(103, 10, 1), (103, 10, 2), (7, 10, 1), (40, 10, 1)])
+def test_an_epochs_chunks_hold_each_sample_once_in_the_static_shards_order(samples, batch, accumulate):
+    chunks = Chunks(samples, batch, accumulate, seed=5)
+    for epoch in range(2):
+        tickets = range(epoch * chunks.per_epoch, (epoch + 1) * chunks.per_epoch)
+        dealt = [mb for t in tickets for mb in chunks.micro_batches(t)]
+        assert all(len(mb) >= min(batch, samples) for mb in dealt), "a micro-batch smaller than the batch"
+        assert all(len(chunks.micro_batches(t)) == accumulate for t in tickets)
+        flat = [i for mb in dealt for i in mb]
+        shards = DistributedSampler(range(samples), num_replicas=1, rank=0, shuffle=True, seed=5)
+        shards.set_epoch(epoch)
+        assert flat == list(shards), "one permutation per epoch, the one static shards deal from"
+
+
+def test_a_slow_worker_takes_fewer_chunks_and_every_chunk_is_dealt_once():
+    """3 workers, worker 2 three times slower per chunk, 3 epochs that end together (as epoch ends do)."""
+    chunks = Chunks(300, 10, 1, seed=0)
+    total, epochs, _ = plan(chunks, 3, None, 3)
+
+    def worker(comm) -> list[int]:
+        dealer = Dealer(chunks, comm.counter(), total, comm.size)
+        trained = []
+        for epoch in range(epochs):
+            dealer.set_epoch(epoch)
+            for _ in dealer:
+                ticket = dealer.take()
+                assert chunks.epoch_of(ticket) == epoch
+                trained.append(ticket)
+                time.sleep(0.006 if comm.rank == 2 else 0.002)
+            comm.barrier()
+        return trained
+
+    got = FakeWorld(3).run(worker)
+    assert sorted(t for ts in got for t in ts) == list(range(total)), "a chunk lost or dealt twice"
+    assert len(got[2]) < min(len(got[0]), len(got[1])), [len(g) for g in got]
+
+
+def test_a_restarted_dealer_deals_pending_tickets_first_then_from_its_base():
+    """Resume and recovery: ``pending`` (a lost worker's tickets) before ``base`` onwards."""
+    chunks = Chunks(100, 10, 1, seed=0)
+
+    def worker(comm) -> list[int]:
+        dealer = Dealer(chunks, comm.counter(), 20, comm.size)
+        dealer.restart(comm.counter(), 12, [9, 3], comm.size, comm.rank)
+        out = []
+        while (ticket := dealer.draw()) is not None:
+            out.append(ticket)
+        return out
+
+    (dealt,) = FakeWorld(1).run(worker)
+    assert dealt == [3, 9, *range(12, 20)]
+
+
+def test_the_chunks_a_lost_worker_held_are_dealt_again_to_the_survivors():
+    """3 workers publish what they hold; worker 2 is lost holding a chunk it was training and one drawn
+    ahead; the 2 survivors re-deal over a new counter: every chunk is then trained exactly once."""
+    chunks = Chunks(100, 10, 1, seed=0)  # 10 chunks, one epoch
+    old = FakeWorld(1).comms[0].counter(counter_slots(3))
+    dealers = [Dealer(chunks, old, 10, 3, rank, publish=True) for rank in range(3)]
+    iters = [iter(d) for d in dealers]
+    trained = []
+    for rank in (0, 1, 2, 0, 2):  # draws 0, 1, 2, 3, 4: rank 2 holds 2 (training) and 4 (drawn ahead)
+        next(iters[rank])
+        if rank != 2 or not dealers[2].current:
+            ticket = dealers[rank].take()
+            if rank != 2:
+                dealers[rank].trained()
+                trained.append(ticket)
+    assert dealers[2].holding() == [2, 4] and held_rows(old.snapshot(), 3)[2] == [2, 4]
+
+    def survivor(comm) -> list[int]:
+        note = redeal(dealers[comm.rank], comm, before=[0, 1, 2], lost=[2])
+        assert note is None
+        mine = []
+        for _ in dealers[comm.rank]:
+            mine.append(dealers[comm.rank].take())
+            dealers[comm.rank].trained()
+        return mine
+
+    after = FakeWorld(2).run(survivor)
+    assert sorted(trained + after[0] + after[1]) == list(range(10)), (trained, after)
+    assert {2, 4} <= set(after[0] + after[1])
+
+
+def test_meetings_come_at_agreement_points_and_validations_and_the_epochs_end():
+    m = Meetings(per_epoch=30, interval=12, val_chunks=val_chunks(0.25, 30))  # validations every 8 chunks
+    assert m.positions == [8, 12, 16, 24] and m.count == 5
+    assert [m.validates(k) for k in range(m.count)] == [True, False, True, True, False]
+    assert [m.passed_by(t) for t in (0, 7, 8, 15, 16, 29, 30, 38)] == [0, 0, 1, 2, 3, 4, 0, 1]
+    assert [m.position(k) for k in range(m.count)] == [8, 12, 16, 24, 30]
+    assert val_chunks(1, 30) is None and val_chunks(0.01, 30) == 1
+
+
+def test_dynamic_assignment_is_refused_where_it_cannot_work_and_auto_picks_it_for_asynchronous_rules():
+    def dealt(*overrides: str) -> bool:
+        cfg = checked_config(list(overrides))
+        return cfg.data.dynamic(cfg.rule.asynchronous())
+
+    assert dealt("rule=gosgd") and dealt("rule=asgd") and dealt("rule=easgd", "rule.variant=async")
+    assert not dealt("rule=easgd") and not dealt("rule=bsp")
+    assert not dealt("rule=gosgd", "data.assignment=static")
+    with pytest.raises(ValueError, match=r"data.assignment='dynamic' is invalid with this rule.*static"):
+        checked_config(["rule=bsp", "data.assignment=dynamic"])
+    with pytest.raises(ValueError, match=r"data.assignment='random' is invalid"):
+        checked_config(["data.assignment=random"])
+    with pytest.raises(ValueError, match=r"train.val_every=1.5 is invalid.*fraction"):
+        checked_config(["train.val_every=1.5"])
+
+
+def traced_batches(trace, chunks: Chunks, epochs: int) -> dict[int, list[int]]:
+    """The tickets each rank trained on, from the batches its model recorded."""
+    by_samples = all_chunks(chunks, epochs)
+    trained: dict[int, list[int]] = {}
+    for rank, batches in read_trace(trace).items():
+        trained[rank] = []
+        for batch in batches:
+            matches = [t for (_, s), t in by_samples.items() if s == frozenset(batch)]
+            assert len(matches) == 1, f"rank {rank} trained a batch that is no chunk: {batch}"
+            trained[rank].append(matches[0])
+    return trained
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_stopped_and_resumed_under_a_straggler_every_sample_is_trained_once_per_epoch(tmp_path):
+    """GoSGD, 3 workers, worker 2 sleeping 20 ms a step, validation twice an epoch. A stop request as the
+    job starts (what SIGTERM writes) stops it at the second meeting, mid-epoch; then resume=. The model
+    records the sample indices of every training batch."""
+    trace, cut = tmp_path / "trace", tmp_path / "cut"
+    trace.mkdir()
+    env = {**os.environ, TRACE_ENV: str(trace), "PYTHONUNBUFFERED": "1"}
+    args = [
+        *OVERRIDES,
+        "rule=gosgd",
+        "devices=3",
+        "hardware.oversubscribe=true",
+        "train.epochs=3",
+        "train.val_every=0.5",
+        "simulate.straggler_ranks=[2]",
+        "simulate.straggler_ms=20",
+    ]
+    proc = subprocess.Popen(cli_argv(cut, *args), cwd=ROOT, env=env, stdout=PIPE, stderr=STDOUT, text=True)
+    deadline = time.time() + 60
+    while not (cut / "config.yaml").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    (cut / "STOP").write_text("SIGTERM\n")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 5, out
+    chunks = Chunks(300, 10, 1, seed=0)  # indexed_pair: 300 training samples
+    first = sum(len(t) for t in traced_batches(trace, chunks, 3).values())
+    again = run_cli(tmp_path / "again", f"resume={cut}", timeout=180, env=env)
+    assert again.returncode == 0, again.output
+    run = Run(again.proc, cut)
+    assert run.summary["status"] == "ok"
+
+    trained = traced_batches(trace, chunks, 3)
+    dealt = sorted(t for ts in trained.values() for t in ts)
+    assert dealt == list(range(3 * chunks.per_epoch)), "a chunk was lost or trained twice"
+    assert 0 < first < chunks.per_epoch, "the stop comes at the second meeting, within the first epoch"
+    assert len(trained[2]) < min(len(trained[0]), len(trained[1])), {r: len(t) for r, t in trained.items()}
+    assert len(run.records("val")) == 6, "validation twice an epoch, each recorded once"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_killed_workers_chunks_go_back_to_the_pool_and_every_sample_is_trained_once(tmp_path):
+    """Async EASGD under fault tolerance, 3 workers: worker 2 is killed at its 5th step; the chunk it held
+    is dealt again to a survivor, and each sample is trained exactly once per epoch."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    env = {**os.environ, TRACE_ENV: str(trace)}
+    args = [
+        *OVERRIDES,
+        "rule=easgd",
+        "rule.variant=async",
+        "devices=3",
+        "hardware.oversubscribe=true",
+        "hardware.fault_tolerance=continue",
+        "train.epochs=2",
+        "data.workers=0",  # a killed rank's loader processes outlive it and hold mpirun's pipes open
+        "+model.die_rank=2",
+        "+model.die_at=5",
+    ]
+    run = run_cli(tmp_path / "run", *args, timeout=180, env=env)
+    assert run.returncode == 0, run.output
+    s = run.summary
+    assert s["workers_at_end"] == 2 and [f["rank"] for f in s["failures"]] == [2]
+    chunks = Chunks(300, 10, 1, seed=0)
+    trained = traced_batches(trace, chunks, 2)
+    assert len(trained[2]) == 4, "the killed worker finished 4 chunks"
+    dealt = sorted(t for ts in trained.values() for t in ts)
+    assert dealt == list(range(2 * chunks.per_epoch)), "a chunk was lost or trained twice"
