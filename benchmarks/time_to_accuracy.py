@@ -3,23 +3,25 @@ with a straggler, against BSP measured in the same run.
 
     python benchmarks/time_to_accuracy.py                        # CNN on digits, 4 workers, target 95%
     python benchmarks/time_to_accuracy.py --straggler-ms 16 --straggler-rank 3 --repeats 3
-    python benchmarks/time_to_accuracy.py --sweep 0 8 24          # heterogeneity: the straggler's delay
+    python benchmarks/time_to_accuracy.py --sweep 0 8 24 --jitter-ms 24   # heterogeneity sweep
     python benchmarks/time_to_accuracy.py --devices 2 --target 0.97 -- model=mlp train.epochs=20
     python benchmarks/time_to_accuracy.py --rules bsp gosgd --repeats 1   # a quick look
     python benchmarks/time_to_accuracy.py --smoke                  # one job of 4 steps: does it run?
 
 Each rule (bsp, easgd, easgd-async = ``rule=easgd rule.variant=async``, gosgd, asgd, and diloco where
 ``conf/rule/diloco.yaml`` exists) runs as a real job through ``python -m runner``, validating four times an
-epoch (``train.val_every=0.25``), under each straggler delay (``--sweep``: worker ``--straggler-rank``
-sleeps that many ms at the start of every step, ``simulate.straggler_ms``; 0 is no straggler), and the
-asynchronous rules (easgd-async, gosgd, asgd) with ``data.assignment=static`` and ``dynamic``. ``--repeats``
-rounds run every job once each, in the same order, so drift of the machine falls on all of them; the table
-gives medians: the wall time from the start of training to the first validation at or above the target,
-and that time against BSP's under the same delay (``vs bsp``), against the same rule with static shards
-(``vs static``) and against the rule's own without a straggler (``vs own``); the final accuracy, the bytes
-each worker sent (summary.json's ``bytes_sent`` over ``devices``) and the samples per second. A job that
-fails is reported on stderr and left out, and the script then exits with status 1. ``--smoke`` checks that
-it all runs, in seconds: one job, GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps.
+epoch (``train.val_every=0.25``), under each condition: each straggler delay of ``--sweep`` (worker
+``--straggler-rank`` sleeps that many ms at the start of every step, ``simulate.straggler_ms``; 0 is no
+straggler) and, with ``--jitter-ms``, workers of random speeds (each sleeps its own delay, drawn once in
+[0, jitter], ``simulate.jitter_ms``). The asynchronous rules (easgd-async, gosgd, asgd) run with
+``data.assignment=static`` and ``dynamic``. ``--repeats`` rounds run every job once each, in the same order,
+so drift of the machine falls on all of them; the table gives medians: the wall time from the start of
+training to the first validation at or above the target, and that time against BSP's under the same
+condition (``vs bsp``), against the same rule with static shards (``vs static``) and against the rule's own
+without a straggler (``vs own``); the final accuracy, the bytes each worker sent (summary.json's
+``bytes_sent`` over ``devices``) and the samples per second. A job that fails is reported on stderr and left
+out, and the script then exits with status 1. ``--smoke`` checks that it all runs, in seconds: one job,
+GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class Job:
     rule: str
     assignment: str
     straggler_ms: float
+    jitter_ms: float = 0.0
+
+    def condition(self, rank: int) -> str:
+        if self.jitter_ms:
+            return f"jitter {self.jitter_ms:g} ms"
+        return f"r{rank} +{self.straggler_ms:g} ms" if self.straggler_ms else "none"
 
 
 @dataclass
@@ -75,6 +83,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--straggler-ms", type=float, default=16.0, help="the straggler's delay per step")
     p.add_argument("--sweep", type=float, nargs="+", help="straggler delays (default: 0 and --straggler-ms)")
     p.add_argument("--straggler-rank", type=int, default=1, help="the worker slowed down")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="also run workers of random speeds")
     p.add_argument("--repeats", type=int, default=3, help="rounds of every job; medians are reported")
     p.add_argument("--smoke", action="store_true", help="check that it runs, in seconds: one job of 4 steps")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job (after --)")
@@ -94,6 +103,7 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     for rule in args.rules:
         kinds = args.assignments if rule in ASYNCHRONOUS else ["static"]
         out += [Job(rule, kind, ms) for ms in args.sweep for kind in kinds]
+        out += [Job(rule, kind, 0.0, args.jitter_ms) for kind in kinds] if args.jitter_ms else []
     return out
 
 
@@ -111,6 +121,7 @@ def run_job(args: argparse.Namespace, job: Job, run_dir: Path) -> tuple[float | 
         "train.progress=false",
         "train.val_every=0.25",
         *(slow if job.straggler_ms else []),
+        *([f"simulate.jitter_ms={job.jitter_ms}"] if job.jitter_ms else []),
         *args.overrides,
     ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
@@ -145,18 +156,18 @@ def table(args: argparse.Namespace, results: dict[Job, Runs]) -> None:
     for job, runs in results.items():
         if not runs.summaries:
             continue
-        bsp = results.get(Job("bsp", "static", job.straggler_ms))
-        static = results.get(Job(job.rule, "static", job.straggler_ms))
+        bsp = results.get(Job("bsp", "static", job.straggler_ms, job.jitter_ms))
+        static = results.get(Job(job.rule, "static", job.straggler_ms, job.jitter_ms))
         own = results.get(Job(job.rule, job.assignment, 0.0))
         hit = runs.hit
         row = (
             job.rule,
             job.assignment,
-            f"r{args.straggler_rank} +{job.straggler_ms:g} ms" if job.straggler_ms else "none",
+            job.condition(args.straggler_rank),
             "not hit" if hit is None else f"{hit:.2f}",
             ratio(hit, bsp and bsp.hit),
             ratio(hit, static and static.hit) if job.assignment == "dynamic" else "-",
-            ratio(hit, own and own.hit) if job.straggler_ms else "-",
+            ratio(hit, own and own.hit) if job.straggler_ms or job.jitter_ms else "-",
             f"{runs.median('final_val_acc'):.4f}",
             f"{runs.median('bytes_sent') / runs.summaries[0]['devices'] / 1e6:.2f}",
             f"{runs.median('samples_per_s'):.0f}",
@@ -171,7 +182,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for job in results:
-                name = f"{job.rule}-{job.assignment}-{job.straggler_ms:g}ms-{repeat}"
+                name = f"{job.rule}-{job.assignment}-{job.straggler_ms:g}-{job.jitter_ms:g}ms-{repeat}"
                 got = run_job(args, job, Path(tmp) / name)
                 if got is None:
                     failed += 1

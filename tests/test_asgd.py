@@ -127,8 +127,10 @@ def test_one_worker_equals_single_process_sgd(cli):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_two_servers_hold_the_same_parameters_as_one(cli):
-    """Workers that never fetch follow a fixed schedule: the servers end at x0 + all pushed updates."""
+    """Workers that never fetch follow a fixed schedule (static shards: each worker the same batches in
+    both jobs): the servers end at x0 + all pushed updates."""
     overrides = ["model=mlp", "rule=asgd", "devices=2", NEVER, *COMMON, "hardware.oversubscribe=true"]
+    overrides.append("data.assignment=static")
     one, two = cli(*overrides, "rule.servers=1"), cli(*overrides, "rule.servers=2")
     assert one.returncode == 0 and two.returncode == 0, one.output + two.output
     assert two.summary["world_size"] == 4 and len(two.summary["server_versions"]) == 2

@@ -58,7 +58,7 @@ def test_a_slow_worker_takes_fewer_chunks_and_every_chunk_is_dealt_once():
     total, epochs, _ = plan(chunks, 3, None, 3)
 
     def worker(comm) -> list[int]:
-        dealer = Dealer(chunks, comm.counter(), total, comm.size)
+        dealer = Dealer(chunks, comm.counter(), total, total // comm.size)
         trained = []
         for epoch in range(epochs):
             dealer.set_epoch(epoch)
@@ -80,8 +80,8 @@ def test_a_restarted_dealer_deals_pending_tickets_first_then_from_its_base():
     chunks = Chunks(100, 10, 1, seed=0)
 
     def worker(comm) -> list[int]:
-        dealer = Dealer(chunks, comm.counter(), 20, comm.size)
-        dealer.restart(comm.counter(), 12, [9, 3], comm.size, comm.rank)
+        dealer = Dealer(chunks, comm.counter(), 20, 20)
+        dealer.restart(comm.counter(), 12, [9, 3], comm.rank)
         out = []
         while (ticket := dealer.draw()) is not None:
             out.append(ticket)
@@ -96,7 +96,7 @@ def test_the_chunks_a_lost_worker_held_are_dealt_again_to_the_survivors():
     ahead; the 2 survivors re-deal over a new counter: every chunk is then trained exactly once."""
     chunks = Chunks(100, 10, 1, seed=0)  # 10 chunks, one epoch
     old = FakeWorld(1).comms[0].counter(counter_slots(3))
-    dealers = [Dealer(chunks, old, 10, 3, rank, publish=True) for rank in range(3)]
+    dealers = [Dealer(chunks, old, 10, 4, rank, publish=True) for rank in range(3)]
     iters = [iter(d) for d in dealers]
     trained = []
     for rank in (0, 1, 2, 0, 2):  # draws 0, 1, 2, 3, 4: rank 2 holds 2 (training) and 4 (drawn ahead)

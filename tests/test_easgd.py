@@ -250,7 +250,8 @@ def test_async_with_several_workers_serves_every_exchange(cli):
     )
     assert run.returncode == 0, run.output
     s = run.summary
-    assert s["world_size"] == 4 and s["server_exchanges"] == 3 * s["exchanges_per_worker"]
+    assert s["world_size"] == 4 and s["server_exchanges"] == sum(s["worker_exchanges"])
+    assert s["assignment"] == "dynamic" and len(s["worker_exchanges"]) == 3
     epoch = run.records("epoch")[-1]
     assert epoch["center_distance"] > 0 and torch.isfinite(torch.tensor(epoch["center_distance"]))
     assert "worker_mean_val_acc" in run.records("val")[-1]

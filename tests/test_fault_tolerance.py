@@ -106,13 +106,17 @@ def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, setting):
         timeout=240,
     )
     failure = lost_once(run, die)
-    assert 15 <= failure["step"] <= 25, failure
     assert run.summary["final_val_acc"] >= 0.93, run.summary
     lrs = [r["lr"] for r in run.records("step")]
-    assert len(lrs) > 48, "4 epochs of 12 steps, longer ones after the loss"
     assert min(lrs) > 0 and lrs[-1] < 0.01 * lrs[0], lrs
     shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+) \(", run.output)]
     assert shown and all(step <= total for step, total in shown), shown
+    if run.summary["assignment"] == "static":  # the killed rank and rank 0 (the records) step together
+        assert 15 <= failure["step"] <= 25, failure
+        assert len(lrs) > 48, "4 epochs of 12 steps, longer ones after the loss"
+    else:  # dynamic: the asynchronous rules deal the run's chunks, the lost worker's too, to the survivors
+        assert run.summary["assignment"] == "dynamic" and rule in ("asgd", "easgd", "gosgd")
+        assert shown[-1][0] == shown[-1][1], "the run's progress ends at 100%"
     if rule == "gosgd":
         assert abs(run.summary["weight_sum"] - 1) < 1e-12
         for record in run.records("epoch")[-3:]:

@@ -25,6 +25,7 @@ from tests.conftest import checked_config, compose_config
         (["simulate.straggler_ranks=[1,1]", "simulate.straggler_ms=5"], "name each rank once"),
         (["simulate.straggler_ranks=[2]", "simulate.straggler_ms=5"], "name ranks in 0..1 (devices=2)"),
         (["simulate.straggler_ranks=[-1]", "simulate.straggler_ms=5"], "simulate.straggler_ranks=[-1]"),
+        (["simulate.jitter_ms=-1"], "simulate.jitter_ms=-1.0 is invalid"),
         (
             ["rule=asgd", "simulate.straggler_ranks=[2]", "simulate.straggler_ms=5"],
             "rank 2 is the rule's server",
@@ -54,6 +55,17 @@ def test_defaults_and_a_straggler():
     )
     assert sim.simulate.record() == {"ranks": [0, 2], "ms": 30.0}
     assert [sim.simulate.delay_s(r) for r in range(4)] == [0.03, 0.0, 0.03, 0.0]
+
+
+def test_jitter_gives_each_worker_its_own_fixed_delay_within_the_bound():
+    sim = checked_config(["devices=4", "simulate.jitter_ms=20", "simulate.straggler_ranks=[1]",
+                          "simulate.straggler_ms=30"]).simulate  # fmt: skip
+    delays = [sim.delay_s(r) for r in range(4)]
+    jitter = [d - (0.03 if r == 1 else 0.0) for r, d in enumerate(delays)]
+    assert all(0 <= j <= 0.02 for j in jitter) and len(set(jitter)) == 4, delays
+    assert delays == [sim.delay_s(r) for r in range(4)], "drawn once per worker, not per step"
+    assert sim.record() == {"ranks": [1], "ms": 30.0, "jitter_ms": 20.0}
+    assert checked_config(["simulate.jitter_ms=5"]).simulate.record() == {"jitter_ms": 5.0}
 
 
 @pytest.mark.parametrize(

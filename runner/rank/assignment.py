@@ -86,10 +86,10 @@ class Dealer:
     holds into its row of the counter's slots, so the survivors of its loss can deal them again."""
 
     def __init__(
-        self, chunks: Chunks, counter: Counter, total: int, workers: int, rank: int = 0, publish: bool = False
+        self, chunks: Chunks, counter: Counter, total: int, steps: int, rank: int = 0, publish: bool = False
     ):
         self.chunks, self.counter, self.total = chunks, counter, total
-        self.workers, self.rank, self.publish = workers, rank, publish
+        self.steps, self.rank, self.publish = steps, rank, publish
         self.base, self.pending = 0, []
         self.held: deque[int] = deque()
         self.current: int | None = None  # the ticket of the step in progress
@@ -104,11 +104,11 @@ class Dealer:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def restart(self, counter: Counter, base: int, pending: list[int], workers: int, rank: int) -> None:
+    def restart(self, counter: Counter, base: int, pending: list[int], rank: int) -> None:
         """Deal anew from a fresh ``counter``: ``pending`` first, then ``base`` onwards (this worker now
-        ``rank`` of ``workers``); the tickets this worker holds stay its own."""
+        ``rank``); the tickets this worker holds stay its own."""
         self.counter, self.base, self.pending = counter, base, sorted(pending)
-        self.workers, self.rank, self.last_position = workers, rank, -1
+        self.rank, self.last_position = rank, -1
         self._publish()
 
     def undrawn(self, position: int) -> tuple[list[int], int]:
@@ -136,9 +136,14 @@ class Dealer:
             self._publish()
             yield from self.chunks.micro_batches(ticket)
 
+    def steps_at(self, tickets: int) -> int:
+        """The schedule's steps (``steps`` in all) once the run's first ``tickets`` chunks are trained: the
+        chunks per worker as planned, whatever the workers lost since."""
+        return tickets * self.steps // self.total
+
     def step_of(self, ticket: int | None) -> int:
-        """The schedule's step for ``ticket``: the run's chunks so far per worker."""
-        return 0 if ticket is None else min(ticket, self.total - 1) // self.workers
+        """The schedule's step for ``ticket``."""
+        return 0 if ticket is None else self.steps_at(min(ticket, self.total - 1))
 
     def take(self) -> int:
         """The ticket of the step about to train (the oldest drawn, not yet trained)."""
@@ -209,7 +214,7 @@ def val_chunks(val_every: float, per_epoch: int) -> int | None:
 
 def plan(chunks: Chunks, epochs: int, max_steps: int | None, workers: int) -> tuple[int, int, int]:
     """``(tickets, epochs, steps)`` of a dynamic run: all epochs' chunks, cut at ``max_steps × workers``;
-    ``steps``, the schedule's length, counts chunks per worker (ticket t is at step t // workers)."""
+    ``steps``, the schedule's length, counts chunks per worker (ticket t is at step about t // workers)."""
     per_epoch = chunks.per_epoch
     total = epochs * per_epoch
     if max_steps is not None:
@@ -246,5 +251,5 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     left, base = dealer.undrawn(position)
     counter = workers.counter(counter_slots(workers.size))
     dealer.counter.close()
-    dealer.restart(counter, base, returned + left, workers.size, workers.rank)
+    dealer.restart(counter, base, returned + left, workers.rank)
     return note

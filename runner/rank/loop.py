@@ -153,13 +153,14 @@ class Trainer:
                 ]
                 while not self.step(micro, pos):
                     pass
-                pos.step, pos.batch = pos.step + 1, pos.batch + 1
-                if dealt:
+                pos.step, pos.batch, shown = pos.step + 1, pos.batch + 1, None
+                if dealt:  # the run's progress, in steps of all workers' chunks
+                    shown = self.dealer.step_of(self.dealer.current) + 1
                     self.dealer.trained()
                 self.beat.progress(pos.step)
                 samples = sum(len(x) for x, _ in micro)
                 lr = self.optimizer.param_groups[0]["lr"]
-                self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr)
+                self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr, shown)
                 if self.dealer is None and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
                     break
             if self.dealer is not None and not self.preempted:
@@ -217,9 +218,8 @@ class Trainer:
                 self.model.train()
             decision = self.control.poll(self.meetings_done)
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
-            due = self.control.checkpointer.due_between(
-                (position - meetings.gap(k)) // self.dealer.workers, position // self.dealer.workers
-            )
+            steps = self.dealer.steps_at
+            due = self.control.checkpointer.due_between(steps(position - meetings.gap(k)), steps(position))
             if decision.stop or decision.checkpoint or due:
                 self.preempted = decision.stop
                 self.save(pos, False)

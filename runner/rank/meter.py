@@ -197,8 +197,11 @@ class Meter:
             yield batch
             self._ready = time.perf_counter()
 
-    def step_done(self, step: int, epoch: int, loss: float, samples: int, lr: float) -> None:
-        """Account the step that just ended (``step`` counts steps done) and log or draw what is due."""
+    def step_done(
+        self, step: int, epoch: int, loss: float, samples: int, lr: float, shown: int | None = None
+    ) -> None:
+        """Account the step that just ended (``step`` counts steps done) and log or draw what is due;
+        ``shown``: the run's progress in steps, where it is not this worker's count (dynamic assignment)."""
         now = time.perf_counter()
         comm = self.stats.seconds - self._comm0
         t = Timing(self._arrived - self._ready, now - self._arrived - comm, comm, samples, 1, loss)
@@ -209,7 +212,7 @@ class Meter:
             self.log.write("step", step, epoch=epoch, loss=w.loss / w.steps, lr=lr, **w.rates(self.world))
             self.window = Timing()
         if self.display.mode != "none":
-            self._show(step, epoch, loss)
+            self._show(step if shown is None else shown, epoch, loss)
 
     def _show(self, step: int, epoch: int, loss: float) -> None:
         clock = time.monotonic()
@@ -218,7 +221,7 @@ class Meter:
         rate = self.epoch.samples * self.world / max(self.epoch.total, 1e-9)
         if self.bar is not None:
             self.bar.set_postfix_str(progress_text(epoch, loss, rate, eta), refresh=False)
-            self.bar.update(1)
+            self.bar.update(max(0, step - self.bar.n))
             return
         self._line = progress_line(step, self.total_steps, epoch, loss, rate, eta)
         if clock - self._last_line >= self.line_every_s:

@@ -177,9 +177,9 @@ def dealer(rank: Rank, data: Any) -> Dealer | None:
         return None
     train = cfg.train
     chunks = Chunks(len(data.train), train.batch_size, train.accumulate, train.seed)
-    total, _, _ = plan(chunks, train.epochs, train.max_steps, workers.size)
+    total, _, steps = plan(chunks, train.epochs, train.max_steps, workers.size)
     counter = workers.counter(counter_slots(workers.size))
-    return Dealer(chunks, counter, total, workers.size, workers.rank, publish=tolerant)
+    return Dealer(chunks, counter, total, steps, workers.rank, publish=tolerant)
 
 
 def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
@@ -217,8 +217,11 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     data = cfg.data.build()
     pair, steps_per_epoch = loaders(rank, data)
     straggler = cfg.simulate.record()
-    if comm.rank == 0 and straggler:
+    if comm.rank == 0 and straggler and "ranks" in straggler:
         print(f"simulated stragglers: ranks {straggler['ranks']} sleep {straggler['ms']:g} ms per step")
+    if comm.rank == 0 and straggler and "jitter_ms" in straggler:
+        delays = [f"{1e3 * cfg.simulate.delay_s(r):.1f}" for r in range(workers.size)]
+        print(f"simulated speeds: the workers sleep {', '.join(delays)} ms per step")
     epochs, steps = run_length(cfg.train.epochs, cfg.train.max_steps, steps_per_epoch)
     dealt = pair[0].batch_sampler if isinstance(pair[0].batch_sampler, Dealer) else None
     if dealt is not None:
@@ -321,6 +324,7 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
         "world_size": comm.size,
         "resumed_from_step": rank.entry["step"] if rank.entry else None,
         "straggler": cfg.simulate.record(),
+        "assignment": "static" if trainer.dealer is None else "dynamic",
         "checkpoint": rank.checkpointer.latest,
         "versions": rank.env,
         "topology": rank.topology,

@@ -237,4 +237,5 @@ class EASGD(Rule):
         if self.cfg.variant != "async":
             return {"exchanges_per_worker": self.exchanges}
         served = self.comm.broadcast_object(self.served, root=self.server)
-        return {"exchanges_per_worker": self.exchanges, "server_exchanges": served}
+        each = self.comm.allgather_object(None if self.is_server else self.exchanges)[: self.num_workers]
+        return {"exchanges_per_worker": self.exchanges, "worker_exchanges": each, "server_exchanges": served}

@@ -7,6 +7,7 @@ together.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,10 +113,13 @@ class SimulateConfig:
     """Conditions imposed on a healthy job to study the rules under them: ``straggler_ranks`` (worker
     ranks, ``0 .. devices-1``) each sleep ``straggler_ms`` milliseconds at the start of every training
     step, a worker whose compute is that much slower. Either one empty or zero leaves the job as it is,
-    with a warning when the other is set (so a sweep may include the no-straggler point)."""
+    with a warning when the other is set (so a sweep may include the no-straggler point). ``jitter_ms``:
+    every worker also sleeps a delay of its own per step, drawn once from [0, jitter_ms] (seeded by its
+    rank): workers of random speeds."""
 
     straggler_ranks: list[int] = field(default_factory=list)
     straggler_ms: float = 0.0
+    jitter_ms: float = 0.0
 
     def __post_init__(self) -> None:
         require(
@@ -123,6 +127,12 @@ class SimulateConfig:
             "straggler_ms",
             self.straggler_ms,
             "the delay per training step in milliseconds, >= 0 (e.g. simulate.straggler_ms=30)",
+        )
+        require(
+            math.isfinite(self.jitter_ms) and self.jitter_ms >= 0,
+            "jitter_ms",
+            self.jitter_ms,
+            "the largest of the workers' own delays per step in milliseconds, >= 0 (e.g. 20)",
         )
         require(
             len(set(self.straggler_ranks)) == len(self.straggler_ranks),
@@ -133,13 +143,17 @@ class SimulateConfig:
 
     def delay_s(self, rank: int) -> float:
         """Seconds that worker ``rank`` sleeps per training step."""
-        return self.straggler_ms / 1e3 if rank in self.straggler_ranks else 0.0
+        straggler = self.straggler_ms if rank in self.straggler_ranks else 0.0
+        return (straggler + self.jitter_ms * random.Random(rank).random()) / 1e3
 
     def record(self) -> dict[str, Any] | None:
-        """summary.json's ``straggler``: the ranks slowed down and the delay, or None when none is."""
-        if not self.straggler_ranks or not self.straggler_ms:
+        """summary.json's ``straggler``: the ranks slowed down and the delay (and the jitter), or None when
+        no rank is."""
+        slowed = bool(self.straggler_ranks and self.straggler_ms)
+        if not slowed and not self.jitter_ms:
             return None
-        return {"ranks": list(self.straggler_ranks), "ms": self.straggler_ms}
+        record = {"ranks": list(self.straggler_ranks), "ms": self.straggler_ms} if slowed else {}
+        return record | ({"jitter_ms": self.jitter_ms} if self.jitter_ms else {})
 
     def check_devices(self, devices: int, servers: int) -> None:
         """Only worker ranks may straggle: ``0 .. devices-1`` (the ``servers`` ranks after them serve)."""
