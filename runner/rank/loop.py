@@ -131,6 +131,8 @@ class Trainer:
             per_epoch = self.dealer.chunks.per_epoch
             val = val_chunks(cfg.val_every, per_epoch)
             self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
+        self.val_share: Callable[[int, int], DataLoader] | None = None  # (r, n) -> loader of share r of n
+        self.whole_val: DataLoader | None = None  # worker 0's loader of the whole validation set
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
 
@@ -147,6 +149,8 @@ class Trainer:
                 dealt = self.dealer is not None
                 if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
                     break
+                if dealt:
+                    self.meter.restart_step()
                 micro = [
                     (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                     for x, y in group
@@ -213,9 +217,11 @@ class Trainer:
             upto = meetings.passed_by(ticket) if chunks.epoch_of(ticket) == pos.epoch else self.passed
         while self.passed < upto:
             k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
-            if meetings.validates(k):
+            if meetings.validates(k) and not self.rule.solo_validation:
                 self.validate(pos.epoch, pos.step)
                 self.model.train()
+            elif meetings.validates(k) and self.workers.rank == 0:
+                self.validate_alone(pos)
             decision = self.control.poll(self.meetings_done)
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
             steps = self.dealer.steps_at
@@ -421,6 +427,20 @@ class Trainer:
         sums = validation_sums(model, self.val_loader, self.task, self.device, self.cfg.precision)
         return self.task.results(self.workers.allreduce_values(sums))
 
+    def validate_alone(self, pos: Position) -> None:
+        """Worker 0, within an epoch of dynamic assignment: validate the rule's reported model as it reads
+        it alone (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the other
+        workers train on. Recorded, not kept in the history early stopping reads (only worker 0 has it)."""
+        if self.whole_val is None:
+            self.whole_val = self.val_share(0, 1)
+        model = self.rule.solo_model()
+        sums = validation_sums(model, self.whole_val, self.task, self.device, self.cfg.precision)
+        record = {f"val_{k}": v for k, v in self.task.results(sums).items()}
+        self.log.write("val", pos.step, epoch=pos.epoch, alone=True, **record)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
+        self.meter.echo(f"epoch {pos.epoch} (in progress): {shown}")
+        self.model.train()
+
     def validate(self, epoch: int, step: int) -> nn.Module:
         """Evaluate the rule's models, record them, and return the one the run reports (the first)."""
         record: dict[str, float] = {}
@@ -480,6 +500,8 @@ class Trainer:
     def _summary(self, epochs: int, steps: int) -> dict[str, Any]:
         """The run's results (validation results None when it was preempted before its first)."""
         rates = self.meter.total.rates(self.workers.size)
+        own = self.meter.total.samples / max(self.meter.total.total, 1e-12)  # this worker's samples/s
+        rates["samples_per_s"] = self.workers.allreduce_values([own])[0]  # all workers' (unequal: dynamic)
         return {
             "epochs": epochs,
             "steps": steps,
@@ -492,6 +514,7 @@ class Trainer:
             "data_wait_fraction": rates["data_frac"],
             "compute_fraction": rates["compute_frac"],
             "bytes_sent": self.workers.allreduce_values([self.stats.bytes_sent])[0],
+            "steps_per_worker": self.workers.allgather_object(steps),  # dynamic assignment: unequal
             "skipped_steps": self.guard.skipped,
             "validations": self.history,
         }

@@ -197,6 +197,11 @@ class Meter:
             yield batch
             self._ready = time.perf_counter()
 
+    def restart_step(self) -> None:
+        """The step starts now: what came since its batch arrived (a meeting of the workers, a validation)
+        is not the step's time."""
+        self._arrived, self._comm0 = time.perf_counter(), self.stats.seconds
+
     def step_done(
         self, step: int, epoch: int, loss: float, samples: int, lr: float, shown: int | None = None
     ) -> None:

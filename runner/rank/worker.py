@@ -249,7 +249,9 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank))
     kept = records(rank, rule.synchronous, steps, dealt is not None)
-    return Trainer(cfg.train, parts, pair, place, kept, recovery), epochs, steps
+    trainer = Trainer(cfg.train, parts, pair, place, kept, recovery)
+    trainer.val_share = val_share(rank, data)
+    return trainer, epochs, steps
 
 
 def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> Records:

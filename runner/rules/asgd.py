@@ -88,6 +88,7 @@ class ASGD(Rule):
     def __init__(self, cfg: ASGDConfig, ctx: RuleContext):
         super().__init__(ctx, servers=cfg.servers, comm_dtype=cfg.comm_dtype)
         self.synchronous = False
+        self.solo_validation = True  # worker 0 fetches the servers' model alone
         self.n_push, self.n_fetch = cfg.n_push, cfg.n_fetch
         self.policy, self.max_staleness = cfg.staleness, cfg.max_staleness
         self.pushes = self.fetches = 0
@@ -149,6 +150,18 @@ class ASGD(Rule):
         self.x.sub_(self.ref).add_(self.fetched)
         self.ref.copy_(self.fetched)
         self.fetches += 1
+
+    @no_grad
+    def solo_model(self) -> torch.nn.Module:
+        """The servers' parameters as they are now (fetched exactly), with this worker's BatchNorm
+        statistics; nothing is pushed."""
+        if self.server_model is None:
+            self.server_model = flat_copy(self.model)
+        model, flat = self.server_model
+        self._fetch_into(flat.buffers[0], exact=True)
+        for mine, theirs in zip(self.model.buffers(), model.buffers(), strict=True):
+            theirs.copy_(mine)
+        return model
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:

@@ -78,6 +78,9 @@ class Rule:
 
     #: False for rules whose workers do not meet every step: they agree on checkpoints and stops less often.
     synchronous = True
+    #: True for rules whose reported model worker 0 can read alone (:meth:`solo_model`): validations within
+    #: an epoch then do not wait for the other workers (dynamic assignment).
+    solo_validation = False
 
     def __init__(self, ctx: RuleContext, servers: int = 0, comm_dtype: str = "fp32"):
         self.comm = ctx.comm
@@ -131,6 +134,11 @@ class Rule:
     def eval_models(self) -> dict[str, torch.nn.Module]:
         """The models to validate, by name; the first is the one the run reports ("" is the plain model)."""
         return {"": self.model}
+
+    def solo_model(self) -> torch.nn.Module:
+        """Worker 0 alone, where :attr:`solo_validation`: the reported model as it can read it now, without
+        the other workers (BatchNorm statistics: its own)."""
+        raise NotImplementedError(f"{type(self).__name__} reports a model only all workers together can make")
 
     def metrics(self) -> dict[str, float]:
         """Rule-specific metrics for metrics.jsonl and TensorBoard (per epoch, workers)."""

@@ -112,6 +112,7 @@ class EASGD(Rule):
         self.alpha = cfg.alpha_for(self.num_workers)
         self.center_alpha = self.alpha if cfg.center_alpha is None else cfg.center_alpha
         self.synchronous = not cfg.asynchronous()
+        self.solo_validation = cfg.asynchronous()  # worker 0 fetches the center alone
         self.exchanges = 0
         self.served = 0
         self.center_model, self.center = self._init_center()
@@ -162,6 +163,16 @@ class EASGD(Rule):
                     self.comm.recv(c, self.server, FETCH)
             for c in self.center.buffers:
                 self.workers.broadcast(c, root=0)
+
+    @no_grad
+    def solo_model(self) -> torch.nn.Module:
+        """Async: the server's center as it is now, with this worker's BatchNorm statistics."""
+        self.comm.send(torch.zeros(1, dtype=torch.float64), self.server, FETCH)
+        for c in self.center.buffers:
+            self.comm.recv(c, self.server, FETCH)
+        for mine, theirs in zip(self.model.buffers(), self.center_model.buffers(), strict=True):
+            theirs.copy_(mine)
+        return self.center_model
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
