@@ -230,3 +230,26 @@ def test_a_killed_workers_chunks_go_back_to_the_pool_and_every_sample_is_trained
     assert len(trained[2]) == 4, "the killed worker finished 4 chunks"
     dealt = sorted(t for ts in trained.values() for t in ts)
     assert dealt == list(range(2 * chunks.per_epoch)), "a chunk was lost or trained twice"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_validations_within_an_epoch_do_not_wait_for_a_slow_worker(cli):
+    """ASGD, 3 workers, worker 2 sleeping 400 ms a step, four validations an epoch: worker 0 validates the
+    servers' model alone three times within the epoch, each while worker 2 is still in one of its steps."""
+    run = cli(
+        "rule=asgd",
+        "devices=3",
+        "hardware.oversubscribe=true",
+        "train.epochs=1",
+        "train.val_every=0.25",
+        "simulate.straggler_ranks=[2]",
+        "simulate.straggler_ms=400",
+    )
+    assert run.returncode == 0, run.output
+    alone = [r for r in run.records("val") if r.get("alone")]
+    assert len(alone) == 3 and all(0 <= r["val_acc"] <= 1 for r in alone), alone
+    gaps = [b["time"] - a["time"] for a, b in zip(alone, alone[1:], strict=False)]
+    assert max(gaps) < 0.4, f"a validation waited for the slow worker's step: {gaps}"
+    steps = run.summary["steps_per_worker"]
+    assert steps[2] < min(steps[0], steps[1]) and run.summary["assignment"] == "dynamic", steps

@@ -345,3 +345,12 @@ def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
     assert type(loaded.model) is CNNConfig and type(loaded.data).__module__ == "runner.data.digits"
     assert isinstance(loaded.task, ClassificationConfig) and isinstance(loaded.schedule, ConstantConfig)
     assert (type(loaded.optim).__name__, type(loaded.hardware).__name__) == ("SGDConfig", "CPUConfig")
+
+
+def test_a_rank_imports_no_hydra():
+    """Hydra composes only in the launcher; a rank reads the written config with OmegaConf and the schemas,
+    and importing Hydra would cost each rank's start about 0.1 s (benchmarks/README.md, start-up)."""
+    code = "import sys, runner.rank.worker; print(sorted(m for m in sys.modules if m.startswith('hydra')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

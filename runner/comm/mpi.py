@@ -511,11 +511,12 @@ def init(cuda_aware: bool | None = None) -> Comm:
     if not MPI.Is_initialized():
         provided = MPI.Init_thread(MPI.THREAD_MULTIPLE)
         assert provided >= MPI.THREAD_SERIALIZED, f"the MPI library gives thread level {provided} only"
-        atexit.register(_finalize)
+        atexit.register(finalize)
     return Comm(cuda_aware=cuda_aware)
 
 
-def _finalize() -> None:
+def finalize() -> None:
+    """End MPI in this process (once; also at exit)."""
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 

@@ -10,8 +10,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from runner.run_folder import HYDRA_DIR
-from runner.schema import register_source
 from runner.schema.config import Config
+from runner.schema.source import register_source
 
 
 def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:

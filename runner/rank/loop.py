@@ -455,6 +455,13 @@ class Trainer:
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
         return next(iter(models.values()))
 
+    def close(self) -> None:
+        """Stop the loaders' background processes (the worker then leaves without Python's teardown,
+        which would stop them)."""
+        for loader in (self.train_loader, self.val_loader, self.whole_val):
+            if getattr(loader, "_iterator", None) is not None:  # persistent loader processes
+                loader._iterator = None  # the last reference: its __del__ shuts them down now
+
     # -- what recovery asks of the loop (runner.rank.recovery.Survivor) ------------------------------------
     @property
     def synchronous(self) -> bool:

@@ -110,6 +110,7 @@ def run(cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextI
     trainer, epochs, steps = build(rank, model)
     reported, result = fit(rank, trainer, epochs, steps)
     finish(rank, trainer, reported, result, time.time() - start)
+    trainer.close()
 
 
 def place(
@@ -357,9 +358,12 @@ def main(argv: list[str] | None = None) -> None:
         beat.close()
     sys.stdout.flush()
     sys.stderr.flush()
-    if comm.tolerant:  # after a lost rank, ULFM's MPI_Finalize (or loader shutdown) was seen to hang
-        log_file.flush()
-        os._exit(0)
+    if not comm.tolerant:  # after a lost rank, ULFM's MPI_Finalize was seen to hang: skip it
+        mpi.finalize()
+    log_file.flush()
+    # Everything is written and closed: leave without the interpreter's teardown, which with torch loaded
+    # takes about a second (benchmarks/README.md, start-up).
+    os._exit(0)
 
 
 def fail(err: BaseException, run_dir: Path, rank: int, log_file: TextIO) -> None:

@@ -4,9 +4,10 @@ A YAML option of group ``G`` (``conf/G/NAME.yaml``) extends the schema of one mo
 ``defaults: [/schema/G/MODULE@_here_, _self_]`` and may override some of its defaults (``resnet50.yaml``
 sets ``depth: 50`` over ``models/resnet.py``); it declares no key of its own. The schema of
 ``schema/G/MODULE`` is the one dataclass in ``PACKAGES[G].MODULE`` that subclasses the group's base class
-below. :class:`SchemaSource` gives Hydra these schemas on demand, so composing a config imports only the
-modules of the options it selects, and every module imports torch only where it builds its object: the
-launcher checks a config without importing torch, scikit-learn or MPI.
+below. :class:`runner.schema.source.SchemaSource` gives Hydra these schemas on demand, so composing a
+config imports only the modules of the options it selects, and every module imports torch only where it
+builds its object: the launcher checks a config without importing torch, scikit-learn or MPI, and the
+ranks, which read the schemas without composing, import no Hydra.
 
 Checks live in ``__post_init__`` and raise ``ValueError`` through :func:`require`, naming the key
 relative to the group (``validate`` adds the group) and the fix. Checks that involve other groups are
@@ -21,12 +22,6 @@ import inspect
 import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from hydra.core.config_search_path import ConfigSearchPath
-from hydra.core.object_type import ObjectType
-from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
-from hydra.plugins.search_path_plugin import SearchPathPlugin
-from omegaconf import OmegaConf
 
 if TYPE_CHECKING:
     import torch
@@ -237,68 +232,3 @@ def option_modules(group: str) -> list[str]:
     """Names of the modules of a group's package, without importing them."""
     package = importlib.import_module(GROUPS[group][0])
     return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
-
-
-class SchemaSource(ConfigSource):
-    """Hydra config source ``mpitrain://``: ``schema/<group>/<module>`` is the schema dataclass of that
-    module, imported when a config asks for it (Hydra's ConfigStore would need them all imported first)."""
-
-    @staticmethod
-    def scheme() -> str:
-        return "mpitrain"
-
-    def _split(self, config_path: str) -> list[str]:
-        return [p for p in self._normalize_file_name(config_path).removesuffix(".yaml").split("/") if p]
-
-    def load_config(self, config_path: str) -> ConfigResult:
-        parts = self._split(config_path)
-        if len(parts) != 3 or parts[0] != "schema" or parts[1] not in GROUPS:
-            raise ConfigLoadError(f"no schema {config_path}")
-        cls = schema_of(parts[1], parts[2])
-        return ConfigResult(
-            config=OmegaConf.structured(cls),
-            path=f"{self.scheme()}://{self.path}",
-            provider=self.provider,
-            header={"package": None},
-        )
-
-    def available(self) -> bool:
-        return True
-
-    def is_group(self, config_path: str) -> bool:
-        parts = self._split(config_path)
-        return parts == ["schema"] or (len(parts) == 2 and parts[0] == "schema" and parts[1] in GROUPS)
-
-    def is_config(self, config_path: str) -> bool:
-        parts = self._split(config_path)
-        if len(parts) != 3 or parts[0] != "schema" or parts[1] not in GROUPS:
-            return False
-        if "." in parts[2]:
-            try:
-                return importlib.util.find_spec(parts[2]) is not None
-            except ModuleNotFoundError:  # its package is not importable from here: Hydra names the config
-                return False
-        return parts[2] in option_modules(parts[1])
-
-    def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:
-        parts = self._split(config_path)
-        if parts == ["schema"]:
-            return sorted(GROUPS) if results_filter in (None, ObjectType.GROUP) else []
-        if len(parts) == 2 and parts[1] in GROUPS and results_filter in (None, ObjectType.CONFIG):
-            return option_modules(parts[1])
-        return []
-
-
-class SchemaSearchPath(SearchPathPlugin):
-    """Puts ``mpitrain://`` on every search path, whatever ``hydra.searchpath`` a user sets."""
-
-    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        search_path.append("mpitrain", "mpitrain://schemas")
-
-
-def register_source() -> None:
-    """Make the schemas known to Hydra (idempotent), through its public plugin registration."""
-    from hydra.core.plugins import Plugins
-
-    Plugins.instance().register(SchemaSource)
-    Plugins.instance().register(SchemaSearchPath)
