@@ -39,6 +39,13 @@ def loader_workers(requested: int | None) -> int:
     return max(0, min(MAX_AUTO_WORKERS, cores - 1))
 
 
+def root_dataset(dataset: Dataset) -> Dataset:
+    """The data set under any ``Subset`` wrappers (a held-out split, a rank's validation share)."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return dataset
+
+
 class BatchedData(Dataset):
     """A data set that builds whole batches: ``__getitems__(indices)`` returns ``(inputs, labels)``."""
 
@@ -122,9 +129,6 @@ class ClassificationData:
     def _loader(
         self, dataset: Dataset, batch_size: int | None, pin_memory: bool = False, prefetch: int = 4, **kwargs
     ) -> DataLoader:
-        root = dataset
-        while isinstance(root, Subset):
-            root = root.dataset
         if self.workers > 0:
             kwargs.update(
                 num_workers=self.workers,
@@ -134,7 +138,7 @@ class ClassificationData:
             )
         if batch_size is not None:
             kwargs["batch_size"] = batch_size
-        collate = _batch if isinstance(root, BatchedData) else None
+        collate = _batch if isinstance(root_dataset(dataset), BatchedData) else None
         return DataLoader(dataset, collate_fn=collate, pin_memory=pin_memory, **kwargs)
 
     def train_loader(

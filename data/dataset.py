@@ -84,10 +84,9 @@ def first_sample(where: str, dataset: Dataset) -> tuple[Any, Any]:
 
 def declared_classes(dataset: Dataset) -> tuple[int | None, list[str] | None]:
     """The class count (and names) a data set declares by a ``classes`` or ``num_classes`` attribute."""
-    from torch.utils.data import Subset
+    from runner.data.base import root_dataset
 
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
+    dataset = root_dataset(dataset)
     classes = getattr(dataset, "classes", None)
     if classes is not None and hasattr(classes, "__len__"):
         names = [str(c) for c in classes] if all(isinstance(c, str) for c in classes) else None
@@ -201,10 +200,8 @@ class DatasetConfig(DataConfig):
 def in_memory(dataset: Dataset) -> bool:
     """A data set of tensors already in memory (``TensorDataset``, the runner's ``TensorData``, or a subset
     of one): indexing it is cheaper than starting loader processes (``workers=None`` picks 0 for it)."""
-    from torch.utils.data import Subset, TensorDataset
+    from torch.utils.data import TensorDataset
 
-    from runner.data.base import TensorData
+    from runner.data.base import TensorData, root_dataset
 
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
-    return isinstance(dataset, (TensorDataset, TensorData))
+    return isinstance(root_dataset(dataset), (TensorDataset, TensorData))

@@ -12,9 +12,10 @@ chunks: as many samples as with static shards).
 The workers meet at fixed ticket positions of each epoch (:class:`Meetings`): every ``interval`` chunks for
 the stop/checkpoint agreement, at the validations of ``train.val_every`` below one epoch, and at the epoch's
 end. A worker passes a position when it draws a ticket at or past it (or when its epoch ends), before it
-trains that ticket; so at a meeting every ticket below the smallest ticket any worker holds has been trained,
-and no ticket above it: a checkpoint records that one number (:meth:`Dealer.state_dict`), and a resumed run
-deals again from it, with no chunk lost or trained twice.
+trains that ticket. A checkpoint, taken at a meeting, records what is left to deal (:func:`dealing_state`:
+the tickets the workers hold, those still pending, and the first never drawn), and a resumed run deals
+them again, with no chunk lost or trained twice. Under fault tolerance every worker publishes the tickets
+it holds in the counter's memory, and the survivors of its loss deal them again (:func:`redeal`).
 """
 
 from __future__ import annotations
@@ -239,14 +240,13 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     gone: returns a line saying so (else None)."""
     host_alive = before[0] not in lost
     slots = dealer.counter.snapshot() if host_alive and workers.rank == 0 else None
-    slots = workers.broadcast_object(slots)
-    drawn = max(workers.allgather_object(dealer.last_position))
+    slots = workers.broadcast_object(slots)  # every survivor takes the same branch below
     note = None
     if slots is not None:
         position, rows = slots[0], held_rows(slots, len(before))
         returned = [t for r, launch in enumerate(before) if launch in lost for t in rows[r]]
     else:
-        position, returned = drawn + 1, []
+        position, returned = max(workers.allgather_object(dealer.last_position)) + 1, []
         note = "the chunks lost worker 0 held (it held the counter) are not dealt again"
     left, base = dealer.undrawn(position)
     counter = workers.counter(counter_slots(workers.size))

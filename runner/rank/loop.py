@@ -133,6 +133,7 @@ class Trainer:
             self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
         self.val_share: Callable[[int, int], DataLoader] | None = None  # (r, n) -> loader of share r of n
         self.whole_val: DataLoader | None = None  # worker 0's loader of the whole validation set
+        self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
 
@@ -140,13 +141,12 @@ class Trainer:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
         results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
         pos, reported = Position(start.step, start.epoch, start.batch), self.model
-        self.first_step = start.step
+        self.first_step, dealt = start.step, self.dealer is not None
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
             max_steps = self.begin_epoch(pos, epochs, start, max_steps)
             self.model.train()
             for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
-                dealt = self.dealer is not None
                 if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
                     break
                 if dealt:
@@ -165,9 +165,9 @@ class Trainer:
                 samples = sum(len(x) for x, _ in micro)
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr, shown)
-                if self.dealer is None and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
+                if not dealt and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
                     break
-            if self.dealer is not None and not self.preempted:
+            if dealt and not self.preempted:
                 self.tolerant(self.meet, pos, None)
             if self.preempted:
                 self.meter.epoch_done()
@@ -204,6 +204,7 @@ class Trainer:
                 self.meter.replan(max_steps)
         sampler.set_epoch(pos.epoch)
         sampler.start_at(pos.batch * self.cfg.batch_size * self.cfg.accumulate)
+        self.val_steps = val_chunks(self.cfg.val_every, len(self.train_loader) // self.cfg.accumulate)
         return max_steps
 
     def meet(self, pos: Position, ticket: int | None) -> bool:
@@ -331,9 +332,8 @@ class Trainer:
 
     def at_step_end(self, pos: Position) -> bool:
         """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""
-        steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
-        every = val_chunks(self.cfg.val_every, steps_per_epoch)
-        if every and pos.batch % every == 0 and pos.batch < steps_per_epoch:
+        every = self.val_steps
+        if every and pos.batch % every == 0 and pos.batch < len(self.train_loader) // self.cfg.accumulate:
             self.validate(pos.epoch, pos.step)
             self.model.train()
         decision = self.control.poll(pos.step)
@@ -370,13 +370,16 @@ class Trainer:
         self.meter.echo(f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})")
 
     def state_dict(self) -> dict[str, Any]:
-        """The loop's part of a checkpoint (collective under dynamic assignment: the workers agree on the
-        lowest ticket any of them holds, where a resumed run deals from)."""
+        """The loop's part of a checkpoint (collective under dynamic assignment: the workers gather what is
+        left to deal, and the meetings passed)."""
         sampler = self.train_loader.sampler
         deal = None
         if self.dealer is not None:
-            deal = {**dealing_state(self.dealer, self.workers), "meetings": self.meetings_done}
-            deal["passed"] = self.passed
+            deal = {
+                **dealing_state(self.dealer, self.workers),
+                "meetings": self.meetings_done,
+                "passed": self.passed,
+            }
         return {
             "history": self.history,
             "skipped": self.guard.skipped,
@@ -407,7 +410,7 @@ class Trainer:
         elif state.get("deal"):
             raise ValueError(
                 f"the checkpoint after step {step} was written with data.assignment=dynamic: resume it "
-                "with data.assignment=dynamic (and hardware.fault_tolerance=none)"
+                "with data.assignment=dynamic"
             )
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
