@@ -153,6 +153,23 @@ def test_lines_are_spaced_and_each_epoch_ends_with_one(monkeypatch):
     assert firsts == ["step 6/12 (50%)", "epoch 0: val_acc 0.5", "step 12/12 (100%)", "epoch 1: val_acc 0.5"]
 
 
+@pytest.mark.parametrize("tty", ["1", "0"])
+def test_the_runs_end_is_shown_when_another_worker_trained_its_last_chunk(monkeypatch, tty):
+    """Dynamic assignment: rank 0 shows the chunk it trained; once all workers are past the end, the end."""
+    monkeypatch.setenv(TTY_ENV, tty)
+    terminal = Log()
+    meter = Meter(CommStats(), 2, 10, SimpleNamespace(write=lambda *a, **k: None), 5, terminal=terminal)
+    for shown in (1, 4, 7, 9):  # the other worker trained 2, 3, 5, 6, 8 and 10
+        for _ in meter.batches([0]):
+            meter.step_done(shown, 0, 0.5, 8, 0.1, shown)
+    meter.epoch_done()
+    meter.reach(9, 0)  # not past what is shown: nothing new
+    meter.reach(10, 0)
+    meter.close()
+    shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+)", terminal.getvalue())]
+    assert shown[-1] == (10, 10) and shown.count((10, 10)) == 1, shown
+
+
 def test_nothing_drawn_with_progress_off(monkeypatch):
     out, _ = run_meter(monkeypatch, "1", progress=False)
     assert out == "epoch 0: val_acc 0.5\nepoch 1: val_acc 0.5\n"

@@ -174,6 +174,9 @@ class Trainer:
                 break
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
+            if dealt:  # every worker is past the epoch's end (its records were reduced over all)
+                ends = min((epoch + 1) * self.dealer.chunks.per_epoch, self.dealer.total)
+                self.meter.reach(self.dealer.steps_at(ends), epoch)
             pos.batch, self.passed = 0, 0
             if no_improvement(self.history, self.reported_prefix + self.monitor, self.cfg.early_stop):
                 self.stopped_early = epoch

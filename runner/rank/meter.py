@@ -166,6 +166,8 @@ class Meter:
         self._comm0 = 0.0
         self._start, self._first_step = time.monotonic(), 0
         self._last_line, self._line = self._start, ""
+        self._loss: float | None = None  # the last step's, for progress shown between steps
+        self._shown = 0  # the last step shown
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         return {"total": asdict(self.total), "epoch": asdict(self.epoch), "window": asdict(self.window)}
@@ -216,11 +218,18 @@ class Meter:
             w = self.window
             self.log.write("step", step, epoch=epoch, loss=w.loss / w.steps, lr=lr, **w.rates(self.world))
             self.window = Timing()
+        self._loss = loss
         if self.display.mode != "none":
             self._show(step if shown is None else shown, epoch, loss)
 
+    def reach(self, step: int, epoch: int) -> None:
+        """The run's progress stands at ``step`` (dynamic assignment: every worker has trained the chunks
+        up to the epoch's end, wherever this worker's own last chunk was)."""
+        if self.display.mode != "none" and self._loss is not None and step > self._shown:
+            self._show(step, epoch, self._loss)
+
     def _show(self, step: int, epoch: int, loss: float) -> None:
-        clock = time.monotonic()
+        clock, self._shown = time.monotonic(), step
         done, elapsed = step - self._first_step, clock - self._start
         eta = (self.total_steps - step) * elapsed / done if done > 0 and step <= self.total_steps else None
         rate = self.epoch.samples * self.world / max(self.epoch.total, 1e-9)
