@@ -11,6 +11,7 @@ A run folder (``outputs/DATE/TIME``, or a sweep's ``outputs/multirun/DATE/TIME/N
     mpirun.txt         the exact command line; plan.json the GPU placements       launcher
     mpirun.log         mpirun's own output (every rank's lines, as they came)     launcher
     STOP               a request to checkpoint and stop, read at the next step    user / launcher
+    job.lock           held (flock) by the launcher of the job running there       launcher
     summary.json       how the run ended: status, exit status, metrics, cause     rank 0, then launcher
     metrics.jsonl      one record per line (step, epoch, val, failure, final)    rank 0
     tb/                TensorBoard event files                                    rank 0
@@ -35,6 +36,7 @@ COMMAND = "mpirun.txt"
 PLAN = "plan.json"
 MPIRUN_LOG = "mpirun.log"
 STOP = "STOP"
+LOCK = "job.lock"
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tb"
@@ -55,8 +57,10 @@ SWEEP_CONFIG = "multirun.yaml"
 #: ranks' own pseudo-terminals under mpirun are 0x0); a launcher started with it set to ``0`` gives ``0``:
 #: concurrent sweep points must not draw over each other.
 TTY_ENV = "MPITRAIN_TTY"
-#: The width of the launcher's terminal, in columns (given with ``MPITRAIN_TTY=1``).
-COLUMNS_ENV = "MPITRAIN_COLUMNS"
+#: Starts a line of rank 0's progress for the launcher's bar (given ``MPITRAIN_TTY=1``), JSON after it:
+#: ``{"n": step, "total": steps, "text": "epoch 0, loss ...", "final": false}``; the launcher draws the bar
+#: from these lines (:mod:`runner.launcher.progress`) and keeps them out of the terminal and ``mpirun.log``.
+PROGRESS_RECORD = "@mpitrain:progress "
 
 #: status -> exit status of ``python -m runner`` ("invalid" has no summary: nothing was started). The table
 #: with each status's meaning is in :mod:`runner.launcher.launch`.

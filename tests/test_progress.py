@@ -19,11 +19,13 @@ from types import SimpleNamespace
 import pytest
 
 from runner.comm import CommStats
-from runner.rank.meter import DEFAULT_COLUMNS, Display, Meter, display
-from runner.run_folder import COLUMNS_ENV, TTY_ENV
+from runner.launcher.progress import ERASE, Bar, ProgressTap
+from runner.rank.meter import Display, Meter, display, progress_record
+from runner.run_folder import PROGRESS_RECORD, TTY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-BAR_UPDATE = re.compile(rb"\r(?!\n)([^\r\n]*)")  # a carriage return that rewrites the line (not a \r\n)
+#: A carriage return that rewrites the line (not a \r\n), after which the line is erased.
+BAR_UPDATE = re.compile(rb"\r(?!\n)(?:\x1b\[K)?([^\r\n]*)")
 
 
 class Log(io.StringIO):
@@ -54,44 +56,74 @@ def pseudo_terminal():
 
 
 def test_the_launchers_terminal_decides():
-    stream = Log(tty=False)  # what the rank's own stream says does not count when the launcher said
-    assert display(True, stream, {TTY_ENV: "1", COLUMNS_ENV: "132"}) == Display("bar", 132)
-    assert display(True, stream, {TTY_ENV: "1"}) == Display("bar", DEFAULT_COLUMNS)
-    assert display(True, stream, {TTY_ENV: "1", COLUMNS_ENV: "0"}) == Display("bar", DEFAULT_COLUMNS)
-    assert display(True, Log(tty=True), {TTY_ENV: "0", COLUMNS_ENV: "132"}) == Display("lines")
+    stream = Log(tty=False)  # what the rank's own stream says does not count: the launcher draws the bar
+    assert display(True, stream, {TTY_ENV: "1"}) == Display("bar")
+    assert display(True, Log(tty=True), {TTY_ENV: "0"}) == Display("lines")
+    assert display(True, Log(tty=True), {}) == Display("lines"), "no launcher to draw a bar: lines"
 
 
 def test_no_progress_when_off_or_not_rank_0():
-    assert display(False, Log(tty=True), {TTY_ENV: "1", COLUMNS_ENV: "80"}).mode == "none"
-    assert display(True, None, {TTY_ENV: "1", COLUMNS_ENV: "80"}).mode == "none"
-
-
-def test_a_zero_by_zero_pseudo_terminal_gets_a_width(pseudo_terminal):
-    """Open MPI's case without the launcher's word: a terminal that reports 0 columns."""
-    master, slave = pseudo_terminal
-    stream = os.fdopen(os.dup(slave), "w")
-    try:
-        set_size(slave, 0, 0)
-        assert display(True, stream, {}) == Display("bar", DEFAULT_COLUMNS)
-        assert display(True, stream, {"COLUMNS": "77"}) == Display("bar", 77)
-        set_size(slave, 40, 91)
-        assert display(True, stream, {}) == Display("bar", 91)
-    finally:
-        stream.close()
-    assert display(True, Log(tty=False), {}) == Display("lines")
+    assert display(False, Log(tty=True), {TTY_ENV: "1"}).mode == "none"
+    assert display(True, None, {TTY_ENV: "1"}).mode == "none"
 
 
 def test_rank_env_passes_the_launchers_terminal(monkeypatch):
     from runner.hardware.mpirun import rank_env
 
     hw = SimpleNamespace(env={"FOO": "1"})
-    monkeypatch.setenv("COLUMNS", "123")
     monkeypatch.setattr(sys, "stdout", Log(tty=True))
     env = rank_env(hw, 2)
-    assert env[TTY_ENV] == "1" and env[COLUMNS_ENV] == "123" and env["FOO"] == "1"
+    assert env[TTY_ENV] == "1" and env["FOO"] == "1"
     monkeypatch.setattr(sys, "stdout", Log(tty=False))
-    env = rank_env(hw, 2)
-    assert env[TTY_ENV] == "0" and COLUMNS_ENV not in env
+    assert rank_env(hw, 2)[TTY_ENV] == "0"
+    monkeypatch.setattr(sys, "stdout", Log(tty=True))
+    monkeypatch.setenv(TTY_ENV, "0")  # a sweep point among concurrent ones
+    assert rank_env(hw, 2)[TTY_ENV] == "0"
+
+
+def drawn(rank_output: str, chunk: int = 7, label: bytes = b"") -> bytes:
+    """What the launcher's terminal shows of a rank's output, fed in chunks of ``chunk`` bytes."""
+    tap, screen = ProgressTap(), io.BytesIO()
+    bar = Bar(screen, prefix=label, frame_every_s=0.0)
+    data = rank_output.encode()
+    for i in range(0, len(data), chunk):
+        for part in tap.feed(data[i : i + chunk]):
+            bar.write(part) if isinstance(part, bytes) else bar.update(part)
+    bar.close()
+    return screen.getvalue()
+
+
+def test_the_tap_takes_records_out_in_order_whatever_the_chunks():
+    record = PROGRESS_RECORD + '{"n": 3, "total": 9, "text": "epoch 0"}\n'
+    output = "a line\n" + record + "@mpitrain: not a record\n50%|bar\r60%|bar\n" + record + "{bad\n"
+    output += PROGRESS_RECORD + "{bad json\nlast"
+    for chunk in (1, 2, 5, 64, 4096):
+        tap, parts, data = ProgressTap(), [], output.encode()
+        for i in range(0, len(data), chunk):
+            parts += tap.feed(data[i : i + chunk])
+        text = b"".join(p for p in parts if isinstance(p, bytes))
+        assert text == b"a line\n@mpitrain: not a record\n50%|bar\r60%|bar\n{bad\nlast", (chunk, text)
+        kinds = [type(p).__name__ for p in parts]
+        assert [p for p in parts if isinstance(p, dict)] == [{"n": 3, "total": 9, "text": "epoch 0"}] * 2
+        first, second = kinds.index("dict"), len(kinds) - 1 - kinds[::-1].index("dict")
+        before = b"".join(p for p in parts[:first] if isinstance(p, bytes))
+        between = b"".join(p for p in parts[first:second] if isinstance(p, bytes))
+        assert before == b"a line\n" and between.endswith(b"60%|bar\n"), (chunk, parts)
+
+
+def test_the_bar_fits_the_terminal_and_gives_way_to_other_lines(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    texts = {n: f"epoch 0, loss {1 / n:.4f}, 1,234 samples/s, ETA 00:{40 - n:02d}" for n in (1, 2)}
+    rank0 = "".join(progress_record(n, 40, text) for n, text in texts.items())
+    screen = drawn(rank0 + "epoch 0: val_acc 0.9\n" + progress_record(40, 40, "epoch 0, ETA 00:00", True))
+    frames = [f.decode() for f in BAR_UPDATE.findall(screen) if b"step " in f]
+    assert len(frames) == 4 and all(len(f) <= 59 for f in frames), frames  # 1, 2, 2 again below the line, 40
+    assert "step 2/40" in frames[2] and "step 40/40" in frames[3] and "|" in frames[3], frames
+    lines = screen.split(b"\n")
+    assert lines[0].endswith(ERASE + b"epoch 0: val_acc 0.9"), "the line erases the bar and takes its place"
+    assert screen.endswith(b"\n") and screen.count(b"step 40/40") == 1, screen
+    labelled = drawn(rank0, label=b"[3] ")
+    assert all(f.startswith(b"[3] ") and len(f) <= 59 for f in BAR_UPDATE.findall(labelled) if f)
 
 
 def run_meter(monkeypatch, tty: str | None, steps: int = 12, longer: int = 0, **kwargs) -> tuple[str, str]:
@@ -101,7 +133,7 @@ def run_meter(monkeypatch, tty: str | None, steps: int = 12, longer: int = 0, **
         monkeypatch.delenv(TTY_ENV, raising=False)
     else:
         monkeypatch.setenv(TTY_ENV, tty)
-    monkeypatch.setenv(COLUMNS_ENV, "72")
+    monkeypatch.setenv("COLUMNS", "72")  # the launcher's terminal
     terminal, log_file = Log(), Log()
     log = SimpleNamespace(write=lambda *a, **k: None)
     meter = Meter(CommStats(), 2, steps, log, log_every=5, terminal=terminal, log_file=log_file, **kwargs)
@@ -114,7 +146,11 @@ def run_meter(monkeypatch, tty: str | None, steps: int = 12, longer: int = 0, **
         meter.epoch_done()
         meter.echo(f"epoch {epoch}: val_acc 0.5")
     meter.close()
-    return terminal.getvalue(), log_file.getvalue()
+    out = terminal.getvalue()
+    if tty == "1" and kwargs.get("progress", True):  # the rank sends records; the launcher draws the bar
+        assert PROGRESS_RECORD in out and "\r" not in out, out
+        out = drawn(out).decode()
+    return out, log_file.getvalue()
 
 
 def test_bar_draws_with_carriage_returns_at_the_launchers_width(monkeypatch):
@@ -166,7 +202,8 @@ def test_the_runs_end_is_shown_when_another_worker_trained_its_last_chunk(monkey
     meter.reach(9, 0)  # not past what is shown: nothing new
     meter.reach(10, 0)
     meter.close()
-    shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+)", terminal.getvalue())]
+    out = terminal.getvalue() if tty == "0" else drawn(terminal.getvalue()).decode()
+    shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+)", out)]
     assert shown[-1] == (10, 10) and shown.count((10, 10)) == 1, shown
 
 
@@ -178,7 +215,7 @@ def test_nothing_drawn_with_progress_off(monkeypatch):
 STEPS = 20
 
 
-def progress_argv(run_dir: Path) -> list[str]:
+def progress_argv(run_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -187,13 +224,15 @@ def progress_argv(run_dir: Path) -> list[str]:
         "train.progress=true",
         "train.epochs=1",
         f"train.max_steps={STEPS}",
+        *extra,
     ]
 
 
-def read_until_exit(proc: subprocess.Popen, master: int, timeout: float) -> bytes:
-    """Everything written to the pseudo-terminal until the process ends (killed after ``timeout``)."""
-    out, deadline = bytearray(), time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def read_until_exit(proc: subprocess.Popen, master: int, timeout: float) -> list[tuple[float, bytes]]:
+    """Everything written to the pseudo-terminal until the process ends (killed after ``timeout``), as
+    (seconds since the start, bytes) in the order it came."""
+    out, start = [], time.monotonic()
+    while time.monotonic() < start + timeout:
         ready, _, _ = select.select([master], [], [], 0.5)
         if ready:
             try:
@@ -202,26 +241,29 @@ def read_until_exit(proc: subprocess.Popen, master: int, timeout: float) -> byte
                 break
             if not chunk:
                 break
-            out += chunk
+            out.append((time.monotonic() - start, chunk))
         elif proc.poll() is not None:
             break
     else:
         proc.kill()
-        pytest.fail(f"no exit within {timeout} s; output so far:\n{out.decode(errors='replace')}")
+        pytest.fail(f"no exit within {timeout} s; output so far:\n{b''.join(c for _, c in out)!r}")
     proc.wait(timeout=30)
-    return bytes(out)
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_bar_under_mpirun_in_a_terminal(tmp_path, pseudo_terminal):
+def test_bar_under_mpirun_in_a_terminal_is_live(tmp_path, pseudo_terminal):
+    """Frames reach the terminal while the epoch runs (mpirun forwards whole lines: the launcher draws),
+    at the terminal's width, and never reach the logs."""
     master, slave = pseudo_terminal
     set_size(slave, 30, 97)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("COLUMNS", None)
+    slow = ("simulate.straggler_ranks=[0,1]", "simulate.straggler_ms=150")  # an epoch of about 3 s
     proc = subprocess.Popen(
-        progress_argv(tmp_path / "run"),
+        progress_argv(tmp_path / "run", *slow),
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
         stdout=slave,
@@ -229,14 +271,28 @@ def test_bar_under_mpirun_in_a_terminal(tmp_path, pseudo_terminal):
         env=env,
     )
     os.close(slave)
-    out = read_until_exit(proc, master, timeout=240)
+    came = read_until_exit(proc, master, timeout=240)
+    out = b"".join(chunk for _, chunk in came)
     assert proc.returncode == 0, out.decode(errors="replace")
+    frames = [
+        (t, int(m.group(1)))
+        for t, chunk in came
+        for m in re.finditer(rb"\r\x1b\[K[^\r\n]*step (\d+)/", chunk)
+    ]
+    assert frames and frames[-1][1] == STEPS, out.decode(errors="replace")
+    during = sorted({step: t for t, step in frames if step < STEPS}.items())
+    assert len(during) >= 8, f"distinct frames before the last step: {during}"
+    spread = during[-1][1] - during[0][1]
+    assert spread >= 0.4 * STEPS * 0.15, f"the frames came together, not while the epoch ran: {during}"
+    assert all(t1 <= t2 for (_, t1), (_, t2) in zip(during, during[1:], strict=False)), during
     updates = [u.decode() for u in BAR_UPDATE.findall(out) if b"step " in u]
-    assert updates, out.decode(errors="replace")
     assert all(len(u) <= 97 for u in updates), updates
-    assert f"step {STEPS}/{STEPS}" in updates[-1] and "samples/s" in updates[-1], updates[-1]
-    log = (tmp_path / "run" / "logs" / "rank0.log").read_bytes()
-    assert b"epoch 0: " in log and not BAR_UPDATE.search(log), "rank 0's log holds no bar"
+    assert "samples/s" in updates[-1], updates[-1]
+    assert PROGRESS_RECORD.encode() not in out, "records are drawn, not shown"
+    for log in (tmp_path / "run" / "logs" / "rank0.log", tmp_path / "run" / "mpirun.log"):
+        text = log.read_bytes()
+        assert not BAR_UPDATE.search(text) and PROGRESS_RECORD.encode() not in text, log
+    assert b"epoch 0: " in (tmp_path / "run" / "logs" / "rank0.log").read_bytes()
 
 
 @pytest.mark.slow

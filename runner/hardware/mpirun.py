@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
-from runner.run_folder import COLUMNS_ENV, TTY_ENV
+from runner.run_folder import TTY_ENV
 
 if TYPE_CHECKING:
     from runner.hardware.base import HardwareConfig
@@ -91,12 +91,10 @@ def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
 
 def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
     """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
-    output is a terminal and its width (``MPITRAIN_TTY``, ``MPITRAIN_COLUMNS``: the ranks' own
-    pseudo-terminals say 0×0 either way; :mod:`runner.rank.meter` draws its bar by them), ``hardware.env``."""
+    output is a terminal (``MPITRAIN_TTY``: the ranks' own pseudo-terminals say 0×0 either way; rank 0 then
+    sends progress records for the launcher's bar, :mod:`runner.rank.meter`), ``hardware.env``."""
     tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get(TTY_ENV) != "0"
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", TTY_ENV: str(int(tty))}
-    if tty:
-        env[COLUMNS_ENV] = str(shutil.get_terminal_size().columns)
     env.update(hw.env)
     if gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = the PCI order the plan's GPU indices use

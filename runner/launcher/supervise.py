@@ -3,9 +3,10 @@
 The job runs in a session of its own, so nothing reaches it but what the launcher sends:
 
 - **Output.** Everything the job prints goes to ``mpirun.log`` as it comes; the terminal gets the same
-  bytes (progress bars included) less what would bury the cause under noise: Open MPI's abort banners
-  (``MPI_ABORT was invoked``, ``prterun has exited due to ...``, ``... noticed that process rank``),
-  Python tracebacks and the ranks' own ``rank N failed:`` lines. The launcher's last line names the cause.
+  bytes less what would bury the cause under noise: Open MPI's abort banners (``MPI_ABORT was invoked``,
+  ``prterun has exited due to ...``, ``... noticed that process rank``), Python tracebacks and the ranks'
+  own ``rank N failed:`` lines. The launcher's last line names the cause. Rank 0's progress records go to
+  neither: the launcher draws the progress bar from them (:mod:`runner.launcher.progress`).
 - **Signals.** SIGTERM, SIGUSR1 (Slurm's ``--signal``, ``scancel``) and SIGINT (Ctrl-C) write
   ``RUN_DIR/STOP`` holding the signal's name; the ranks then finish their step, write a checkpoint and
   exit. A second signal, or :data:`GRACE_S` without the job ending, ends it at once.
@@ -21,7 +22,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from runner.launcher.echo import EchoFilter
+from runner.launcher.progress import Bar, ProgressTap
 from runner.launcher.watchdog import Stall, read_beats, stall_check
 from runner.run_folder import LOGS, MPIRUN_LOG, STOP, write_atomic
 
@@ -66,7 +67,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _say(text: str) -> None:
+def _log(text: str) -> None:
     logging.getLogger("runner").warning(text)
 
 
@@ -96,6 +97,8 @@ class Supervisor:
         self.next_watch = 0.0
         self.failed_since: float | None = None
         self.filter = EchoFilter()
+        self.tap = ProgressTap()
+        self.bar = Bar(prefix=self.prefix)
 
     def run(self) -> Outcome:
         """Run the job to its end and say how it ended. Any exception here ends the job first."""
@@ -132,9 +135,13 @@ class Supervisor:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         if status == 0 and self.filter.tracebacks:
-            _say(f"the job printed {self.filter.tracebacks} Python traceback(s): see mpirun.log")
+            self._say(f"the job printed {self.filter.tracebacks} Python traceback(s): see mpirun.log")
         first = self.signals[0] if self.signals else None
         return Outcome(status, first, self.interrupted, self.stall, log_start)
+
+    def _say(self, text: str) -> None:
+        """One of the launcher's own lines, above the progress bar."""
+        self.bar.above(lambda: _log(text))
 
     def _install_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -152,7 +159,7 @@ class Supervisor:
         except OSError as err:
             self._end(f"{name}, and the ranks could not be told to stop ({err})", interrupted=True)
             return
-        _say(
+        self._say(
             f"{name}: the ranks will checkpoint and stop after their current step; a second signal, or "
             f"{GRACE_S:.0f} s without the job ending, ends it at once"
         )
@@ -191,7 +198,7 @@ class Supervisor:
             return
         warning = stall_check(beats, now, self.launch_time, self.stall_timeout / 2)
         if warning is not None and self.warned is None:
-            _say(
+            self._say(
                 f"warning: {warning.message}; the job is ended after {self.stall_timeout:.0f} s without "
                 "progress (train.stall_timeout)"
             )
@@ -200,7 +207,7 @@ class Supervisor:
     def _end(self, reason: str, interrupted: bool = False) -> None:
         if interrupted:
             self.interrupted = reason
-        _say(f"ending the job: {reason}")
+        self._say(f"ending the job: {reason}")
         self.ending_since = time.time()
         self._signal_group(signal.SIGTERM)
 
@@ -221,19 +228,28 @@ class Supervisor:
             log = open(self.run_dir / MPIRUN_LOG, "ab")
         except OSError as err:
             log = None
-            _say(f"cannot write {self.run_dir / MPIRUN_LOG}: {err}; the output goes to the terminal only")
+            self._say(
+                f"cannot write {self.run_dir / MPIRUN_LOG}: {err}; the output goes to the terminal alone"
+            )
         fd = self.proc.stdout.fileno()
-        while chunk := os.read(fd, 65536):
-            if log is not None:
+        while data := os.read(fd, 65536):
+            parts = self.tap.feed(data)
+            chunk = b"".join(p for p in parts if isinstance(p, bytes))
+            if log is not None and chunk:
                 try:
                     log.write(chunk)
                     log.flush()
                 except OSError as err:
-                    _say(f"cannot write {self.run_dir / MPIRUN_LOG}: {err}; it stops here")
+                    self._say(f"cannot write {self.run_dir / MPIRUN_LOG}: {err}; it stops here")
                     _close_quietly(log)
                     log = None
-            self._echo(self.filter.feed(chunk))
+            for part in parts:
+                if isinstance(part, bytes):
+                    self._echo(self.filter.feed(part))
+                else:
+                    self.bar.update(part)
         self._echo(self.filter.flush())
+        self.bar.close()
         if log is not None:
             _close_quietly(log)
 
@@ -248,11 +264,7 @@ class Supervisor:
                 for i, line in enumerate(lines)
             )
             self.line_start = data.endswith(b"\n")
-        try:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
-        except (OSError, ValueError):
-            pass
+        self.bar.write(data)
 
 
 def _close_quietly(stream: BinaryIO) -> None:

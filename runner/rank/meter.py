@@ -1,20 +1,23 @@
-"""Step accounting for the training loop: timing, the logging window, the progress bar and echoed lines.
+"""Step accounting for the training loop: timing, the logging window, the progress records and echoed lines.
 
 A step's time is split into data wait (until the batch arrived), exposed communication (seconds the rule
 spent inside the communication layer during the step, so overlapped communication that does not hold the
 step up is not counted) and compute (the rest).
 
 Rank 0 shows the run's progress (step/total, epoch, loss, samples/s of all workers, ETA) as :func:`display`
-decides. Open MPI gives every rank a pseudo-terminal of 0×0 columns whatever the launcher's output is, so
-the rank cannot tell a terminal from a pipe by itself: the launcher says (:data:`TTY_ENV`,
-:data:`COLUMNS_ENV`, set by :func:`runner.hardware.mpirun.rank_env`). To a terminal the rank draws a bar
-(``\\r`` updates, at most two a second); to anything else (a pipe, a file, CI logs) a plain line every
-:data:`LINE_EVERY_S` seconds and at the end of every epoch. The bar and these lines go to the terminal
-stream only, never to the rank's log file; :meth:`Meter.echo`'s lines go to both.
+decides. Open MPI gives every rank a pseudo-terminal of 0×0 columns whatever the launcher's output is, and
+forwards a rank's output one whole line at a time, so the rank neither knows the terminal nor could draw a
+live bar on it: the launcher says (:data:`TTY_ENV`, set by :func:`runner.hardware.mpirun.rank_env`). To a
+terminal, rank 0 writes a progress record line (:data:`PROGRESS_RECORD`) at most every
+:data:`RECORD_EVERY_S` seconds and the launcher draws the bar from them (:mod:`runner.launcher.progress`);
+to anything else (a pipe, a file, CI logs) a plain line every :data:`LINE_EVERY_S` seconds and at the end
+of every epoch. Records and lines go to the terminal stream only, never to the rank's log file;
+:meth:`Meter.echo`'s lines go to both.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,56 +28,34 @@ from tqdm import tqdm
 
 from runner.comm import CommStats
 from runner.rank.metrics import MetricsLog
-from runner.run_folder import COLUMNS_ENV, TTY_ENV
+from runner.run_folder import PROGRESS_RECORD, TTY_ENV
 
 #: Seconds between two progress lines when the output is not a terminal.
 LINE_EVERY_S = 30.0
-#: Columns of the bar when no width is known.
-DEFAULT_COLUMNS = 100
-BAR_FORMAT = "{percentage:3.0f}%|{bar}| step {n_fmt}/{total_fmt}{postfix}"
+#: Seconds between two progress records for the launcher's bar.
+RECORD_EVERY_S = 0.2
 
 
 @dataclass(frozen=True)
 class Display:
-    """How progress is shown: ``bar`` (of ``width`` columns), ``lines`` (plain, now and then), ``none``."""
+    """How progress is shown: ``bar`` (records for the launcher's bar), ``lines`` (plain, now and then),
+    ``none``."""
 
     mode: str
-    width: int = 0
 
 
 def display(progress: bool, terminal: TextIO | None, environ: Mapping[str, str] = os.environ) -> Display:
-    """How to show progress on ``terminal`` (``None``: this rank shows none) with ``train.progress``.
-
-    The launcher's word (:data:`TTY_ENV`, :data:`COLUMNS_ENV`) decides; without it (a worker started by
-    hand) the stream's own ``isatty()`` and size, where a size of 0 (Open MPI's pseudo-terminals) or none
-    gives ``COLUMNS`` or :data:`DEFAULT_COLUMNS`.
-    """
+    """How to show progress on ``terminal`` (``None``: this rank shows none) with ``train.progress``: a bar
+    when the launcher says its output is a terminal (:data:`TTY_ENV`), plain lines otherwise (also for a
+    worker started by hand: no launcher draws its bar)."""
     if not progress or terminal is None:
         return Display("none")
-    said = environ.get(TTY_ENV)
-    if said is not None:
-        tty = said.strip() == "1"
-        try:
-            width = int(environ.get(COLUMNS_ENV) or 0)
-        except ValueError:
-            width = 0
-    else:
-        isatty = getattr(terminal, "isatty", None)
-        tty = bool(isatty and isatty())
-        width = own_width(terminal, environ) if tty else 0
-    if not tty:
-        return Display("lines")
-    return Display("bar", width if width > 0 else DEFAULT_COLUMNS)
+    return Display("bar" if environ.get(TTY_ENV, "").strip() == "1" else "lines")
 
 
-def own_width(terminal: TextIO, environ: Mapping[str, str] = os.environ) -> int:
-    """``COLUMNS``, else the width of ``terminal``'s terminal, else 0 (none, or a 0×0 pseudo-terminal)."""
-    if environ.get("COLUMNS", "").isdigit():
-        return int(environ["COLUMNS"])
-    try:
-        return os.get_terminal_size(terminal.fileno()).columns
-    except (AttributeError, OSError, ValueError):
-        return 0
+def progress_record(step: int, total: int, text: str, final: bool = False) -> str:
+    """The record line the launcher draws the bar from (:mod:`runner.launcher.progress`)."""
+    return PROGRESS_RECORD + json.dumps({"n": step, "total": total, "text": text, "final": final}) + "\n"
 
 
 def progress_text(epoch: int, loss: float, samples_s: float, eta_s: float | None) -> str:
@@ -129,6 +110,7 @@ class Timing:
 class Meter:
     """Times the steps of a run, writes a ``step`` record every ``log_every`` steps, and shows rank 0's
     progress on ``terminal`` (:func:`display`; ``line_every_s``: seconds between plain lines).
+    The last progress of an epoch and of the run is always written.
 
     ``batches(loader)`` yields the loader's batches and starts each step's clock; ``step_done`` closes it.
     """
@@ -149,23 +131,14 @@ class Meter:
         self.terminal, self.log_file = terminal, log_file
         self.total_steps, self.line_every_s = total_steps, line_every_s
         self.display = display(progress, terminal)
-        self.bar: tqdm | None = None
-        if self.display.mode == "bar":
-            self.bar = tqdm(
-                total=total_steps,
-                file=terminal,
-                ncols=self.display.width,
-                dynamic_ncols=False,
-                mininterval=0.5,
-                bar_format=BAR_FORMAT,
-                leave=True,
-            )
+        self.every_s = RECORD_EVERY_S if self.display.mode == "bar" else line_every_s
         self.total, self.epoch, self.window = Timing(), Timing(), Timing()
         self._resumed = False
         self._ready = self._arrived = 0.0
         self._comm0 = 0.0
         self._start, self._first_step = time.monotonic(), 0
-        self._last_line, self._line = self._start, ""
+        self._last_line = self._start if self.display.mode == "lines" else 0.0  # a bar: at the first step
+        self._pending: tuple[int, int, float, float, float | None] | None = None  # step epoch loss rate eta
         self._loss: float | None = None  # the last step's, for progress shown between steps
         self._shown = 0  # the last step shown
 
@@ -177,15 +150,10 @@ class Meter:
         self.total, self.epoch, self.window = (Timing(**state[k]) for k in ("total", "epoch", "window"))
         self._resumed = mid_epoch
         self._start, self._first_step = time.monotonic(), step
-        if self.bar is not None:
-            self.bar.update(step)
 
     def replan(self, total_steps: int) -> None:
         """The run will take ``total_steps`` steps after all (survivors of a lost worker: longer epochs)."""
         self.total_steps = total_steps
-        if self.bar is not None:
-            self.bar.total = total_steps
-            self.bar.refresh()
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The batches of one epoch; the time waiting for each one counts as data wait."""
@@ -233,41 +201,35 @@ class Meter:
         done, elapsed = step - self._first_step, clock - self._start
         eta = (self.total_steps - step) * elapsed / done if done > 0 and step <= self.total_steps else None
         rate = self.epoch.samples * self.world / max(self.epoch.total, 1e-9)
-        if self.bar is not None:
-            self.bar.set_postfix_str(progress_text(epoch, loss, rate, eta), refresh=False)
-            self.bar.update(max(0, step - self.bar.n))
-            return
-        self._line = progress_line(step, self.total_steps, epoch, loss, rate, eta)
-        if clock - self._last_line >= self.line_every_s:
-            self._write_line()
+        self._pending = (step, epoch, loss, rate, eta)
+        if clock - self._last_line >= self.every_s:
+            self._write_pending()
 
-    def _write_line(self) -> None:
-        if self._line and self.terminal is not None:
-            self.terminal.write(self._line + "\n")
+    def _write_pending(self, final: bool = False) -> None:
+        if self._pending is not None and self.terminal is not None:
+            step, epoch, loss, rate, eta = self._pending
+            if self.display.mode == "bar":
+                text = progress_record(step, self.total_steps, progress_text(epoch, loss, rate, eta), final)
+            else:
+                text = progress_line(step, self.total_steps, epoch, loss, rate, eta) + "\n"
+            self.terminal.write(text)
             self.terminal.flush()
-        self._line, self._last_line = "", time.monotonic()
+        self._pending, self._last_line = None, time.monotonic()
 
     def epoch_done(self) -> Timing:
-        """Close the epoch (writing its last progress line, when lines are shown); returns its timing (also
-        added to the run's total)."""
+        """Close the epoch (writing its last progress); returns its timing (also added to the run's total)."""
         self.total.add(self.epoch)
-        if self.display.mode == "lines":
-            self._write_line()
+        self._write_pending(final=True)
         return self.epoch
 
     def echo(self, text: str) -> None:
-        """A line for this rank's log and, on rank 0, for the terminal (above the progress bar)."""
+        """A line for this rank's log and, on rank 0, for the terminal (drawn above the launcher's bar)."""
         if self.log_file is not None:
             self.log_file.write(text + "\n")
-        if self.bar is not None:
-            self.bar.write(text, file=self.terminal)
-        elif self.terminal is not None:
+        if self.terminal is not None:
             self.terminal.write(text + "\n")
             self.terminal.flush()
 
     def close(self) -> None:
-        """End the bar (it stays on the screen), or write the last progress line not yet written."""
-        if self.bar is not None:
-            self.bar.close()
-        elif self.display.mode == "lines":
-            self._write_line()
+        """Write the last progress not yet written."""
+        self._write_pending(final=True)
