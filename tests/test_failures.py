@@ -354,3 +354,14 @@ def test_job_ended_survives_pickling_as_a_sweep_point_sends_it_back():
     for err in (JobEnded("diverged at step 3", "diverged"), RunFolderError("disk full")):
         back = pickle.loads(pickle.dumps(err))
         assert (type(back), str(back), back.status, back.code) == (type(err), str(err), err.status, err.code)
+
+
+def test_a_finite_loss_that_exploded_is_a_divergence_named_with_its_rule():
+    from runner.rank.guard import collapse
+
+    assert collapse(50.0, 1.0, 100.0) is None and collapse(1e9, 1.0, None) is None
+    why = collapse(212.4, 1.093, 100.0)
+    assert why is not None and "212.4" in why and "194x" in why and "train.diverge_at=100" in why, why
+    assert collapse(float("inf"), 1.0, None) == "validation loss inf"
+    assert "nan" in collapse(float("nan"), 1.0, 100.0)
+    assert collapse(5.0, 0.0, 100.0) is None, "a first loss of 0 gives no scale"

@@ -269,6 +269,32 @@ def test_a_sweep_with_a_failed_point_still_leaves_its_report(tmp_path):
     assert "- **model=exploding** (failed, " in md and "RuntimeError: injected failure" in md
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_collapsed_sweep_point_ends_diverged_and_the_report_says_why(tmp_path):
+    """EASGD with alpha=0.9 and lr=0.1 on 2 workers: the loss explodes while finite (val_loss 1.09 after
+    epoch 0, 212 after epoch 3, 2.4e9 after epoch 9); it used to end ``ok``, exit 0."""
+    sweep = tmp_path / "sweep"
+    overrides = ["rule=easgd", "rule.alpha=0.1,0.9", "optim.lr=0.1", "train.epochs=6"]
+    run = run_cli(sweep, *overrides, multirun=True, timeout=280)
+    assert run.returncode == 3, run.output
+    healthy, collapsed = (json.loads((sweep / str(job) / "summary.json").read_text()) for job in (0, 1))
+    assert healthy["status"] == "ok" and healthy["final_val_acc"] > 0.9, healthy
+    assert collapsed["status"] == "diverged" and collapsed["exit_status"] == 3, collapsed
+    first = collapsed["validations"][0]["val_loss"]
+    step = int(re.search(r"step (\d+): validation loss", collapsed["error"]).group(1))
+    last = next(v for v in collapsed["validations"] if v["step"] == step)
+    assert last["val_loss"] > 100 * first and all(
+        v["val_loss"] <= 100 * first for v in collapsed["validations"][:-1]
+    )
+    assert "train.diverge_at=100" in collapsed["error"] and "no checkpoint was written" in collapsed["error"]
+    md = (sweep / "report.md").read_text()
+    assert "- **rule.alpha=0.9** (diverged, " in md and "train.diverge_at" in md, md
+    rows = list(csv.DictReader(open(sweep / "report.csv", newline="")))
+    assert {r["rule.alpha"]: r["status"] for r in rows} == {"0.1": "ok", "0.9": "diverged"}
+
+
 def test_the_report_compares_the_runs_monitored_metric_by_default(tmp_path):
     """Runs that monitored val_loss (a regression, say) are compared on it, lowest first."""
     sweep = tmp_path / "sweep"

@@ -155,6 +155,7 @@ def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
     index = json.loads((run.dir / "checkpoints/checkpoint.json").read_text())["checkpoints"]
     step = int(re.search(r"step (\d+)", s["error"]).group(1))
     assert index and index[-1]["step"] < step
+    assert f"its last good checkpoint (after step {index[-1]['step']}) is kept" in s["error"], s["error"]
     part = torch.load(run.dir / "checkpoints" / index[-1]["dir"] / "rank0.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in part["model"].values() if v.is_floating_point())
 
@@ -172,3 +173,4 @@ def test_skip_drops_a_non_finite_step_on_every_rank_and_trains_on(tmp_path):
     stopped = run_cli(tmp_path / "stop", searchpath, "model=nan_once", "train.epochs=3")
     assert stopped.returncode == 3 and stopped.summary["status"] == "diverged"
     assert "at step 5 on rank" in stopped.summary["error"]
+    assert "no checkpoint was written before it" in stopped.summary["error"], "none was: none is kept"

@@ -3,7 +3,8 @@ sweep point).
 
 This process composes, checks, starts and supervises; it imports neither torch nor MPI. Its exit status
 says how a single run ended (the table is :mod:`runner.launcher.launch`'s): 0 ok, 1 failed, 2 invalid input
-(Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted.
+(Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted. A sweep runs
+every point whatever the others did, and exits with the status of its first point that did not end ok.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,6 +32,8 @@ from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
 from runner.schema.identity import concurrent_points, identity, sweep_overrides
 
 log = logging.getLogger("runner")
+#: The sweep points that did not end ok, as (name, status, exit status), in the order they ended.
+NOT_OK: list[tuple[str, str, int]] = []
 register()
 register_help()
 # A log file that cannot be written (full disk) must not print a traceback per message: the console
@@ -60,17 +64,23 @@ def main(cfg: DictConfig) -> float:
             cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
             ident = None
         summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
-    except (ValueError, OmegaConfBaseException) as err:
-        if single:  # a user error, named with its key and fix: no traceback
-            log.error("invalid input, nothing was started: %s", err)
-            raise SystemExit(EXIT["invalid"]) from None
-        raise
+    except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix
+        log.error("invalid input, nothing was started: %s", err)
+        return not_ok(single, ident, "invalid", EXIT["invalid"])
     except JobEnded as err:
         (log.warning if err.status == "preempted" else log.error)("job %s: %s", err.status, err)
-        if single:
-            raise SystemExit(err.code) from None
-        raise
+        return not_ok(single, ident, err.status, err.code)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
+
+
+def not_ok(single: bool, ident: dict[str, Any] | None, status: str, code: int) -> float:
+    """A run that did not end ok: a single run exits with its status at once; a sweep point is recorded
+    (the sweep exits with it after its other points) and gives the sweeper NaN (Optuna: a failed trial),
+    not an exception, which would stop the sweep with a traceback."""
+    if single:
+        raise SystemExit(code) from None
+    NOT_OK.append((ident["name"] if ident else "?", status, code))
+    return float("nan")
 
 
 def evaluate(cfg: DictConfig) -> float:
@@ -119,6 +129,10 @@ def run() -> None:
         sys.argv[0] = "mpitrain"  # python -m runner: named as Hydra's help and completion name it
     try:
         main()
+        if NOT_OK:
+            ended = ", ".join(f"{name} {status}" for name, status, _ in NOT_OK)
+            log.error("%d sweep point(s) did not end ok: %s", len(NOT_OK), ended)
+            sys.exit(NOT_OK[0][2])
     except SystemExit as done:
         if done.code == 1 and invalid_input(done.__context__):
             raise SystemExit(EXIT["invalid"]) from None

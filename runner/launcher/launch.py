@@ -15,7 +15,8 @@ exit  status       meaning
                    could not write the run folder
 2     (none)       invalid input: a config that does not compose or does not pass the checks; nothing
                    was started (no summary.json)
-3     diverged     a non-finite loss or gradient with ``train.on_nonfinite=stop``
+3     diverged     a non-finite loss or gradient with ``train.on_nonfinite=stop``, or a validation loss
+                   above ``train.diverge_at`` times the run's first
 4     stalled      a rank made no progress for ``train.stall_timeout`` seconds; the stuck ranks are named
 5     preempted    stopped by SIGTERM, SIGUSR1 or SIGINT after writing a checkpoint: resumable
 130   interrupted  stopped by a signal without a final checkpoint (a second signal, or the ranks did not

@@ -4,11 +4,13 @@
 gradients decide alike; :class:`Guard` decides before each optimizer step whether the step may be applied
 (``train.on_nonfinite``: stop the run as diverged, or skip the step everywhere), keeps the BatchNorm
 statistics a dropped or redone step must not leave behind, and refuses to checkpoint a model that is no
-longer finite.
+longer finite. :func:`collapse` calls a run diverged whose validation loss, though finite, exploded
+(``train.diverge_at``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,7 +36,21 @@ def poisoned(loss: torch.Tensor, buffers: list[torch.Tensor], scale: float = 1.0
 
 
 class Diverged(RuntimeError):
-    """A non-finite loss or gradient with ``train.on_nonfinite=stop``: the job ends with status diverged."""
+    """A non-finite loss or gradient with ``train.on_nonfinite=stop``, or a validation loss that exploded
+    (``train.diverge_at``): the job ends with status diverged."""
+
+
+def collapse(loss: float, first: float, factor: float | None) -> str | None:
+    """Why a validation ``loss`` means the run diverged (None: it does not): not finite, or above
+    ``factor`` times the run's ``first`` validation loss (``factor`` None: only when not finite)."""
+    if not math.isfinite(loss):
+        return f"validation loss {loss}"
+    if factor is not None and first > 0 and loss > factor * first:
+        return (
+            f"validation loss {loss:.4g}, {loss / first:,.0f}x the run's first ({first:.4g}), above "
+            f"train.diverge_at={factor:g}"
+        )
+    return None
 
 
 class Guard:
@@ -59,6 +75,7 @@ class Guard:
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.keeping, self.fp16, self.echo, self.rank = keep and bool(self.buffers), fp16, echo, rank
         self.kept: list[torch.Tensor] = []
+        self.checkpointed: int | None = None  # the step of the last checkpoint written (or resumed from)
         self.skipped = 0  # steps dropped for a non-finite loss, gradient or statistic
         self.overflows = 0  # fp16 steps skipped because the scaled gradients overflowed
 
@@ -89,7 +106,7 @@ class Guard:
         if self.on_nonfinite == "stop":
             raise Diverged(
                 f"non-finite {what} at step {step + 1} on rank {self.rank()}; lower optim.lr, or "
-                "train.on_nonfinite=skip to drop such steps; the last good checkpoint is kept"
+                f"train.on_nonfinite=skip to drop such steps; {self.kept_checkpoint()}"
             )
         self.skipped += 1
         self.optimizer.zero_grad(set_to_none=False)
@@ -122,6 +139,12 @@ class Guard:
         if not bool(torch.isfinite(norm(tensors))):
             bad = next(k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all())
             raise Diverged(
-                f"non-finite {bad} after step {step} on rank {self.rank()}; lower optim.lr; the last good "
-                "checkpoint is kept"
+                f"non-finite {bad} after step {step} on rank {self.rank()}; lower optim.lr; "
+                + self.kept_checkpoint()
             )
+
+    def kept_checkpoint(self) -> str:
+        """What of the run is kept when it diverges now, for the message."""
+        if self.checkpointed is None:
+            return "no checkpoint was written before it"
+        return f"its last good checkpoint (after step {self.checkpointed}) is kept"

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from runner.comm import Comm, PeerLost
 from runner.rank.assignment import CHUNKS_PER_WORKER, Dealer, Meetings, dealing_state, redeal, val_chunks
 from runner.rank.checkpoint import Control, rng_state, set_rng_state
-from runner.rank.guard import Guard, poisoned
+from runner.rank.guard import Diverged, Guard, collapse, poisoned
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.meter import Meter
 from runner.rank.metrics import MetricsLog
@@ -121,6 +121,7 @@ class Trainer:
             self.model, self.optimizer, self.rule, cfg.on_nonfinite, keep, fp16, self.meter.echo, rank
         )
         self.history: list[dict[str, float]] = []
+        self.first_val_loss: float | None = None  # the reference of train.diverge_at
         self.preempted = False
         self.first_step, self.last_loss = 0, float("nan")
         # dynamic assignment (data.assignment): the dealer of this worker's chunks, the epoch's meetings
@@ -370,6 +371,7 @@ class Trainer:
             "validation": self.history[-1] if self.history else None,
         }
         self.control.checkpointer.save(step, state, info)
+        self.guard.checkpointed = step
         self.meter.echo(f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})")
 
     def state_dict(self) -> dict[str, Any]:
@@ -401,6 +403,7 @@ class Trainer:
         start = Position(loop["step"], loop["epoch"], loop["batch"])
         self.load_state_dict(loop, start.step, mid_epoch=start.batch > 0)
         set_rng_state(part["rng"])
+        self.guard.checkpointed = start.step
         return start
 
     def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
@@ -445,6 +448,7 @@ class Trainer:
         self.log.write("val", pos.step, epoch=pos.epoch, alone=True, **record)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
         self.meter.echo(f"epoch {pos.epoch} (in progress): {shown}")
+        self.check_collapse(record.get("val_loss"), pos.step)
         self.model.train()
 
     def validate(self, epoch: int, step: int) -> nn.Module:
@@ -459,7 +463,23 @@ class Trainer:
         self.history.append(record)
         self.log.write("val", step, epoch=epoch, **record)
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
+        self.check_collapse(record.get(f"{self.reported_prefix}val_loss"), step)
         return next(iter(models.values()))
+
+    def check_collapse(self, loss: float | None, step: int) -> None:
+        """End the run as diverged when the reported model's validation ``loss`` (None: the task has none)
+        is not finite or exploded against the run's first (``train.diverge_at``)."""
+        if loss is None:
+            return
+        if self.first_val_loss is None:
+            first = self.history[0].get(f"{self.reported_prefix}val_loss") if self.history else None
+            self.first_val_loss = loss if first is None else first
+        why = collapse(loss, self.first_val_loss, self.cfg.diverge_at)
+        if why is not None:
+            raise Diverged(
+                f"step {step}: {why}: the run collapsed; lower optim.lr or change the rule's settings, or "
+                f"train.diverge_at=null to train on; {self.guard.kept_checkpoint()}"
+            )
 
     def close(self) -> None:
         """Stop the loaders' background processes (the worker then leaves without Python's teardown,

@@ -30,6 +30,7 @@ class TrainConfig:
     progress: bool = True
     same_init: bool = True
     on_nonfinite: str = "stop"
+    diverge_at: float | None = 100.0
     stall_timeout: float | None = 300.0
     precision: str = "fp32"
     accumulate: int = 1
@@ -57,6 +58,13 @@ class TrainConfig:
         )
         one_of("save_model", self.save_model, ("rank0", "all", "none"))
         one_of("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        require(
+            self.diverge_at is None or (math.isfinite(self.diverge_at) and self.diverge_at > 1),
+            "diverge_at",
+            self.diverge_at,
+            "a multiple of the run's first validation loss, > 1 (e.g. 100), or null to never call a finite "
+            "loss diverged",
+        )
         require(
             self.stall_timeout is None or self.stall_timeout > 0,
             "stall_timeout",
