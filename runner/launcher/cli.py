@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.launcher.help import CONF, PRIMARY, register_help
 from runner.launcher.launch import JobEnded, launch
+from runner.launcher.lock import RunFolderLock
 from runner.launcher.register import register
 from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
 from runner.schema.identity import concurrent_points, identity, sweep_overrides
@@ -58,12 +59,15 @@ def main(cfg: DictConfig) -> float:
     try:
         if cfg.eval:
             return evaluate(cfg)
-        if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
-            from runner.launcher.resume import resume_config
+        if cfg.resume:
+            run_dir = Path(cfg.resume).expanduser()
+        with RunFolderLock(run_dir, fresh=not cfg.resume):  # one job per run folder
+            if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
+                from runner.launcher.resume import resume_config
 
-            cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
-            ident = None
-        summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
+                cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
+                ident = None
+            summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
     except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix
         log.error("invalid input, nothing was started: %s", err)
         return not_ok(single, ident, "invalid", EXIT["invalid"])
