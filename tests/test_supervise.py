@@ -74,6 +74,13 @@ def test_the_echo_hides_abort_banners_tracebacks_and_failed_lines_whatever_the_c
     assert echo(b"rank 0/2 on vm, cores [0]\nranking 3\n", chunk) == b"rank 0/2 on vm, cores [0]\nranking 3\n"
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 6])
+def test_the_echo_leaves_mpiruns_binding_reports_to_the_log(chunk):
+    bindings = b"[vm:10789] Rank 0 bound to package[0][core:L0]\n[node7:42] MCW rank 1 is not bound\n"
+    kept = b"[rule.alpha=0.9] a labelled line\n[1, 2] a list\n"
+    assert echo(bindings + kept + bindings, chunk) == kept
+
+
 @pytest.mark.parametrize("chunk", [None, 1, 5])
 def test_the_echo_hides_open_mpis_notes_on_revoked_collectives(chunk):
     note = b"NBC_Progress: an error 77 was found during schedule 0x56 - aborting the schedule\n"

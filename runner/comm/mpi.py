@@ -529,7 +529,8 @@ def abort(status: int = 1) -> None:
 
 def versions() -> dict[str, str]:
     """The versions of mpi4py and of the MPI library this process runs with."""
-    return {"mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().strip().splitlines()[0]}
+    library = MPI.Get_library_version().replace("\0", "").strip()  # Open MPI's ends with a NUL
+    return {"mpi4py": mpi4py.__version__, "mpi": library.splitlines()[0]}
 
 
 def wait_all(requests: Sequence[Request]) -> None:

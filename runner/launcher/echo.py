@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import re
+
+
+class ConsoleFormatter(logging.Formatter):
+    """The launcher's console lines (``conf/hydra/job_logging/mpitrain.yaml``): the message alone, its level
+    first when it is not INFO (``warning: ...``, ``error: ...``); the time and the logger go to the log file."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno == logging.INFO else f"{record.levelname.lower()}: {text}"
 
 
 class EchoFilter:
     """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks, the
-    ranks' ``rank N failed:`` lines and Open MPI's notes on revoked collectives (all kept in ``mpirun.log``).
+    ranks' ``rank N failed:`` lines, Open MPI's notes on revoked collectives and its ``--report-bindings``
+    lines (rank 0 says where the ranks run in one line; all are kept in ``mpirun.log``).
 
     Works on the raw chunks: a line is held back only while it could still be the start of something
     hidden, so progress bars (``\\r`` updates without a newline) pass at once. A dashed line is held until
@@ -29,7 +40,9 @@ class EchoFilter:
     #: Open MPI's notes on non-blocking collectives cut short when survivors of a lost rank revoke them
     #: (fault tolerance), each followed by an empty line: the runner says what happened instead.
     REVOKED = b"NBC_Progress: an error"
-    STARTS = (*TRACEBACK, b"rank ", REVOKED)
+    #: ``--report-bindings``: ``[host:pid] Rank 0 bound to package[0][core:L0]`` (older: ``MCW rank 0``).
+    BINDING = re.compile(rb"^\[[^\]]*:\d+\] (?:Rank|MCW rank) \d+ (?:bound|is not bound)")
+    STARTS = (*TRACEBACK, b"rank ", REVOKED, b"[")
 
     def __init__(self) -> None:
         self.line = b""
@@ -102,5 +115,7 @@ class EchoFilter:
             self.tracebacks += text.startswith(self.TRACEBACK[0])
             return b""
         if text.startswith(b"rank ") and b" failed: " in text and text[5:].split(b" ", 1)[0].isdigit():
+            return b""
+        if self.BINDING.match(text):
             return b""
         return line

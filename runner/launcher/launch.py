@@ -228,7 +228,7 @@ def launch(
     log.info("run folder: %s", run_dir)
     if planned.warning:
         log.warning(planned.warning)
-    log.info("starting: %s", shlex.join(argv))
+    log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
     start = time.time()
     supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout, label)
     try:
