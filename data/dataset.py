@@ -157,10 +157,16 @@ class DatasetConfig(DataConfig):
                 f"{self.named('train')} returned {describe(train)}: give a map-style Dataset (with "
                 "__len__ and __getitem__), or a function returning one or a (train, val) pair"
             )
+        if len(train) == 0:
+            raise ValueError(f"{self.named('train')} returned an empty data set (0 samples): check its files")
         if has_val:
             val = self.call("val")
             if not is_dataset(val) or is_pair(val):
                 raise ValueError(f"{self.named('val')} returned {describe(val)}: give a map-style Dataset")
+            if len(val) == 0:
+                raise ValueError(
+                    f"{self.named('val')} returned an empty data set (0 samples): check its files"
+                )
             return train, val, "val"
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.split_seed)).tolist()
         cut = round(len(train) * self.val_fraction)

@@ -93,6 +93,19 @@ def read_meta(root: str) -> dict[str, Any]:
             f"root={root!r} is invalid: {folder / 'meta.json'} is not the meta.json "
             f"`python -m runner.data.convert` writes ({type(err).__name__}: {err})"
         ) from None
+    for split in ("train", "val"):  # the arrays' headers (memory maps: nothing is read)
+        path = folder / f"{split}_x.npy"
+        try:
+            shape = np.load(path, mmap_mode="r").shape
+        except (OSError, ValueError) as err:
+            raise ValueError(f"root={root!r} is invalid: {path} is not a .npy array ({err})") from None
+        require(
+            list(shape[1:]) == [height, width, channels],
+            "root",
+            root,
+            f"{path} holds images of {'×'.join(map(str, shape[1:]))}, but {folder / 'meta.json'} says "
+            f"{height}×{width}×{channels}: write the shards again with `python -m runner.data.convert`",
+        )
     return meta
 
 

@@ -146,6 +146,11 @@ def plain(name: str, **kwargs) -> dict:
             r"data\.val\._target_=.*returns a \(train, val\) pair already",
         ),
         ({"train": plain("Blobs"), "val": plain("Points")}, r"data\.val\._target_=.*Points: .*a Tensor"),
+        ({"train": plain("Blobs", size=0)}, r"data\.train\._target_=.*Blobs returned an empty data set"),
+        (
+            {"train": plain("Blobs"), "val": plain("Blobs", size=0)},
+            r"data\.val\._target_=.*Blobs returned an empty",
+        ),
     ],
 )
 def test_the_rank_refuses_what_it_cannot_train_on(kwargs, message):

@@ -3,6 +3,7 @@ ranks, rejects a bad path or a malformed file with an error naming it, and train
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -197,6 +198,12 @@ def test_shards_reject_bad_input(image_tree, tmp_path):
         ShardsConfig(root=str(root), crop=20, shape=[3, 20, 20], num_classes=3)
     with pytest.raises(ValueError, match="num_classes=1000.*data.num_classes=3"):
         ShardsConfig(root=str(root), shape=[3, 12, 12], num_classes=1000)
+    meta = json.loads((root / "meta.json").read_text())
+    (root / "meta.json").write_text(json.dumps({**meta, "image_shape": [16, 16, 3]}))
+    with pytest.raises(
+        ValueError, match=r"train_x\.npy holds images of 12×12×3, but .*meta\.json says 16×16×3"
+    ):
+        ShardsConfig(root=str(root))
     (root / "meta.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"meta\.json is not the meta\.json"):
         ShardsConfig(root=str(root))
