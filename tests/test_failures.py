@@ -130,6 +130,23 @@ def test_an_ok_job_gets_its_summary_completed_in_strict_json(cfg, tmp_path):
     assert (result["exit_status"], result["wall_time_s"], result["final_val_loss"]) == (0, 12.5, None)
 
 
+def test_an_interrupted_job_names_the_checkpoint_it_wrote_after_the_first_signal(cfg, tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    entry = {"step": 20, "seq": 2, "dir": "00002-step20", "world_size": 2, "time": 1000.0}
+    (tmp_path / "checkpoints" / "checkpoint.json").write_text(json.dumps({"checkpoints": [entry]}))
+    for stop, expected in [
+        (
+            990.0,
+            "its checkpoint 00002-step20 was written after the stop request: continue with resume="
+            + str(tmp_path),
+        ),
+        (1010.0, "ended without a final checkpoint"),  # the checkpoint is older than the signal
+    ]:
+        with pytest.raises(JobEnded, match=re.escape(f"a second signal (SIGINT); {expected}")):
+            conclude(cfg, tmp_path, Outcome(-9, "SIGINT", "a second signal (SIGINT)", stop_time=stop), 3.0)
+
+
 @pytest.mark.parametrize(
     "job,outcome,status,expected",
     [
@@ -310,7 +327,8 @@ def test_a_stopped_rank_ends_the_job_as_stalled_naming_it(job):
     lines = output.splitlines()
     warning = next((line for line in lines if "warning: " in line and "without progress" in line), "")
     assert f"rank 1 (host {os.uname().nodename}, pid {pid})" in warning, f"at half the timeout: {output}"
-    assert f"job stalled: rank 1 (host {os.uname().nodename}, pid {pid}) not responding since step " in output
+    assert f"job stalled: rank 1 (host {os.uname().nodename}, pid {pid}) not responding for " in output
+    assert "(its last heartbeat: step " in output, "it had trained: its beat said so"
     s = run.summary
     assert (s["status"], s["exit_status"], s["stalled_ranks"]) == ("stalled", 4, [1])
 

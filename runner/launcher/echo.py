@@ -8,7 +8,7 @@ import re
 
 class ConsoleFormatter(logging.Formatter):
     """The launcher's console lines (``conf/hydra/job_logging/mpitrain.yaml``): the message alone, its level
-    first when it is not INFO (``warning: ...``, ``error: ...``); the time and the logger go to the log file."""
+    first when it is not INFO (``warning: ...``, ``error: ...``); time and logger go to the log file."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)

@@ -52,6 +52,7 @@ from runner.run_folder import (
     PLAN,
     STOP,
     SUMMARY,
+    read_checkpoint_index,
     read_json,
     read_metrics,
 )
@@ -172,7 +173,10 @@ def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> d
         status, reason = "stalled", outcome.stall.message
         fields: dict[str, Any] = {"stalled_ranks": outcome.stall.ranks, "cause": outcome.stall.message}
     elif outcome.interrupted is not None:
-        status, reason = "interrupted", f"{outcome.interrupted}; ended without a final checkpoint"
+        status, reason = (
+            "interrupted",
+            f"{outcome.interrupted}; {checkpoint_since(run_dir, outcome.stop_time)}",
+        )
         fields = {"cause": outcome.interrupted}
     elif job.get("status") in ("ok", "preempted", "diverged"):
         return _complete(job, summary_path, run_dir, outcome, wall)
@@ -187,6 +191,20 @@ def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> d
     except RunFolderError as err:
         raise RunFolderError(f"{err}; the job itself: {status}: {reason}") from None
     raise JobEnded(reason, status)
+
+
+def checkpoint_since(run_dir: Path, since: float | None) -> str:
+    """What an interrupted job left to resume from: the checkpoint written after its first stop signal (at
+    ``since``), or that it ended without one."""
+    try:
+        latest = read_checkpoint_index(run_dir)[-1] if since is not None else None
+    except Exception:  # no index, or a damaged one: nothing to name
+        latest = None
+    if latest is None or latest.get("time", 0.0) < since:
+        return "ended without a final checkpoint"
+    return (
+        f"its checkpoint {latest['dir']} was written after the stop request: continue with resume={run_dir}"
+    )
 
 
 def _complete(

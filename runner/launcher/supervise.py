@@ -55,6 +55,7 @@ class Outcome:
     interrupted: str | None = None
     stall: Stall | None = None
     log_start: int = 0  # where this job's output starts in mpirun.log (a resumed run appends to it)
+    stop_time: float | None = None  # when the first stop signal came
 
 
 def _die_with_parent() -> None:
@@ -137,7 +138,7 @@ class Supervisor:
         if status == 0 and self.filter.tracebacks:
             self._say(f"the job printed {self.filter.tracebacks} Python traceback(s): see mpirun.log")
         first = self.signals[0] if self.signals else None
-        return Outcome(status, first, self.interrupted, self.stall, log_start)
+        return Outcome(status, first, self.interrupted, self.stall, log_start, self.stop_time)
 
     def _say(self, text: str) -> None:
         """One of the launcher's own lines, above the progress bar."""
@@ -199,7 +200,7 @@ class Supervisor:
         warning = stall_check(beats, now, self.launch_time, self.stall_timeout / 2)
         if warning is not None and self.warned is None:
             self._say(
-                f"warning: {warning.message}; the job is ended after {self.stall_timeout:.0f} s without "
+                f"{warning.message}; the job is ended after {self.stall_timeout:.0f} s without "
                 "progress (train.stall_timeout)"
             )
         self.warned = warning

@@ -36,8 +36,12 @@ def _describe(rank: int, beat: Mapping[str, Any] | None) -> str:
     return f"{role} {rank} (host {beat.get('host', '?')}, pid {beat.get('pid', '?')})"
 
 
-def _since(step: int) -> str:
-    return f"since step {step}" if step >= 0 else "since before its first step"
+def _silent(beat: Mapping[str, Any], now: float) -> str:
+    """How long a rank's heartbeat has been silent, and the step it last told (a beat is written once a
+    second, so a rank stopped early may have trained a few steps past it)."""
+    step = beat.get("step", -1)
+    told = f"step {step}" if step >= 0 else "no step yet"
+    return f"for {now - beat['alive_time']:.0f} s (its last heartbeat: {told})"
 
 
 def stall_check(
@@ -63,7 +67,7 @@ def stall_check(
             if beat is None:
                 parts.append(f"rank {r} sent no heartbeat since the launch")
             else:
-                parts.append(f"{_describe(r, beat)} not responding {_since(beat.get('step', -1))}")
+                parts.append(f"{_describe(r, beat)} not responding {_silent(beat, now)}")
         named = silent
     else:
         low = min(beats[r].get("step", -1) for r in stale)
