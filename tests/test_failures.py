@@ -101,6 +101,20 @@ def test_the_first_rank_to_raise_is_named_with_its_root_cause(tmp_path):
     )
 
 
+def test_a_lost_asgd_server_is_the_failed_rank_not_the_worker_that_noticed_it(tmp_path):
+    noticed = (
+        "ServerLost: server rank 2 (vm) was lost at step 212: it held state no other rank has, so the job "
+        "ends; resume=RUN_DIR continues from the last checkpoint (/w/runner/rank/recovery.py:140)"
+    )
+    folder = run_folder(tmp_path / "s", "", {0: noticed, 1: noticed})
+    failure = failure_report(folder, 1)
+    assert (failure.rank, failure.status) == (2, "failed")
+    assert failure.message == (
+        "server rank 2 (vm) was lost at step 212: it held state no other rank has, so the job ends; "
+        f"resume={folder} continues from the last checkpoint (rank 0 noticed it)"
+    )
+
+
 def test_ranks_that_exited_or_aborted_without_a_word_are_named(tmp_path):
     assert failure_report(run_folder(tmp_path / "a", EXITED), 3)[1:] == (1, "exited with status 3", "failed")
     assert failure_report(run_folder(tmp_path / "b", ABORTED), 7)[1:3] == (

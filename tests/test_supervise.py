@@ -77,8 +77,19 @@ def test_the_echo_hides_abort_banners_tracebacks_and_failed_lines_whatever_the_c
 @pytest.mark.parametrize("chunk", [None, 1, 6])
 def test_the_echo_leaves_mpiruns_binding_reports_to_the_log(chunk):
     bindings = b"[vm:10789] Rank 0 bound to package[0][core:L0]\n[node7:42] MCW rank 1 is not bound\n"
-    kept = b"[rule.alpha=0.9] a labelled line\n[1, 2] a list\n"
+    kept = b"[rule.alpha=0.9] a labelled line\n[1, 2] a list\n2 more steps\n"
     assert echo(bindings + kept + bindings, chunk) == kept
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 9])
+def test_the_echo_leaves_open_mpis_fault_tolerance_notes_to_the_log(chunk):
+    dashes = b"-" * 74 + b"\n"
+    untested = (
+        b"WARNING: The selected 'osc' module 'sm' is not tested for post-failure\noperation, yet...\n\n"
+    )
+    more = b"2 more processes have sent help message help-mpi-ft.txt / module:untested:failundef\n"
+    data = b"rank 0/3 on vm\n" + dashes + untested + b"failure scenarios: {}\n" + dashes + b"step 1\n" + more
+    assert echo(data + b"epoch 0\n", chunk) == b"rank 0/3 on vm\nstep 1\nepoch 0\n"
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 5])
@@ -112,8 +123,8 @@ def test_a_stopped_rank_is_named_not_the_ones_waiting_for_it():
     stall = stall_check(beats, now, launch_time=900, timeout=20)
     assert stall.ranks == [1]
     assert stall.message == (
-        "rank 1 (host h, pid 123) not responding for 20 s (its last heartbeat: step 57); no rank made progress "
-        "for 25 s"
+        "rank 1 (host h, pid 123) not responding for 20 s (its last heartbeat: step 57); "
+        "no rank made progress for 25 s"
     )
     assert stall_check(beats, now, 900, timeout=30) is None
 
@@ -250,7 +261,9 @@ def test_the_watchdog_ends_a_stalled_job_and_names_the_silent_rank(job, tmp_path
         outcome.stall.message
     )
     assert time.time() - start < 8
-    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "the job is ended after" in r.message]
+    warnings = [
+        r for r in caplog.records if r.levelname == "WARNING" and "the job is ended after" in r.message
+    ]
     assert len(warnings) == 1 and warnings[0].message.startswith("rank 1 (host h"), "one at half the timeout"
     assert "ending the job: stalled: rank 1" in caplog.text
 

@@ -17,7 +17,8 @@ class ConsoleFormatter(logging.Formatter):
 
 class EchoFilter:
     """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks, the
-    ranks' ``rank N failed:`` lines, Open MPI's notes on revoked collectives and its ``--report-bindings``
+    ranks' ``rank N failed:`` lines, Open MPI's notes on revoked collectives, its warning that osc/sm is
+    untested under fault tolerance, its counts of repeated help messages and its ``--report-bindings``
     lines (rank 0 says where the ranks run in one line; all are kept in ``mpirun.log``).
 
     Works on the raw chunks: a line is held back only while it could still be the start of something
@@ -32,6 +33,7 @@ class EchoFilter:
         b"The above exception was the direct cause",
     )
     BANNERS = (
+        b"is not tested for post-failure",  # osc/sm under fault tolerance (the dynamic assignment's counter)
         b"MPI_ABORT was invoked",
         b"has exited due to process rank",
         b"noticed that process rank",
@@ -42,7 +44,9 @@ class EchoFilter:
     REVOKED = b"NBC_Progress: an error"
     #: ``--report-bindings``: ``[host:pid] Rank 0 bound to package[0][core:L0]`` (older: ``MCW rank 0``).
     BINDING = re.compile(rb"^\[[^\]]*:\d+\] (?:Rank|MCW rank) \d+ (?:bound|is not bound)")
-    STARTS = (*TRACEBACK, b"rank ", REVOKED, b"[")
+    #: Open MPI's count of the same help message from other ranks (``2 more processes have sent help ...``).
+    MORE_HELP = re.compile(rb"^\d+ more process(?:es)? ha(?:s|ve) sent help message")
+    STARTS = (*TRACEBACK, b"rank ", REVOKED, b"[", *(str(d).encode() for d in range(10)))
 
     def __init__(self) -> None:
         self.line = b""
@@ -116,6 +120,6 @@ class EchoFilter:
             return b""
         if text.startswith(b"rank ") and b" failed: " in text and text[5:].split(b" ", 1)[0].isdigit():
             return b""
-        if self.BINDING.match(text):
+        if self.BINDING.match(text) or self.MORE_HELP.match(text):
             return b""
         return line

@@ -17,6 +17,8 @@ KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S
 #: Open MPI's report of a rank that exited with a non-zero status without MPI_Abort.
 EXITED = re.compile(r"Process name:\s*\[.*?,(\d+)\]\s+Exit code:\s*(\d+)")
 ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+)[^\n]*\n(?:.*\n)*?\s*Errorcode:\s*(\d+)")
+#: A worker's error for a lost ASGD server (runner.rank.recovery.ServerLost): the server is the failed rank.
+SERVER_LOST = re.compile(r"ServerLost: server rank (\d+)")
 
 
 def _signal_name(number: int) -> str:
@@ -75,6 +77,10 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
         )
     if causes:
         rank, cause = next(iter(causes.items()))
+        if lost := SERVER_LOST.match(cause):  # the worker only noticed it
+            what = cause.removeprefix("ServerLost: ").replace("RUN_DIR", str(run_dir))
+            what = re.sub(r" \([^()]*\.py:\d+\)$", "", what)  # where it was noticed is not the cause
+            return Failure(f"{what} (rank {rank} noticed it)", int(lost.group(1)), what)
         log = rank_file(run_dir, rank, "log")
         message = f"rank {rank} failed: {cause}{_after(list(causes)[1:])}; traceback in {log}"
         return Failure(message, rank, cause, "diverged" if cause.startswith("Diverged:") else "failed")
