@@ -48,3 +48,25 @@ def test_the_command_refuses_a_used_folder_and_a_second_resume_with_exit_2(tmp_p
         second = run_cli(tmp_path / "elsewhere", f"resume={used}")
     assert second.returncode == 2 and f"in use by a running job (launcher pid {os.getpid()}" in second.output
     assert "Traceback" not in second.output, second.output
+
+
+def test_a_run_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path):
+    from runner.launcher.register import check_folders, unique_dir
+
+    under_a_file = tmp_path / "file"
+    under_a_file.write_text("")
+    for bad in (under_a_file / "run", tmp_path / ("a" * 300)):
+        with pytest.raises(ValueError, match=r"hydra\.run\.dir=.*: cannot make this folder: "):
+            check_folders([f"hydra.run.dir={bad}"])
+        with pytest.raises(ValueError, match=r"cannot make the run folder .*hydra\.run\.dir=\.\.\."):
+            unique_dir(str(bad / "12-00-00"))
+    check_folders(["hydra.run.dir=${now:%H}", f"++hydra.sweep.dir={tmp_path / 'ok'}", "train.epochs=1"])
+    assert (tmp_path / "ok").is_dir()
+
+
+@pytest.mark.slow
+def test_the_command_names_a_folder_it_cannot_make_without_a_traceback(tmp_path):
+    (tmp_path / "file").write_text("")
+    run = run_cli(tmp_path / "file" / "run", "train.epochs=1")
+    assert run.returncode == 2 and run.output.count("\n") == 1, run.output
+    assert "hydra.run.dir=" in run.output and "Not a directory" in run.output

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.launcher.help import CONF, PRIMARY, register_help
 from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
-from runner.launcher.register import register
+from runner.launcher.register import check_folders, register
 from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
 from runner.schema.identity import concurrent_points, identity, sweep_overrides
 
@@ -131,6 +131,11 @@ def run() -> None:
         sys.path.insert(0, os.getcwd())
     if Path(sys.argv[0]).resolve() == Path(__file__).resolve().parents[1] / "__main__.py":
         sys.argv[0] = "mpitrain"  # python -m runner: named as Hydra's help and completion name it
+    try:
+        check_folders(sys.argv[1:])
+    except ValueError as err:  # before Hydra has set up its console
+        print(f"error: invalid input, nothing was started: {err}", file=sys.stderr)
+        sys.exit(EXIT["invalid"])
     try:
         main()
         if NOT_OK:

@@ -22,15 +22,42 @@ def unique_dir(path: str, resume: str | None = None, evaluated: str | None = Non
     if resume or evaluated:
         return resume or evaluated
     base = Path(path)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
-        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return str(candidate)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(1):
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                continue
+            return str(candidate)
+    except OSError as err:
+        raise ValueError(
+            f"cannot make the run folder {base}: {err.strerror or err}; run from a folder you can write, or "
+            "give one with hydra.run.dir=... (hydra.sweep.dir=... for a sweep)"
+        ) from None
     raise AssertionError("unreachable")
+
+
+#: The keys of a run's and a sweep's folder on the command line.
+FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
+
+
+def check_folders(argv: list[str]) -> None:
+    """Make the run or sweep folder given on the command line (``hydra.run.dir=PATH``) before Hydra does, so
+    that one it cannot make (unwritable, too long a name, under a file) is refused in one line naming the
+    key (Hydra would print a traceback); raises ValueError."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if not sep or key not in FOLDER_KEYS or "${" in value or not value:
+            continue
+        try:
+            Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(
+                f"{key}={value}: cannot make this folder: {err.strerror or err}; give a folder you can "
+                "write, with a shorter name"
+            ) from None
 
 
 def register() -> None:
