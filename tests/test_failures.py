@@ -115,6 +115,14 @@ def test_a_lost_asgd_server_is_the_failed_rank_not_the_worker_that_noticed_it(tm
     )
 
 
+def test_a_cause_the_rank_could_only_print_is_named_rather_than_its_abort(tmp_path):
+    """A read-only or full run folder: no error file, but the rank's ``rank N failed:`` line was seen."""
+    said = [(1, "OSError: [Errno 30] Read-only file system: '/r/checkpoints' (x.py:9)"), (0, "other")]
+    failure = failure_report(run_folder(tmp_path / "ro", ABORTED), 1, said=said)
+    assert (failure.rank, failure.cause) == (1, said[0][1]), failure
+    assert failure.message.startswith(f"rank 1 failed: {said[0][1]} (rank 0 failed after it)"), failure
+
+
 def test_ranks_that_exited_or_aborted_without_a_word_are_named(tmp_path):
     assert failure_report(run_folder(tmp_path / "a", EXITED), 3)[1:] == (1, "exited with status 3", "failed")
     assert failure_report(run_folder(tmp_path / "b", ABORTED), 7)[1:3] == (

@@ -74,6 +74,16 @@ def test_the_echo_hides_abort_banners_tracebacks_and_failed_lines_whatever_the_c
     assert echo(b"rank 0/2 on vm, cores [0]\nranking 3\n", chunk) == b"rank 0/2 on vm, cores [0]\nranking 3\n"
 
 
+def test_the_echo_keeps_the_causes_it_hides():
+    f = EchoFilter()
+    f.feed(b"epoch 0\nrank 1 failed: OSError: [Errno 28] No space left on device (x.py:3)\nrank 0 failed: ")
+    f.feed(b"MPIError: revoked\n")
+    assert f.failures == [
+        (1, "OSError: [Errno 28] No space left on device (x.py:3)"),
+        (0, "MPIError: revoked"),
+    ]
+
+
 @pytest.mark.parametrize("chunk", [None, 1, 6])
 def test_the_echo_leaves_mpiruns_binding_reports_to_the_log(chunk):
     bindings = b"[vm:10789] Rank 0 bound to package[0][core:L0]\n[node7:42] MCW rank 1 is not bound\n"

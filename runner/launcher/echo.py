@@ -54,6 +54,9 @@ class EchoFilter:
         self.mode = "normal"
         self.held: list[bytes] = []
         self.tracebacks = 0
+        #: The ``rank N failed: cause`` lines hidden, as (rank, cause): the causes of a job whose ranks could
+        #: not write their error files (a read-only or full run folder).
+        self.failures: list[tuple[int, str]] = []
 
     def _could_start(self, partial: bytes) -> bool:
         tail = partial.rsplit(b"\r", 1)[-1]
@@ -119,6 +122,8 @@ class EchoFilter:
             self.tracebacks += text.startswith(self.TRACEBACK[0])
             return b""
         if text.startswith(b"rank ") and b" failed: " in text and text[5:].split(b" ", 1)[0].isdigit():
+            rank, cause = text[5:].decode(errors="replace").split(" failed: ", 1)
+            self.failures.append((int(rank), cause.strip()))
             return b""
         if self.BINDING.match(text) or self.MORE_HELP.match(text):
             return b""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,7 +44,9 @@ def _after(ranks: list[int]) -> str:
     return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed after it)"
 
 
-def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
+def failure_report(
+    run_dir: Path, status: int, log_start: int = 0, said: Sequence[tuple[int, str]] = ()
+) -> Failure:
     """Why the job ended with mpirun status ``status``.
 
     In order: a rank killed by a signal (Open MPI's report in ``mpirun.log``; that rank could not report
@@ -51,7 +54,9 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
     (``logs/lost.json``); the first ``logs/rank<r>.error`` (its first
     line is the root cause, ``Type: message (file:line)``; one starting ``Diverged:`` means status
     diverged); a rank that exited with a non-zero status or called MPI_Abort; else mpirun's status.
-    Only the output from ``log_start`` on is this job's (a resumed run appends to ``mpirun.log``).
+    Only the output from ``log_start`` on is this job's (a resumed run appends to ``mpirun.log``). ``said``:
+    the ``rank N failed: cause`` lines the ranks printed, as (rank, cause), for the ranks whose error files
+    could not be written (a read-only or full run folder).
     """
     logs = run_dir / LOGS
     try:
@@ -59,6 +64,8 @@ def failure_report(run_dir: Path, status: int, log_start: int = 0) -> Failure:
         causes = {int(p.name[4:-6]): (p.read_text(errors="replace").splitlines() or [""])[0] for p in errors}
     except (OSError, ValueError):
         causes = {}
+    for rank, cause in said:
+        causes.setdefault(rank, cause)
     try:
         with open(run_dir / MPIRUN_LOG, "rb") as log:
             log.seek(log_start)

@@ -181,7 +181,7 @@ def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> d
     elif job.get("status") in ("ok", "preempted", "diverged"):
         return _complete(job, summary_path, run_dir, outcome, wall)
     else:
-        failure = failure_report(run_dir, outcome.returncode, outcome.log_start)
+        failure = failure_report(run_dir, outcome.returncode, outcome.log_start, outcome.said)
         if failure.rank is None and outcome.returncode == 0:  # (under ULFM an MPI_Abort exits 0)
             failure = Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
         status, reason = failure.status, failure.message

@@ -56,6 +56,7 @@ class Outcome:
     stall: Stall | None = None
     log_start: int = 0  # where this job's output starts in mpirun.log (a resumed run appends to it)
     stop_time: float | None = None  # when the first stop signal came
+    said: tuple[tuple[int, str], ...] = ()  # the ranks' ``rank N failed: cause`` lines, as (rank, cause)
 
 
 def _die_with_parent() -> None:
@@ -138,7 +139,8 @@ class Supervisor:
         if status == 0 and self.filter.tracebacks:
             self._say(f"the job printed {self.filter.tracebacks} Python traceback(s): see mpirun.log")
         first = self.signals[0] if self.signals else None
-        return Outcome(status, first, self.interrupted, self.stall, log_start, self.stop_time)
+        said = tuple(self.filter.failures)
+        return Outcome(status, first, self.interrupted, self.stall, log_start, self.stop_time, said)
 
     def _say(self, text: str) -> None:
         """One of the launcher's own lines, above the progress bar."""

@@ -59,5 +59,5 @@ def root_cause(err: BaseException) -> str:
         err = inner
     frames = traceback.extract_tb(err.__traceback__)
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
     return f"{type(err).__name__}: {message}{where}"
