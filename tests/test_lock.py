@@ -56,9 +56,9 @@ def test_a_run_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path):
     under_a_file = tmp_path / "file"
     under_a_file.write_text("")
     for bad in (under_a_file / "run", tmp_path / ("a" * 300)):
-        with pytest.raises(ValueError, match=r"hydra\.run\.dir=.*: cannot make this folder: "):
+        with pytest.raises(OSError, match=r"hydra\.run\.dir=.*: cannot make this folder: "):
             check_folders([f"hydra.run.dir={bad}"])
-        with pytest.raises(ValueError, match=r"cannot make the run folder .*hydra\.run\.dir=\.\.\."):
+        with pytest.raises(OSError, match=r"cannot make the run folder .*hydra\.run\.dir=\.\.\."):
             unique_dir(str(bad / "12-00-00"))
     check_folders(["hydra.run.dir=${now:%H}", f"++hydra.sweep.dir={tmp_path / 'ok'}", "train.epochs=1"])
     assert (tmp_path / "ok").is_dir()
@@ -68,5 +68,20 @@ def test_a_run_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path):
 def test_the_command_names_a_folder_it_cannot_make_without_a_traceback(tmp_path):
     (tmp_path / "file").write_text("")
     run = run_cli(tmp_path / "file" / "run", "train.epochs=1")
-    assert run.returncode == 2 and run.output.count("\n") == 1, run.output
+    assert run.returncode == 1 and run.output.count("\n") == 1, run.output  # not the input's fault
     assert "hydra.run.dir=" in run.output and "Not a directory" in run.output
+
+
+def test_hydras_compose_errors_are_told_in_mpitrains_words():
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    from runner.launcher.explain import explain
+
+    misspelt = ConfigCompositionException("Could not override 'train.epoch'.\nTo append to your config use +")
+    line = explain(misspelt, ["-m", "train.epoch=1,2", "optim.lr=0.1,0.2", "hydra.run.dir=/x"])
+    assert line.startswith("train.epoch: not an option of TrainConfig (did you mean train.epochs?)"), line
+    missing = MissingConfigException("In 'config': Could not find 'data/rings'\n\nAvailable options...")
+    line = explain(missing, ["data=rings"])
+    assert "data=rings: no such option (the options of data are: cifar10, " in line, line
+    assert "hydra.searchpath=[file://DIR] (or -cd DIR), DIR holding data/rings.yaml" in line
+    assert "\n" not in explain(ConfigCompositionException("a\n  full_key: x\n  object_type=y"), [])

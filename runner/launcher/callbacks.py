@@ -42,7 +42,6 @@ class SweepReport(Callback):
 
     def _at_exit(self) -> None:
         if not self.done and self.sweep_dir is not None and self.sweep_dir.is_dir():
-            log.info("the sweep did not complete: reporting the runs it has")
             self.write(self.sweep_dir, quiet_if_empty=True)
 
     def write(self, sweep_dir: Path, quiet_if_empty: bool = False) -> None:
@@ -58,6 +57,8 @@ class SweepReport(Callback):
                     return
                 raise
             best = report.best
+            if quiet_if_empty:
+                log.info("the sweep did not complete: reporting the runs it has")
             log.info(
                 "sweep report: %s (%d runs; best: %s)",
                 sweep_dir / "report.html",

@@ -14,7 +14,6 @@ import logging
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -70,17 +69,27 @@ def main(cfg: DictConfig) -> float:
             summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
     except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix
         log.error("invalid input, nothing was started: %s", err)
+        if not single and not in_process(hydra_cfg.launcher):
+            raise
         return not_ok(single, ident, "invalid", EXIT["invalid"])
     except JobEnded as err:
         (log.warning if err.status == "preempted" else log.error)("job %s: %s", err.status, err)
+        if not single and not in_process(hydra_cfg.launcher):
+            raise  # the sweep's own process hears of it only so
         return not_ok(single, ident, err.status, err.code)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
 
 
+def in_process(launcher: DictConfig) -> bool:
+    """Whether a sweep's points run in this process (Hydra's basic launcher), one after the other."""
+    return str(launcher.get("_target_", "")).endswith("BasicLauncher")
+
+
 def not_ok(single: bool, ident: dict[str, Any] | None, status: str, code: int) -> float:
-    """A run that did not end ok: a single run exits with its status at once; a sweep point is recorded
-    (the sweep exits with it after its other points) and gives the sweeper NaN (Optuna: a failed trial),
-    not an exception, which would stop the sweep with a traceback."""
+    """A run that did not end ok: a single run exits with its status at once; a sweep point run in this
+    process is recorded (the sweep exits with it after its other points) and gives the sweeper NaN (Optuna:
+    a failed trial), not an exception, which would stop the sweep with a traceback. (Points run in other
+    processes raise: their sweep hears of them only so.)"""
     if single:
         raise SystemExit(code) from None
     NOT_OK.append((ident["name"] if ident else "?", status, code))
@@ -110,6 +119,17 @@ def evaluate(cfg: DictConfig) -> float:
     return record[record["monitor"]]
 
 
+def os_error(err: BaseException | None) -> OSError | None:
+    """The first OS error in ``err``'s chain (an unwritable or full output folder), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and not isinstance(err, HydraException):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def invalid_input(err: BaseException | None) -> bool:
     """Whether ``err``, which made Hydra give up before or around the task, is the user's input: a config
     that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
@@ -124,36 +144,37 @@ def invalid_input(err: BaseException | None) -> bool:
 
 
 def run() -> None:
-    """:func:`main`, with Hydra's exit status 1 for a config it could not compose turned into 2."""
+    """:func:`main`, with a config Hydra could not compose named in one line, exit status 2."""
     # The console script's sys.path starts with its own folder, python -m runner's with the working folder,
     # where a project's own packages are (data.train._target_=my_project...): both must find them.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if Path(sys.argv[0]).resolve() == Path(__file__).resolve().parents[1] / "__main__.py":
         sys.argv[0] = "mpitrain"  # python -m runner: named as Hydra's help and completion name it
+    traceback_wanted = "HYDRA_FULL_ERROR" in os.environ
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors here instead of printing its advice
     try:
         check_folders(sys.argv[1:])
-    except ValueError as err:  # before Hydra has set up its console
-        print(f"error: invalid input, nothing was started: {err}", file=sys.stderr)
-        sys.exit(EXIT["invalid"])
-    try:
         main()
-        if NOT_OK:
-            ended = ", ".join(f"{name} {status}" for name, status, _ in NOT_OK)
-            log.error("%d sweep point(s) did not end ok: %s", len(NOT_OK), ended)
-            sys.exit(NOT_OK[0][2])
-    except SystemExit as done:
-        if done.code == 1 and invalid_input(done.__context__):
-            raise SystemExit(EXIT["invalid"]) from None
-        raise
     except BrokenPipeError:  # `mpitrain --help | head`: the reader has gone, no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
-    except Exception as err:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead of exiting
+    except Exception as err:
+        if traceback_wanted:
+            raise
+        if (cause := os_error(err)) is not None:  # not the input's fault: status failed, in one line
+            print(f"error: nothing was started: {cause.strerror or cause}", file=sys.stderr)
+            sys.exit(EXIT["failed"])
         if not invalid_input(err):
             raise
-        traceback.print_exc()
+        from runner.launcher.explain import explain
+
+        print(f"error: invalid input, nothing was started: {explain(err, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT["invalid"])
+    if NOT_OK:
+        ended = ", ".join(f"{name} {status}" for name, status, _ in NOT_OK)
+        log.error("%d sweep point(s) did not end ok: %s", len(NOT_OK), ended)
+        sys.exit(NOT_OK[0][2])
 
 
 if __name__ == "__main__":

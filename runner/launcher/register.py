@@ -32,9 +32,10 @@ def unique_dir(path: str, resume: str | None = None, evaluated: str | None = Non
                 continue
             return str(candidate)
     except OSError as err:
-        raise ValueError(
+        raise OSError(
+            err.errno,
             f"cannot make the run folder {base}: {err.strerror or err}; run from a folder you can write, or "
-            "give one with hydra.run.dir=... (hydra.sweep.dir=... for a sweep)"
+            "give one with hydra.run.dir=... (hydra.sweep.dir=... for a sweep)",
         ) from None
     raise AssertionError("unreachable")
 
@@ -45,8 +46,8 @@ FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
 
 def check_folders(argv: list[str]) -> None:
     """Make the run or sweep folder given on the command line (``hydra.run.dir=PATH``) before Hydra does, so
-    that one it cannot make (unwritable, too long a name, under a file) is refused in one line naming the
-    key (Hydra would print a traceback); raises ValueError."""
+    that one it cannot make (unwritable, too long a name, under a file) is named in one line with its key
+    (Hydra would print a traceback); raises OSError."""
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
         if not sep or key not in FOLDER_KEYS or "${" in value or not value:
@@ -54,9 +55,10 @@ def check_folders(argv: list[str]) -> None:
         try:
             Path(value).expanduser().mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ValueError(
+            raise OSError(
+                err.errno,
                 f"{key}={value}: cannot make this folder: {err.strerror or err}; give a folder you can "
-                "write, with a shorter name"
+                "write, with a shorter name",
             ) from None
 
 

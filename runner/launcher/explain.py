@@ -1,0 +1,62 @@
+"""One line for a command line Hydra could not compose, in mpitrain's words where they help more.
+
+Hydra's advice for a misspelt key is to add it with ``+key=value``, which mpitrain then refuses (its schemas
+declare every key): the line names the closest declared key instead. An option that is not found gets the
+options there are, and how to add a folder of one's own (``hydra.searchpath``, ``-cd``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from runner.launcher.help import CONF, PRIMARY, groups
+
+#: Hydra's messages this module rewords.
+CANNOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
+NOT_FOUND = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+
+
+def explain(err: BaseException, argv: list[str]) -> str:
+    """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments)."""
+    text = str(err).strip()
+    if missing := CANNOT_OVERRIDE.search(text):
+        return _misspelt(missing.group(1), argv) or text.splitlines()[0]
+    if missing := NOT_FOUND.search(text):
+        group, option = missing.groups()
+        known = groups().get(group)
+        there = f"the options of {group} are: {', '.join(known)}" if known else f"{group} is not a group"
+        return (
+            f"{group}={option}: no such option ({there}); an option of your own is found with "
+            f"hydra.searchpath=[file://DIR] (or -cd DIR), DIR holding {group}/{option}.yaml"
+        )
+    lines = [line.strip() for line in text.splitlines() if line.strip()][:1]  # not OmegaConf's full_key...
+    if err.__cause__ is not None and str(err.__cause__).strip():  # OmegaConf's reason, as Hydra shows it
+        lines.append(str(err.__cause__).strip().splitlines()[0])
+    return "; ".join(lines) if lines else type(err).__name__
+
+
+def _misspelt(key: str, argv: list[str]) -> str | None:
+    """mpitrain's own refusal of ``key`` (with the closest declared key), from the config composed with it
+    added; None when that cannot be had."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from runner.launcher.register import register
+    from runner.schema.config import check_keys
+
+    register()  # idempotent: the schemas, as the command line had them
+
+    overrides = [
+        a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+").startswith("hydra.")
+    ]
+    firsts = [a.split(",", 1)[0] for a in overrides]  # a sweep's first value: compose takes no sweeps
+    added = ["+" + a if a.split("=", 1)[0] == key else a for a in firsts]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            check_keys(compose(config_name=PRIMARY, overrides=added))
+    except ValueError as refused:
+        return str(refused)
+    except Exception:  # another problem of the command line: Hydra's own line says it
+        return None
+    return None
