@@ -89,11 +89,21 @@ def checkpoint_part(run_dir: Path, folder: str, rank: int) -> Path:
 
 
 def read_checkpoint_index(run_dir: Path) -> list[dict[str, Any]]:
-    """The checkpoints recorded in ``checkpoints/checkpoint.json``, oldest first ([] when there is none)."""
+    """The checkpoints recorded in ``checkpoints/checkpoint.json``, oldest first ([] when there is none).
+
+    Raises :class:`DamagedIndex` (a ValueError naming the file) when it is not JSON or not an index of
+    checkpoints (:func:`rebuild_checkpoint_index` makes it again from the checkpoint folders)."""
     path = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
     if not path.exists():
         return []
-    return json.loads(path.read_text())["checkpoints"]
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:  # not JSON, or not even text
+        raise DamagedIndex(path, f"not JSON: {err}") from None
+    problem = index_problem(data)
+    if problem is not None:
+        raise DamagedIndex(path, problem)
+    return data["checkpoints"]
 
 
 def strict(value: Any) -> Any:
@@ -160,3 +170,166 @@ def write_summary(run_dir: Path, status: str, **fields: Any) -> dict[str, Any]:
     content = summary(status, **fields)
     write_atomic(run_dir / SUMMARY, dumps(content, indent=1))
     return content
+
+
+# -- checkpoints: checked when read, the index rebuilt from the folders ----------------------------------
+
+#: In every checkpoint folder, written by rank 0 once every part is: the checkpoint's index entry, with each
+#: part's size and CRC-32 (``parts``), from which a damaged ``checkpoint.json`` is rebuilt exactly.
+CHECKPOINT_ENTRY = "entry.json"
+#: A damaged checkpoint that ``resume=`` passed over is renamed ``<folder>.damaged`` (kept, never read).
+DAMAGED_SUFFIX = ".damaged"
+#: Bytes read at a time to checksum a file.
+CHUNK = 1 << 22
+
+
+class DamagedIndex(ValueError):
+    """``checkpoint.json`` cannot be read as an index of checkpoints: ``path`` and ``problem`` say why."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path} is damaged ({problem})")
+        self.path, self.problem = path, problem
+
+
+def checkpoint_folder(seq: int, step: int) -> str:
+    """The name of the ``seq``-th checkpoint's folder, taken after ``step`` steps: ``00003-step120``."""
+    return f"{seq:05d}-step{step}"
+
+
+def _count(value: Any) -> bool:
+    """Whether ``value`` is a whole number, 0 or more (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def entry_problem(entry: Any) -> str | None:
+    """What makes ``entry`` no index entry (None when it is one): ``dir``, ``seq``, ``step``,
+    ``world_size`` that agree with each other, and ``parts`` (absent in checkpoints written before parts
+    were checksummed) one ``{"bytes", "crc32"}`` per rank."""
+    if not isinstance(entry, dict):
+        return f"an entry is {type(entry).__name__}, not an object"
+    if not all(_count(entry.get(k)) for k in ("seq", "step", "world_size")) or entry["world_size"] < 1:
+        return f"entry {entry.get('dir')!r} lacks a count among seq, step, world_size"
+    if entry.get("dir") != checkpoint_folder(entry["seq"], entry["step"]):
+        return f"entry {entry.get('dir')!r} is not the folder of seq {entry['seq']}, step {entry['step']}"
+    parts = entry.get("parts")
+    if parts is not None and not (
+        isinstance(parts, list)
+        and len(parts) == entry["world_size"]
+        and all(isinstance(p, dict) and _count(p.get("bytes")) and _count(p.get("crc32")) for p in parts)
+    ):
+        return f"entry {entry['dir']!r} does not record one size and checksum per rank"
+    return None
+
+
+def index_problem(data: Any) -> str | None:
+    """What makes ``data`` (a parsed ``checkpoint.json``) no index (None when it is one): an object with
+    ``checkpoints``, a list of entries (:func:`entry_problem`) in increasing ``seq``."""
+    if not isinstance(data, dict) or not isinstance(data.get("checkpoints"), list):
+        return 'not an object with a list "checkpoints"'
+    entries = data["checkpoints"]
+    for entry in entries:
+        problem = entry_problem(entry)
+        if problem is not None:
+            return problem
+    seqs = [e["seq"] for e in entries]
+    if seqs != sorted(set(seqs)):
+        return f"its checkpoints are not in order: seq {seqs}"
+    return None
+
+
+def file_digest(path: Path) -> dict[str, int]:
+    """``{"bytes": size, "crc32": CRC-32}`` of the file at ``path``, read in chunks. Raises the OSError."""
+    import zlib
+
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+def part_damage(path: Path, record: dict[str, int] | None) -> str | None:
+    """What is wrong with a checkpoint part or a saved model (None when it is intact), checked without
+    torch: its size and CRC-32 against ``record`` (written with it), or, with no record (a file saved
+    before parts were checksummed, or ``model.pt``), whether it ends as a whole ``torch.save`` file (a zip)
+    does."""
+    import zipfile
+
+    try:
+        size = path.stat().st_size
+        if record is None:
+            try:
+                zipfile.ZipFile(path).close()
+            except zipfile.BadZipFile:
+                return f"not a whole torch.save file: truncated or overwritten, {size} bytes"
+            return None
+        written = record["bytes"]
+        if size != written:
+            return f"{'truncated' if size < written else 'wrong size'}: {size} of {written} bytes"
+        crc = file_digest(path)["crc32"]
+    except FileNotFoundError:
+        return "missing"
+    except OSError as err:
+        return f"unreadable: {err.strerror or err}"
+    if crc != record["crc32"]:
+        return f"checksum mismatch: CRC-32 {crc:08x}, written {record['crc32']:08x}"
+    return None
+
+
+def checkpoint_damage(run_dir: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
+    """The first damaged part of the checkpoint ``entry`` (an index entry) and what is wrong with it
+    (:func:`part_damage`); None when every part is intact."""
+    parts = entry.get("parts")
+    for rank in range(entry["world_size"]):
+        path = checkpoint_part(run_dir, entry["dir"], rank)
+        problem = part_damage(path, parts[rank] if parts else None)
+        if problem is not None:
+            return path, problem
+    return None
+
+
+def _folder_entry(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The index entry that a checkpoint folder's ``entry.json`` keeps, or None and why not."""
+    try:
+        entry = json.loads((folder / CHECKPOINT_ENTRY).read_text())
+    except FileNotFoundError:
+        return None, f"no {CHECKPOINT_ENTRY} (written before checkpoints kept their entry)"
+    except (OSError, ValueError) as err:
+        return None, f"{CHECKPOINT_ENTRY} unreadable: {err}"
+    problem = entry_problem(entry)
+    if problem is None and entry["dir"] != folder.name:
+        problem = f"{CHECKPOINT_ENTRY} names {entry['dir']!r}"
+    return (None, problem) if problem else (entry, None)
+
+
+def rebuild_checkpoint_index(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The index entries kept in the checkpoint folders' ``entry.json`` (:data:`CHECKPOINT_ENTRY`), oldest
+    first, and a note per folder left out (``"00001-step20: no entry.json ..."``).
+
+    A folder has its ``entry.json`` only once all its parts are written, so every entry is a complete
+    checkpoint. The entries are the newest one written and those before it in ``seq``: the folders of an
+    attempt that a resumed run went back from (a checkpoint never indexed) are left out."""
+    root = run_dir / CHECKPOINTS
+    found, skipped = [], []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        seq, _, step = folder.name.partition("-step")
+        if not (folder.is_dir() and seq.isdigit() and step.isdigit()):
+            continue  # the index itself, temporary files, checkpoints set aside as damaged
+        entry, why = _folder_entry(folder)
+        if entry is None:
+            skipped.append(f"{folder.name}: {why}")
+        else:
+            found.append(entry)
+    chain: list[dict[str, Any]] = []
+    for entry in sorted(found, key=lambda e: (_written(e), e["seq"]), reverse=True):
+        if chain and entry["seq"] >= chain[-1]["seq"]:
+            skipped.append(f"{entry['dir']}: left by an attempt that {chain[0]['dir']} replaced")
+        else:
+            chain.append(entry)
+    return chain[::-1], skipped
+
+
+def _written(entry: dict[str, Any]) -> float:
+    """When rank 0 indexed the checkpoint ``entry`` (0 when it does not say)."""
+    when = entry.get("time")
+    return float(when) if isinstance(when, (int, float)) else 0.0

@@ -15,7 +15,7 @@ from runner.rank.checkpoint import Checkpointer, Control, load_part, rng_state, 
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.output import root_cause
 from runner.rules.gosgd import GoSGDConfig
-from runner.run_folder import dumps, read_checkpoint_index
+from runner.run_folder import dumps, file_digest, read_checkpoint_index
 from runner.schema import schema_of
 from runner.schema.sections import CheckpointConfig
 from tests.helpers.fakecomm import FakeWorld
@@ -196,8 +196,12 @@ def test_checkpointer_writes_parts_then_the_index_and_keeps_the_newest(tmp_path)
     part = torch.load(tmp_path / "checkpoints/00003-step6/rank1.pt", weights_only=True)
     assert torch.equal(part["w"], torch.full((3,), 7.0))
     assert not list(tmp_path.rglob("*.tmp"))
+    for entry in entries:  # each part's size and CRC-32 as written, and the entry kept in its folder too
+        folder = tmp_path / "checkpoints" / entry["dir"]
+        assert entry["parts"] == [file_digest(folder / f"rank{r}.pt") for r in range(2)]
+        assert json.loads((folder / "entry.json").read_text()) == entry
     (tmp_path / "checkpoints/00003-step6/rank1.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="rank1.pt"):
+    with pytest.raises(ValueError, match=r"00003-step6/rank1.pt is damaged \(missing\)"):
         load_part(tmp_path, entries[-1], 1)
 
 

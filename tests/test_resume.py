@@ -132,16 +132,30 @@ def test_async_easgd_is_preempted_resumes_and_finishes(tmp_path):
     assert s["status"] == "ok" and s["epochs"] == 4 and s["final_val_acc"] > 0.9
 
 
-def test_resume_refuses_a_change_that_the_checkpoint_cannot_take(tmp_path):
-    run = run_cli(tmp_path / "a", "train.epochs=1", "model=mlp")
+def test_resume_refuses_a_change_that_the_checkpoint_cannot_take_and_passes_over_a_damaged_one(tmp_path):
+    """And with its newest checkpoint truncated and its index torn, resume= names both, rebuilds the index
+    and goes on from the checkpoint before, each record once."""
+    run = run_cli(tmp_path / "a", "train.epochs=1", "model=mlp", "checkpoint.every=5", "checkpoint.keep=10")
     assert run.returncode == 0, run.output
     refused = run_cli(tmp_path / "b", f"resume={tmp_path / 'a'}", "optim.lr=0.5")
     assert refused.returncode == 2
     assert "optim.lr: cannot change when resuming" in refused.output
+    index = run.dir / "checkpoints" / "checkpoint.json"
+    *_, before, newest = json.loads(index.read_text())["checkpoints"]
+    damaged = run.dir / "checkpoints" / newest["dir"] / "rank0.pt"
+    size = damaged.stat().st_size
+    damaged.write_bytes(damaged.read_bytes()[: size // 2])
+    index.write_text('{"checkpoints": [')
     longer = run_cli(tmp_path / "c", f"resume={tmp_path / 'a'}", "train.epochs=2")
     assert longer.returncode == 0, longer.output
-    records = Run(longer.proc, tmp_path / "a").records("val")
-    assert [r["epoch"] for r in records] == [0, 1]
+    assert "checkpoints/checkpoint.json is damaged (not JSON: " in longer.output
+    truncated = f"(truncated: {size // 2} of {size} bytes): resuming from {before['dir']}"
+    assert f"checkpoint checkpoints/{newest['dir']}/rank0.pt is damaged {truncated}" in longer.output
+    resumed = Run(longer.proc, tmp_path / "a")
+    assert resumed.summary["resumed_from_step"] == before["step"]
+    assert [r["epoch"] for r in resumed.records("val")] == [0, 1]
+    steps = [r["step"] for r in resumed.records("step")]
+    assert steps == sorted(set(steps)) and steps[0] < before["step"], "each step once, from the start"
 
 
 def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):

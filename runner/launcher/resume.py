@@ -1,20 +1,41 @@
-"""``resume=RUN_DIR``: continue a run in its own folder from its latest complete checkpoint.
+"""``resume=RUN_DIR``: continue a run in its own folder from its latest intact checkpoint.
 
 The run's saved ``config.yaml`` is the config; overrides given with ``resume=`` are refused unless they
 cannot change what the checkpoint means (how long to train, logging, checkpoints, where the ranks run).
-Read by the launcher, so nothing here imports torch.
+
+The checkpoint is chosen here, before any rank starts, so that every rank resumes from the same one: a
+damaged ``checkpoint.json`` is rebuilt from the checkpoint folders, each part of the newest checkpoint is
+checked against the size and CRC-32 written with it, and a damaged checkpoint is named, set aside
+(``<folder>.damaged``) and dropped from the index for the newest intact one, in one line each. Read by the
+launcher, so nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, CONFIG, LOGS, read_checkpoint_index
+from runner.run_folder import (
+    CHECKPOINT_INDEX,
+    CHECKPOINTS,
+    CONFIG,
+    DAMAGED_SUFFIX,
+    LOGS,
+    DamagedIndex,
+    checkpoint_damage,
+    dumps,
+    read_checkpoint_index,
+    rebuild_checkpoint_index,
+    write_atomic,
+)
 from runner.schema.config import load_structured
 from runner.schema.identity import override_key
+
+log = logging.getLogger("runner")
 
 #: Keys (or key prefixes, ending in ".") that a resumed run may change.
 SAFE_TO_CHANGE = (
@@ -52,12 +73,6 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             f"resume={cfg.resume}: {run_dir / CONFIG} does not exist; give the folder of a run "
             "(e.g. resume=outputs/2026-01-31/12-00-00)"
         )
-    if not read_checkpoint_index(run_dir):
-        index = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
-        raise ValueError(
-            f"resume={cfg.resume}: the run has no complete checkpoint ({index} is missing): it stopped "
-            "before its first one, so start it again (checkpoint.every=N checkpoints every N steps)"
-        )
     for override in overrides:
         key = override_key(override)
         if not _safe(key):
@@ -71,11 +86,11 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
         key = override_key(override)
         if not key.startswith("hydra.") and key != "resume":
             OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
-    latest = read_checkpoint_index(run_dir)[-1]
+    latest = resume_checkpoint(run_dir, cfg.resume)
     ranks = resumed.devices + OmegaConf.to_object(resumed.rule).extra_ranks()
     if latest["world_size"] < ranks:  # the run went on without lost workers (fault tolerance)
         resumed.devices -= ranks - latest["world_size"]
-        logging.getLogger("runner").info(
+        log.info(
             "the run had lost %d worker(s) by its checkpoint %s: resuming with devices=%d",
             ranks - latest["world_size"],
             latest["dir"],
@@ -85,3 +100,73 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     for error in (run_dir / LOGS).glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir
+
+
+def resume_checkpoint(run_dir: Path, given: str) -> dict[str, Any]:
+    """The index entry of the checkpoint to resume ``run_dir`` from: the newest intact one. Newer damaged
+    ones are named in one line, set aside and dropped from the index, so the ranks, which resume from the
+    index's newest, all take this one. Raises ValueError (``given``: the ``resume=`` value) when none is
+    left, naming the files and the fix."""
+    entries = indexed_checkpoints(run_dir, given)
+    damaged = []
+    for entry in reversed(entries):
+        found = checkpoint_damage(run_dir, entry)
+        if found is None:
+            break
+        damaged.append((entry, *found))
+    else:
+        raise ValueError(
+            f"resume={given}: no intact checkpoint is left: {_damage(run_dir, damaged)}; start the run again "
+            "(without resume=), or put the damaged files back from a copy"
+        )
+    if damaged:
+        index = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
+        write_atomic(index, dumps({"checkpoints": entries[: entries.index(entry) + 1]}, indent=1))
+        for bad, _, _ in damaged:
+            folder = run_dir / CHECKPOINTS / bad["dir"]
+            aside = folder.with_name(folder.name + DAMAGED_SUFFIX)
+            if folder.is_dir():
+                shutil.rmtree(aside, ignore_errors=True)
+                folder.rename(aside)
+        if len(damaged) == 1:
+            _, path, problem = damaged[0]
+            what = f"checkpoint {path.relative_to(run_dir)} is damaged ({problem})"
+        else:
+            what = f"checkpoints {_damage(run_dir, damaged)} are damaged"
+        aside = ", ".join(bad["dir"] + DAMAGED_SUFFIX for bad, _, _ in damaged)
+        log.warning("%s: resuming from %s (set aside as %s)", what, entry["dir"], aside)
+    return entry
+
+
+def _damage(run_dir: Path, damaged: list[tuple[dict[str, Any], Path, str]]) -> str:
+    """``checkpoints/00003-step60/rank0.pt (truncated: 10 of 20 bytes), ...``: each damaged file and why."""
+    return ", ".join(f"{path.relative_to(run_dir)} ({problem})" for _, path, problem in damaged)
+
+
+def indexed_checkpoints(run_dir: Path, given: str) -> list[dict[str, Any]]:
+    """The run's indexed checkpoints, oldest first; a damaged or missing index is rebuilt from the
+    checkpoint folders (and written again, said in one line). Raises ValueError when there is none."""
+    index = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
+    try:
+        entries = read_checkpoint_index(run_dir)
+        damage = None if entries else ("is missing" if not index.exists() else "names no checkpoint")
+    except DamagedIndex as err:
+        entries, damage = [], f"is damaged ({err.problem})"
+    if damage is None:
+        return entries
+    entries, skipped = rebuild_checkpoint_index(run_dir)
+    left_out = f"; left out: {'; '.join(skipped)}" if skipped else ""
+    if not entries:
+        raise ValueError(
+            f"resume={given}: the run has no complete checkpoint to resume from ({index} {damage}{left_out}):"
+            " start the run again without resume= (checkpoint.every=N checkpoints every N steps)"
+        )
+    write_atomic(index, dumps({"checkpoints": entries}, indent=1))
+    log.warning(
+        "%s %s: rebuilt from the checkpoint folders (%s)%s",
+        index.relative_to(run_dir),
+        damage,
+        ", ".join(e["dir"] for e in entries),
+        left_out,
+    )
+    return entries

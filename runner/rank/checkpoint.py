@@ -4,35 +4,46 @@ Layout of a run folder::
 
     checkpoints/00003-step120/rank0.pt ... rank<N-1>.pt  the 3rd checkpoint, after step 120: one file per
                                                          rank (workers and servers)
+    checkpoints/00003-step120/entry.json                 its index entry, with each part's size and CRC-32
     checkpoints/checkpoint.json                          the index: complete checkpoints, newest last
     STOP                                                 the launcher's request to checkpoint and stop
 
-Every rank writes its own part (``torch.save`` to a temporary file, then ``os.replace``); all ranks then
-meet in a barrier, and only then rank 0 adds the checkpoint to the index (also replaced atomically) and
-removes the oldest beyond ``checkpoint.keep``. So the index only ever names complete checkpoints, and the
-previous one stays until the new one is complete. A part holds only tensors, numbers, strings, lists and
-dicts, so ``torch.load(..., weights_only=True)`` reads it. torch and numpy are imported where used: the
-launcher reads the index and the file names from here.
+Every rank writes its own part (``torch.save`` to a temporary file, then ``os.replace``), counting its size
+and CRC-32 as it writes; all ranks then gather those, and only then rank 0 writes the checkpoint's
+``entry.json`` and adds it to the index (both replaced atomically), and removes the oldest beyond
+``checkpoint.keep``. So the index only ever names complete checkpoints, the previous one stays until the
+new one is complete, and a damaged index is rebuilt exactly from the folders' ``entry.json``
+(:func:`~runner.run_folder.rebuild_checkpoint_index`). Every part is checked against its size and CRC-32
+when read (:func:`load_checked`; the launcher checks them too, without torch, to choose the checkpoint to
+resume from). A part holds only tensors, numbers, strings, lists and dicts, so
+``torch.load(..., weights_only=True)`` reads it. torch and numpy are imported where used.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
 from runner.run_folder import (
+    CHECKPOINT_ENTRY,
     CHECKPOINT_INDEX,
     CHECKPOINTS,
     STOP,
+    DamagedIndex,
+    checkpoint_folder,
     checkpoint_part,
     dumps,
+    part_damage,
     read_checkpoint_index,
+    rebuild_checkpoint_index,
     write_atomic,
 )
 
@@ -77,15 +88,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` through a temporary file, so ``path`` is either absent or complete."""
+class _Digesting:
+    """A binary file to write to that counts the bytes written and their CRC-32 (``torch.save`` only
+    appends to a file object: it calls ``write`` and ``flush`` alone)."""
+
+    def __init__(self, f: Any):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.size, self.crc = self.size + view.nbytes, zlib.crc32(view, self.crc)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_atomic(obj: Any, path: Path) -> dict[str, int]:
+    """``torch.save`` to ``path`` through a temporary file, so ``path`` is either absent or complete;
+    returns its size and CRC-32 (``{"bytes", "crc32"}``, as :func:`~runner.run_folder.file_digest`)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            out = _Digesting(f)
+            torch.save(obj, out)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        return {"bytes": out.size, "crc32": out.crc}
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from None
@@ -96,7 +126,10 @@ def save_atomic(obj: Any, path: Path) -> None:
 
 def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
     """The newest complete checkpoint of ``run_dir``, checked against this job's number of ranks."""
-    entries = read_checkpoint_index(run_dir)
+    try:
+        entries = read_checkpoint_index(run_dir)
+    except DamagedIndex as err:  # damaged since the launcher checked it
+        raise ValueError(f"{err}: resume= again rebuilds it from the checkpoint folders") from None
     if not entries:
         return None
     entry = entries[-1]
@@ -108,12 +141,30 @@ def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
     return entry
 
 
+def load_checked(path: Path, record: dict[str, int] | None, fix: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)`` of a checkpoint part or saved model, checked first against
+    its size and CRC-32 (``record``; None: whether it is a whole file). Raises ValueError naming the file,
+    what is wrong with it, and ``fix``: one line, not torch's traceback."""
+    problem = part_damage(path, record)
+    if problem is None:
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
+            reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
+            problem = f"torch.load cannot read it: {type(err).__name__}{': ' + reason if reason else ''}"
+    raise ValueError(f"{path} is damaged ({problem}): {fix}")
+
+
 def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]:
-    """This rank's part of the checkpoint ``entry`` (an item of ``read_checkpoint_index``)."""
-    path = checkpoint_part(run_dir, entry["dir"], rank)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the checkpoint has no part for rank {rank}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """This rank's part of the checkpoint ``entry`` (an item of ``read_checkpoint_index``), checked against
+    the size and CRC-32 written with it (when the entry records them)."""
+    parts = entry.get("parts")
+    return load_checked(
+        checkpoint_part(run_dir, entry["dir"], rank),
+        parts[rank] if parts else None,
+        f"the checkpoint {entry['dir']} cannot be resumed from; resume= again passes over a damaged "
+        "checkpoint to the newest intact one",
+    )
 
 
 class Checkpointer:
@@ -148,26 +199,35 @@ class Checkpointer:
         if self.world.tolerant:  # ranks may have died: the parts are the survivors', renumbered
             self.world.fault_barrier()
         self.count += 1
-        name = f"{self.count:05d}-step{step}"
-        folder = self.root / name
-        folder.mkdir(exist_ok=True)
-        save_atomic(part, folder / f"rank{self.world.rank}.pt")
-        self.world.barrier()
+        name = checkpoint_folder(self.count, step)
+        (self.root / name).mkdir(exist_ok=True)
+        digest = save_atomic(part, checkpoint_part(self.root.parent, name, self.world.rank))
+        parts = self.world.allgather_object(digest)  # and a barrier: every rank has written its part
         self.latest = name
         self.last_time = time.time()
         if self.world.rank != 0:
             return
-        entries = read_checkpoint_index(self.root.parent)
-        entries.append(
-            {
-                "step": step,
-                "seq": self.count,
-                "dir": name,
-                "world_size": self.world.size,
-                "time": time.time(),
-                **(info or {}),
-            }
-        )
+        entry = {
+            "step": step,
+            "seq": self.count,
+            "dir": name,
+            "world_size": self.world.size,
+            "time": time.time(),
+            **(info or {}),
+            "parts": parts,
+        }
+        write_atomic(self.root / name / CHECKPOINT_ENTRY, dumps(entry, indent=1))
+        self.index(entry)
+
+    def index(self, entry: dict[str, Any]) -> None:
+        """Rank 0: add ``entry`` to the index (rebuilt from the folders if it is damaged) and remove the
+        checkpoints beyond ``checkpoint.keep``."""
+        try:
+            entries = read_checkpoint_index(self.root.parent)
+        except DamagedIndex as err:
+            entries, _ = rebuild_checkpoint_index(self.root.parent)
+            print(f"{err}: rebuilt from the checkpoint folders", flush=True)
+        entries = [e for e in entries if e["seq"] < entry["seq"]] + [entry]
         write_atomic(
             self.root / CHECKPOINT_INDEX, dumps({"checkpoints": entries[-self.cfg.keep :]}, indent=1)
         )

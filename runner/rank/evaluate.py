@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from runner.rank.checkpoint import load_checked
 from runner.rank.validation import validation_sums
 from runner.run_folder import CONFIG, EVAL, MODEL
 
@@ -27,7 +28,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     cfg = load(run_dir / CONFIG)
     device = torch.device("cuda" if cfg.hardware.device != "cpu" and torch.cuda.is_available() else "cpu")
     model = cfg.model.build().to(device)
-    state = torch.load(run_dir / MODEL, map_location=device, weights_only=True)
+    state = load_checked(run_dir / MODEL, None, "train the run again to evaluate it", map_location=device)
     model.load_state_dict(state)
     data = cfg.data.build()
     task = cfg.task.build(data.num_classes)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m runner.rank.evaluate RUN_DIR")
     try:
         record = evaluate_run(Path(argv[0]))
-    except ValueError as err:  # the run's data or model cannot be built from here: one line, status 2
+    except ValueError as err:  # the run's data or model cannot be built or loaded: one line, status 2
         print(f"cannot evaluate {argv[0]}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("val_"))
