@@ -14,7 +14,7 @@ A run folder (``outputs/DATE/TIME``, or a sweep's ``outputs/multirun/DATE/TIME/N
     job.lock           held (flock) by the launcher of the job running there       launcher
     summary.json       how the run ended: status, exit status, metrics, cause     rank 0, then launcher
     metrics.jsonl      one record per line (step, epoch, val, failure, final)    rank 0
-    tb/                TensorBoard event files                                    rank 0
+    tb/                TensorBoard events, in tb/<run name>/ (logger=tensorboard)  rank 0
     checkpoints/       checkpoint.json (the index) and one folder per checkpoint  every rank
     model.pt           the model the run reports; model.rank<r>.pt per rank       rank 0 / every rank
     bindings.json      the cores and device each rank was bound to                rank 0

@@ -39,7 +39,7 @@ def test_default_job_trains_digits_and_fills_the_run_folder(cli):
     ):
         assert (d / name).exists(), name
     assert "runner.rank.worker" in (d / "mpirun.txt").read_text()
-    assert list((d / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert list((d / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file"
     vals, steps = run.records("val"), run.records("step")
     assert len(vals) == 10 and vals[-1]["val_acc"] == s["final_val_acc"]
     assert (

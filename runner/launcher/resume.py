@@ -51,6 +51,8 @@ SAFE_TO_CHANGE = (
     "hardware.",
     "simulate.",
     "resume",
+    "logger",
+    "logger.",
 )
 
 

@@ -110,6 +110,7 @@ def run(cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextI
     trainer, epochs, steps = build(rank, model)
     reported, result = fit(rank, trainer, epochs, steps)
     finish(rank, trainer, reported, result, time.time() - start)
+    trainer.log.finish()  # the summary and model to the loggers (MLflow, W&B)
     trainer.close()
 
 
@@ -260,7 +261,7 @@ def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> R
     stops; a resumed run continues its records from the checkpoint's."""
     cfg, comm, entry, part = rank.cfg, rank.comm, rank.entry, rank.part
     resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
-    log = MetricsLog(rank.run_dir, enabled=comm.rank == 0, resume=resume)
+    log = MetricsLog(rank.run_dir, enabled=comm.rank == 0, resume=resume, loggers=cfg.logger)
     log_file, terminal = rank.streams
     meter = Meter(
         comm.stats,

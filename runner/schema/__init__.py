@@ -200,6 +200,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "schedule": ("runner.schedule", "runner.schedule.ScheduleConfig"),
     "task": ("runner.tasks", "runner.tasks.TaskConfig"),
     "hardware": ("runner.hardware", "runner.hardware.base.HardwareConfig"),
+    "logger": ("runner.schema.logger", "runner.schema.logger.LoggerConfig"),  # several: logger=[a,b]
 }
 
 

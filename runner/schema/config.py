@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.schema import GROUPS, option_name, require
+from runner.schema.logger import DEFAULT_LOGGERS, as_loggers
 from runner.schema.sections import CheckpointConfig, SimulateConfig, TrainConfig
 from runner.schema.target import of_node
 
@@ -48,8 +49,10 @@ class Config:
     optim: Any = MISSING
     schedule: Any = MISSING
     task: Any = MISSING
+    logger: Any = field(default_factory=dict)  # name -> schema of each logger chosen (runner.schema.logger)
 
     def __post_init__(self) -> None:
+        self.logger = as_loggers(self.logger)
         for group in TARGET_GROUPS:
             setattr(self, group, of_node(group, getattr(self, group)))
         require(
@@ -69,6 +72,8 @@ def schema_paths(cfg: DictConfig) -> dict[str, str]:
     """``group -> module.Class`` of the schema each group of a composed config was built from."""
     paths = {}
     for group in GROUPS:
+        if group == "logger":  # several options, each known by its key (runner.schema.logger.as_loggers)
+            continue
         cls = OmegaConf.get_type(cfg[group])
         if cls is dict and "_target_" in cfg[group] and group in TARGET_GROUPS:
             paths[group] = TARGET_NODE
@@ -117,6 +122,8 @@ def validate(cfg: DictConfig) -> Config:
         except ValueError as err:
             raise ValueError(f"{key}.{err}") from None
     checked = OmegaConf.to_object(cfg)
+    for logger in checked.logger.values():
+        logger.check_installed()
     try:
         checked.rule.check_devices(checked.devices)
     except ValueError as err:
@@ -193,6 +200,8 @@ def load_structured(path: str | Path) -> DictConfig:
     from runner.schema import locate
 
     raw = OmegaConf.load(path)
+    if "logger" not in raw:  # written before the logger group: TensorBoard alone
+        raw.logger = {name: {} for name in DEFAULT_LOGGERS}
     schemas = {**SCHEMAS_BEFORE, **{g: packaged(p) for g, p in raw.pop("_schemas_").items()}}
     top = OmegaConf.structured(Config)
     for group, cls_path in schemas.items():

@@ -9,7 +9,7 @@ from typing import Any
 from runner.run_folder import SWEEP_CONFIG
 
 #: Overrides that say where or how a run is shown, not what it is.
-IGNORED = ("hydra.", "hydra/", "train.progress", "resume")
+IGNORED = ("hydra.", "hydra/", "train.progress", "resume", "logger")
 
 
 def override_key(override: str) -> str:

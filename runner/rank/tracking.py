@@ -1,0 +1,396 @@
+"""Trackers: where the writing rank sends a run's records besides ``metrics.jsonl`` (the ``logger`` group).
+
+Each logger of ``runner/schema/logger/`` has its tracker here (:data:`TRACKERS`), built on the writing rank
+(rank 0, or the lowest survivor that takes the records over) by :class:`Trackers`. Every tracker gets the
+same records under the same names, ``<kind>/<key>`` (``step/loss``, ``val/val_acc``), and names the run
+as ``run.json`` does (the sweep point, ``rule.alpha=0.5,optim.lr=0.1``):
+
+- TensorBoard: event files in ``RUN_DIR/tb/<run name>/``, so ``tensorboard --logdir`` shows the point's name
+  as the run's; the swept values as each run's hparams (session start info, written when the run starts)
+  and no per-run experiment summary, so that TensorBoard's HParams table takes its columns from every run
+  it finds (it takes them from one arbitrary run's experiment summary when there is one).
+- MLflow: the config (flattened, ``optim.lr``) and the swept values as params, the records as metrics,
+  the summary's numbers as metrics, config.yaml, summary.json and model.pt as artifacts.
+- W&B: the config and the swept values (``swept``) as the run's config, the records, the summary's
+  numbers as its summary, model.pt as a model artifact; a sweep's runs grouped by the sweep folder.
+
+A resumed run, or a survivor taking the records over, continues the same MLflow run (found by its tag
+``mpitrain.run_dir``) and W&B run (its id is made from the run folder's path). TensorBoard writes into the
+run folder as metrics.jsonl does, and a failure to write there ends the run as theirs does; MLflow and W&B
+are optional: a failure of theirs is named in one line on the rank's output, that tracker records nothing
+more, and training goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.rank.output import root_cause
+from runner.run_folder import CONFIG, EXIT, IDENTITY, SUMMARY, SWEEP_CONFIG, TENSORBOARD, read_json
+from runner.schema.logger import LoggerConfig, as_loggers
+from runner.schema.logger.mlflow import MLflowConfig
+from runner.schema.logger.tensorboard import TensorBoardConfig
+from runner.schema.logger.wandb import WandbConfig
+
+#: The longest folder name TensorBoard's run gets (file systems allow 255 bytes).
+NAME_BYTES = 200
+#: MLflow's tag of the run folder (absolute), by which a resumed run finds its MLflow run.
+RUN_DIR_TAG = "mpitrain.run_dir"
+#: The longest param value MLflow takes everywhere (newer servers take 6000 characters).
+PARAM_CHARS = 500
+
+
+@dataclass
+class RunInfo:
+    """What every tracker knows of the run: its folder, name and swept values (``run.json``), its config
+    (``config.yaml``, resolved), its sweep folder (None for a single run), and ``resume_step``: the
+    checkpoint's step a resumed run continues after (None when it starts); ``continued``: earlier records
+    of this run exist (a resume, or a survivor taking the records over)."""
+
+    dir: Path
+    name: str
+    swept: dict[str, Any]
+    config: dict[str, Any]
+    sweep: Path | None
+    resume_step: int | None
+    continued: bool
+
+    @classmethod
+    def read(cls, run_dir: Path, resume_step: int | None = None, continued: bool = False) -> RunInfo:
+        """The run of ``run_dir``, from what the launcher wrote there (without it: the folder's name)."""
+        from omegaconf import OmegaConf
+
+        ident = read_json(run_dir / IDENTITY)
+        config = {}
+        if (run_dir / CONFIG).is_file():
+            config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG))
+            config.pop("_schemas_", None)
+        sweep = run_dir.parent if (run_dir.parent / SWEEP_CONFIG).is_file() else None
+        name = str(ident.get("name") or run_dir.name)
+        swept = dict(ident.get("swept") or {})
+        return cls(run_dir, name, swept, config, sweep, resume_step, continued or resume_step is not None)
+
+    @property
+    def key(self) -> str:
+        """The run folder's absolute path: what identifies the run to MLflow and W&B across jobs."""
+        return str(self.dir.resolve())
+
+
+def folder_name(name: str) -> str:
+    """``name`` as one folder name: no ``/``, at most :data:`NAME_BYTES` bytes (a longer one is cut and
+    ends with a hash of the whole, so names stay distinct)."""
+    safe = name.replace("/", "_").replace("\0", "_").lstrip(".") or "run"
+    if len(safe.encode()) <= NAME_BYTES:
+        return safe
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return safe.encode()[: NAME_BYTES - 12].decode(errors="ignore") + f"~{digest}"
+
+
+def scalars(values: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    """The finite numbers among ``values``; nested dicts (histograms) become ``key/subkey``."""
+    out = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out += scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out.append((f"{prefix}{key}", float(value)))
+    return out
+
+
+def summary_numbers(summary: dict[str, Any]) -> dict[str, float]:
+    """The top-level finite numbers of ``summary.json`` (``final_val_acc``, ``steps``, ``wall_time_s``)."""
+    return dict(scalars({k: v for k, v in summary.items() if not isinstance(v, dict)}))
+
+
+def text(value: Any) -> str:
+    """A value as a param's text: a string as it is, the rest as JSON (``null``, ``true``, ``[1, 8]``)."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``dotted.key -> value as text`` of a nested config."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = text(value)
+    return out
+
+
+class Tracker:
+    """One logger's records of the run, on the writing rank. ``optional``: a failure of this tracker is
+    named and leaves it out, rather than ending the run (:class:`Trackers`)."""
+
+    optional = True
+
+    def write(self, kind: str, step: int, values: list[tuple[str, float]]) -> None:
+        """A record's numbers (``values``: ``(key, value)``), at optimizer step ``step``."""
+
+    def hparams(self, values: dict[str, Any], metrics: dict[str, float]) -> None:
+        """The run's swept values and final metrics, when training is done."""
+
+    def flush(self) -> None:
+        """Everything written so far to its store."""
+
+    def close(self) -> None:
+        """No more records (the metrics file is closed); the run's end comes with :meth:`finish`."""
+
+    def finish(self, summary: dict[str, Any], model: Path | None) -> None:
+        """The run ended: its ``summary.json`` and its saved model (None: none was saved)."""
+
+    def fail(self, cause: str) -> None:
+        """The run failed with ``cause`` (one line)."""
+
+
+class EventFile:
+    """TensorBoard events, written synchronously through tensorboardX's event writer and flushed every
+    ``flush_secs``. (tensorboardX's ``SummaryWriter`` writes from a thread which, when the disk is full,
+    dies and leaves the training process blocked on its queue; here the error reaches the rank.)
+    ``purge_step`` makes TensorBoard drop the earlier events of this folder from that step on (a resume).
+    """
+
+    def __init__(self, logdir: Path, purge_step: int | None = None, flush_secs: float = 10.0):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.writer, self.event = EventsWriter(str(logdir / "events")), Event
+        self.flush_secs, self.flushed = flush_secs, time.time()
+        if purge_step is not None:
+            self.writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self.writer.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.summary import scalar
+
+        self.writer.write_event(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+        if time.time() - self.flushed > self.flush_secs:
+            self.flush()
+
+    def hparams(self, values: dict[str, Any], end: bool) -> None:
+        """The HParams dashboard's session start (the run's ``values``) or, with ``end``, its end. No
+        experiment summary: TensorBoard then takes the table's columns from every run's session start."""
+        from tensorboardX.summary import hparams
+
+        shown = {k: v if isinstance(v, (bool, int, float, str)) else text(v) for k, v in values.items()}
+        _, start, stop = hparams(shown, {})
+        self.writer.write_event(self.event(wall_time=time.time(), summary=stop if end else start))
+        self.flush()
+
+    def flush(self) -> None:
+        self.writer.flush()
+        self.flushed = time.time()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def tensorboard_dir(run_dir: Path, name: str) -> Path:
+    """Where the run's event files go: ``tb/<run name>/`` (TensorBoard shows the folder as the run's name),
+    or ``tb/`` itself for a run folder whose events are there already (written before run names)."""
+    tb = run_dir / TENSORBOARD
+    if any(tb.glob("events.out.tfevents.*")):
+        return tb
+    return tb / folder_name(name)
+
+
+class TensorBoardTracker(Tracker):
+    """Every record's numbers as scalars (tag ``<kind>/<key>``) and the swept values for HParams."""
+
+    optional = False
+
+    def __init__(self, cfg: TensorBoardConfig, run: RunInfo):
+        purge = None if run.resume_step is None else run.resume_step + 1
+        self.events = EventFile(tensorboard_dir(run.dir, run.name), purge, cfg.flush_secs)
+        if run.swept:
+            self.events.hparams(run.swept, end=False)
+
+    def write(self, kind: str, step: int, values: list[tuple[str, float]]) -> None:
+        for key, value in values:
+            self.events.scalar(f"{kind}/{key}", value, step)
+
+    def hparams(self, values: dict[str, Any], metrics: dict[str, float]) -> None:
+        finite = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        for key, value in finite.items():
+            self.events.scalar(key, value, 0)
+        if values:
+            self.events.hparams(values, end=True)
+
+    def flush(self) -> None:
+        self.events.flush()
+
+    def close(self) -> None:
+        self.events.close()
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run, through ``MlflowClient`` (no global state): params, metrics, artifacts."""
+
+    def __init__(self, cfg: MLflowConfig, run: RunInfo):
+        if (cfg.tracking_uri or "").startswith("file:"):  # chosen: MLflow 3 asks for it to be allowed
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.cfg, self.run, self.client = cfg, run, MlflowClient(tracking_uri=cfg.tracking_uri)
+        experiment = self._experiment()
+        found = self._earlier_run(experiment) if run.continued else None
+        if found is not None:
+            self.run_id = found.info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            tags = {**cfg.tags, RUN_DIR_TAG: run.key, "mpitrain.name": run.name}
+            if run.sweep is not None:
+                tags["mpitrain.sweep"] = str(run.sweep.resolve())
+            made = self.client.create_run(experiment, run_name=cfg.run_name or run.name, tags=tags)
+            self.run_id = made.info.run_id
+        self._params(set() if found is None else set(found.data.params))
+        if (run.dir / CONFIG).is_file():
+            self.client.log_artifact(self.run_id, str(run.dir / CONFIG))
+
+    def _experiment(self) -> str:
+        """The experiment's id; made when it does not exist (by another sweep point at the same time, too)."""
+        for _ in range(3):
+            found = self.client.get_experiment_by_name(self.cfg.experiment)
+            if found is not None:
+                return found.experiment_id
+            try:
+                return self.client.create_experiment(self.cfg.experiment)
+            except Exception:  # made meanwhile by a concurrent run: look it up again
+                time.sleep(0.2)
+        raise RuntimeError(f"cannot find or create the MLflow experiment {self.cfg.experiment!r}")
+
+    def _earlier_run(self, experiment: str) -> Any:
+        """This run folder's MLflow run, recorded by an earlier job or rank, or None."""
+        query = f"tags.`{RUN_DIR_TAG}` = '{self.run.key}'"
+        runs = self.client.search_runs([experiment], filter_string=query, max_results=1)
+        return runs[0] if runs else None
+
+    def _params(self, logged: set[str]) -> None:
+        """The config flattened and the swept values (a group's option too: ``rule=easgd``) as params; a
+        continued run logs only those it lacks (MLflow refuses to change a param)."""
+        from mlflow.entities import Param
+
+        params = {**flat(self.run.config), **{k: text(v) for k, v in self.run.swept.items()}}
+        batch = [Param(k, v[:PARAM_CHARS]) for k, v in params.items() if k not in logged]
+        for start in range(0, len(batch), 100):  # MLflow takes at most 100 params a call
+            self.client.log_batch(self.run_id, params=batch[start : start + 100])
+
+    def write(self, kind: str, step: int, values: list[tuple[str, float]]) -> None:
+        self._metrics({f"{kind}/{k}": v for k, v in values}, step)
+
+    def _metrics(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
+        for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a call
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
+
+    def finish(self, summary: dict[str, Any], model: Path | None) -> None:
+        self._metrics(summary_numbers(summary), int(summary.get("steps") or 0))
+        if (self.run.dir / SUMMARY).is_file():
+            self.client.log_artifact(self.run_id, str(self.run.dir / SUMMARY))
+        if model is not None and self.cfg.log_model:
+            self.client.log_artifact(self.run_id, str(model))
+        status = summary.get("status", "ok")
+        ended = {"ok": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}.get(status, "FAILED")
+        self.client.set_terminated(self.run_id, ended)
+
+    def fail(self, cause: str) -> None:
+        self.client.set_tag(self.run_id, "mpitrain.failure", cause[:PARAM_CHARS])
+        self.client.set_terminated(self.run_id, "FAILED")
+
+
+class WandbTracker(Tracker):
+    """A Weights & Biases run (its id made from the run folder, so a resumed run continues it)."""
+
+    def __init__(self, cfg: WandbConfig, run: RunInfo):
+        import wandb
+
+        self.cfg = cfg
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            mode=cfg.mode,
+            dir=cfg.dir or (None if os.environ.get("WANDB_DIR") else str(run.dir)),
+            group=cfg.group or (str(run.sweep.resolve())[-128:] if run.sweep is not None else None),
+            name=cfg.name or run.name,
+            tags=list(cfg.tags) or None,
+            id=hashlib.sha1(run.key.encode()).hexdigest()[:16],
+            resume="allow",
+            config={**run.config, "swept": run.swept},
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def write(self, kind: str, step: int, values: list[tuple[str, float]]) -> None:
+        if values:
+            self.run.log({f"{kind}/{k}": v for k, v in values}, step=step)
+
+    def finish(self, summary: dict[str, Any], model: Path | None) -> None:
+        import wandb
+
+        status = summary.get("status", "ok")
+        self.run.summary.update({**summary_numbers(summary), "status": status})
+        if model is not None and self.cfg.log_model:
+            artifact = wandb.Artifact(f"model-{self.run.id}", type="model")
+            artifact.add_file(str(model))
+            self.run.log_artifact(artifact)
+        self.run.finish(exit_code=EXIT.get(status, EXIT["failed"]))
+
+    def fail(self, cause: str) -> None:
+        self.run.summary.update({"status": "failed", "failure": cause})
+        self.run.finish(exit_code=EXIT["failed"])
+
+
+#: Logger name (``conf/logger/<name>.yaml``) -> its tracker.
+TRACKERS: dict[str, Callable[[Any, RunInfo], Tracker]] = {
+    "tensorboard": TensorBoardTracker,
+    "mlflow": MLflowTracker,
+    "wandb": WandbTracker,
+}
+
+
+class Trackers:
+    """The trackers of the loggers chosen, on the writing rank: each call goes to every tracker still
+    recording. An optional tracker that fails (at its start too) is named in one line on this rank's
+    output (its log, and the terminal for rank 0) with the cause, and records nothing more; training goes
+    on. A failure of a tracker that is not optional (TensorBoard, in the run folder) is raised."""
+
+    def __init__(self, loggers: dict[str, LoggerConfig | dict], run: RunInfo):
+        self.live: dict[str, Tracker] = {}
+        for name, cfg in as_loggers(loggers).items():
+            try:
+                self.live[name] = TRACKERS[name](cfg, run)
+            except Exception as err:
+                if not getattr(TRACKERS[name], "optional", True):
+                    raise
+                self._drop(name, "start", err)
+
+    def call(self, method: str, *args: Any) -> None:
+        """``tracker.<method>(*args)`` of every tracker still recording."""
+        for name, tracker in list(self.live.items()):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as err:
+                if not tracker.optional:
+                    raise
+                self._drop(name, method, err)
+
+    def _drop(self, name: str, action: str, err: BaseException) -> None:
+        self.live.pop(name, None)
+        print(
+            f"logger={name}: {action} failed, so it records nothing more of this run (training goes on; "
+            f"metrics.jsonl has every record): {root_cause(err)}",
+            file=sys.stderr,
+            flush=True,
+        )
