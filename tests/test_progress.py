@@ -287,6 +287,9 @@ def test_bar_under_mpirun_in_a_terminal_is_live(tmp_path, pseudo_terminal):
     assert all(t1 <= t2 for (_, t1), (_, t2) in zip(during, during[1:], strict=False)), during
     updates = [u.decode() for u in BAR_UPDATE.findall(out) if b"step " in u]
     assert all(len(u) <= 97 for u in updates), updates
+    before = out.split(b"\r", 1)[0].decode(errors="replace").splitlines()  # the lines before training
+    assert before and all(len(line) <= 97 for line in before), before
+    assert not any(line.startswith(("versions:", "topology:", "starting:", "[vm")) for line in before), before
     assert "samples/s" in updates[-1], updates[-1]
     assert PROGRESS_RECORD.encode() not in out, "records are drawn, not shown"
     for log in (tmp_path / "run" / "logs" / "rank0.log", tmp_path / "run" / "mpirun.log"):

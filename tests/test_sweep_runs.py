@@ -28,6 +28,8 @@ def test_a_single_run_is_named_by_its_overrides_and_optuna_ranges_count_as_swept
     assert identity([])["name"] == "defaults"
     ident = identity(["optim.lr=0.0314", "model=mlp"], ["optim.lr=interval(0.01,0.1)", "model=mlp"])
     assert ident["swept"] == {"optim.lr": 0.0314}
+    drawn = identity(["optim.lr=0.012345678901234567"], ["optim.lr=interval(0.001,0.1)"])
+    assert drawn["name"] == "optim.lr=0.01235" and drawn["swept"] == {"optim.lr": 0.012345678901234567}
 
 
 def hparams_in(event_dir: Path) -> list[str]:

@@ -119,9 +119,8 @@ def place(
 ) -> Rank:
     """Bind this rank to its cores and device, split the roles, and find the checkpoint to resume from."""
     topology, env = read_topology().to_dict(), versions(comm)
-    if comm.rank == 0:
-        print(f"versions: {json.dumps(env)}")
-        print(f"topology: {json.dumps(topology)}")
+    if comm.rank == 0:  # for the log (summary.json has the versions too), not the console
+        streams[0].write(f"versions: {json.dumps(env)}\ntopology: {json.dumps(topology)}\n")
     device, _ = place_rank(cfg.hardware, comm, run_dir)
     hosts = None
     if cfg.hardware.fault_tolerance == "continue":

@@ -55,8 +55,15 @@ def identity(task: list[str], sweep: list[str] | None = None) -> dict[str, Any]:
     swept = {
         k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v) for k, (v, _) in chosen.items()
     }
-    name = ",".join(f"{k}={text}" for k, (_, text) in chosen.items())
+    name = ",".join(f"{k}={short(value, text)}" for k, (value, text) in chosen.items())
     return {"overrides": mine, "swept": swept, "name": name or "defaults"}
+
+
+def short(value: Any, text: str) -> str:
+    """A value as a run's name shows it: a float to 4 significant digits (Optuna draws 17), else as given."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        return f"{value:.4g}"
+    return text
 
 
 def sweep_overrides(sweep_dir: Path) -> list[str] | None:
