@@ -128,6 +128,7 @@ def test_wrong_type_fails_at_compose():
         (["hardware=cluster", "hardware.hostfile=/nonexistent"], "hardware.hostfile"),
         (["hardware=slurm", "hardware.launcher=sometimes"], "hardware.launcher"),
         (["hardware.ranks_per_gpu=0"], "hardware.ranks_per_gpu"),
+        (["hardware.min_workers=3"], "hardware.min_workers=3 is invalid: the job has devices=2"),
         (["+train.epoch=1"], "train.epoch: not an option of TrainConfig (did you mean train.epochs?)"),
         (["+model.widht=3"], "model.widht: not an option of CNNConfig (did you mean model.width?)"),
         (["+hardware.launcher=srun"], "hardware.launcher: not an option of CPUConfig"),

@@ -144,13 +144,19 @@ def validate(cfg: DictConfig) -> Config:
 
 
 def check_training(cfg: Config) -> None:
-    """Checks of ``train`` that involve other groups: the monitored metric is one the task reports, and fp16
-    (which needs a GPU's gradient scaler) is not asked of a CPU job."""
+    """Checks of ``train`` that involve other groups: the monitored metric is one the task reports, no more
+    surviving workers are asked for than the job has, and fp16 (which needs a GPU's gradient scaler) is not
+    asked of a CPU job."""
     metrics = [f"val_{m}" for m in cfg.task.metrics(getattr(cfg.data, "num_classes", None))]
     if cfg.train.monitor is not None and cfg.train.monitor not in metrics:
         task = option_name(type(cfg.task))
         raise ValueError(
             f"train.monitor={cfg.train.monitor!r} is invalid: task={task} reports {', '.join(metrics)}"
+        )
+    if cfg.hardware.min_workers > cfg.devices:
+        raise ValueError(
+            f"hardware.min_workers={cfg.hardware.min_workers} is invalid: the job has devices={cfg.devices} "
+            f"workers; give at most {cfg.devices} (the fewest survivors a fault-tolerant job goes on with)"
         )
     if cfg.train.precision == "fp16" and getattr(cfg.hardware, "device", None) == "cpu":
         raise ValueError(
