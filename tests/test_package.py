@@ -223,6 +223,9 @@ def test_help_lists_the_groups_of_the_config_tree_and_their_options():
     for group, listed in rows.items():
         assert listed.replace("*", "").split(", ") == sorted(p.stem for p in (CONF / group).glob("*.yaml"))
     assert "easgd*" in rows["rule"] and "bsp*" not in rows["rule"], "the selected option is marked"
+    assert rows["logger"] == "mlflow, tensorboard*, wandb", "several at once: the default's"
+    chosen = {line.split()[0]: line for line in _section(_help("logger=[wandb,mlflow]"), "Config groups")}
+    assert "mlflow*, tensorboard, wandb*" in chosen["logger"], chosen
 
 
 def test_help_explains_every_top_level_key_from_config_yaml():

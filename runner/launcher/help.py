@@ -112,9 +112,16 @@ def _rows(rows: list[tuple[str, str]]) -> str:
 def help_groups(*, _root_: DictConfig) -> str:
     """The groups and their options, the selected one starred (``${mpitrain_help_groups:}``)."""
     choices = OmegaConf.select(_root_, "hydra.runtime.choices", default=None) or {}
+
+    def selected(group: str, option: str) -> bool:
+        if group in choices:
+            return choices[group] == option
+        node = OmegaConf.select(_root_, group, default=None)  # several at once (logger): Hydra records none
+        return isinstance(node, DictConfig) and option in node
+
     return _rows(
         [
-            (group, ", ".join(o + "*" if choices.get(group) == o else o for o in options))
+            (group, ", ".join(o + "*" if selected(group, o) else o for o in options))
             for group, options in groups().items()
         ]
     )
