@@ -3,6 +3,7 @@ index, the workers' agreement on when to stop, and the small pieces (strict JSON
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -296,3 +297,25 @@ def test_heartbeat_reports_step_and_counts_communication_as_progress(tmp_path):
     assert (
         last["step"] == 12 and last["progress_time"] > before and last["alive_time"] >= last["progress_time"]
     )
+
+
+class FillsUp(io.BytesIO):
+    """A file on a disk that fills up after ``room`` bytes."""
+
+    def __init__(self, room: int):
+        super().__init__()
+        self.room = room
+
+    def write(self, data) -> int:
+        if self.tell() + len(data) > self.room:
+            raise OSError(28, "No space left on device")
+        return super().write(data)
+
+
+def test_a_full_disk_is_named_with_the_file_not_torchs_unexpected_pos(tmp_path, monkeypatch):
+    """torch.save reports a write that fails midway as 'unexpected pos 704 vs 598': cause and file lost."""
+    import runner.rank.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode: FillsUp(5000), raising=False)
+    with pytest.raises(OSError, match=rf"\[Errno 28\] cannot write {tmp_path / 'rank0.pt'}: No space left"):
+        checkpoint.save_atomic({"x": torch.zeros(100_000)}, tmp_path / "rank0.pt")

@@ -94,11 +94,16 @@ class _Digesting:
 
     def __init__(self, f: Any):
         self.f, self.size, self.crc = f, 0, 0
+        self.error: OSError | None = None  # a failed write, which torch reports without its cause
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         self.size, self.crc = self.size + view.nbytes, zlib.crc32(view, self.crc)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -111,7 +116,12 @@ def save_atomic(obj: Any, path: Path) -> dict[str, int]:
     try:
         with open(tmp, "wb") as f:
             out = _Digesting(f)
-            torch.save(obj, out)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:  # torch reports a failed write without its cause ("unexpected pos")
+                if out.error is not None:
+                    raise out.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
