@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,15 @@ def make_run(
     bytes_sent: float = 4e6,
     devices: int = 2,
     identity: bool = True,
+    config: dict | None = None,
     **summary,
 ) -> Path:
-    """A run folder as the launcher leaves it: one validation per 10 steps and 1 s, an epoch record each."""
+    """A run folder as the launcher leaves it: one validation per 10 steps and 1 s, an epoch record each;
+    ``config``: its config.yaml (none by default)."""
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if config is not None:
+        (path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     records = []
     for i, acc in enumerate(accs):
         step, time = 10 * (i + 1), float(i + 1)
@@ -46,7 +51,8 @@ def make_run(
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     body = {"status": status, "devices": devices, "wall_time_s": 10.0, **summary}
     if status == "ok":
-        body.update(bytes_sent=bytes_sent, samples_per_s=1000.0, comm_fraction=0.25)
+        body = {"bytes_sent": bytes_sent, "samples_per_s": 1000.0, "comm_fraction": 0.25, **body}
+        body.setdefault("steps", 10 * len(accs))
     (path / "summary.json").write_text(json.dumps(body))
     return path
 
@@ -68,7 +74,8 @@ def make_sweep(root: Path, failed_cell: bool = False) -> Path:
         if failed_cell and (alpha, lr) == (0.5, 0.05):
             accs = [0.7]
             kwargs = {"status": "failed", "error": "rank 1 failed: RuntimeError: boom", "cause": "boom"}
-        make_run(sweep / str(n), ["rule=easgd", f"rule.alpha={alpha}", f"optim.lr={lr}"], accs, **kwargs)
+        overrides = ["rule=easgd", f"rule.alpha={alpha}", f"optim.lr={lr}"]
+        make_run(sweep / str(n), overrides, accs, bytes_sent=4e6 if alpha == 0.1 else 8e6, **kwargs)
     return sweep
 
 
@@ -239,6 +246,7 @@ def test_a_real_two_by_two_sweep_leaves_its_report(tmp_path):
     for job in range(4):  # one folder per combination, each with its own values
         summary = json.loads((sweep / str(job) / "summary.json").read_text())
         assert summary["status"] == "ok" and summary["rule"] == "easgd"
+        assert summary["load"]["cpus"] >= 1 and summary["load"]["start"] >= 0 and summary["load"]["end"] >= 0
         config = (sweep / str(job) / "config.yaml").read_text()
         combos.add((config.split("alpha: ")[1].split()[0], config.split("lr: ")[1].split()[0]))
     assert combos == {("0.1", "0.01"), ("0.1", "0.05"), ("0.5", "0.01"), ("0.5", "0.05")}
@@ -304,3 +312,191 @@ def test_the_report_compares_the_runs_monitored_metric_by_default(tmp_path):
     assert report.metric == "val_loss" and not report.maximize
     assert [r.best for r in report.runs] == pytest.approx([0.1, 0.5])
     assert write_report([sweep], "val_acc").maximize
+
+
+# -- issue 24: reports that explain (load, steps to target, plots that carry information) ----------------
+
+LOADED = {"start": 3.1, "end": 3.5, "cpus": 2}
+IDLE = {"start": 0.2, "end": 2.1, "cpus": 2}
+BATCH = {"devices": 2, "train": {"batch_size": 32, "accumulate": 2}}
+
+
+def test_the_launcher_records_the_machine_load_in_every_summary(tmp_path, monkeypatch):
+    """``load`` in summary.json: the load average at the job's start (measured by launch) and end, and the
+    CPUs; in the ranks' summary completed, in one written for a failed job, and None where unknown."""
+    import os
+    import types
+
+    import runner.launcher.launch as launcher
+    from runner.launcher.supervise import Outcome
+    from tests.conftest import compose_config
+
+    cfg, cpus = compose_config(), os.cpu_count()
+    averages = iter([0.3, 1.7])
+    monkeypatch.setattr(launcher, "load_average", lambda: next(averages))
+
+    class Supervisor:  # the job: the ranks write their summary.json and exit 0
+        def __init__(self, argv, run_dir, *args):
+            self.run_dir = run_dir
+
+        def run(self):
+            self.run_dir.mkdir()
+            (self.run_dir / "summary.json").write_text('{"status": "ok", "monitor": "val_acc"}')
+            return Outcome(0)
+
+    planned = types.SimpleNamespace(argv=["mpirun"], warning=None, lease=None)
+    checked = types.SimpleNamespace(world_size=2, train=types.SimpleNamespace(stall_timeout=60.0))
+    monkeypatch.setattr(launcher, "_prepare", lambda *args, **kwargs: (planned, checked))
+    monkeypatch.setattr(launcher, "Supervisor", Supervisor)
+    done = launcher.launch(cfg, tmp_path / "ok")
+    assert done["load"] == {"start": 0.3, "end": 1.7, "cpus": cpus}
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["load"] == done["load"]
+    monkeypatch.setattr(launcher, "load_average", lambda: 2.5)
+    failed = tmp_path / "failed"
+    (failed / "logs").mkdir(parents=True)
+    with pytest.raises(launcher.JobEnded):
+        launcher.conclude(cfg, failed, Outcome(1), 1.0, 0.4)
+    summary = json.loads((failed / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["load"] == {"start": 0.4, "end": 2.5, "cpus": cpus}
+    launcher.write_failure_summary(cfg, failed, "failed", "launcher error", 1.0)
+    assert json.loads((failed / "summary.json").read_text())["load"]["start"] is None
+    monkeypatch.undo()
+    assert isinstance(launcher.load_average(), float)
+
+    def no_load_average():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(os, "getloadavg", no_load_average)
+    assert launcher.load_average() is None
+
+
+def test_steps_and_samples_to_target_are_columns_and_break_ties_between_equal_bests(tmp_path):
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", ["optim.lr=0.01"], [0.5, 0.7, 0.92, 0.95])  # the target at step 30
+    make_run(sweep / "1", ["optim.lr=0.05"], [0.5, 0.95, 0.95, 0.95], config=BATCH)  # at step 20
+    report = write_report([sweep])
+    assert [r.name for r in report.runs] == ["optim.lr=0.05", "optim.lr=0.01"]  # equal bests: fewer steps
+    assert [r.target_step for r in report.runs] == [20, 30]
+    assert [r.target_samples for r in report.runs] == [20 * 2 * 32 * 2, None]  # no config.yaml: unknown
+    md = (sweep / "report.md").read_text()
+    assert "ranked by best val_acc (highest first; equal bests: fewer steps to target first" in md
+    assert "| time to target (s) | steps to target | samples to target | wall time (s) |" in md
+    assert "| optim.lr=0.05 | ok | 0.9500 | 0.9500 | 2.00 | 20 | 2,560 | 10.0 | unknown |" in md
+    assert "| optim.lr=0.01 | ok | 0.9500 | 0.9500 | 3.00 | 30 | — | 10.0 | unknown |" in md
+    rows = list(csv.DictReader(open(sweep / "report.csv", newline="")))
+    assert [(r["step_at_target"], r["samples_at_target"]) for r in rows] == [("20", "2560.0"), ("30", "")]
+
+
+def test_wall_times_taken_under_different_loads_are_flagged_above_the_table(tmp_path):
+    from runner.report.table import load_note
+
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", ["optim.lr=0.01"], [0.5, 0.9], load=IDLE)
+    make_run(sweep / "1", ["optim.lr=0.05"], [0.6, 0.9], load=LOADED)
+    make_run(sweep / "2", ["optim.lr=0.1"], [0.6, 0.8])  # an older run: no load recorded
+    write_report([sweep])
+    note = (
+        "Wall times were taken under different machine loads (1-minute load average at the start: 0.2-3.1, "
+        "above its CPU count for 1 run; unknown for 1 run): compare steps to target"
+    )
+    lines = (sweep / "report.md").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if note in line)
+    assert lines[at + 2].startswith("| run |") and "| load (start→end) |" in lines[at + 2]
+    assert any("| 3.1→3.5 on 2 CPUs |" in line for line in lines)
+    assert any(line.startswith("| optim.lr=0.1 |") and "| unknown |" in line for line in lines)
+    page = (sweep / "report.html").read_text()
+    assert page.index(note) < page.index("<table>")
+    rows = list(csv.DictReader(open(sweep / "report.csv", newline="")))
+    assert {(r["load_start"], r["load_end"], r["cpus"]) for r in rows} == {
+        ("0.2", "2.1", "2"),
+        ("3.1", "3.5", "2"),
+        ("", "", ""),
+    }
+    runs = report_of(sweep).runs
+    alike = [r for r in runs if r.load is not None and r.load.start == 0.2]
+    assert load_note(alike + [r for r in runs if r.load is None]) is None  # known loads that agree
+    overloaded = load_note([r for r in runs if r.load is not None and r.load.start == 3.1])
+    assert overloaded.startswith("Wall times were taken under a machine loaded beyond its CPUs (1-minute")
+    old = tmp_path / "old"
+    make_run(old / "0", ["optim.lr=0.01"], [0.5])
+    make_run(old / "1", ["optim.lr=0.05"], [0.6])
+    assert main([str(old)]) == 0 and "Wall times were taken" not in (old / "report.md").read_text()
+
+
+def test_bytes_are_per_worker_and_step_so_rules_are_told_apart_and_equal_ones_not_drawn(tmp_path):
+    """The same bytes over runs of different lengths are different communication; equal bars say nothing."""
+    from runner.report.plots import figures
+
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", ["rule=bsp"], [0.5, 0.6, 0.7, 0.9], bytes_sent=8e6)  # 2 workers × 40 steps
+    make_run(sweep / "1", ["rule=easgd"], [0.5, 0.9], bytes_sent=8e6)  # 2 × 20 steps
+    make_run(sweep / "2", ["rule=asgd"], [0.5, 0.9], bytes_sent=4e6, steps_per_worker=[30, 10])
+    make_run(sweep / "3", ["rule=diloco"], [0.5, 0.9], bytes_sent=2e6, steps=40, resumed_from_step=30)
+    report = report_of(sweep)
+    per_step = {r.name: r.bytes_per_step for r in report.runs}
+    assert per_step == {"rule=bsp": 1e5, "rule=easgd": 2e5, "rule=asgd": 1e5, "rule=diloco": 1e5}
+    totals = {r.bytes_per_worker for r in report.runs if r.name in ("rule=bsp", "rule=easgd")}
+    assert totals == {4e6}  # their totals alone do not tell them apart
+    bars = figures(report)["bytes_per_worker"]
+    assert bars._suptitle.get_text().startswith("Bytes sent per worker per training step")
+    assert "per optimizer step" in bars.axes[0].get_xlabel()
+    write_report([sweep])
+    md = (sweep / "report.md").read_text()
+    assert "sent per worker per step (MB) |" in md and "| 0.200 |" in md
+    assert (sweep / "bytes_per_worker.png").read_bytes().startswith(PNG)
+    for run in ("2", "3"):  # two runs that sent the same per step: no plot, and an earlier one removed
+        shutil.rmtree(sweep / run)
+    write_report([sweep / "0", sweep / "1"], out=sweep)
+    assert (sweep / "bytes_per_worker.png").exists()
+    (sweep / "1" / "summary.json").write_text(json.dumps({"status": "ok", "devices": 2, "bytes_sent": 4e6}))
+    write_report([sweep / "0", sweep / "1"], out=sweep)
+    assert not (sweep / "bytes_per_worker.png").exists()
+
+
+def test_axes_are_logarithmic_where_values_span_orders_of_magnitude(tmp_path):
+    from runner.report.plots import figures, log_scale
+
+    assert log_scale([0.01, 5.0]) and not log_scale([0.1, 0.3, None, 0, -1, "x", float("nan")])
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", ["rule.alpha=0.1"], [0.5, 0.9, 0.95])
+    make_run(sweep / "1", ["rule.alpha=0.9"], [0.5, 0.2, 0.1], status="diverged", error="exploded")
+    for run, distances in (("0", [0.1, 0.05, 0.03]), ("1", [0.2, 50.0, 3000.0])):
+        with open(sweep / run / "metrics.jsonl", "a") as f:
+            for i, d in enumerate(distances):
+                record = {"kind": "epoch", "step": 10 * (i + 1), "time": i, "center_distance": d}
+                f.write(json.dumps(record) + "\n")
+    drawn = figures(report_of(sweep))
+    axes = drawn["rule_metrics"].axes[0]
+    assert axes.get_yscale() == "log" and axes.get_ylabel().endswith("(log scale)")
+    assert drawn["curves"].axes[0].get_yscale() == "linear"  # accuracies 0.1-0.95
+    drawn = figures(report_of(sweep, metric="val_loss"))  # losses 0.05-0.9: linear too
+    assert drawn["curves"].axes[0].get_yscale() == "linear"
+    with open(sweep / "1" / "metrics.jsonl", "a") as f:
+        f.write(
+            json.dumps({"kind": "val", "step": 40, "time": 4.0, "val_acc": 0.0, "val_loss": 2.4e9}) + "\n"
+        )
+    assert figures(report_of(sweep, metric="val_loss"))["curves"].axes[0].get_yscale() == "log"
+    shutil.rmtree(sweep / "1")
+    assert figures(report_of(sweep))["rule_metrics"].axes[0].get_yscale() == "linear"
+    write_report([sweep])
+    assert all(p.read_bytes().startswith(PNG) for p in sweep.glob("*.png"))
+
+
+def test_the_heatmap_colours_are_logarithmic_where_the_best_values_span_orders_of_magnitude(tmp_path):
+    sweep = make_sweep(tmp_path)
+    colorbar = figures_of(sweep, metric="val_loss")["heatmap"].axes[1]
+    assert colorbar.get_yscale() == "linear" and "log scale" not in colorbar.get_ylabel()
+    with open(sweep / "1" / "metrics.jsonl", "a") as f:  # one cell far below the others
+        f.write(
+            json.dumps({"kind": "val", "step": 30, "time": 3.0, "val_acc": 0.99, "val_loss": 1e-4}) + "\n"
+        )
+    colorbar = figures_of(sweep, metric="val_loss")["heatmap"].axes[1]
+    assert colorbar.get_yscale() == "log" and colorbar.get_ylabel() == "best val_loss (log scale)"
+    write_report([sweep], "val_loss")
+    assert (sweep / "heatmap.png").read_bytes().startswith(PNG)
+
+
+def figures_of(sweep: Path, **kwargs) -> dict:
+    from runner.report.plots import figures
+
+    return figures(report_of(sweep, **kwargs))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import time
 from dataclasses import asdict
@@ -146,11 +147,32 @@ def prepare(cfg: DictConfig, run_dir: Path) -> list[str]:
     return _prepare(cfg, run_dir)[0].argv
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average, or None where the OS keeps none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def machine_load(start: float | None) -> dict[str, Any]:
+    """summary.json's ``load``: the 1-minute load average at the job's ``start`` and now, at its end, and
+    the machine's CPU count (the report flags wall times taken under different loads)."""
+    return {"start": start, "end": load_average(), "cpus": os.cpu_count()}
+
+
 def write_failure_summary(
-    cfg: DictConfig, run_dir: Path, status: str, reason: str, wall: float, **fields: Any
+    cfg: DictConfig,
+    run_dir: Path,
+    status: str,
+    reason: str,
+    wall: float,
+    load_start: float | None = None,
+    **fields: Any,
 ) -> None:
     """summary.json for a job that did not end ok (``status``: failed, diverged, stalled, interrupted),
-    with the validations recorded before it ended. Raises RunFolderError if it cannot be written."""
+    with the validations recorded before it ended and the machine's load (``load_start``: at the job's
+    start). Raises RunFolderError if it cannot be written."""
     try:
         vals = [r for r in read_metrics(run_dir / METRICS) if r.get("kind") == "val"]
     except OSError:
@@ -159,13 +181,17 @@ def write_failure_summary(
     ident = read_json(run_dir / IDENTITY)
     rule = option_name(OmegaConf.get_type(cfg.rule))
     given = {"error": reason, **fields, **ident, "rule": rule, "devices": cfg.devices, "wall_time_s": wall}
+    given["load"] = machine_load(load_start)
     summary = run_folder.summary(status, **given, validations=vals, **final_and_best(numbers))
     write_atomic(run_dir / SUMMARY, run_folder.dumps(summary, indent=1))
 
 
-def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
-    """Record how the job ended in summary.json (the ranks' own, completed, or one written here); returns
-    it when the job ended ok, else raises JobEnded (RunFolderError when summary.json cannot be written)."""
+def conclude(
+    cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float, load_start: float | None = None
+) -> dict[str, Any]:
+    """Record how the job ended in summary.json (the ranks' own, completed, or one written here, with the
+    machine's load since ``load_start``); returns it when the job ended ok, else raises JobEnded
+    (RunFolderError when summary.json cannot be written)."""
     summary_path = run_dir / SUMMARY
     sent = {"signal": outcome.signal} if outcome.signal else {}
     job = read_json(summary_path) if outcome.returncode == 0 else {}
@@ -179,7 +205,7 @@ def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> d
         )
         fields = {"cause": outcome.interrupted}
     elif job.get("status") in ("ok", "preempted", "diverged"):
-        return _complete(job, summary_path, run_dir, outcome, wall)
+        return _complete(job, summary_path, run_dir, outcome, wall, load_start)
     else:
         failure = failure_report(run_dir, outcome.returncode, outcome.log_start, outcome.said)
         if failure.rank is None and outcome.returncode == 0:  # (under ULFM an MPI_Abort exits 0)
@@ -187,7 +213,7 @@ def conclude(cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float) -> d
         status, reason = failure.status, failure.message
         fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}
     try:
-        write_failure_summary(cfg, run_dir, status, reason, wall, **fields, **sent)
+        write_failure_summary(cfg, run_dir, status, reason, wall, load_start, **fields, **sent)
     except RunFolderError as err:
         raise RunFolderError(f"{err}; the job itself: {status}: {reason}") from None
     raise JobEnded(reason, status)
@@ -208,13 +234,14 @@ def checkpoint_since(run_dir: Path, since: float | None) -> str:
 
 
 def _complete(
-    job: dict[str, Any], path: Path, run_dir: Path, outcome: Outcome, wall: float
+    job: dict[str, Any], path: Path, run_dir: Path, outcome: Outcome, wall: float, load_start: float | None
 ) -> dict[str, Any]:
     """The ranks' summary.json with the launcher's fields added; JobEnded unless its status is ok."""
     status = job.pop("status")
     job.pop("exit_status", None)
     signal = {"signal": outcome.signal} if outcome.signal else {}
-    job = run_folder.summary(status, **{**job, "wall_time_s": wall, "run_dir": str(run_dir), **signal})
+    added = {"wall_time_s": wall, "load": machine_load(load_start), "run_dir": str(run_dir), **signal}
+    job = run_folder.summary(status, **{**job, **added})
     try:
         write_atomic(path, run_folder.dumps(job, indent=1))
     except RunFolderError as err:
@@ -247,21 +274,21 @@ def launch(
     if planned.warning:
         log.warning(planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
-    start = time.time()
+    start, load_start = time.time(), load_average()
     supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout, label)
     try:
         outcome = supervisor.run()
     except BaseException as err:
         reason = f"launcher error: {err!r}"
         try:
-            write_failure_summary(cfg, run_dir, "failed", reason, time.time() - start)
+            write_failure_summary(cfg, run_dir, "failed", reason, time.time() - start, load_start)
         except RunFolderError:
             pass
         raise
     finally:
         if planned.lease is not None:
             planned.lease.release()
-    summary = conclude(cfg, run_dir, outcome, time.time() - start)
+    summary = conclude(cfg, run_dir, outcome, time.time() - start, load_start)
     monitor = summary.get("monitor", "val_acc")
     log.info(
         "done in %.1f s: final %s %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.report.runs import finite_or_none
 from runner.report.table import Report, explanation, table
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 #: The report's plots, in the order shown.
 PLOTS = ("curves", "heatmap", "scatter", "time_to_target", "bytes_per_worker", "rule_metrics")
+#: A plot's axis is logarithmic when its positive values span more than this factor.
+LOG_SPAN = 100.0
 #: Per-epoch metrics of the rules, plotted over steps when a run recorded them: key -> (title, y label).
 RULE_METRICS = {
     "center_distance": ("EASGD: distance of the workers to the center", "RMS distance to the center"),
@@ -129,7 +132,7 @@ def _curves(report: Report, colors: dict[str, Any]) -> Figure | None:
         axes.grid(alpha=0.3)
     if report.target is not None:
         left.plot([], [], color="grey", linestyle=":", label=f"target {report.target:.4g}")
-    left.set_ylabel(metric_label(m))
+    _log_y(left, [r[m] for _, vals in series for r in vals], metric_label(m))
     left.set_title(f"{m} against wall time")
     right.set_title(f"{m} against steps")
     fig.suptitle(f"{TITLES.get(m, m)} ({m}) of each run", fontsize=13)
@@ -155,6 +158,7 @@ def _heatmap(report: Report) -> tuple[str, Figure] | None:
 
     data = np.array([[np.nan if v is None else v for v in row] for row in grid.values], dtype=float)
     low, high = np.nanmin(data), np.nanmax(data)
+    norm = "log" if log_scale(list(data.flat)) else "linear"
     filled = sum(s is not None for row in grid.status for s in row)
     sparse = 2 * filled < len(grid.rows) * len(grid.cols) and _numeric(grid.rows + grid.cols)
     fig = _figure(7.5, 5.5) if sparse else _figure(max(5.5, 1.4 * len(grid.cols) + 3), len(grid.rows) + 2)
@@ -163,67 +167,122 @@ def _heatmap(report: Report) -> tuple[str, Figure] | None:
     if sparse:
         points = [(grid.cols[j], grid.rows[i], v) for i, j, v in cells if v is not None]
         xs, ys, vs = zip(*points, strict=True)
-        image = axes.scatter(xs, ys, c=vs, cmap="viridis", s=120, edgecolors="black")
+        image = axes.scatter(xs, ys, c=vs, cmap="viridis", norm=norm, s=120, edgecolors="black")
         for x, y, v in points:
             axes.annotate(f"{v:.4f}", (x, y), xytext=(0, 9), textcoords="offset points", ha="center")
         axes.grid(alpha=0.3)
     else:
-        image = axes.imshow(data, cmap="viridis", origin="lower", aspect="auto")
+        image = axes.imshow(data, cmap="viridis", norm=norm, origin="lower", aspect="auto")
         for i, j, value in cells:
             status = grid.status[i][j]
             text = "no run" if status is None else "—" if value is None else f"{value:.4f}"
             text += f"\n({status})" if status not in (None, "ok") else ""
-            dark = value is not None and high > low and (value - low) / (high - low) < 0.6
+            shown = value is not None and high > low and (value > 0 or norm == "linear")
+            dark = shown and image.norm(value) < 0.6
             axes.text(j, i, text, ha="center", va="center", color="white" if dark else "black", fontsize=11)
         axes.set_xticks(range(len(grid.cols)), [_tick(c) for c in grid.cols])
         axes.set_yticks(range(len(grid.rows)), [_tick(r) for r in grid.rows])
     axes.set(xlabel=grid.col_key, ylabel=grid.row_key)
-    fig.colorbar(image, ax=axes, label=f"best {report.metric}")
+    fig.colorbar(image, ax=axes, label=f"best {report.metric}" + (" (log scale)" if norm == "log" else ""))
     axes.set_title(f"Best {report.metric} over {grid.row_key} × {grid.col_key}")
     return ("scatter" if sparse else "heatmap"), fig
 
 
-def _bars(
-    report: Report,
-    colors: dict[str, Any],
-    values: list[float | None],
-    notes: list[str],
-    xlabel: str,
-    title: str,
-) -> Figure:
+@dataclass
+class Panel:
+    """One panel of a bar chart: a value per run (None: none; drawn empty), its note and the axis label."""
+
+    values: list[float | None]
+    notes: list[str]
+    xlabel: str
+    title: str = ""
+
+
+def log_scale(values: list[Any]) -> bool:
+    """Whether ``values`` need a log axis: their positive values span more than :data:`LOG_SPAN` times."""
+    positive = [v for v in map(finite_or_none, values) if v is not None and v > 0]
+    return bool(positive) and max(positive) > LOG_SPAN * min(positive)
+
+
+def _bars(report: Report, colors: dict[str, Any], panels: list[Panel], title: str) -> Figure:
+    """Horizontal bars, a row per run and a panel (sharing the rows) per :class:`Panel`; a log axis where
+    the values span orders of magnitude."""
     runs = report.runs
-    fig = _figure(10, 1.6 + 0.45 * len(runs))
-    axes = fig.subplots()
+    fig = _figure(10 if len(panels) == 1 else 13, 1.6 + 0.45 * len(runs))
     ys = list(range(len(runs)))[::-1]
-    shown = [v or 0.0 for v in values]
-    bars = axes.barh(ys, shown, color=[colors[r.name] for r in runs], height=0.6)
-    for bar, run, note in zip(bars, runs, notes, strict=True):
-        if not run.ok:
-            bar.set_hatch("//")
-        axes.annotate(
-            note,
-            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-            xytext=(4, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=9,
-        )
-    axes.set_yticks(ys, [_tag(r) for r in runs])
-    axes.set_xlabel(xlabel)
-    axes.set_xlim(0, max(shown + [1e-9]) * 1.18)
-    axes.grid(axis="x", alpha=0.3)
-    axes.set_title(title)
+    for axes, panel in zip(fig.subplots(1, len(panels), sharey=True, squeeze=False)[0], panels, strict=True):
+        known = [v for v in panel.values if v is not None and v > 0]
+        log = log_scale(known)
+        low = min(known) / 2 if log else 0.0
+        shown = [low if v is None or v <= 0 else v for v in panel.values]
+        widths = [v - low for v in shown]
+        bars = axes.barh(ys, widths, left=low, color=[colors[r.name] for r in runs], height=0.6)
+        for bar, run, note, x in zip(bars, runs, panel.notes, shown, strict=True):
+            if not run.ok:
+                bar.set_hatch("//")
+            y = bar.get_y() + bar.get_height() / 2
+            axes.annotate(note, (x, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=9)
+        if log:
+            axes.set_xscale("log")
+        axes.set_xlim(low, max(known + [1e-9]) * (4 if log else 1.18))
+        axes.set_xlabel(panel.xlabel + (" (log scale)" if log else ""))
+        axes.grid(axis="x", alpha=0.3)
+        axes.set_title(panel.title)
+    fig.axes[0].set_yticks(ys, [_tag(r) for r in runs])
+    fig.suptitle(title, fontsize=13)
     return fig
 
 
+def _time_to_target(report: Report, colors: dict[str, Any]) -> Figure | None:
+    """Bars of each run's time and steps to the target (the time's panel says when loads differed)."""
+    runs = report.runs
+    if len(runs) < 2 or report.target is None:
+        return None
+    loaded = report.load_note is not None
+    times = [
+        "not reached" if r.target_time_s is None else f"{r.target_time_s:.3g} s" + _load_tag(r, loaded)
+        for r in runs
+    ]
+    steps = ["not reached" if r.target_step is None else f"step {r.target_step}" for r in runs]
+    when = "wall time, under different machine loads: compare steps" if loaded else "wall time"
+    panels = [
+        Panel([r.target_time_s for r in runs], times, "wall time from the start of training (s)", when),
+        Panel([finite_or_none(r.target_step) for r in runs], steps, "optimizer steps", "training steps"),
+    ]
+    return _bars(report, colors, panels, f"Time and steps to {report.target_text()}")
+
+
+def _load_tag(run: Run, loaded: bool) -> str:
+    if not loaded:
+        return ""
+    start = None if run.load is None else run.load.start
+    return " (load unknown)" if start is None else f" (load {start:.1f})"
+
+
+def _bytes_per_step(report: Report, colors: dict[str, Any]) -> Figure | None:
+    """Bars of the bytes each worker sent per optimizer step: the rules' communication, whatever the runs'
+    lengths; None unless at least two runs differ in it."""
+    mbs = [None if r.bytes_per_step is None else r.bytes_per_step / 1e6 for r in report.runs]
+    if len({f"{v:.3g}" for v in mbs if v is not None}) < 2:
+        return None
+    notes = ["not recorded" if v is None else f"{v:.3g} MB" for v in mbs]
+    xlabel = "megabytes sent per worker per optimizer step (MB, 10⁶ bytes)"
+    panel = Panel(mbs, notes, xlabel)
+    return _bars(
+        report, colors, [panel], "Bytes sent per worker per training step (each rule's communication)"
+    )
+
+
 def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
+    """EASGD's and GoSGD's per-epoch metrics over steps, a panel each; a log axis where they span orders of
+    magnitude (a run that drifted away next to healthy ones)."""
     present = [k for k in RULE_METRICS if any(k in r for run in report.runs for r in run.kind("epoch"))]
     if not present:
         return None
     fig = _figure(7 * len(present), 5.2)
     for axes, key in zip(fig.subplots(1, len(present), squeeze=False)[0], present, strict=True):
-        for run in report.runs:
-            points = [(r["step"], r[key]) for r in run.kind("epoch") if isinstance(r.get(key), (int, float))]
+        series = [(run, _points(run, key)) for run in report.runs]
+        for run, points in series:
             if points:
                 steps, values = zip(*points, strict=True)
                 axes.plot(
@@ -236,40 +295,48 @@ def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
                     linestyle="-" if run.ok else "--",
                 )
         title, ylabel = RULE_METRICS[key]
-        axes.set(title=title, xlabel="training steps", ylabel=f"{ylabel} ({key})")
+        _log_y(axes, [v for _, points in series for _, v in points], f"{ylabel} ({key})")
+        axes.set(title=title, xlabel="training steps")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     return fig
 
 
-def write_plots(report: Report) -> list[Path]:
-    """Write the report's PNGs into ``report.out`` (removing those of :data:`PLOTS` an earlier report left
-    there that this one has not); returns those written, in the order to show them. Bars need two runs; the
-    heatmap a sweep over exactly two keys; rule metrics a run that recorded them."""
+def _points(run: Run, key: str) -> list[tuple[Any, float]]:
+    """``(step, value)`` of each of ``run``'s epoch records with a finite ``key``."""
+    return [(r.get("step"), v) for r in run.kind("epoch") if (v := finite_or_none(r.get(key))) is not None]
+
+
+def _log_y(axes: Axes, values: list[float], ylabel: str) -> None:
+    """Label the y axis, logarithmic (and said so) where ``values`` span orders of magnitude."""
+    log = log_scale(values)
+    if log:
+        axes.set_yscale("log")
+    axes.set_ylabel(ylabel + (" (log scale)" if log else ""))
+
+
+def figures(report: Report) -> dict[str, Figure | None]:
+    """The report's figures by name (of :data:`PLOTS`; None: nothing to draw). Bars need two runs (and
+    bytes per step two that differ in it); the heatmap a sweep over exactly two keys; rule metrics a run
+    that recorded them."""
     runs = report.runs
     colors = dict(zip((r.name for r in runs), _colors(len(runs)), strict=True))
-    figures: dict[str, Figure | None] = {"curves": _curves(report, colors)}
+    drawn: dict[str, Figure | None] = {"curves": _curves(report, colors)}
     if (grid := _heatmap(report)) is not None:
-        figures[grid[0]] = grid[1]
-    if len(runs) > 1 and report.target is not None:
-        hits = [r.target_time_s for r in runs]
-        notes = [
-            f"{r.target_time_s:.3g} s, step {r.target_step}" if r.target_time_s is not None else "not reached"
-            for r in runs
-        ]
-        xlabel = "wall time from the start of training to the target (s)"
-        figures["time_to_target"] = _bars(
-            report, colors, hits, notes, xlabel, f"Time to {report.target_text()}"
-        )
-    mbs = [None if r.bytes_per_worker is None else r.bytes_per_worker / 1e6 for r in runs]
-    if len(runs) > 1 and any(v is not None for v in mbs):
-        notes = ["not recorded" if v is None else f"{v:.3g} MB" for v in mbs]
-        xlabel = "megabytes sent per worker over the run (MB, 10⁶ bytes)"
-        figures["bytes_per_worker"] = _bars(report, colors, mbs, notes, xlabel, "Bytes sent per worker")
-    figures["rule_metrics"] = _rule_metrics(report, colors)
+        drawn[grid[0]] = grid[1]
+    drawn["time_to_target"] = _time_to_target(report, colors)
+    drawn["bytes_per_worker"] = _bytes_per_step(report, colors)
+    drawn["rule_metrics"] = _rule_metrics(report, colors)
+    return drawn
+
+
+def write_plots(report: Report) -> list[Path]:
+    """Write the report's PNGs (:func:`figures`) into ``report.out`` (removing those of :data:`PLOTS` an
+    earlier report left there that this one has not); returns those written, in the order to show them."""
+    drawn = figures(report)
     written = []
     for name in PLOTS:
-        path, fig = report.out / f"{name}.png", figures.get(name)
+        path, fig = report.out / f"{name}.png", drawn.get(name)
         if fig is None:
             path.unlink(missing_ok=True)
         else:
@@ -280,7 +347,7 @@ def write_plots(report: Report) -> list[Path]:
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:4px 8px}td.n{text-align:right}th{background:#eee}
-tr.bad td{color:#a00}img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
+tr.bad td{color:#a00}p.warn{color:#a60}img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
 
 
 def page(report: Report, plots: list[Path]) -> str:
@@ -293,7 +360,10 @@ def page(report: Report, plots: list[Path]) -> str:
     if best is not None:
         where = f"{e(report.metric)} {best.best:.4f}, {e(str(best.dir))}"
         parts.append(f"<p><b>Best run: {e(best.name)}</b> ({where})</p>")
-    parts.append(f"<p>{e(explanation(report))}</p><table>")
+    parts.append(f"<p>{e(explanation(report))}</p>")
+    if report.load_note:
+        parts.append(f"<p class=warn><b>{e(report.load_note)}</b></p>")
+    parts.append("<table>")
     parts.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
     for run, row in zip(report.runs, cells, strict=True):
         tds = "".join(f"<td{'' if i < 2 else ' class=n'}>{e(c)}</td>" for i, c in enumerate(row))

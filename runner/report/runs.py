@@ -22,6 +22,8 @@ from runner.run_folder import (
 )
 from runner.schema.identity import parse_overrides, varied_keys
 
+#: The factors of a step's samples: a key of the run's config and its default (None: required).
+SAMPLES_PER_STEP = (("devices", 1), ("train.batch_size", None), ("train.accumulate", 1))
 #: Files that make a folder a run folder.
 RUN_FILES = (SUMMARY, METRICS, IDENTITY, f"{HYDRA_DIR}/{HYDRA_OVERRIDES}")
 
@@ -45,10 +47,39 @@ def _read_yaml(path: Path) -> Any:
         return None
 
 
+@dataclass(frozen=True)
+class Load:
+    """The machine's 1-minute load average at a run's start and end, and its CPU count (``load`` in
+    summary.json; None where unknown)."""
+
+    start: float | None
+    end: float | None
+    cpus: int | None
+
+    @classmethod
+    def of(cls, recorded: Any) -> Load | None:
+        """The ``load`` a summary.json recorded, or None (a run older than the field, or a damaged one)."""
+        if not isinstance(recorded, dict):
+            return None
+        start, end = finite_or_none(recorded.get("start")), finite_or_none(recorded.get("end"))
+        cpus = finite_or_none(recorded.get("cpus"))
+        return None if start is None and end is None else cls(start, end, int(cpus) if cpus else None)
+
+    def text(self) -> str:
+        """``0.4→2.1 on 2 CPUs``: the load at the start and the end, and the CPUs."""
+        start, end = (_fmt_load(v) for v in (self.start, self.end))
+        return f"{start}→{end}" + (f" on {self.cpus} CPUs" if self.cpus else "")
+
+
+def _fmt_load(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}"
+
+
 @dataclass
 class Run:
     """One run folder: what it recorded, its swept values and name, and (once scored) its results. Rates
-    come from summary.json, else (a run that failed) from the mean of its epoch records."""
+    come from summary.json, else (a run that failed) from the mean of its epoch records. Bytes per step:
+    per worker and optimizer step; samples per step: the global batch, devices × batch_size × accumulate."""
 
     dir: Path
     summary: dict[str, Any]
@@ -60,12 +91,15 @@ class Run:
     best: float | None = None
     target_time_s: float | None = None
     target_step: int | None = None
+    target_samples: float | None = None
     status: str = field(init=False)
     cause: str | None = field(init=False)
     wall_time_s: float | None = field(init=False)
     samples_per_s: float | None = field(init=False)
     comm_fraction: float | None = field(init=False)
     bytes_per_worker: float | None = field(init=False)
+    bytes_per_step: float | None = field(init=False)
+    load: Load | None = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.summary
@@ -78,6 +112,9 @@ class Run:
         self.comm_fraction = self._rate("comm_fraction", "comm_frac")
         sent, devices = finite_or_none(s.get("bytes_sent")), finite_or_none(s.get("devices"))
         self.bytes_per_worker = None if sent is None or not devices else sent / devices
+        steps = _worker_steps(s, devices, self.records)
+        self.bytes_per_step = None if sent is None or steps <= 0 else sent / steps
+        self.load = Load.of(s.get("load"))
 
     @property
     def ok(self) -> bool:
@@ -95,6 +132,12 @@ class Run:
         value = finite_or_none(self.summary.get(summary_key))
         return value if value is not None or not rates else sum(rates) / len(rates)
 
+    @property
+    def samples_per_step(self) -> float | None:
+        """The global batch: devices × ``train.batch_size`` × ``train.accumulate`` (None: batch unknown)."""
+        sizes = [finite_or_none((self.lookup(k) or (default, ""))[0]) for k, default in SAMPLES_PER_STEP]
+        return None if None in sizes else math.prod(sizes)
+
     def lookup(self, key: str) -> tuple[Any, str] | None:
         """``(value, text)`` of ``key`` in this run: its override, else its config group's choice, summary
         or config value (a key that another run overrode)."""
@@ -108,6 +151,19 @@ class Run:
             for part in key.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
         return None if value is None or isinstance(value, (dict, list)) else (value, str(value))
+
+
+def _worker_steps(summary: dict[str, Any], devices: float | None, records: list[dict[str, Any]]) -> float:
+    """The optimizer steps all workers took in this job (a resumed job: since its checkpoint), from
+    ``steps_per_worker``, else ``steps`` (or the last record's step) × devices; 0 where unknown."""
+    each = summary.get("steps_per_worker")
+    each = [v for v in each if finite_or_none(v) is not None] if isinstance(each, list) else []
+    steps = finite_or_none(summary.get("steps"))
+    if steps is None:
+        steps = max((finite_or_none(r.get("step")) or 0.0 for r in records), default=0.0)
+    workers = len(each) or devices or 0
+    total = sum(each) if each else steps * workers
+    return total - (finite_or_none(summary.get("resumed_from_step")) or 0) * workers
 
 
 def declared_keys(folder: Path) -> list[str]:
