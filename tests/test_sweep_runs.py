@@ -61,6 +61,7 @@ def test_sweep_points_record_their_values_label_their_lines_and_write_hparams(cl
         assert "model=mlp" in summary["overrides"]
         assert hparams_in(run.dir / point / "tb").count("hparams") == 2
         assert f"[optim.lr={lr}] epoch 0: val_loss" in run.output
+        assert f"[optim.lr={lr}] run folder: " in run.output and f"[optim.lr={lr}] done in " in run.output
 
 
 def test_concurrent_points_follow_the_launcher_and_the_sweep_size():

@@ -68,16 +68,23 @@ def main(cfg: DictConfig) -> float:
                 ident = None
             summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
     except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix
-        log.error("invalid input, nothing was started: %s", err)
+        log.error("%sinvalid input, nothing was started: %s", tag(single, ident), err)
         if not single and not in_process(hydra_cfg.launcher):
             raise
         return not_ok(single, ident, "invalid", EXIT["invalid"])
     except JobEnded as err:
-        (log.warning if err.status == "preempted" else log.error)("job %s: %s", err.status, err)
+        (log.warning if err.status == "preempted" else log.error)(
+            "%sjob %s: %s", tag(single, ident), err.status, err
+        )
         if not single and not in_process(hydra_cfg.launcher):
             raise  # the sweep's own process hears of it only so
         return not_ok(single, ident, err.status, err.code)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
+
+
+def tag(single: bool, ident: dict[str, Any] | None) -> str:
+    """A sweep point's label for the launcher's lines about it (points may run at once)."""
+    return "" if single or not ident else f"[{ident['name']}] "
 
 
 def in_process(launcher: DictConfig) -> bool:

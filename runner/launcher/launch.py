@@ -270,7 +270,8 @@ def launch(
     points); ``share``: the jobs that run at once on this machine, which share its cores."""
     planned, checked = _prepare(cfg, run_dir, ident, reserve=True, share=share)
     argv = planned.argv
-    log.info("run folder: %s", run_dir)
+    tag = f"[{label}] " if label else ""  # points of a sweep that run at once: whose line is it
+    log.info("%srun folder: %s", tag, run_dir)
     if planned.warning:
         log.warning(planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
@@ -291,7 +292,8 @@ def launch(
     summary = conclude(cfg, run_dir, outcome, time.time() - start, load_start)
     monitor = summary.get("monitor", "val_acc")
     log.info(
-        "done in %.1f s: final %s %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",
+        "%sdone in %.1f s: final %s %.4f (best %.4f), %.0f samples/s, %.1f%% of step time in comm",
+        tag,
         summary["wall_time_s"],
         monitor,
         summary.get(f"final_{monitor}") or 0.0,
