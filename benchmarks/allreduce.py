@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from mpijob import in_mpirun, relaunch
+from mpijob import in_mpirun, leave, relaunch
 
 #: Open MPI's ring all-reduce (coll_tuned algorithm 4).
 RING = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4"}
@@ -206,5 +206,6 @@ if __name__ == "__main__":
     arguments = parse()
     if in_mpirun():
         bench(arguments)
+        leave()
     else:
         sys.exit(relaunch(__file__, arguments.ranks, RING if arguments.ring else None))

@@ -42,3 +42,16 @@ def relaunch(script: str, ranks: int, mca: dict[str, str] | None = None) -> int:
     argv += ["-x", f"BENCH_PORT={port}", "-x", "OMP_NUM_THREADS=1", "-x", f"PYTHONPATH={ROOT}"]
     argv += [sys.executable, "-m", "mpi4py", script, *sys.argv[1:]]
     return subprocess.call(argv)
+
+
+def leave() -> None:
+    """End a rank of the benchmark's job once its work is done: output flushed, MPI finalized, then out
+    without the interpreter's teardown, where a thread of torch.distributed's gloo group was seen to abort
+    the process ("terminate called without an active exception") after every result was printed."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(0)

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from mpijob import in_mpirun, relaunch
+from mpijob import in_mpirun, leave, relaunch
 
 MODELS = ("mlp", "cnn", "resnet18")
 #: (warm-up, timed) steps per round: 1.5 to 4 s of timed steps per method and round on one core per rank.
@@ -308,5 +308,6 @@ if __name__ == "__main__":
     arguments = parse()
     if in_mpirun():
         bench(arguments)
+        leave()
     else:
         sys.exit(relaunch(__file__, arguments.ranks))
