@@ -287,6 +287,8 @@ def test_a_collapsed_sweep_point_ends_diverged_and_the_report_says_why(tmp_path)
     overrides = ["rule=easgd", "rule.alpha=0.1,0.9", "optim.lr=0.1", "train.epochs=6"]
     run = run_cli(sweep, *overrides, multirun=True, timeout=280)
     assert run.returncode == 3, run.output
+    assert "Traceback" not in run.output and "did not complete" not in run.output, "every point ran"
+    assert "1 sweep point(s) did not end ok: rule.alpha=0.9 diverged" in run.output, run.output
     healthy, collapsed = (json.loads((sweep / str(job) / "summary.json").read_text()) for job in (0, 1))
     assert healthy["status"] == "ok" and healthy["final_val_acc"] > 0.9, healthy
     assert collapsed["status"] == "diverged" and collapsed["exit_status"] == 3, collapsed
