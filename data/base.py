@@ -10,13 +10,17 @@ Loading runs in the background when a data set has ``workers > 0``: torch DataLo
 with the ``forkserver`` method (a process that has initialised MPI must not fork), which prepare the next
 batches while the current one trains; with a GPU, batches come in pinned memory for asynchronous copies.
 ``workers=None`` (the default of the data sets read from disk) leaves the count to :func:`loader_workers`,
-decided on the rank from the cores it is bound to.
+decided on the rank from the cores it is bound to. A loader process ends with its rank
+(:func:`end_with_rank`): a rank killed under fault tolerance must not leave them behind.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import select
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,39 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 #: The most background loader processes per rank that ``workers=None`` starts.
 MAX_AUTO_WORKERS = 4
+
+
+def end_with_rank(rank_pid: int, worker_id: int) -> None:
+    """In a loader process: end it as soon as the rank ``rank_pid`` that started it has ended. Its parent
+    is the forkserver, not the rank, so torch's own watch (of the parent) misses a killed rank; and the
+    forkserver lives while its children hold its pipe: a killed rank's loaders, its forkserver and mpirun's
+    output pipe they keep open would otherwise outlive the job."""
+    try:
+        handle = os.pidfd_open(rank_pid)
+    except (OSError, AttributeError):  # no such process any more, or no pidfd (not Linux 5.3+)
+        handle = None
+    if handle is None and not _alive(rank_pid):
+        os._exit(1)
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])  # readable once the process has ended
+        else:
+            while _alive(rank_pid):
+                threading.Event().wait(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-rank", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def loader_workers(requested: int | None) -> int:
@@ -135,6 +172,7 @@ class ClassificationData:
                 multiprocessing_context="forkserver",
                 persistent_workers=True,
                 prefetch_factor=prefetch,
+                worker_init_fn=functools.partial(end_with_rank, os.getpid()),
             )
         if batch_size is not None:
             kwargs["batch_size"] = batch_size

@@ -217,7 +217,7 @@ def test_a_killed_workers_chunks_go_back_to_the_pool_and_every_sample_is_trained
         "hardware.oversubscribe=true",
         "hardware.fault_tolerance=continue",
         "train.epochs=2",
-        "data.workers=0",  # a killed rank's loader processes outlive it and hold mpirun's pipes open
+        "data.workers=1",  # the killed rank's loader process must end with it (else the job hangs at its end)
         "+model.die_rank=2",
         "+model.die_at=5",
     ]

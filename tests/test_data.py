@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import pytest
@@ -151,3 +152,29 @@ def test_the_digits_split_is_kept_and_read_back_without_scikit_learn(tmp_path):
     assert len(list(tmp_path.glob("digits-*.npz"))) == 1 and not list(tmp_path.glob("tmp*"))
     unwritable = build("/proc/no-such-cache")  # no cache to be had: split again, same arrays
     assert unwritable == first
+
+
+def _loader_process(rank_pid: int) -> None:
+    from runner.data.base import end_with_rank
+
+    end_with_rank(rank_pid, 0)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_a_loader_process_ends_with_its_rank(monkeypatch, pidfd):
+    """Its parent is the forkserver, not the rank: torch's own watch misses a killed rank."""
+    import multiprocessing
+
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    loader = multiprocessing.get_context("fork").Process(target=_loader_process, args=(rank.pid,))
+    loader.start()
+    time.sleep(0.5)
+    assert loader.is_alive(), "it lives while its rank does"
+    rank.kill()
+    rank.wait()
+    start = time.monotonic()
+    loader.join(timeout=10)
+    assert loader.exitcode == 1 and time.monotonic() - start < 3, (loader.exitcode, time.monotonic() - start)
