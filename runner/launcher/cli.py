@@ -51,6 +51,8 @@ def main(cfg: DictConfig) -> float:
     single = hydra_cfg.mode == RunMode.RUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep = None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
+    if sweep is None and not single and in_process(hydra_cfg.launcher):  # Optuna writes no multirun.yaml
+        sweep = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
     ident = identity(list(hydra_cfg.overrides.task), sweep)
     share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
     if share > 1:  # sweep points that run at once must not draw their progress bars over each other
