@@ -29,7 +29,7 @@ from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
 from runner.launcher.register import check_folders, register
 from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
-from runner.schema.identity import concurrent_points, identity, sweep_overrides
+from runner.schema.identity import command_line_overrides, concurrent_points, identity, sweep_overrides
 
 log = logging.getLogger("runner")
 #: The sweep points that did not end ok, as (name, status, exit status), in the order they ended.
@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> float:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep = None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
     if sweep is None and not single and in_process(hydra_cfg.launcher):  # Optuna writes no multirun.yaml
-        sweep = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+        sweep = command_line_overrides(sys.argv[1:])
     ident = identity(list(hydra_cfg.overrides.task), sweep)
     share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
     if share > 1:  # sweep points that run at once must not draw their progress bars over each other
@@ -143,13 +143,7 @@ def invalid_input(err: BaseException | None) -> bool:
     """Whether ``err``, which made Hydra give up before or around the task, is the user's input: a config
     that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
     refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
-    top, seen = err, set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and not isinstance(err, HydraException):
-            return False
-        err = err.__cause__ or err.__context__
-    return isinstance(top, (HydraException, OmegaConfBaseException, ValueError))
+    return os_error(err) is None and isinstance(err, (HydraException, OmegaConfBaseException, ValueError))
 
 
 def run() -> None:

@@ -43,12 +43,11 @@ def _misspelt(key: str, argv: list[str]) -> str | None:
 
     from runner.launcher.register import register
     from runner.schema.config import check_keys
+    from runner.schema.identity import command_line_overrides
 
     register()  # idempotent: the schemas, as the command line had them
 
-    overrides = [
-        a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+").startswith("hydra.")
-    ]
+    overrides = [a for a in command_line_overrides(argv) if not a.lstrip("+").startswith("hydra.")]
     firsts = [a.split(",", 1)[0] for a in overrides]  # a sweep's first value: compose takes no sweeps
     added = ["+" + a if a.split("=", 1)[0] == key else a for a in firsts]
     GlobalHydra.instance().clear()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from runner.run_folder import CONFIG, LOCK
+from runner.run_folder import CONFIG, LOCK, STOP
 
 
 class RunFolderLock:
@@ -42,7 +42,7 @@ class RunFolderLock:
             self._close()
             raise ValueError(
                 f"{self.run_dir} is in use by a running job ({holder}): wait for it to end, stop it "
-                f"(touch {self.run_dir / 'STOP'}), or give another folder (hydra.run.dir=...)"
+                f"(touch {self.run_dir / STOP}), or give another folder (hydra.run.dir=...)"
             ) from None
         if self.fresh and (self.run_dir / CONFIG).exists():
             self._close()

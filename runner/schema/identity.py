@@ -41,6 +41,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The Hydra overrides (``key=value``) among a command line's arguments, flags left out."""
+    return [a for a in argv if "=" in a and not a.startswith("-")]
+
+
 def varied_keys(sweep: list[str]) -> list[str]:
     """The keys a sweep's overrides vary: lists of values, ranges, Optuna's intervals."""
     return [o.key_or_group for t in sweep if (o := _parse(str(t))) is not None and o.is_sweep_override()]
