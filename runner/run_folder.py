@@ -11,6 +11,7 @@ A run folder (``outputs/DATE/TIME``, or a sweep's ``outputs/multirun/DATE/TIME/N
     mpirun.txt         the exact command line; plan.json the GPU placements       launcher
     mpirun.log         mpirun's own output (every rank's lines, as they came)     launcher
     STOP               a request to checkpoint and stop, read at the next step    user / launcher
+    JOIN               a request to add N workers (its text: N), read likewise   user
     job.lock           held (flock) by the launcher of the job running there       launcher
     summary.json       how the run ended: status, exit status, metrics, cause     rank 0, then launcher
     metrics.jsonl      one record per line (step, epoch, val, failure, final)    rank 0
@@ -19,6 +20,7 @@ A run folder (``outputs/DATE/TIME``, or a sweep's ``outputs/multirun/DATE/TIME/N
     model.pt           the model the run reports; model.rank<r>.pt per rank       rank 0 / every rank
     bindings.json      the cores and device each rank was bound to                rank 0
     logs/              rank<r>.log, rank<r>.error, rank<r>.beat, lost.json        every rank
+                       (a worker spawned into the job: the next unused r)
     eval.json          the metrics of ``eval=RUN_DIR``                            eval
 """
 
@@ -36,6 +38,7 @@ COMMAND = "mpirun.txt"
 PLAN = "plan.json"
 MPIRUN_LOG = "mpirun.log"
 STOP = "STOP"
+JOIN = "JOIN"
 LOCK = "job.lock"
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"

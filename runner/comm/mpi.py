@@ -150,6 +150,8 @@ class Comm:
         self._ready: dict[int, tuple[torch.Tensor, Any]] = {}
         self.scratch: dict[Any, Any] = {}  # runner/comm/wire.py's 16-bit buffers
         self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
+        self.ids: list[int] | None = None  # each rank's id in the job, once processes were spawned into it
+        self.grown = False  # processes were spawned into it (then MPI must be finalized at the end)
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
         """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
@@ -357,12 +359,24 @@ class Comm:
         return arr.tolist()
 
     # -- structure --------------------------------------------------------------------------------
-    def split(self, color: int, key: int | None = None) -> Comm:
-        """A sub-communicator of the ranks that pass the same ``color`` (revoked with this one)."""
+    def split(self, color: int, key: int | None = None, keep: bool = True) -> Comm:
+        """A sub-communicator of the ranks that pass the same ``color`` (revoked with this one; ``keep``
+        False: a short-lived one, which the caller frees)."""
         child = Comm(self._c.Split(color, self.rank if key is None else key), self.cuda_aware, self.stats)
         child.tolerant = self.tolerant
-        self._children.append(child)
+        if self.ids is not None:
+            child.ids = child._c.allgather(self.launch_rank())
+        if keep:
+            self._children.append(child)
         return child
+
+    def free(self) -> None:
+        """Free a short-lived communicator (``split(keep=False)``)."""
+        self._c.Free()
+
+    def split_away(self, color: int, key: int) -> None:
+        """Collective: take part in a split of this communicator and keep nothing of it."""
+        self._c.Split(color, key).Free()
 
     def counter(self, slots: int = 1, host: int = 0) -> Counter:
         """Collective: a :class:`Counter` of ``slots`` int64 values, all zero, held in ``host``'s memory."""
@@ -378,16 +392,24 @@ class Comm:
     def launch_rank(self, rank: int | None = None) -> int:
         """The rank in the job as launched (``MPI.COMM_WORLD``) of this communicator's ``rank``."""
         rank = self.rank if rank is None else rank
+        if self.ids is not None:  # processes were spawned into it: they are in no common COMM_WORLD
+            return self.ids[rank]
         return MPI.Group.Translate_ranks(self._c.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
+
+    def is_revoked(self) -> bool:
+        """Whether a rank revoked this communicator (a survivor's recovery, or workers growing the job)."""
+        return bool(self._c.Is_revoked())
 
     def revoke(self) -> None:
         """Revoke this communicator and those split from it: every survivor's pending and later calls on
         them raise :class:`PeerLost`, wherever it is, so all of them come to recover."""
-        for comm in [self, *self._children]:
-            try:
-                comm._c.Revoke()
-            except MPI.Exception:
-                pass  # revoked already, by a peer
+        try:
+            self._c.Revoke()
+        except MPI.Exception:
+            pass  # revoked already, by a peer
+        for child in self._children:
+            if child is not self:
+                child.revoke()
 
     def lost_peers(self) -> list[int]:
         """Acknowledge the failures this process knows of (so that wildcard receives go on among the
@@ -395,6 +417,10 @@ class Comm:
         self._c.Ack_failed()
         group = self._c.Get_failed()
         return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
+
+    def lost_peers_ids(self) -> list[int]:
+        """:meth:`lost_peers`, as ids in the job (:meth:`launch_rank`)."""
+        return [self.launch_rank(r) for r in self.lost_peers()]
 
     def shrink(self) -> list[int]:
         """Replace the communicator, in place, by one of its survivors (ranks renumbered in order); returns
@@ -406,11 +432,47 @@ class Comm:
             self._queue.put((None, None, None, marker))
             marker._done.wait()
         before = [self.launch_rank(r) for r in range(self.size)]
-        self._c = self._c.Shrink()
-        self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
-        after = {self.launch_rank(r) for r in range(self.size)}
-        self._children, self._node_comm = [], None
+        mine = before[self.rank]
+        self._replace(self._c.Shrink(), mine)
+        after = set(self.ids)
         return [launched for launched in before if launched not in after]
+
+    def _replace(self, new: Any, mine: int) -> None:
+        """Make this object wrap ``new`` (this process's id in the job: ``mine``); split communicators
+        are dropped (split anew)."""
+        self._c = new
+        if self.tolerant:
+            self._c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
+        self.ids = self._c.allgather(mine)
+        self._children, self._node_comm, self.scratch = [], None, {}
+
+    def grow(self, argv: list[str], count: int, key: int, wdir: str) -> str | None:
+        """Collective over this communicator (no lost ranks in it): start ``count`` processes running
+        ``argv`` (``MPI_Comm_spawn``) and merge them in, in place; this process takes place ``key`` in
+        the new order (the new ones take ``GROWN_KEY + i``). Returns why no process was started (MPI's
+        message: no free slot, a command that failed), else None."""
+        mine = self.launch_rank()
+        info = MPI.Info.Create()
+        info.Set("wdir", wdir)
+        try:
+            inter = self._c.Spawn(argv[0], argv[1:], maxprocs=count, info=info, root=0)
+        except MPI.Exception as err:
+            return err.Get_error_string().strip()
+        finally:
+            info.Free()
+        merged = inter.Merge(high=False)
+        self._replace(merged.Split(0, key), mine)
+        self.grown = True
+        return None
+
+    def resplit(self, parent: Comm, color: int) -> None:
+        """Collective over ``parent``: wrap, in place, ``parent``'s ranks of the same ``color`` (after the
+        job grew; ranks keep ``parent``'s order)."""
+        self.tolerant = parent.tolerant
+        self._replace(parent._c.Split(color, parent.rank), parent.launch_rank())
+        if self not in parent._children:
+            parent._children.append(self)
 
     def fault_barrier(self) -> list[int]:
         """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``),
@@ -513,6 +575,32 @@ def init(cuda_aware: bool | None = None) -> Comm:
         assert provided >= MPI.THREAD_SERIALIZED, f"the MPI library gives thread level {provided} only"
         atexit.register(finalize)
     return Comm(cuda_aware=cuda_aware)
+
+
+#: The order keys of a job's ranks after it grew (:meth:`Comm.grow`): its workers by rank, then the spawned
+#: ones, then its servers.
+GROWN_KEY = 1 << 20
+SERVER_KEY = 1 << 21
+
+
+def spawned() -> bool:
+    """Whether this process was spawned into a running job (:meth:`Comm.grow`)."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def join(first: int, cuda_aware: bool | None = None) -> Comm:
+    """Initialise MPI in a spawned process and merge it into the job that spawned it: the job's world
+    (fault tolerant), in which the spawned processes have ids ``first``, ``first + 1``...."""
+    init(cuda_aware)
+    mine = first + MPI.COMM_WORLD.Get_rank()
+    parent = MPI.Comm.Get_parent()
+    merged = parent.Merge(high=True)
+    world = Comm(MPI.COMM_WORLD, cuda_aware)
+    world.return_errors()
+    order = GROWN_KEY + MPI.COMM_WORLD.Get_rank()
+    world._replace(merged.Split(0, order), mine)
+    world.grown = True
+    return world
 
 
 def finalize() -> None:

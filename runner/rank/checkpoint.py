@@ -36,6 +36,7 @@ from runner.run_folder import (
     CHECKPOINT_ENTRY,
     CHECKPOINT_INDEX,
     CHECKPOINTS,
+    JOIN,
     STOP,
     DamagedIndex,
     checkpoint_folder,
@@ -249,6 +250,8 @@ class Checkpointer:
 class Decision:
     checkpoint: bool = False
     stop: bool = False
+    join: int = 0  # workers to add (``RUN_DIR/JOIN``)
+    polled: bool = False  # the workers agreed at this step (False: a step between agreements)
 
 
 class Control:
@@ -266,14 +269,15 @@ class Control:
     ):
         self.workers, self.stop_file = workers, run_dir / STOP
         self.checkpointer, self.interval = checkpointer, interval
-        self.flags = torch.zeros(2, dtype=torch.float64)
+        self.join_file = run_dir / JOIN
+        self.flags = torch.zeros(3, dtype=torch.float64)
         self.reset((start // interval + 1) * interval, forced=False)
 
     def reset(self, next_poll: int, forced: bool = True) -> None:
-        """Start over on the workers' communicator as it is now (after workers were lost): the next
-        agreement is after ``next_poll`` steps (the same on every worker), and with ``forced`` it decides
-        a checkpoint there."""
-        self.comm = self.workers.split(0)
+        """Start over on the workers' communicator as it is now (after workers were lost or joined): the
+        next agreement is after ``next_poll`` steps (the same on every worker), and with ``forced`` it
+        decides a checkpoint there. The agreement's own communicator is split at that first agreement."""
+        self.comm: Comm | None = None
         self.next_poll, self.forced = next_poll, forced
         self.request = None
 
@@ -282,20 +286,37 @@ class Control:
         if step != self.next_poll:
             return Decision()
         self.next_poll += self.interval
-        decision = Decision(checkpoint=self.forced)
+        decision = Decision(checkpoint=self.forced, polled=True)
         self.forced = False
         if self.request is not None:
             self.request.wait()
-            decision = Decision(
-                checkpoint=bool(self.flags[0] > 0) or decision.checkpoint, stop=bool(self.flags[1] > 0)
-            )
+            checkpoint = bool(self.flags[0] > 0) or decision.checkpoint
+            decision = Decision(checkpoint, bool(self.flags[1] > 0), int(self.flags[2]), polled=True)
+        if self.comm is None:
+            self.comm = self.workers.split(0)
         if self.workers.rank == 0:
             self.flags[0] = float(self.checkpointer.time_due())
             self.flags[1] = float(self.stop_file.exists())
+            self.flags[2] = float(self.join_requested())
         else:
             self.flags.zero_()
         self.request = self.comm.iallreduce(self.flags, op="max")
         return decision
+
+    def join_requested(self) -> int:
+        """Worker 0: the workers ``RUN_DIR/JOIN`` asks to add (its text, a number; empty: 1), taken once
+        (the file is removed); 0 without one. A text that is not a number is named and ignored."""
+        try:
+            text = self.join_file.read_text().strip()
+            self.join_file.unlink()
+        except OSError:
+            return 0
+        if text == "":
+            return 1
+        if not text.lstrip("+").isdigit():
+            print(f"warning: {self.join_file} says {text[:40]!r}: write the number of workers to add, e.g. 2")
+            return 0
+        return int(text)
 
     def close(self) -> None:
         """Complete the all-reduce in flight (every worker calls this at the same step)."""

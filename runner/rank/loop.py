@@ -13,8 +13,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
-from runner.rank.assignment import CHUNKS_PER_WORKER, Dealer, Meetings, dealing_state, redeal, val_chunks
-from runner.rank.checkpoint import Control, rng_state, set_rng_state
+from runner.rank.assignment import (
+    CHUNKS_PER_WORKER,
+    Dealer,
+    Meetings,
+    dealing_state,
+    lost_shard,
+    redeal,
+    regrow,
+    val_chunks,
+)
+from runner.rank.checkpoint import Control, Decision, rng_state, set_rng_state
 from runner.rank.guard import Diverged, Guard, collapse, poisoned
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.meter import Meter
@@ -137,6 +146,7 @@ class Trainer:
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
+        self.grow_due, self.join_asked = 0, False  # workers to add at the next step's start (elastic)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
@@ -145,11 +155,13 @@ class Trainer:
         self.first_step, dealt = start.step, self.dealer is not None
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
+            self.grow_if_due(pos, mid_epoch=False)
             max_steps = self.begin_epoch(pos, epochs, start, max_steps)
             self.model.train()
             for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
                 if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
                     break
+                self.grow_if_due(pos, mid_epoch=True)
                 if dealt:
                     self.meter.restart_step()
                 micro = [
@@ -228,6 +240,7 @@ class Trainer:
             elif meetings.validates(k) and self.workers.rank == 0:
                 self.validate_alone(pos)
             decision = self.control.poll(self.meetings_done)
+            self.note_growth(decision)
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
             steps = self.dealer.steps_at
             due = self.control.checkpointer.due_between(steps(position - meetings.gap(k)), steps(position))
@@ -341,6 +354,7 @@ class Trainer:
             self.validate(pos.epoch, pos.step)
             self.model.train()
         decision = self.control.poll(pos.step)
+        self.note_growth(decision)
         self.preempted = decision.stop
         if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
             self.save(pos, False)
@@ -487,6 +501,105 @@ class Trainer:
         for loader in (self.train_loader, self.val_loader, self.whole_val):
             if getattr(loader, "_iterator", None) is not None:  # persistent loader processes
                 loader._iterator = None  # the last reference: its __del__ shuts them down now
+
+    # -- growing the job (runner/rank/elastic.py) -----------------------------------------------------------
+    def note_growth(self, decision: Decision) -> None:
+        """At an agreement: the workers to add at the next step's start (lost ones to replace, and those
+        ``RUN_DIR/JOIN`` asks for); the same on every worker."""
+        if decision.polled and self.recovery is not None and self.recovery.elastic is not None:
+            self.grow_due = decision.join + self.recovery.heal_pending
+            self.join_asked = decision.join > 0
+
+    def grow_if_due(self, pos: Position, mid_epoch: bool) -> None:
+        """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
+        if self.grow_due and self.rule.ready_to_grow:
+            self.tolerant(self.grow, pos, mid_epoch)
+
+    def grow(self, pos: Position, mid_epoch: bool) -> None:
+        """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
+        start, recovery = time.time(), self.recovery
+        self.control.close()  # the agreement in flight (every worker started it)
+        self.rule.before_grow()
+        ids = recovery.elastic.grow(self.grow_due, self.join_asked)
+        self.grow_due, self.join_asked, recovery.heal_pending = 0, False, 0
+        self.welcome(pos, mid_epoch, joined=False)
+        refusal = recovery.elastic.refusal
+        if ids:
+            line = recovery.elastic.record(ids, pos.step)
+            seconds = time.time() - start
+            self.log.write(
+                "joined", pos.step, joined=ids, workers=self.workers.size, seconds=round(seconds, 4)
+            )
+            self.meter.echo(f"{line} (in {seconds:.2f} s)")
+        elif refusal and self.workers.rank == 0:
+            self.meter.echo(f"warning: {refusal}")
+
+    def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
+        """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
+        worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
+        grows, and the workers agree on their next agreement. Returns where the new ones start, and
+        whether that is within an epoch (they then take the lost workers' shards of it)."""
+        w = self.workers
+        sub = w.split(0 if w.rank == 0 or joined else 1, keep=False)
+        if w.rank == 0 or joined:
+            if sub.size > 1:
+                broadcast_state(self.model, sub, root=0)
+                package = sub.broadcast_object(self.package(pos, mid_epoch) if w.rank == 0 else None)
+                if joined:
+                    pos, mid_epoch = self.unpack(package)
+        sub.free()
+        if self.dealer is None:
+            sampler = self.train_loader.sampler
+            plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
+            if joined and mid_epoch:
+                self.shard_plan = lost_shard(plans, w.rank)
+        else:
+            regrow(self.dealer, w, joined)
+        self.rule.grow(joined)
+        if self.val_share is not None:
+            self.val_loader = self.val_share(w.rank, w.size)
+        self.meter.world = w.size
+        self.control.reset(int(w.allreduce_values([self.agreement_after(pos.step)], "max")[0]))
+        return pos, mid_epoch
+
+    def package(self, pos: Position, mid_epoch: bool) -> dict[str, Any]:
+        """Worker 0: what a new worker takes besides the model (:meth:`welcome`)."""
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        dealt = self.dealer is not None
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "rule": self.rule.state_dict(),
+            "scaler": scaler,
+            "position": (pos.step, pos.epoch, pos.batch, mid_epoch),
+            "history": self.history,
+            "skipped": self.guard.skipped,
+            "checkpointed": self.guard.checkpointed,
+            "first_val_loss": self.first_val_loss,
+            "reported_prefix": self.reported_prefix,
+            "meter": self.meter.state_dict(),
+            "checkpoints": (self.control.checkpointer.count, self.control.checkpointer.latest),
+            "schedule": self.schedule.total_steps,
+            "dealing": (self.dealer.total, self.dealer.steps, self.meetings, self.meetings_done, self.passed)
+            if dealt
+            else None,
+        }
+
+    def unpack(self, package: dict[str, Any]) -> tuple[Position, bool]:
+        """A new worker: take worker 0's :meth:`package`; where to start, and whether within an epoch."""
+        self.adopt((package["optimizer"], package["rule"], package["scaler"]))
+        step, epoch, batch, mid_epoch = package["position"]
+        self.history, self.guard.skipped = list(package["history"]), package["skipped"]
+        self.guard.checkpointed, self.first_val_loss = package["checkpointed"], package["first_val_loss"]
+        self.reported_prefix = package["reported_prefix"]
+        self.meter.load_state_dict(package["meter"], step, batch > 0)
+        self.control.checkpointer.count, self.control.checkpointer.latest = package["checkpoints"]
+        if package["schedule"] != self.schedule.total_steps:
+            self.schedule.replan(package["schedule"])
+            self.meter.replan(package["schedule"])
+        if package["dealing"] is not None:
+            total, steps, self.meetings, self.meetings_done, self.passed = package["dealing"]
+            self.dealer.total, self.dealer.steps = total, steps
+        return Position(step, epoch, batch), mid_epoch
 
     # -- what recovery asks of the loop (runner.rank.recovery.Survivor) ------------------------------------
     @property

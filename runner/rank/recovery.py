@@ -34,6 +34,7 @@ from runner.run_folder import LOGS, LOST, dumps, write_atomic
 
 if TYPE_CHECKING:
     from runner.comm import Comm
+    from runner.rank.elastic import Elastic
 
 
 class Survivor(Protocol):
@@ -79,7 +80,8 @@ class Recovery:
     """The survivors' side of fault tolerance for one worker: detect, shrink, agree, continue, record.
 
     ``servers``: the rule's server ranks, the last ones of ``world``; ``val_loader(rank, size)`` makes the
-    loader of a share of the validation data; ``hosts``: every rank's host, by launch rank."""
+    loader of a share of the validation data; ``hosts``: every rank's host, by id; ``elastic``: the job may
+    grow (:mod:`runner.rank.elastic`), and with ``heal`` a lost worker is replaced at the next agreement."""
 
     def __init__(
         self,
@@ -91,12 +93,15 @@ class Recovery:
         terminal: TextIO,
         val_loader: Callable[[int, int], Any],
         hosts: list[str],
+        elastic: Elastic | None = None,
+        heal: bool = False,
     ):
         self.workers, self.world, self.servers, self.run_dir = workers, world, servers, run_dir
         self.min_workers, self.terminal, self.val_loader = min_workers, terminal, val_loader
-        self.hosts = hosts
+        self.hosts, self.elastic, self.heal = hosts, elastic, heal
         self.failures: list[dict[str, Any]] = []
         self.seconds = 0.0
+        self.heal_pending = 0  # lost workers to replace at the next agreement (heal)
 
     def recover(self, trainer: Survivor, pos: Position, holding: bool, applied: bool) -> bool:
         """Collective over the surviving workers. ``holding``: the failure came inside a step, on a batch
@@ -128,6 +133,8 @@ class Recovery:
         seconds = time.time() - start
         self.seconds += seconds
         self._record(trainer, lost, pos.step, start, seconds)
+        if self.heal:
+            self.heal_pending += len(lost)
         return adopted or applied
 
     def _check_servers(self, pos: Position) -> None:
@@ -168,9 +175,10 @@ class Recovery:
         if self.workers.rank != 0:
             return
         ranks = ", ".join(f"rank {r} ({self.hosts[r]})" for r in lost)
+        then = "; a replacement joins at the next agreement" if self.heal else ""
         line = (
             f"{ranks} lost at step {step}; continuing with {self.workers.size} workers "
-            f"(recovered in {seconds:.2f} s)"
+            f"(recovered in {seconds:.2f} s){then}"
         )
         trainer.record_failure(step, lost, seconds, line, self.terminal)
         lost_all = sorted({f["rank"] for f in self.failures})
@@ -180,6 +188,7 @@ class Recovery:
         """The fields summary.json gets."""
         return {
             "failures": self.failures,
+            "joins": self.elastic.joins if self.elastic is not None else [],
             "workers_at_end": self.workers.size,
             "recovery_time_s": self.seconds,
         }

@@ -44,6 +44,7 @@ from runner.rank.checkpoint import (
     save_atomic,
     set_rng_state,
 )
+from runner.rank.elastic import Elastic, arrive
 from runner.rank.guard import Diverged
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.loop import Parts, Place, Records, Trainer
@@ -82,6 +83,8 @@ class Rank:
     beat: Heartbeat
     env: dict[str, Any]
     topology: dict[str, Any]
+    elastic: Elastic | None = None  # the job may grow (fault_tolerance=heal, hardware.max_workers)
+    joined: bool = False  # this worker was spawned into the running job
 
 
 def versions(comm: mpi.Comm) -> dict[str, Any]:
@@ -98,17 +101,29 @@ def versions(comm: mpi.Comm) -> dict[str, Any]:
     }
 
 
-def run(cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat) -> None:
+def run(
+    cfg: Config,
+    run_dir: Path,
+    comm: mpi.Comm,
+    streams: tuple[TextIO, TextIO],
+    beat: Heartbeat,
+    joined: bool = False,
+) -> None:
     """Everything one rank does, from placement to the run's records (resuming from the run folder's
-    latest checkpoint when the launcher set ``resume``)."""
+    latest checkpoint when the launcher set ``resume``; ``joined``: spawned into the running job, it
+    starts from worker 0's state)."""
     start = time.time()
-    rank = place(cfg, run_dir, comm, streams, beat)
+    rank = (place_joined if joined else place)(cfg, run_dir, comm, streams, beat)
     model = build_model(rank)
     if rank.workers is None:
         serve(rank, model)
         return
     trainer, epochs, steps = build(rank, model)
-    reported, result = fit(rank, trainer, epochs, steps)
+    start_at = None
+    if joined:
+        start_at, mid_epoch = trainer.welcome(Position(), False, joined=True)
+        print(f"rank {comm.launch_rank()}: joined the job at step {start_at.step} as worker {comm.rank}")
+    reported, result = fit(rank, trainer, epochs, steps, start_at)
     finish(rank, trainer, reported, result, time.time() - start)
     trainer.log.finish()  # the summary and model to the loggers (MLflow, W&B)
     trainer.close()
@@ -123,15 +138,66 @@ def place(
         streams[0].write(f"versions: {json.dumps(env)}\ntopology: {json.dumps(topology)}\n")
     device, _ = place_rank(cfg.hardware, comm, run_dir)
     hosts = None
-    if cfg.hardware.fault_tolerance == "continue":
+    if cfg.hardware.tolerant:
         comm.return_errors()
         hosts = comm.allgather_object(platform.node())
-    workers = split_roles(comm, cfg.rule.extra_ranks())
+    servers = cfg.rule.extra_ranks()
+    workers = split_roles(comm, servers)
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
+    elastic = None
+    if hosts is not None:
+        most = max(cfg.hardware.max_workers or cfg.devices, comm.size - servers)
+        elastic = Elastic(comm, workers, servers, run_dir, hosts, most, cfg.hardware.env)
     return Rank(
-        cfg, run_dir, comm, workers, device, hosts, entry, part, checkpointer, streams, beat, env, topology
+        cfg,
+        run_dir,
+        comm,
+        workers,
+        device,
+        hosts,
+        entry,
+        part,
+        checkpointer,
+        streams,
+        beat,
+        env,
+        topology,
+        elastic,
+    )
+
+
+def place_joined(
+    cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat
+) -> Rank:
+    """A worker spawned into the running job: its device, and its part in the job's growth with the ranks
+    that spawned it (:func:`runner.rank.elastic.arrive`). It is bound by mpirun's placement of the new
+    processes; on GPUs it takes the GPU of its place among the workers on its node."""
+    topology, env = read_topology().to_dict(), versions(comm)
+    hw, servers = cfg.hardware, cfg.rule.extra_ranks()
+    elastic = arrive(comm, servers, run_dir, max(hw.max_workers or cfg.devices, comm.size - servers), hw.env)
+    device = torch.device("cpu")
+    if hw.device == "cuda":
+        device = torch.device("cuda", elastic.workers.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, None)
+    return Rank(
+        cfg,
+        run_dir,
+        comm,
+        elastic.workers,
+        device,
+        elastic.hosts,
+        None,
+        None,
+        checkpointer,
+        streams,
+        beat,
+        env,
+        topology,
+        elastic,
+        joined=True,
     )
 
 
@@ -140,7 +206,7 @@ def build_model(rank: Rank) -> nn.Module:
     train, comm = rank.cfg.train, rank.comm
     torch.manual_seed(train.seed + (0 if train.same_init else comm.rank))
     model = rank.cfg.model.build().to(rank.device)
-    if train.same_init:
+    if train.same_init and not rank.joined:  # a joined worker takes worker 0's model when it is welcomed
         broadcast_state(model, comm)
     torch.manual_seed(train.seed + 1000 * comm.rank + 1)
     return model
@@ -153,7 +219,8 @@ def serve(rank: Rank, model: nn.Module) -> None:
     def save(step: int, state: dict[str, Any]) -> None:
         rank.checkpointer.save(step, {"rule": state, "rng": rng_state()})
 
-    rule = rank.cfg.rule.build(RuleContext(rank.comm, None, model, save=save))
+    grow = (lambda: rank.elastic.grow(0)) if rank.elastic is not None else None
+    rule = rank.cfg.rule.build(RuleContext(rank.comm, None, model, save=save, grow=grow))
     if rank.part:
         rule.load_state_dict(rank.part["rule"])
         set_rng_state(rank.part["rng"])
@@ -179,7 +246,7 @@ def dealer(rank: Rank, data: Any) -> Dealer | None:
     train = cfg.train
     chunks = Chunks(len(data.train), train.batch_size, train.accumulate, train.seed)
     total, _, steps = plan(chunks, train.epochs, train.max_steps, workers.size)
-    counter = workers.counter(counter_slots(workers.size))
+    counter = None if rank.joined else workers.counter(counter_slots(workers.size))  # joined: when welcomed
     return Dealer(chunks, counter, total, steps, workers.rank, publish=tolerant)
 
 
@@ -233,7 +300,7 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
                 "per epoch, dealt to the workers as they ask"
             )
     optimizer = cfg.optim.build(model.parameters())
-    rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch))
+    rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch, joined=rank.joined))
     schedule = cfg.schedule.build(optimizer, steps, rule.lr_factor)
     parts = Parts(model, optimizer, rule, cfg.task.build(data.num_classes), schedule)
     recovery = None
@@ -247,6 +314,8 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.streams[1],
             val_share(rank, data),
             rank.hosts,
+            rank.elastic,
+            cfg.hardware.fault_tolerance == "heal",
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank))
     kept = records(rank, rule.synchronous, steps, dealt is not None)
@@ -280,12 +349,15 @@ def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> R
     return Records(log, meter, rank.beat, control, monitored(cfg))
 
 
-def fit(rank: Rank, trainer: Trainer, epochs: int, steps: int) -> tuple[nn.Module, dict[str, Any]]:
-    """Restore the checkpoint's state (when resuming), train, and record the rule's final metrics; returns
-    the model the run reports and the run's results."""
+def fit(
+    rank: Rank, trainer: Trainer, epochs: int, steps: int, start_at: Position | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Restore the checkpoint's state (when resuming), train from ``start_at`` (a joined worker: where
+    worker 0 was), and record the rule's final metrics; returns the model the run reports and the run's
+    results."""
     log = trainer.log
     try:
-        start_at = Position()
+        start_at = start_at or Position()
         if rank.part:
             start_at = trainer.restore(rank.part)
             trainer.meter.echo(
@@ -340,26 +412,27 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
 def main(argv: list[str] | None = None) -> None:
     """Run one rank of the job whose run folder is ``argv[0]``; a failure aborts the job with its status."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: mpirun ... python -m runner.rank.worker RUN_DIR")
-    run_dir = Path(argv[0])
-    comm = mpi.init()
-    log_file, terminal = redirect_output(run_dir, comm.rank)
-    beat = Heartbeat(run_dir, comm.rank, counter=lambda: comm.stats.seconds)
+    if len(argv) not in (1, 3) or (len(argv) == 3 and argv[1] != "--joined"):
+        raise SystemExit("usage: mpirun ... python -m runner.rank.worker RUN_DIR [--joined FIRST_ID]")
+    run_dir, joined = Path(argv[0]), len(argv) == 3
+    comm = mpi.join(int(argv[2])) if joined else mpi.init()
+    me = comm.launch_rank()  # a spawned worker's id in the job (its logs are named by it)
+    log_file, terminal = redirect_output(run_dir, me)
+    beat = Heartbeat(run_dir, me, counter=lambda: comm.stats.seconds)
     try:
         cfg = load(str(run_dir / CONFIG))
         if cfg.hardware.cuda_aware is not None:
             comm.cuda_aware = cfg.hardware.cuda_aware
-        run(cfg, run_dir, comm, (log_file, terminal), beat)
+        run(cfg, run_dir, comm, (log_file, terminal), beat, joined)
     except BaseException as err:
-        fail(err, run_dir, comm.rank, log_file)
+        fail(err, run_dir, me, log_file)
         raise
     finally:
         beat.close()
     sys.stdout.flush()
     sys.stderr.flush()
-    if not comm.tolerant:  # after a lost rank, ULFM's MPI_Finalize was seen to hang: skip it
-        mpi.finalize()
+    if not comm.tolerant or comm.grown:  # after a lost rank, ULFM's MPI_Finalize was seen to hang: skip
+        mpi.finalize()  # it, unless workers were spawned into the job (mpirun then counts an exit without)
     log_file.flush()
     # Everything is written and closed: leave without the interpreter's teardown, which with torch loaded
     # takes about a second (benchmarks/README.md, start-up).

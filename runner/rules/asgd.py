@@ -96,7 +96,8 @@ class ASGD(Rule):
         if len(flat.buffers) != 1:
             raise ValueError("rule=asgd needs all parameters of one dtype and device")
         self.x = flat.buffers[0]
-        self.comm.broadcast(self.x, root=0)
+        if not self.joined:  # joined: it fetches the servers' parameters when it grows
+            self.comm.broadcast(self.x, root=0)
         bounds = [round(i * flat.numel / self.num_servers) for i in range(self.num_servers + 1)]
         self.slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.header = torch.zeros(1, dtype=torch.float64)
@@ -187,6 +188,21 @@ class ASGD(Rule):
             self.push()
         for server in self.server_ranks:
             self.comm.send(self.header, server, DONE)
+
+    def before_grow(self) -> None:
+        """A fetch from every server: it answers after the pushes this worker sent before (messages between
+        two ranks arrive in order), so none is left unread when the communicators are replaced."""
+        self.fetch()
+
+    @no_grad
+    def grow(self, joined: bool) -> None:
+        """A new worker starts from the servers' parameters, with nothing of its own to push."""
+        super().grow(joined)
+        if joined:
+            self.versions = self._fetch_into(self.fetched)
+            self.x.copy_(self.fetched)
+            self.ref.copy_(self.fetched)
+            self.pushes = self.fetches = 0
 
     def before_checkpoint(self, step: int) -> None:
         """Tell every server; each saves its shard once all workers' earlier pushes are applied (messages

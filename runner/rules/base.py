@@ -36,6 +36,10 @@ def no_grad(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+#: The message tag worker 0 sends each server when the job grows (:mod:`runner.rank.elastic`).
+GROW = 99
+
+
 def split_roles(comm: Comm, servers: int) -> Comm | None:
     """Collective over all ranks: ranks ``0 .. size-servers-1`` train and get their communicator; the last
     ``servers`` ranks serve and get None. Rank 0 is always a worker and writes the run's records."""
@@ -57,6 +61,10 @@ class RuleContext:
     optimizer: torch.optim.Optimizer | None = None
     steps_per_epoch: int = 0
     save: Callable[[int, dict[str, Any]], None] | None = None  # server ranks: write their checkpoint part
+    joined: bool = (
+        False  # a worker spawned into the running job: its state comes from worker 0 (no collective)
+    )
+    grow: Callable[[], list[int]] | None = None  # server ranks: take part in the job's growth; the new ids
 
 
 class Rule:
@@ -92,6 +100,8 @@ class Rule:
         self.num_workers = ctx.comm.size - servers
         self.is_server = ctx.workers is None
         self.save = ctx.save
+        self.joined = ctx.joined  # built alone (no collective call): Rule.grow makes it one of the workers
+        self.grow_job = ctx.grow
         self.wire = wire_dtype(comm_dtype)  # the 16-bit type exchanges travel in (None: as they are)
         self._mean: tuple[torch.nn.Module, FlatTensors] | None = None
 
@@ -170,6 +180,22 @@ class Rule:
         """Workers, once the communicator holds the survivors only (and, for synchronous rules, all are at
         the same step): make the rule's state consistent again, by the rule's own math."""
 
+    # -- growing the job (fault_tolerance=heal, RUN_DIR/JOIN; runner/rank/elastic.py) ------------------------
+    @property
+    def ready_to_grow(self) -> bool:
+        """Whether workers may join at this step (the same answer on every worker of a synchronous rule)."""
+        return True
+
+    def before_grow(self) -> None:
+        """Workers, collective, before the job grows: leave nothing in flight (the communicators are
+        replaced)."""
+
+    def grow(self, joined: bool) -> None:
+        """Workers, collective over all of them once new ones joined (``joined``: this one is new and has
+        taken worker 0's model, optimizer and rule state): make the rule's state consistent again, by the
+        rule's own math."""
+        self.num_workers = self.comm.size - self.num_servers
+
     # -- servers --------------------------------------------------------------------------------------------
     def _serve_workers(self, handle: Callable[[int, int], None], done: int, checkpoint: int) -> None:
         """Server ranks: ``handle(source, tag)`` each message of the workers in arrival order until every
@@ -179,26 +205,29 @@ class Rule:
         from runner.comm import PeerLost
 
         header = torch.zeros(1, dtype=torch.float64)
+        living = {self.comm.launch_rank(r) for r in range(self.num_workers)}
         finished: set[int] = set()
-        lost: set[int] = set()
         asked = 0
-        while len(finished | lost) < self.num_workers:
+        while living - finished:
             try:
                 source, tag = self.comm.probe()
-                if tag in (done, checkpoint):
+                if tag in (done, checkpoint, GROW):
                     self.comm.recv(header, source, tag)
-                if tag == done:
+                if tag == GROW:  # the workers grow the job (runner/rank/elastic.py)
+                    self.grow_job()
+                    self.num_workers, asked = self.comm.size - self.num_servers, 0
+                    living = {self.comm.launch_rank(r) for r in range(self.num_workers)} - finished
+                elif tag == done:
                     finished.add(self.comm.launch_rank(source))
                 elif tag == checkpoint:
                     asked += 1
-                    if asked >= self.num_workers - len(lost):
+                    if asked >= len(living):
                         asked = 0
                         self.save(int(header), self.state_dict())
                 else:
                     handle(source, tag)
             except PeerLost:
-                dead = {self.comm.launch_rank(r) for r in self.comm.lost_peers()}
-                lost |= {r for r in dead if r < self.num_workers} - finished
+                living -= set(self.comm.lost_peers_ids()) - finished
         assert self.comm.iprobe() is None, "a message was left in flight"
 
     # -- helpers for rules that report a model other than the local one -----------------------------------

@@ -248,6 +248,13 @@ class BSP(Rule):
             bucket.packed.clear()
         self.next_launch = 0
 
+    def grow(self, joined: bool) -> None:
+        """Nothing to do: the new workers took worker 0's parameters and optimizer, and from now on the
+        mean (and ``lr_scaling``) is over all workers. A run started alone has no buckets to grow from."""
+        super().grow(joined)
+        if self.alone and self.comm.size > 1:
+            raise ValueError("rule=bsp started with devices=1 cannot take joining workers: start with 2")
+
     def recover(self) -> None:
         """``grads``: nothing (from now on the mean is over the survivors, and ``lr_scaling`` scales by their
         number). ``params``: the survivors average their parameters at once, so all start equal again."""

@@ -115,7 +115,7 @@ class DiLoCo(Rule):
     @no_grad
     def _take_worker_0_model(self) -> None:
         """All workers start from worker 0's parameters and buffers (x_start is shared by definition)."""
-        if self.workers.size > 1:
+        if self.workers.size > 1 and not self.joined:  # joined: worker 0's model comes with the state
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 self.workers.broadcast(t.data, root=0)
 
@@ -207,6 +207,11 @@ class DiLoCo(Rule):
         self.delta_norm = state["delta_norm"]
 
     @no_grad
+    @property
+    def ready_to_grow(self) -> bool:
+        """New workers join at the start of a round (they take worker 0's x_start and momentum)."""
+        return self.round_step == 0
+
     def recover(self) -> None:
         """Make the survivors' round state worker 0's (an outer step may have completed on some of them
         only). If every survivor had finished the round's H steps (its exchange failed), take the outer step

@@ -121,7 +121,7 @@ class EASGD(Rule):
     def _init_center(self) -> tuple[torch.nn.Module, FlatTensors]:
         """The center as a model (a copy of this rank's), set to rank 0's parameters on every rank."""
         center_model, center = flat_copy(self.model)
-        for buf in center.buffers:
+        for buf in center.buffers if not self.joined else []:  # joined: the center comes with the state
             self.comm.broadcast(buf, root=0)
         return center_model, center
 
@@ -211,6 +211,14 @@ class EASGD(Rule):
         for c, saved in zip(self.center.buffers, state["center"], strict=True):
             c.copy_(saved)
         self.exchanges, self.served = state["exchanges"], state["served"]
+
+    def grow(self, joined: bool) -> None:
+        """The new workers took worker 0's center (sync: its replica) and go on with its ``alpha`` (as the
+        survivors of a loss do); async: the server serves them from now on."""
+        super().grow(joined)
+        self.alpha = self.workers.broadcast_object(self.alpha)
+        if joined:
+            self.exchanges = 0
 
     @no_grad
     def recover(self) -> None:

@@ -158,6 +158,12 @@ def check_training(cfg: Config) -> None:
             f"hardware.min_workers={cfg.hardware.min_workers} is invalid: the job has devices={cfg.devices} "
             f"workers; give at most {cfg.devices} (the fewest survivors a fault-tolerant job goes on with)"
         )
+    most = cfg.hardware.max_workers
+    if most is not None and most < cfg.devices:
+        raise ValueError(
+            f"hardware.max_workers={most} is invalid: the job starts devices={cfg.devices} workers; give at "
+            f"least {cfg.devices} (the most workers it may grow to with RUN_DIR/JOIN), or null"
+        )
     if cfg.train.precision == "fp16" and getattr(cfg.hardware, "device", None) == "cpu":
         raise ValueError(
             "train.precision='fp16' is invalid: float16 training needs a GPU (a gradient scaler keeps its "

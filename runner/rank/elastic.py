@@ -1,0 +1,155 @@
+"""Growing a running job (``hardware.fault_tolerance=heal``, ``RUN_DIR/JOIN``): new workers spawned into it.
+
+After the survivors of a lost worker have recovered (:mod:`runner.rank.recovery`), or when ``RUN_DIR/JOIN``
+asks for more workers, the workers decide at an agreement point to grow, and at the start of their next
+step (or epoch) every living rank, servers included, grows the job collectively (:meth:`Elastic.grow`):
+
+1. the workers meet (each is done with its calls on the world), worker 0 tells each server (a message
+   after all of its others), and the world is shrunk to the living;
+2. ``MPI_Comm_spawn`` starts the new workers (``python -m runner.rank.worker RUN_DIR --joined ID``: ids
+   are never reused, so a replacement has its own log and heartbeat) on the slots mpirun was given, and
+   ``MPI_Intercomm_merge`` brings them in; the world is reordered workers first (survivors, then the new
+   ones), servers last, as a fresh launch would be, and the workers' communicator split anew;
+3. the workers then welcome the new ones (:meth:`runner.rank.loop.Trainer.welcome`): worker 0 gives them
+   its model, optimizer, rule and position, the dealing of the data starts over among all of them, and
+   each rule grows by its own math (:meth:`runner.rules.base.Rule.grow`).
+
+A spawn that fails (no free slot, a command that does not start) is named on the console and the job goes
+on with the workers it has.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from runner.comm.mpi import SERVER_KEY
+from runner.rules.base import GROW, split_roles
+from runner.run_folder import JOIN
+
+if TYPE_CHECKING:
+    from runner.comm import Comm
+
+#: Environment variables a spawned worker gets from the rank that spawns it (mpirun's ``-x`` reach only
+#: the ranks it started).
+PASSED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MPITRAIN_TTY", "CUDA_DEVICE_ORDER", "PYTHONPATH")
+
+
+def spawn_argv(run_dir: Path, first_id: int, env: dict[str, str]) -> list[str]:
+    """The command of the workers spawned into the job: the worker module with ``--joined`` and the id of
+    the first of them (the others count up), through ``env`` so they get this rank's environment."""
+    passed = [f"{k}={os.environ[k]}" for k in (*PASSED_ENV, *env) if k in os.environ]
+    return [
+        "env",
+        *passed,
+        sys.executable,
+        "-m",
+        "runner.rank.worker",
+        str(run_dir),
+        "--joined",
+        str(first_id),
+    ]
+
+
+class Elastic:
+    """One rank's side of growing the job: workers and servers alike take part in :meth:`grow`.
+
+    ``workers``: this rank's communicator with the other workers (None on a server); ``servers``: the
+    rule's server ranks (the last of ``world``); ``hosts``: every rank's host, by id (ids ``0 ..
+    launched-1`` were launched; spawned ones count on from there); ``max_workers``: the most workers the
+    job may have; ``env``: ``hardware.env``, passed on to spawned workers."""
+
+    def __init__(
+        self,
+        world: Comm,
+        workers: Comm | None,
+        servers: int,
+        run_dir: Path,
+        hosts: list[str],
+        max_workers: int,
+        env: dict[str, str],
+    ):
+        self.world, self.workers, self.servers = world, workers, servers
+        self.run_dir, self.hosts, self.max_workers, self.env = run_dir, hosts, max_workers, env
+        self.joins: list[dict[str, Any]] = []  # every worker that joined: {rank, host, step, time}
+        self.refusal: str | None = None  # why the last grow started no worker
+
+    @property
+    def room(self) -> int:
+        """Workers that may still join (``hardware.max_workers`` less the workers there are)."""
+        return self.max_workers - (self.world.size - self.servers)
+
+    def grow(self, want: int, asked: bool = False) -> list[int]:
+        """Collective over the living ranks of the world: add ``want`` workers (worker 0's count counts;
+        servers pass 0), at most :attr:`room`; returns the new workers' ids (none: :attr:`refusal` says
+        why, if any were wanted). ``asked``: ``RUN_DIR/JOIN`` asked for them, and is served now."""
+        world = self.world
+        if self.workers is not None:
+            self.workers.barrier()  # every worker is done with its calls on the world (a checkpoint's)
+            for server in range(world.size - self.servers, world.size) if world.rank == 0 else []:
+                world.send(torch.zeros(1, dtype=torch.float64), server, GROW)  # after its other messages
+        world.shrink()
+        first = len(self.hosts)
+        room = self.room
+        want = int(world.broadcast_object(min(want, room) if world.rank == 0 else None))
+        if world.rank == 0 and asked:
+            (self.run_dir / JOIN).unlink(missing_ok=True)  # this request is served (once)
+        self.refusal = (
+            None
+            if want > 0 or room > 0
+            else (f"hardware.max_workers={self.max_workers} workers are running: no worker joins")
+        )
+        if want <= 0:
+            self.settle(world.rank)
+            return []
+        key = world.rank if world.rank < world.size - self.servers else SERVER_KEY + world.rank
+        why = world.grow(spawn_argv(self.run_dir, first, self.env), want, key, os.getcwd())
+        if why is not None:
+            self.refusal = (
+                f"could not start {want} worker(s) (MPI_Comm_spawn: {why}); give mpirun free slots "
+                "(hardware.oversubscribe=true, or hosts with spare slots); the job goes on with "
+                f"{world.size - self.servers} workers"
+            )
+            self.settle(world.rank)
+            return []
+        self.settle(key)
+        return list(range(first, first + want))
+
+    def settle(self, key: int) -> None:
+        """Collective over the world as it now is (a spawned worker calls it too, from :func:`arrive`):
+        learn every rank's host and split the workers' communicator anew."""
+        world = self.world
+        pairs = world.allgather_object((world.launch_rank(), platform.node()))
+        for rank, host in sorted(pairs):
+            while len(self.hosts) <= rank:
+                self.hosts.append("?")
+            self.hosts[rank] = host
+        self.hosts[:] = world.broadcast_object(self.hosts)  # the lost ranks' hosts, which worker 0 knows
+        if self.servers and self.workers is not None:
+            self.workers.resplit(world, 0)
+        elif self.servers:
+            world.split_away(1, key)  # a server takes part in the workers' split and keeps nothing
+
+    def record(self, ids: list[int], step: int) -> str:
+        """Note that workers ``ids`` joined at ``step``; the console's line."""
+        now = time.time()
+        self.joins += [{"rank": r, "host": self.hosts[r], "step": step, "time": now} for r in ids]
+        who = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ids)
+        workers = self.world.size - self.servers
+        return f"{who} joined at step {step}; {workers} workers"
+
+
+def arrive(world: Comm, servers: int, run_dir: Path, max_workers: int, env: dict[str, str]) -> Elastic:
+    """A spawned worker, right after it merged into the job (:func:`runner.comm.mpi.join`): take part in
+    :meth:`Elastic.settle` with the ranks that spawned it (its workers: ``elastic.workers``)."""
+    elastic = Elastic(world, None, servers, run_dir, [], max_workers, env)
+    world.allgather_object((world.launch_rank(), platform.node()))  # worker 0 sends them whole below
+    elastic.hosts = world.broadcast_object(None)
+    elastic.workers = split_roles(world, servers)
+    return elastic
