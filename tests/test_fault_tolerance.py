@@ -51,7 +51,10 @@ def test_an_mpi_without_ulfm_is_refused_naming_the_key(tmp_path):
 
 @pytest.mark.parametrize(
     "key, value, hint",
-    [("fault_tolerance", "maybe", "none, continue"), ("min_workers", 0, "at least one worker must survive")],
+    [
+        ("fault_tolerance", "maybe", "none, continue, heal"),
+        ("min_workers", 0, "at least one worker must survive"),
+    ],
 )
 def test_bad_fault_tolerance_values_are_refused(key, value, hint):
     with pytest.raises(ValueError, match=rf"hardware.{key}.*{hint}"):

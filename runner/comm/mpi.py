@@ -359,6 +359,7 @@ class Comm:
         return arr.tolist()
 
     # -- structure --------------------------------------------------------------------------------
+    @_faults
     def split(self, color: int, key: int | None = None, keep: bool = True) -> Comm:
         """A sub-communicator of the ranks that pass the same ``color`` (revoked with this one; ``keep``
         False: a short-lived one, which the caller frees)."""
@@ -466,6 +467,7 @@ class Comm:
         self.grown = True
         return None
 
+    @_faults
     def resplit(self, parent: Comm, color: int) -> None:
         """Collective over ``parent``: wrap, in place, ``parent``'s ranks of the same ``color`` (after the
         job grew; ranks keep ``parent``'s order)."""

@@ -90,11 +90,13 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
     latest = resume_checkpoint(run_dir, cfg.resume)
     ranks = resumed.devices + OmegaConf.to_object(resumed.rule).extra_ranks()
-    if latest["world_size"] < ranks:  # the run went on without lost workers (fault tolerance)
-        resumed.devices -= ranks - latest["world_size"]
+    if latest["world_size"] != ranks:  # workers were lost (fault tolerance), or joined (elastic)
+        change = latest["world_size"] - ranks
+        resumed.devices += change
         log.info(
-            "the run had lost %d worker(s) by its checkpoint %s: resuming with devices=%d",
-            ranks - latest["world_size"],
+            "the run had %s %d worker(s) by its checkpoint %s: resuming with devices=%d",
+            "lost" if change < 0 else "grown by",
+            abs(change),
             latest["dir"],
             resumed.devices,
         )

@@ -268,7 +268,9 @@ class FakeComm:
         """Reduced in float64, like ``Comm.allreduce_values``."""
         combine = _REDUCE[op]
         kind = ("allreduce_values", op, len(values))
-        return self._objects(kind, list(values), lambda xs: combine(torch.tensor(xs).double()).tolist())
+        return self._objects(
+            kind, list(values), lambda xs: combine(torch.tensor(xs, dtype=torch.float64)).tolist()
+        )
 
     def split(self, color: int, key: int | None = None) -> FakeComm:
         def combine(members: list) -> dict[int, tuple[_Group, int]]:  # members: (color, key, old rank)
