@@ -151,7 +151,7 @@ class Comm:
         self.scratch: dict[Any, Any] = {}  # runner/comm/wire.py's 16-bit buffers
         self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
         self.ids: list[int] | None = None  # each rank's id in the job, once processes were spawned into it
-        self.grown = False  # processes were spawned into it (then MPI must be finalized at the end)
+        self.grown = False  # processes were spawned into it (then MPI_Finalize is not called at the end)
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
         """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
@@ -459,10 +459,12 @@ class Comm:
         try:
             inter = self._c.Spawn(argv[0], argv[1:], maxprocs=count, info=info, root=0)
         except MPI.Exception as err:
+            self.grown = True  # mpirun counts the failed spawn too
             return err.Get_error_string().strip()
         finally:
             info.Free()
         merged = inter.Merge(high=False)
+        inter.Disconnect()  # (left connected, MPI_Finalize was seen to crash disconnecting it)
         self._replace(merged.Split(0, key), mine)
         self.grown = True
         return None
@@ -597,6 +599,7 @@ def join(first: int, cuda_aware: bool | None = None) -> Comm:
     mine = first + MPI.COMM_WORLD.Get_rank()
     parent = MPI.Comm.Get_parent()
     merged = parent.Merge(high=True)
+    parent.Disconnect()
     world = Comm(MPI.COMM_WORLD, cuda_aware)
     world.return_errors()
     order = GROWN_KEY + MPI.COMM_WORLD.Get_rank()

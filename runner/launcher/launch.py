@@ -194,7 +194,7 @@ def conclude(
     (RunFolderError when summary.json cannot be written)."""
     summary_path = run_dir / SUMMARY
     sent = {"signal": outcome.signal} if outcome.signal else {}
-    job = read_json(summary_path) if outcome.returncode == 0 else {}
+    job = read_json(summary_path) if outcome.returncode == 0 else grown_job(summary_path, outcome, wall)
     if outcome.stall is not None:
         status, reason = "stalled", outcome.stall.message
         fields: dict[str, Any] = {"stalled_ranks": outcome.stall.ranks, "cause": outcome.stall.message}
@@ -217,6 +217,23 @@ def conclude(
     except RunFolderError as err:
         raise RunFolderError(f"{err}; the job itself: {status}: {reason}") from None
     raise JobEnded(reason, status)
+
+
+def grown_job(summary_path: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
+    """The ranks' summary.json of a job that spawned workers (:mod:`runner.rank.elastic`) and ended: mpirun
+    exits non-zero for it whatever happened (MPI_Finalize is not called: with spawned processes it was
+    seen to crash, so the ranks meet in a last barrier after every write and leave without it). Rank 0
+    writes its summary, during this job (the last ``wall`` seconds), only after every rank agreed the run
+    ended; else nothing (a failed job)."""
+    try:
+        fresh = summary_path.stat().st_mtime >= time.time() - wall - 1
+    except OSError:
+        return {}
+    job = read_json(summary_path) if fresh else {}
+    if job.get("spawned") and job.get("status") in ("ok", "preempted") and not outcome.said:
+        log.debug("mpirun exited %d after the end of a job that spawned workers", outcome.returncode)
+        return job
+    return {}
 
 
 def checkpoint_since(run_dir: Path, since: float | None) -> str:

@@ -189,6 +189,7 @@ class Recovery:
         return {
             "failures": self.failures,
             "joins": self.elastic.joins if self.elastic is not None else [],
+            "spawned": self.world.grown,
             "workers_at_end": self.workers.size,
             "recovery_time_s": self.seconds,
         }

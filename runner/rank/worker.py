@@ -431,8 +431,10 @@ def main(argv: list[str] | None = None) -> None:
         beat.close()
     sys.stdout.flush()
     sys.stderr.flush()
-    if not comm.tolerant or comm.grown:  # after a lost rank, ULFM's MPI_Finalize was seen to hang: skip
-        mpi.finalize()  # it, unless workers were spawned into the job (mpirun then counts an exit without)
+    if comm.grown:  # workers were spawned: every rank is done writing before any leaves (without
+        comm.fault_barrier()  # MPI_Finalize, seen to crash then; the launcher knows this exit status)
+    elif not comm.tolerant:  # after a lost rank, ULFM's MPI_Finalize was seen to hang: skip it
+        mpi.finalize()
     log_file.flush()
     # Everything is written and closed: leave without the interpreter's teardown, which with torch loaded
     # takes about a second (benchmarks/README.md, start-up).

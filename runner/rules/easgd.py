@@ -213,10 +213,11 @@ class EASGD(Rule):
         self.exchanges, self.served = state["exchanges"], state["served"]
 
     def grow(self, joined: bool) -> None:
-        """The new workers took worker 0's center (sync: its replica) and go on with its ``alpha`` (as the
-        survivors of a loss do); async: the server serves them from now on."""
+        """The new workers took worker 0's center (sync: its replica); ``alpha`` is the configured one for
+        the workers there now (with ``beta``, or the default beta = 0.9: beta / N, so the center's pull
+        stays beta); async: the server serves them from now on."""
         super().grow(joined)
-        self.alpha = self.workers.broadcast_object(self.alpha)
+        self.alpha = self.cfg.alpha_for(self.num_workers)  # beta (default 0.9) stays: alpha = beta / N
         if joined:
             self.exchanges = 0
 

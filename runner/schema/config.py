@@ -164,6 +164,8 @@ def check_training(cfg: Config) -> None:
             f"hardware.max_workers={most} is invalid: the job starts devices={cfg.devices} workers; give at "
             f"least {cfg.devices} (the most workers it may grow to with RUN_DIR/JOIN), or null"
         )
+    if most is not None:
+        cfg.rule.check_devices(most)  # the rule must hold as many workers as the job may grow to
     if cfg.train.precision == "fp16" and getattr(cfg.hardware, "device", None) == "cpu":
         raise ValueError(
             "train.precision='fp16' is invalid: float16 training needs a GPU (a gradient scaler keeps its "
