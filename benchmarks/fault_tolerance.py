@@ -4,6 +4,11 @@ survivors' next step, and the step time with and without it.
     python benchmarks/fault_tolerance.py                  # BSP, 4 workers, 5 kills; 3 rounds of step times
     python benchmarks/fault_tolerance.py --rule gosgd --kills 3
     python benchmarks/fault_tolerance.py --smoke          # one job: 3 workers, a kill at step 3, one epoch
+    python benchmarks/fault_tolerance.py --heal --rule easgd --kills 3 --rounds 0   # the replacement's time
+
+``--heal`` runs the kill jobs with ``fault_tolerance=heal``: a replacement is spawned into the job at the
+survivors' next agreement, and *healed* is from the kill to the end of the first step with all workers
+again (the first step after the ``joined`` record; its wall time from summary.json's ``joins``).
 
 Recovery: each job trains the CNN on digits for 3 epochs (``--epochs``) with 4 workers (``--workers``;
 oversubscribed on a small machine) and worker 2 kills itself (SIGKILL, ``tests/helpers/dies.py``) at its 20th
@@ -16,7 +21,7 @@ Step time: the same job without a kill, ``fault_tolerance=none`` against ``conti
 ``--with-ft ulfm``, errors returned, BatchNorm statistics kept each step), alternated in rounds; medians of
 the per-step times of rank 0 (from its step records, the first epoch left out). ``--kills 0`` or
 ``--rounds 0`` leaves that part out. ``--smoke`` checks that it runs, in seconds: a single job, the recovery
-one (the step-time jobs are plain training), with 3 workers, the kill at step 3, one epoch.
+one with ``--heal`` (the step-time jobs are plain training), with 3 workers, the kill at step 3, one epoch.
 """
 
 from __future__ import annotations
@@ -43,7 +48,13 @@ def job(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[dict, 
 
 
 def recovery(
-    scratch: Path, rule: str, kills: int, workers: int = 4, die_at: int = 20, epochs: int = 3
+    scratch: Path,
+    rule: str,
+    kills: int,
+    workers: int = 4,
+    die_at: int = 20,
+    epochs: int = 3,
+    heal: bool = False,
 ) -> list[dict[str, float]]:
     import os
 
@@ -56,7 +67,7 @@ def recovery(
             f"rule={rule}",
             f"devices={workers}",
             "hardware.oversubscribe=true",
-            "hardware.fault_tolerance=continue",
+            f"hardware.fault_tolerance={'heal' if heal else 'continue'}",
             "model.die_rank=2",
             f"model.die_at={die_at}",
             f"train.epochs={epochs}",
@@ -72,9 +83,19 @@ def recovery(
                 "detect": failure["time"] - killed,
                 "recover": failure_recovery(summary),
                 "first_step": after + offset - killed,
+                **(healed(summary, records, killed) if heal else {}),
             }
         )
     return results
+
+
+def healed(summary: dict, records: list[dict], killed: float) -> dict[str, float]:
+    """From the kill to the end of the first step with every worker again (after the ``joined`` record)."""
+    [join] = summary["joins"]
+    [event] = [r for r in records if r["kind"] == "joined"]
+    offset = join["time"] - event["time"]  # wall = relative + offset
+    after = min(r["time"] for r in records if r["kind"] == "step" and r["step"] > event["step"])
+    return {"healed": after + offset - killed, "spawn": event["seconds"]}
 
 
 def failure_recovery(summary: dict) -> float:
@@ -104,6 +125,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4, help="workers of the kill jobs (worker 2 dies)")
     p.add_argument("--die-at", type=int, default=20, help="the step worker 2 dies at")
     p.add_argument("--epochs", type=int, default=3, help="epochs of the kill jobs")
+    p.add_argument("--heal", action="store_true", help="the kill jobs replace the lost worker (heal)")
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -113,11 +135,12 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.kills, args.rounds, args.workers, args.die_at, args.epochs = 1, 0, 3, 3, 1
+        args.heal = True  # the heal job does what the continue one does, and then grows
     if args.workers < 3:
         p.error("--workers must be at least 3 (worker 2 dies)")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        kills = recovery(scratch, args.rule, args.kills, args.workers, args.die_at, args.epochs)
+        kills = recovery(scratch, args.rule, args.kills, args.workers, args.die_at, args.epochs, args.heal)
         times: dict[str, list[float]] = {"none": [], "continue": []}
         for r in range(args.rounds):
             for tolerance in times:
@@ -129,11 +152,10 @@ def main() -> None:
         )
         print("| from the kill to | median | min | max |")
         print("| --- | --- | --- | --- |")
-        for key, label in (
-            ("detect", "recovery start"),
-            ("recover", "(recovery itself)"),
-            ("first_step", "first step"),
-        ):
+        rows = [("detect", "recovery start"), ("recover", "(recovery itself)"), ("first_step", "first step")]
+        if args.heal:
+            rows += [("spawn", "(the growth itself)"), ("healed", f"first step with {args.workers} workers")]
+        for key, label in rows:
             values = [k[key] * 1e3 for k in kills]
             print(f"| {label} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
 

@@ -35,7 +35,13 @@ RESULT = {
     ],
     "fault_tolerance": [
         rf"^\| {row} \| {NUM} \| {NUM} \| {NUM} \|$"
-        for row in ("recovery start", r"\(recovery itself\)", "first step")
+        for row in (
+            "recovery start",
+            r"\(recovery itself\)",
+            "first step",
+            r"\(the growth itself\)",
+            "first step with 3 workers",
+        )
     ],
     "images_per_5120": [rf"^googlenet-2b\s+{NUM}\s+{NUM} = {NUM} \+\s+{NUM} \({NUM}\)\s+{NUM}$"],
     "precision": [
