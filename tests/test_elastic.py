@@ -212,3 +212,16 @@ def test_spawned_workers_get_the_ranks_environment(tmp_path, monkeypatch):
     argv = spawn_argv(Path("/run"), 5, {"MY_SETTING": "x"})
     assert argv[0] == "env" and "OMP_NUM_THREADS=3" in argv and "MY_SETTING=x" in argv
     assert argv[-4:] == ["runner.rank.worker", "/run", "--joined", "5"]
+
+
+def test_the_watchdog_watches_spawned_workers_from_their_first_beat(tmp_path):
+    """Spawned workers (ids from the launched count on) are watched once they beat; an earlier job's beat
+    of a spawned worker is not this job's."""
+    from runner.launcher.watchdog import read_beats
+
+    now = time.time()
+    for rank, alive in ((0, now), (1, now), (5, now), (7, now - 100)):
+        beat = {"rank": rank, "alive_time": alive, "progress_time": alive, "step": 3}
+        (tmp_path / f"rank{rank}.beat").write_text(json.dumps(beat))
+    beats = read_beats(tmp_path, 2, now - 10, {})
+    assert sorted(beats) == [0, 1, 5] and beats[5]["step"] == 3

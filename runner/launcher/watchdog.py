@@ -93,28 +93,40 @@ def read_lost(logs: Path) -> set[int]:
         return set()
 
 
+def spawned_ids(logs: Path, ranks: int) -> list[int]:
+    """The ids of workers spawned into the job (heartbeat files ``rank<id>.beat`` with ``id >= ranks``)."""
+    ids = []
+    for path in logs.glob(rank_file_name(0, "beat").replace("0", "*", 1)):
+        digits = path.name.removeprefix("rank").split(".")[0]
+        if digits.isdigit() and int(digits) >= ranks:
+            ids.append(int(digits))
+    return sorted(ids)
+
+
 def read_beats(
     logs: Path, ranks: int, launch_time: float, previous: dict[int, dict]
 ) -> dict[int, dict | None]:
     """Every running rank's heartbeat (None: none yet). A beat written before ``launch_time`` (a previous
     job in this folder) counts as none; a rank whose beat says ``"done": true``, or whose beat file is gone
     after it was seen, has finished and is left out, as are the ranks in ``lost.json``, which the others went
-    on without. ``previous`` keeps the last good beats between calls."""
+    on without. Workers spawned into the job (ids from ``ranks`` on, :mod:`runner.rank.elastic`) are
+    watched from their first beat. ``previous`` keeps the last good beats between calls."""
     beats: dict[int, dict | None] = {}
     lost = read_lost(logs)
-    for r in range(ranks):
+    for r in [*range(ranks), *spawned_ids(logs, ranks)]:
         if r in lost:
             continue
         try:
             beat = json.loads((logs / rank_file_name(r, "beat")).read_text())
         except FileNotFoundError:
-            if r not in previous:
+            if r not in previous and r < ranks:
                 beats[r] = None
             continue
         except (OSError, ValueError):
             beat = previous.get(r)
         if beat is None or beat.get("alive_time", 0) < launch_time:
-            beats[r] = None
+            if r < ranks:  # (a spawned worker's beat of an earlier job in this folder: not this job's)
+                beats[r] = None
             continue
         previous[r] = beat
         if not beat.get("done"):
