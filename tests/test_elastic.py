@@ -225,3 +225,25 @@ def test_the_watchdog_watches_spawned_workers_from_their_first_beat(tmp_path):
         (tmp_path / f"rank{rank}.beat").write_text(json.dumps(beat))
     beats = read_beats(tmp_path, 2, now - 10, {})
     assert sorted(beats) == [0, 1, 5] and beats[5]["step"] == 3
+
+
+def test_the_report_draws_the_workers_over_the_run(tmp_path):
+    """A run that lost a worker and healed: the report's workers figure steps 4 -> 3 -> 4."""
+    from runner.report.plots import figures, worker_counts
+    from runner.report.write import write_report
+    from tests.test_report import make_run, report_of
+
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", ["rule=bsp"], [0.5, 0.9, 0.95])
+    make_run(sweep / "1", ["rule=easgd"], [0.5, 0.8, 0.9])
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    (sweep / "0" / "summary.json").write_text(json.dumps({**summary, "devices": 4}))
+    with open(sweep / "0" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "failure", "step": 12, "time": 1.0, "lost": [2], "workers": 3}) + "\n")
+        f.write(json.dumps({"kind": "joined", "step": 13, "time": 3.5, "joined": [4], "workers": 4}) + "\n")
+    report = report_of(sweep)
+    assert [worker_counts(run) for run in report.runs] == [[(0, 4), (12, 3), (13, 4)], []]
+    axes = figures(report)["workers"].axes[0]
+    assert [list(line.get_ydata()) for line in axes.lines] == [[4, 3, 4, 4]]
+    write_report([sweep])
+    assert (sweep / "workers.png").read_bytes().startswith(b"\x89PNG")

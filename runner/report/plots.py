@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from runner.report.runs import Run
 
 #: The report's plots, in the order shown.
-PLOTS = ("curves", "heatmap", "scatter", "time_to_target", "bytes_per_worker", "rule_metrics")
+PLOTS = ("curves", "heatmap", "scatter", "time_to_target", "bytes_per_worker", "rule_metrics", "workers")
 #: A plot's axis is logarithmic when its positive values span more than this factor.
 LOG_SPAN = 100.0
 #: Per-epoch metrics of the rules, plotted over steps when a run recorded them: key -> (title, y label).
@@ -302,6 +302,35 @@ def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
     return fig
 
 
+def worker_counts(run: Run) -> list[tuple[int, int]]:
+    """``(step, workers)`` from the run's start through each loss and join (fault tolerance, elastic
+    workers); empty for a run whose workers never changed."""
+    changes = [r for r in run.records if r.get("kind") in ("failure", "joined") and "workers" in r]
+    start = run.summary.get("devices") or (changes[0]["workers"] if changes else None)
+    if not changes or start is None:
+        return []
+    return [(0, int(start)), *((int(r["step"]), int(r["workers"])) for r in changes)]
+
+
+def _workers(report: Report, colors: dict[str, Any]) -> Figure | None:
+    """The number of workers over steps, for the runs that lost workers or grew; None when none did."""
+    series = [(run, worker_counts(run)) for run in report.runs]
+    if not any(points for _, points in series):
+        return None
+    fig = _figure(7, 4.2)
+    axes = fig.subplots()
+    for run, points in series:
+        if points:
+            end = run.summary.get("steps") or points[-1][0]
+            steps, counts = zip(*points, (end, points[-1][1]), strict=True)
+            axes.step(steps, counts, where="post", color=colors[run.name], label=_tag(run), marker="o")
+    axes.set(title="Workers over the run (losses and joins)", xlabel="training steps", ylabel="workers")
+    axes.yaxis.get_major_locator().set_params(integer=True)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    return fig
+
+
 def _points(run: Run, key: str) -> list[tuple[Any, float]]:
     """``(step, value)`` of each of ``run``'s epoch records with a finite ``key``."""
     return [(r.get("step"), v) for r in run.kind("epoch") if (v := finite_or_none(r.get(key))) is not None]
@@ -327,6 +356,7 @@ def figures(report: Report) -> dict[str, Figure | None]:
     drawn["time_to_target"] = _time_to_target(report, colors)
     drawn["bytes_per_worker"] = _bytes_per_step(report, colors)
     drawn["rule_metrics"] = _rule_metrics(report, colors)
+    drawn["workers"] = _workers(report, colors)
     return drawn
 
 
