@@ -247,3 +247,18 @@ def test_the_report_draws_the_workers_over_the_run(tmp_path):
     assert [list(line.get_ydata()) for line in axes.lines] == [[4, 3, 4, 4]]
     write_report([sweep])
     assert (sweep / "workers.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_replacement_that_dies_at_once_is_not_replaced_again(capsys):
+    """heal: a lost worker is replaced, but not a replacement lost right after it joined (it would be
+    spawned again and again); one that trained a while is."""
+    from types import SimpleNamespace
+
+    from runner.rank.recovery import Recovery
+
+    joins = [{"rank": 4, "step": 20}, {"rank": 5, "step": 3}]
+    survivor = SimpleNamespace(elastic=SimpleNamespace(joins=joins), workers=SimpleNamespace(rank=0))
+    assert Recovery._to_replace(survivor, [2], 21) == 1
+    assert Recovery._to_replace(survivor, [4, 2], 21) == 1
+    assert "rank 4 died right after joining (step 21): not replaced again" in capsys.readouterr().out
+    assert Recovery._to_replace(survivor, [5], 21) == 1

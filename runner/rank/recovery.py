@@ -134,8 +134,18 @@ class Recovery:
         self.seconds += seconds
         self._record(trainer, lost, pos.step, start, seconds)
         if self.heal:
-            self.heal_pending += len(lost)
+            self.heal_pending += self._to_replace(lost, pos.step)
         return adopted or applied
+
+    def _to_replace(self, lost: list[int], step: int) -> int:
+        """How many of ``lost`` to replace (heal): not a replacement that died before it trained (it joined
+        at this step or the one before), which would be spawned again and again; worker 0 says so."""
+        joined = {j["rank"]: j["step"] for j in (self.elastic.joins if self.elastic is not None else [])}
+        early = [r for r in lost if r in joined and joined[r] >= step - 1]
+        if early and self.workers.rank == 0:
+            names = ", ".join(f"rank {r}" for r in early)
+            print(f"warning: {names} died right after joining (step {step}): not replaced again", flush=True)
+        return len(lost) - len(early)
 
     def _check_servers(self, pos: Position) -> None:
         """A lost server ends the job (its part of the state is nowhere else)."""
