@@ -146,7 +146,7 @@ def test_every_rule_heals_a_killed_worker(tmp_path, rule, setting):
         f"rule={rule}",
         *overrides,
         f"model.die_rank={die}",
-        "model.die_at=10",
+        "model.die_at=20",
         "train.epochs=4",
         timeout=240,
     )

@@ -120,6 +120,8 @@ def run(
         return
     trainer, epochs, steps = build(rank, model)
     start_at = None
+    if rank.hosts is not None and not joined:
+        comm.barrier()  # every rank is past the start-up collectives before any trains (see serve)
     if joined:
         start_at, mid_epoch = trainer.welcome(Position(), False, joined=True)
         print(f"rank {comm.launch_rank()}: joined the job at step {start_at.step} as worker {comm.rank}")
@@ -224,6 +226,8 @@ def serve(rank: Rank, model: nn.Module) -> None:
     if rank.part:
         rule.load_state_dict(rank.part["rule"])
         set_rng_state(rank.part["rng"])
+    if rank.hosts is not None:  # fault tolerance: no worker trains, and may be lost, while a rank is still
+        rank.comm.barrier()  # in the start-up collectives (those are not recovered from)
     print(f"rank {rank.comm.rank}: server of {type(rule).__name__}")
     rule.serve()
     if rank.hosts is not None:
