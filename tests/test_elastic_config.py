@@ -54,7 +54,9 @@ def test_new_workers_take_the_lost_shards_then_copies(plans, shards):
 
 @pytest.mark.parametrize("text, asked", [("2", 2), ("", 1), ("\n", 1), ("+3\n", 3), ("abc", 0)])
 def test_the_join_file_asks_for_workers_once(tmp_path, capsys, text, asked):
-    control = Control(None, tmp_path, None, interval=1)  # only worker 0 reads the file: no communicator
+    control = Control(
+        None, tmp_path, None, interval=1, split=False
+    )  # only worker 0 reads the file: no communicator
     join = tmp_path / "JOIN"
     join.write_text(text)
     assert control.join_requested() == asked
@@ -65,4 +67,4 @@ def test_the_join_file_asks_for_workers_once(tmp_path, capsys, text, asked):
 
 
 def test_no_join_file_asks_for_none(tmp_path):
-    assert Control(None, tmp_path, None, interval=4).join_requested() == 0
+    assert Control(None, tmp_path, None, interval=4, split=False).join_requested() == 0

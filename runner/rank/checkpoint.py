@@ -265,19 +265,29 @@ class Control:
     """
 
     def __init__(
-        self, workers: Comm, run_dir: Path, checkpointer: Checkpointer, interval: int, start: int = 0
+        self,
+        workers: Comm,
+        run_dir: Path,
+        checkpointer: Checkpointer,
+        interval: int,
+        start: int = 0,
+        split: bool = True,
     ):
         self.workers, self.stop_file = workers, run_dir / STOP
         self.checkpointer, self.interval = checkpointer, interval
         self.join_file = run_dir / JOIN
         self.flags = torch.zeros(3, dtype=torch.float64)
-        self.reset((start // interval + 1) * interval, forced=False)
+        self.comm: Comm | None = None
+        self.next_poll, self.forced, self.request = (start // interval + 1) * interval, False, None
+        if split:  # (not: a worker spawned into the job; it splits with the others when welcomed)
+            self.reset(self.next_poll, forced=False)
 
     def reset(self, next_poll: int, forced: bool = True) -> None:
-        """Start over on the workers' communicator as it is now (after workers were lost or joined): the
-        next agreement is after ``next_poll`` steps (the same on every worker), and with ``forced`` it
-        decides a checkpoint there. The agreement's own communicator is split at that first agreement."""
-        self.comm: Comm | None = None
+        """Start over on the workers' communicator as it is now (after workers were lost or joined), split
+        now (collective: at the first agreement a worker could be blocked in it while another waits for it
+        to take a message): the next agreement is after ``next_poll`` steps (the same on every worker), and
+        with ``forced`` it decides a checkpoint there."""
+        self.comm = self.workers.split(0)
         self.next_poll, self.forced = next_poll, forced
         self.request = None
 
@@ -292,8 +302,6 @@ class Control:
             self.request.wait()
             checkpoint = bool(self.flags[0] > 0) or decision.checkpoint
             decision = Decision(checkpoint, bool(self.flags[1] > 0), int(self.flags[2]), polled=True)
-        if self.comm is None:
-            self.comm = self.workers.split(0)
         if self.workers.rank == 0:
             self.flags[0] = float(self.checkpointer.time_due())
             self.flags[1] = float(self.stop_file.exists())

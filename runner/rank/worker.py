@@ -150,8 +150,7 @@ def place(
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
     elastic = None
     if hosts is not None:
-        most = max(cfg.hardware.max_workers or cfg.devices, comm.size - servers)
-        elastic = Elastic(comm, workers, servers, run_dir, hosts, most, cfg.hardware.env)
+        elastic = Elastic(comm, workers, servers, run_dir, hosts, most_workers(cfg, comm), cfg.hardware.env)
     return Rank(
         cfg,
         run_dir,
@@ -170,6 +169,12 @@ def place(
     )
 
 
+def most_workers(cfg: Config, world: mpi.Comm) -> int:
+    """The most workers the job may have (``hardware.max_workers``, default ``devices``; a resumed job
+    that had grown has more)."""
+    return max(cfg.hardware.max_workers or cfg.devices, world.size - cfg.rule.extra_ranks())
+
+
 def place_joined(
     cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat
 ) -> Rank:
@@ -177,8 +182,8 @@ def place_joined(
     that spawned it (:func:`runner.rank.elastic.arrive`). It is bound by mpirun's placement of the new
     processes; on GPUs it takes the GPU of its place among the workers on its node."""
     topology, env = read_topology().to_dict(), versions(comm)
-    hw, servers = cfg.hardware, cfg.rule.extra_ranks()
-    elastic = arrive(comm, servers, run_dir, max(hw.max_workers or cfg.devices, comm.size - servers), hw.env)
+    hw = cfg.hardware
+    elastic = arrive(comm, cfg.rule.extra_ranks(), run_dir, most_workers(cfg, comm), hw.env)
     device = torch.device("cpu")
     if hw.device == "cuda":
         device = torch.device("cuda", elastic.workers.rank % torch.cuda.device_count())
@@ -349,7 +354,7 @@ def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> R
     start = part["loop"]["step"] if part else 0
     if dealt and part:  # dynamic assignment: the workers agree at meetings, counted over the run
         start = (part["loop"].get("deal") or {}).get("meetings", 0)
-    control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start)
+    control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start, not rank.joined)
     return Records(log, meter, rank.beat, control, monitored(cfg))
 
 
