@@ -110,6 +110,13 @@ def test_the_echo_hides_open_mpis_notes_on_revoked_collectives(chunk):
     assert echo(data, chunk) == b"epoch 1: val_acc 0.8\n" + lost + b"\nepoch 2\n"
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 5])
+def test_the_echo_hides_prteruns_last_words_after_a_job_that_spawned(chunk):
+    data = b"epoch 5: val_acc 0.98\ncheckpoint after step 98\nLAUNCHER JOB OBJECT NOT FOUND"
+    assert echo(data, chunk) == b"epoch 5: val_acc 0.98\ncheckpoint after step 98\n"
+    assert echo(data + b"\n", chunk) == b"epoch 5: val_acc 0.98\ncheckpoint after step 98\n"
+
+
 def test_progress_bars_pass_at_once():
     f = EchoFilter()
     assert f.feed(b"\r 10%|#         | 3/30") == b"\r 10%|#         | 3/30"

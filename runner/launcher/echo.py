@@ -46,7 +46,10 @@ class EchoFilter:
     BINDING = re.compile(rb"^\[[^\]]*:\d+\] (?:Rank|MCW rank) \d+ (?:bound|is not bound)")
     #: Open MPI's count of the same help message from other ranks (``2 more processes have sent help ...``).
     MORE_HELP = re.compile(rb"^\d+ more process(?:es)? ha(?:s|ve) sent help message")
-    STARTS = (*TRACEBACK, b"rank ", REVOKED, b"[", *(str(d).encode() for d in range(10)))
+    #: prterun's last words after a job into which processes were spawned (runner/rank/elastic.py), with no
+    #: newline: the job ended as its ranks' records say.
+    SPAWNED_END = b"LAUNCHER JOB OBJECT NOT FOUND"
+    STARTS = (*TRACEBACK, b"rank ", REVOKED, SPAWNED_END, b"[", *(str(d).encode() for d in range(10)))
 
     def __init__(self) -> None:
         self.line = b""
@@ -84,7 +87,8 @@ class EchoFilter:
 
     def flush(self) -> bytes:
         """At the end of the output: what is still held and was not hidden."""
-        rest = b"" if self.mode in ("banner", "traceback") else b"".join(self.held) + self.line
+        line = b"" if self.line.startswith(self.SPAWNED_END) else self.line
+        rest = b"" if self.mode in ("banner", "traceback") else b"".join(self.held) + line
         self.held, self.line = [], b""
         return rest
 
@@ -97,6 +101,8 @@ class EchoFilter:
                 return b""
         if text.startswith(self.REVOKED):
             self.mode = "revoked"
+            return b""
+        if text.startswith(self.SPAWNED_END):
             return b""
         if self.mode == "banner":
             self.mode = "normal" if dashes else "banner"

@@ -78,7 +78,7 @@ class Elastic:
         self.world, self.workers, self.servers = world, workers, servers
         self.run_dir, self.hosts, self.max_workers, self.env = run_dir, hosts, max_workers, env
         self.joins: list[dict[str, Any]] = []  # every worker that joined: {rank, host, step, time}
-        self.refusal: str | None = None  # why the last grow started no worker
+        self.refusal: str | None = None  # why the last grow started fewer workers than asked for
 
     @property
     def room(self) -> int:
@@ -87,8 +87,8 @@ class Elastic:
 
     def grow(self, want: int, asked: bool = False) -> list[int]:
         """Collective over the living ranks of the world: add ``want`` workers (worker 0's count counts;
-        servers pass 0), at most :attr:`room`; returns the new workers' ids (none: :attr:`refusal` says
-        why, if any were wanted). ``asked``: ``RUN_DIR/JOIN`` asked for them, and is served now."""
+        servers pass 0), at most :attr:`room`; returns the new workers' ids (:attr:`refusal` says why
+        fewer than wanted). ``asked``: ``RUN_DIR/JOIN`` asked for them, and is served now."""
         world = self.world
         if self.workers is not None:
             self.workers.barrier()  # every worker is done with its calls on the world (a checkpoint's)
@@ -96,15 +96,16 @@ class Elastic:
                 world.send(torch.zeros(1, dtype=torch.float64), server, GROW)  # after its other messages
         world.shrink()
         first = len(self.hosts)
-        room = self.room
+        room, asked_for = self.room, want
         want = int(world.broadcast_object(min(want, room) if world.rank == 0 else None))
         if world.rank == 0 and asked:
             (self.run_dir / JOIN).unlink(missing_ok=True)  # this request is served (once)
-        self.refusal = (
-            None
-            if want > 0 or room > 0
-            else (f"hardware.max_workers={self.max_workers} workers are running: no worker joins")
-        )
+        self.refusal = None
+        if asked_for > max(room, 0):
+            self.refusal = (
+                f"{asked_for} worker(s) asked for, {max(room, 0)} may join: hardware.max_workers="
+                f"{self.max_workers} workers at most"
+            )
         if want <= 0:
             self.settle(world.rank)
             return []

@@ -524,6 +524,8 @@ class Trainer:
         self.grow_due, self.join_asked, recovery.heal_pending = 0, False, 0
         self.welcome(pos, mid_epoch, joined=False)
         refusal = recovery.elastic.refusal
+        if refusal and self.workers.rank == 0:
+            self.meter.echo(f"warning: {refusal}")
         if ids:
             line = recovery.elastic.record(ids, pos.step)
             seconds = time.time() - start
@@ -531,8 +533,6 @@ class Trainer:
                 "joined", pos.step, joined=ids, workers=self.workers.size, seconds=round(seconds, 4)
             )
             self.meter.echo(f"{line} (in {seconds:.2f} s)")
-        elif refusal and self.workers.rank == 0:
-            self.meter.echo(f"warning: {refusal}")
 
     def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
         """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
