@@ -397,20 +397,14 @@ class Comm:
             return self.ids[rank]
         return MPI.Group.Translate_ranks(self._c.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
 
-    def is_revoked(self) -> bool:
-        """Whether a rank revoked this communicator (a survivor's recovery, or workers growing the job)."""
-        return bool(self._c.Is_revoked())
-
     def revoke(self) -> None:
         """Revoke this communicator and those split from it: every survivor's pending and later calls on
         them raise :class:`PeerLost`, wherever it is, so all of them come to recover."""
-        try:
-            self._c.Revoke()
-        except MPI.Exception:
-            pass  # revoked already, by a peer
-        for child in self._children:
-            if child is not self:
-                child.revoke()
+        for comm in [self, *self._children]:
+            try:
+                comm._c.Revoke()
+            except MPI.Exception:
+                pass  # revoked already, by a peer
 
     def lost_peers(self) -> list[int]:
         """Acknowledge the failures this process knows of (so that wildcard receives go on among the
@@ -585,11 +579,6 @@ def init(cuda_aware: bool | None = None) -> Comm:
 #: ones, then its servers.
 GROWN_KEY = 1 << 20
 SERVER_KEY = 1 << 21
-
-
-def spawned() -> bool:
-    """Whether this process was spawned into a running job (:meth:`Comm.grow`)."""
-    return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
 def join(first: int, cuda_aware: bool | None = None) -> Comm:

@@ -31,7 +31,6 @@ import torch
 
 from runner.comm.mpi import SERVER_KEY
 from runner.rules.base import GROW, split_roles
-from runner.run_folder import JOIN
 
 if TYPE_CHECKING:
     from runner.comm import Comm
@@ -85,10 +84,10 @@ class Elastic:
         """Workers that may still join (``hardware.max_workers`` less the workers there are)."""
         return self.max_workers - (self.world.size - self.servers)
 
-    def grow(self, want: int, asked: bool = False) -> list[int]:
+    def grow(self, want: int) -> list[int]:
         """Collective over the living ranks of the world: add ``want`` workers (worker 0's count counts;
         servers pass 0), at most :attr:`room`; returns the new workers' ids (:attr:`refusal` says why
-        fewer than wanted). ``asked``: ``RUN_DIR/JOIN`` asked for them, and is served now."""
+        fewer than wanted)."""
         world = self.world
         if self.workers is not None:
             self.workers.barrier()  # every worker is done with its calls on the world (a checkpoint's)
@@ -98,8 +97,6 @@ class Elastic:
         first = len(self.hosts)
         room, asked_for = self.room, want
         want = int(world.broadcast_object(min(want, room) if world.rank == 0 else None))
-        if world.rank == 0 and asked:
-            (self.run_dir / JOIN).unlink(missing_ok=True)  # this request is served (once)
         self.refusal = None
         if asked_for > max(room, 0):
             self.refusal = (

@@ -146,7 +146,7 @@ class Trainer:
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
-        self.grow_due, self.join_asked = 0, False  # workers to add at the next step's start (elastic)
+        self.grow_due = 0  # workers to add at the next step's start (elastic)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
@@ -508,7 +508,6 @@ class Trainer:
         ``RUN_DIR/JOIN`` asks for); the same on every worker."""
         if decision.polled and self.recovery is not None and self.recovery.elastic is not None:
             self.grow_due = decision.join + self.recovery.heal_pending
-            self.join_asked = decision.join > 0
 
     def grow_if_due(self, pos: Position, mid_epoch: bool) -> None:
         """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
@@ -520,8 +519,8 @@ class Trainer:
         start, recovery = time.time(), self.recovery
         self.control.close()  # the agreement in flight (every worker started it)
         self.rule.before_grow()
-        ids = recovery.elastic.grow(self.grow_due, self.join_asked)
-        self.grow_due, self.join_asked, recovery.heal_pending = 0, False, 0
+        ids = recovery.elastic.grow(self.grow_due)
+        self.grow_due, recovery.heal_pending = 0, 0
         self.welcome(pos, mid_epoch, joined=False)
         refusal = recovery.elastic.refusal
         if refusal and self.workers.rank == 0:

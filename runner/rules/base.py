@@ -61,9 +61,7 @@ class RuleContext:
     optimizer: torch.optim.Optimizer | None = None
     steps_per_epoch: int = 0
     save: Callable[[int, dict[str, Any]], None] | None = None  # server ranks: write their checkpoint part
-    joined: bool = (
-        False  # a worker spawned into the running job: its state comes from worker 0 (no collective)
-    )
+    joined: bool = False  # a worker spawned into the job: its state comes from worker 0 (no collective)
     grow: Callable[[], list[int]] | None = None  # server ranks: take part in the job's growth; the new ids
 
 
