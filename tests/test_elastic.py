@@ -148,6 +148,7 @@ def test_every_rule_heals_a_killed_worker(tmp_path, rule, setting):
         f"model.die_rank={die}",
         "model.die_at=20",
         "train.epochs=4",
+        "schedule=cosine",  # the last epoch's accuracy, not the noise of a constant rate (ASGD: 0.87-1.0)
         timeout=240,
     )
     assert run.returncode == 0, run.output
