@@ -34,6 +34,7 @@ from torch import nn
 
 from runner.comm import mpi
 from runner.hardware.topology import read_topology
+from runner.rank import dynamo
 from runner.rank.assignment import Chunks, Dealer, counter_slots, plan
 from runner.rank.checkpoint import (
     Checkpointer,
@@ -424,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) not in (1, 3) or (len(argv) == 3 and argv[1] != "--joined"):
         raise SystemExit("usage: mpirun ... python -m runner.rank.worker RUN_DIR [--joined FIRST_ID]")
     run_dir, joined = Path(argv[0]), len(argv) == 3
+    dynamo.defer()  # eager training needs none of it: a second less before the first step
     comm = mpi.join(int(argv[2])) if joined else mpi.init()
     me = comm.launch_rank()  # a spawned worker's id in the job (its logs are named by it)
     log_file, terminal = redirect_output(run_dir, me)
