@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,18 @@ class Runs:
     def median(self, key: str) -> float:
         return statistics.median(s[key] for s in self.summaries)
 
+    def slowdown(self, rank: int) -> float | None:
+        """How many times slower per step worker ``rank`` was than the others (the median of theirs):
+        measured under dynamic assignment, where every worker trains until the run's end (median over the
+        repeats); None for static shards, whose workers all take the same steps."""
+        ratios = []
+        for summary in self.summaries:
+            steps = summary.get("steps_per_worker") or []
+            if summary.get("assignment") != "dynamic" or not 0 <= rank < len(steps) or not steps[rank]:
+                return None
+            ratios.append(statistics.median(steps[:rank] + steps[rank + 1 :]) / steps[rank])
+        return statistics.median(ratios) if ratios else None
+
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,6 +96,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--straggler-ms", type=float, default=16.0, help="the straggler's delay per step")
     p.add_argument("--sweep", type=float, nargs="+", help="straggler delays (default: 0 and --straggler-ms)")
     p.add_argument("--straggler-rank", type=int, default=1, help="the worker slowed down")
+    p.add_argument(
+        "--delay",
+        choices=["auto", "sleep", "spin"],
+        default="auto",
+        help="how the delays are spent (simulate.spin); auto: spin when the workers outnumber the cores",
+    )
     p.add_argument("--jitter-ms", type=float, default=0.0, help="also run workers of random speeds")
     p.add_argument("--repeats", type=int, default=3, help="rounds of every job; medians are reported")
     p.add_argument("--smoke", action="store_true", help="check that it runs, in seconds: one job of 4 steps")
@@ -92,6 +111,8 @@ def parse() -> argparse.Namespace:
         args.devices, args.target, args.rules, args.assignments = 2, 0.5, ["gosgd"], ["dynamic"]
         args.sweep, args.repeats, args.overrides = [5.0], 1, SMOKE + args.overrides
     args.sweep = args.sweep if args.sweep is not None else [0.0, args.straggler_ms]
+    if args.delay == "auto":
+        args.delay = "spin" if args.devices > (os.cpu_count() or 1) else "sleep"
     if min(args.sweep) < 0 or not 0 <= args.straggler_rank < args.devices or args.repeats < 1:
         p.error(f"delays must be >= 0, --straggler-rank a worker (0..{args.devices - 1}), --repeats >= 1")
     return args
@@ -121,6 +142,7 @@ def run_job(args: argparse.Namespace, job: Job, run_dir: Path) -> tuple[float | 
         "train.progress=false",
         "train.val_every=0.25",
         *(slow if job.straggler_ms else []),
+        f"simulate.spin={args.delay == 'spin'}",
         *([f"simulate.jitter_ms={job.jitter_ms}"] if job.jitter_ms else []),
         *args.overrides,
     ]
@@ -130,7 +152,8 @@ def run_job(args: argparse.Namespace, job: Job, run_dir: Path) -> tuple[float | 
         return None
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    hit = next((r["time"] for r in records if r["kind"] == "val" and reported(r) >= args.target), None)
+    hits = [r["time"] for r in records if r["kind"] == "val" and reported(r) >= args.target]
+    hit = min(hits, default=None)
     print(f"{run_dir.name}: {'not hit' if hit is None else f'{hit:.2f} s'}", file=sys.stderr)
     return hit, summary
 
@@ -148,10 +171,11 @@ def table(args: argparse.Namespace, results: dict[Job, Runs]) -> None:
     job_args = " ".join(args.overrides) or "default job"
     print(
         f"\ntime to {args.target:.0%} validation accuracy, {args.devices} workers ({job_args}); worker "
-        f"{args.straggler_rank} sleeps the straggler ms per step; medians of {args.repeats}"
+        f"{args.straggler_rank} {'spins' if args.delay == 'spin' else 'sleeps'} the straggler ms per step; "
+        f"medians of {args.repeats}; slower x: the straggler's steps against the others' (dynamic)"
     )
-    head = ("rule", "data", "straggler", "to target s", "vs bsp", "vs static", "vs own", "final acc",
-            "MB/worker", "samples/s")  # fmt: skip
+    head = ("rule", "data", "straggler", "to target s", "vs bsp", "vs static", "vs own", "slower x",
+            "final acc", "MB/worker", "samples/s")  # fmt: skip
     print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
     for job, runs in results.items():
         if not runs.summaries:
@@ -168,6 +192,7 @@ def table(args: argparse.Namespace, results: dict[Job, Runs]) -> None:
             ratio(hit, bsp and bsp.hit),
             ratio(hit, static and static.hit) if job.assignment == "dynamic" else "-",
             ratio(hit, own and own.hit) if job.straggler_ms or job.jitter_ms else "-",
+            "-" if (slower := runs.slowdown(args.straggler_rank)) is None or not job.straggler_ms else f"{slower:.1f}",  # noqa: E501
             f"{runs.median('final_val_acc'):.4f}",
             f"{runs.median('bytes_sent') / runs.summaries[0]['devices'] / 1e6:.2f}",
             f"{runs.median('samples_per_s'):.0f}",

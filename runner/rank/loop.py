@@ -65,14 +65,26 @@ class Parts:
     schedule: Schedule
 
 
+def delay(seconds: float, spin: bool) -> None:
+    """Sleep ``seconds``, or with ``spin`` keep the CPU busy that long (as computing would)."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 @dataclass
 class Place:
     """Where a worker trains: its communicator with the other workers (``workers.stats`` accounts its
-    communication), its device, and ``delay_s`` slept at the start of every step (a simulated straggler)."""
+    communication), its device, and ``delay_s`` slept (or with ``spin``, spent spinning) at the start of
+    every step (a simulated straggler)."""
 
     workers: Comm
     device: torch.device
     delay_s: float = 0.0
+    spin: bool = False
 
 
 @dataclass
@@ -115,7 +127,7 @@ class Trainer:
         self.model, self.optimizer, self.rule = parts.model, parts.optimizer, parts.rule
         self.task, self.schedule, self.monitor = parts.task, parts.schedule, records.monitor
         self.workers, self.stats, self.device = place.workers, place.workers.stats, place.device
-        self.delay_s = place.delay_s
+        self.delay_s, self.spin = place.delay_s, place.spin
         self.log, self.meter = records.log, records.meter
         self.beat, self.control = records.beat, records.control
         self.train_loader, self.val_loader = loaders
@@ -256,7 +268,7 @@ class Trainer:
         it)."""
         applied = False
         if self.delay_s:
-            time.sleep(self.delay_s)
+            delay(self.delay_s, self.spin)
         try:
             self.rule.before_step(pos.step)
             self.schedule.apply(pos.step if self.dealer is None else self.dealer.step_of(self.dealer.current))

@@ -295,11 +295,12 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     data = cfg.data.build()
     pair, steps_per_epoch = loaders(rank, data)
     straggler = cfg.simulate.record()
+    how = "spin" if cfg.simulate.spin else "sleep"
     if comm.rank == 0 and straggler and "ranks" in straggler:
-        print(f"simulated stragglers: ranks {straggler['ranks']} sleep {straggler['ms']:g} ms per step")
+        print(f"simulated stragglers: ranks {straggler['ranks']} {how} {straggler['ms']:g} ms per step")
     if comm.rank == 0 and straggler and "jitter_ms" in straggler:
         delays = [f"{1e3 * cfg.simulate.delay_s(r):.1f}" for r in range(workers.size)]
-        print(f"simulated speeds: the workers sleep {', '.join(delays)} ms per step")
+        print(f"simulated speeds: the workers {how} {', '.join(delays)} ms per step")
     epochs, steps = run_length(cfg.train.epochs, cfg.train.max_steps, steps_per_epoch)
     dealt = pair[0].batch_sampler if isinstance(pair[0].batch_sampler, Dealer) else None
     if dealt is not None:
@@ -327,7 +328,7 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.elastic,
             cfg.hardware.fault_tolerance == "heal",
         )
-    place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank))
+    place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank), cfg.simulate.spin)
     kept = records(rank, rule.synchronous, steps, dealt is not None)
     trainer = Trainer(cfg.train, parts, pair, place, kept, recovery)
     trainer.val_share = val_share(rank, data)

@@ -123,11 +123,14 @@ class SimulateConfig:
     step, a worker whose compute is that much slower. Either one empty or zero leaves the job as it is,
     with a warning when the other is set (so a sweep may include the no-straggler point). ``jitter_ms``:
     every worker also sleeps a delay of its own per step, drawn once from [0, jitter_ms] (seeded by its
-    rank): workers of random speeds."""
+    rank): workers of random speeds. ``spin``: the delays are spent spinning on the CPU instead of sleeping,
+    as a slower machine would spend them computing: on a machine with fewer cores than ranks a sleeping
+    worker gives its core to the others, which then run faster than beside a slow machine."""
 
     straggler_ranks: list[int] = field(default_factory=list)
     straggler_ms: float = 0.0
     jitter_ms: float = 0.0
+    spin: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -161,7 +164,8 @@ class SimulateConfig:
         if not slowed and not self.jitter_ms:
             return None
         record = {"ranks": list(self.straggler_ranks), "ms": self.straggler_ms} if slowed else {}
-        return record | ({"jitter_ms": self.jitter_ms} if self.jitter_ms else {})
+        record |= {"jitter_ms": self.jitter_ms} if self.jitter_ms else {}
+        return record | ({"spin": True} if self.spin else {})
 
     def check_devices(self, devices: int, servers: int) -> None:
         """Only worker ranks may straggle: ``0 .. devices-1`` (the ``servers`` ranks after them serve)."""
