@@ -184,6 +184,7 @@ def table(args: argparse.Namespace, results: dict[Job, Runs]) -> None:
         static = results.get(Job(job.rule, "static", job.straggler_ms, job.jitter_ms))
         own = results.get(Job(job.rule, job.assignment, 0.0))
         hit = runs.hit
+        slower = runs.slowdown(args.straggler_rank) if job.straggler_ms else None
         row = (
             job.rule,
             job.assignment,
@@ -192,7 +193,7 @@ def table(args: argparse.Namespace, results: dict[Job, Runs]) -> None:
             ratio(hit, bsp and bsp.hit),
             ratio(hit, static and static.hit) if job.assignment == "dynamic" else "-",
             ratio(hit, own and own.hit) if job.straggler_ms or job.jitter_ms else "-",
-            "-" if (slower := runs.slowdown(args.straggler_rank)) is None or not job.straggler_ms else f"{slower:.1f}",  # noqa: E501
+            "-" if slower is None else f"{slower:.1f}",
             f"{runs.median('final_val_acc'):.4f}",
             f"{runs.median('bytes_sent') / runs.summaries[0]['devices'] / 1e6:.2f}",
             f"{runs.median('samples_per_s'):.0f}",

@@ -68,6 +68,25 @@ def test_jitter_gives_each_worker_its_own_fixed_delay_within_the_bound():
     assert checked_config(["simulate.jitter_ms=5"]).simulate.record() == {"jitter_ms": 5.0}
 
 
+def test_spin_is_recorded_only_with_a_delay():
+    spun = checked_config(["simulate.straggler_ranks=[1]", "simulate.straggler_ms=30", "simulate.spin=true"])
+    assert spun.simulate.record() == {"ranks": [1], "ms": 30.0, "spin": True}
+    assert checked_config(["simulate.spin=true"]).simulate.record() is None
+
+
+@pytest.mark.parametrize("spin", [False, True])
+def test_a_spun_delay_keeps_the_cpu_busy_and_a_slept_one_sleeps(monkeypatch, spin):
+    """Spinning never sleeps and lasts the delay; sleeping hands the whole delay to ``time.sleep``."""
+    from runner.rank import loop
+
+    slept = []
+    monkeypatch.setattr(loop.time, "sleep", slept.append)
+    start = time.perf_counter()
+    loop.delay(0.03, spin)
+    assert slept == ([] if spin else [0.03])
+    assert (time.perf_counter() - start >= 0.03) == spin
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

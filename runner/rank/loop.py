@@ -75,6 +75,12 @@ def delay(seconds: float, spin: bool) -> None:
         pass
 
 
+#: The tag of a validation a worker took alone, sent to worker 0 on the workers' communicator to record.
+VALIDATED = 98
+#: The most validation sums such a message carries (a task's results come from a few).
+SUMS_SENT = 60
+
+
 @dataclass
 class Place:
     """Where a worker trains: its communicator with the other workers (``workers.stats`` accounts its
@@ -154,7 +160,9 @@ class Trainer:
             val = val_chunks(cfg.val_every, per_epoch)
             self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
         self.val_share: Callable[[int, int], DataLoader] | None = None  # (r, n) -> loader of share r of n
-        self.whole_val: DataLoader | None = None  # worker 0's loader of the whole validation set
+        self.whole_val: DataLoader | None = None  # the loader of the whole validation set (alone)
+        self.solo_sent = 0  # validations taken alone and sent to worker 0 this epoch
+        self.solo_got = 0  # worker 0: those it received
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
@@ -240,6 +248,8 @@ class Trainer:
         worker is about to train (None: the epoch has ended, pass them all); at each, validate when due,
         and checkpoint or stop as the workers agreed. True when they agreed to stop."""
         meetings, chunks = self.meetings, self.dealer.chunks
+        if self.workers.rank == 0 and self.rule.solo_validation:
+            self.collect_validations()
         if ticket is None:
             upto = meetings.count
         else:
@@ -249,8 +259,8 @@ class Trainer:
             if meetings.validates(k) and not self.rule.solo_validation:
                 self.validate(pos.epoch, pos.step)
                 self.model.train()
-            elif meetings.validates(k) and self.workers.rank == 0:
-                self.validate_alone(pos)
+            elif meetings.validates(k) and ticket == pos.epoch * chunks.per_epoch + meetings.position(k):
+                self.validate_alone(pos)  # this worker drew the validation's chunk: it is the free one
             decision = self.control.poll(self.meetings_done)
             self.note_growth(decision)
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
@@ -321,6 +331,7 @@ class Trainer:
 
     def end_epoch(self, pos: Position, epochs: int, span: Any) -> nn.Module | None:
         """The epoch's records, after validation when due; the model validated (None: no validation)."""
+        self.gather_validations()
         self.rule.on_epoch_end(pos.epoch)
         reported = None
         every = self.cfg.val_every
@@ -335,6 +346,7 @@ class Trainer:
     def end(self, pos: Position, epochs: int, start: Position) -> None:
         """The end of training: the last agreement, the final checkpoint, the rule's last exchanges."""
         self.control.close()
+        self.gather_validations()  # a run stopped within an epoch
         if not self.preempted:
             self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
         self.rule.finish()
@@ -463,19 +475,51 @@ class Trainer:
         return self.task.results(self.workers.allreduce_values(sums))
 
     def validate_alone(self, pos: Position) -> None:
-        """Worker 0, within an epoch of dynamic assignment: validate the rule's reported model as it reads
-        it alone (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the other
-        workers train on. Recorded, not kept in the history early stopping reads (only worker 0 has it)."""
+        """Within an epoch of dynamic assignment, the worker that drew the chunk at a validation's position
+        (the first free one): validate the rule's reported model as it reads it alone
+        (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the others train
+        on. Worker 0 records it (:meth:`collect_validations`); it is not kept in the history early stopping
+        reads (only one worker has it)."""
         if self.whole_val is None:
             self.whole_val = self.val_share(0, 1)
         model = self.rule.solo_model()
         sums = validation_sums(model, self.whole_val, self.task, self.device, self.cfg.precision)
-        record = {f"val_{k}": v for k, v in self.task.results(sums).items()}
-        self.log.write("val", pos.step, epoch=pos.epoch, alone=True, **record)
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
-        self.meter.echo(f"epoch {pos.epoch} (in progress): {shown}")
-        self.check_collapse(record.get("val_loss"), pos.step)
         self.model.train()
+        if self.workers.rank == 0:
+            self.record_alone(pos.step, pos.epoch, time.time(), sums, 0)
+        else:
+            assert len(sums) <= SUMS_SENT, f"{len(sums)} validation sums, more than {SUMS_SENT}"
+            message = torch.tensor([len(sums), pos.step, pos.epoch, time.time(), *sums], dtype=torch.float64)
+            self.workers.send(message, 0, VALIDATED)
+            self.solo_sent += 1
+        self.check_collapse(self.task.results(sums).get("loss"), pos.step)
+
+    def record_alone(self, step: int, epoch: int, at: float, sums: list[float], by: int) -> None:
+        """Worker 0: record a validation worker ``by`` took alone at ``at`` (its ``time.time()``)."""
+        record = {f"val_{k}": v for k, v in self.task.results(sums).items()}
+        self.log.write("val", step, at=at, epoch=epoch, alone=True, by=by, **record)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
+        self.meter.echo(f"epoch {epoch} (in progress, worker {by}): {shown}")
+
+    def collect_validations(self, expected: int | None = None) -> None:
+        """Worker 0: record the validations other workers took alone and sent; with ``expected`` (how many
+        they sent this epoch), wait for those still on their way, and take no more."""
+        buf = torch.empty(4 + SUMS_SENT, dtype=torch.float64)
+        while self.solo_got < expected if expected is not None else self.workers.iprobe(tag=VALIDATED):
+            source, _ = self.workers.recv(buf, tag=VALIDATED)
+            n, step, epoch, at = buf[:4].tolist()
+            self.record_alone(int(step), int(epoch), at, buf[4 : 4 + int(n)].tolist(), source)
+            self.solo_got += 1
+
+    def gather_validations(self) -> None:
+        """Collective over the workers (dynamic assignment, rules that validate alone): worker 0 records
+        every validation taken alone this epoch before the epoch's own records."""
+        if self.dealer is None or not self.rule.solo_validation:
+            return
+        sent = self.workers.allreduce_values([float(self.solo_sent)])[0]
+        if self.workers.rank == 0:
+            self.collect_validations(expected=round(sent))
+        self.solo_sent = self.solo_got = 0
 
     def validate(self, epoch: int, step: int) -> nn.Module:
         """Evaluate the rule's models, record them, and return the one the run reports (the first)."""

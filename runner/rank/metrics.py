@@ -64,11 +64,13 @@ class MetricsLog:
     def elapsed(self) -> float:
         return time.time() - self.start
 
-    def write(self, kind: str, step: int, **values: Any) -> None:
-        """A record: a line of metrics.jsonl, and its numbers to every tracker (``<kind>/<key>``)."""
+    def write(self, kind: str, step: int, at: float | None = None, **values: Any) -> None:
+        """A record: a line of metrics.jsonl, and its numbers to every tracker (``<kind>/<key>``); ``at``:
+        when it happened (``time.time()``; default now)."""
         if not self.enabled:
             return
-        record = {"kind": kind, "step": step, "time": round(time.time() - self.start, 4), **values}
+        when = time.time() if at is None else at
+        record = {"kind": kind, "step": step, "time": round(when - self.start, 4), **values}
         try:
             self.file.write(dumps(record) + "\n")
             self.lines += 1
