@@ -97,6 +97,7 @@ class Dealer:
         self.carry: int | None = None  # a ticket of a later epoch, drawn at the end of this one
         self.epoch = 0
         self.last_position = -1  # the last counter position this worker drew
+        self.again = False  # restarted: the epoch's chunks may not all be dealt (:meth:`reopen`)
 
     def __len__(self) -> int:
         """Micro-batches of an epoch over all workers (each worker trains a share of them)."""
@@ -109,8 +110,14 @@ class Dealer:
         """Deal anew from a fresh ``counter``: ``pending`` first, then ``base`` onwards (this worker now
         ``rank``); the tickets this worker holds stay its own."""
         self.counter, self.base, self.pending = counter, base, sorted(pending)
-        self.rank, self.last_position = rank, -1
+        self.rank, self.last_position, self.again = rank, -1, True
         self._publish()
+
+    def reopen(self) -> bool:
+        """Whether the dealing restarted since the last call: a worker whose epoch had ended (its draws
+        spent) iterates again, for chunks dealt anew (a lost worker's) of this epoch."""
+        again, self.again = self.again, False
+        return again
 
     def undrawn(self, position: int) -> tuple[list[int], int]:
         """``(pending, base)`` of the tickets not drawn once the counter stands at ``position``."""
@@ -249,9 +256,13 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
         position, returned = max(workers.allgather_object(dealer.last_position)) + 1, []
         note = "the chunks lost worker 0 held (it held the counter) are not dealt again"
     left, base = dealer.undrawn(position)
+    # A survivor at its epoch's end holds the next epoch's first chunk it drew (carry): back to the pool, so
+    # the survivors first train this epoch's returned chunks, whichever of them draws them.
+    carried = [t for t in workers.allgather_object(dealer.carry) if t is not None]
+    dealer.carry = None
     counter = workers.counter(counter_slots(workers.size))
     dealer.counter.close()
-    dealer.restart(counter, base, returned + left, workers.rank)
+    dealer.restart(counter, base, returned + carried + left, workers.rank)
     return note
 
 

@@ -178,30 +178,12 @@ class Trainer:
             self.grow_if_due(pos, mid_epoch=False)
             max_steps = self.begin_epoch(pos, epochs, start, max_steps)
             self.model.train()
-            for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
-                if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
+            self.train_span(pos, epoch, max_steps)
+            while dealt and not self.preempted:
+                self.tolerant(self.meet, pos, None)  # the epoch's end (where a loss may be noticed)
+                if not self.dealer.reopen():  # chunks dealt anew after this worker's draws were spent
                     break
-                self.grow_if_due(pos, mid_epoch=True)
-                if dealt:
-                    self.meter.restart_step()
-                micro = [
-                    (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                    for x, y in group
-                ]
-                while not self.step(micro, pos):
-                    pass
-                pos.step, pos.batch, shown = pos.step + 1, pos.batch + 1, None
-                if dealt:  # the run's progress, in steps of all workers' chunks
-                    shown = self.dealer.step_of(self.dealer.current) + 1
-                    self.dealer.trained()
-                self.beat.progress(pos.step)
-                samples = sum(len(x) for x, _ in micro)
-                lr = self.optimizer.param_groups[0]["lr"]
-                self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr, shown)
-                if not dealt and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
-                    break
-            if dealt and not self.preempted:
-                self.tolerant(self.meet, pos, None)
+                self.train_span(pos, epoch, max_steps)
             if self.preempted:
                 self.meter.epoch_done()
                 break
@@ -221,6 +203,32 @@ class Trainer:
         self.meter.close()
         self.tolerant(self.end, pos, epochs, start)
         return reported, self._summary(epochs, pos.step)
+
+    def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
+        """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
+        spent), up to ``max_steps``, a stop, or (static shards) a step that ends the run."""
+        dealt = self.dealer is not None
+        for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
+            if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
+                return
+            self.grow_if_due(pos, mid_epoch=True)
+            if dealt:
+                self.meter.restart_step()
+            micro = [
+                (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in group
+            ]
+            while not self.step(micro, pos):
+                pass
+            pos.step, pos.batch, shown = pos.step + 1, pos.batch + 1, None
+            if dealt:  # the run's progress, in steps of all workers' chunks
+                shown = self.dealer.step_of(self.dealer.current) + 1
+                self.dealer.trained()
+            self.beat.progress(pos.step)
+            samples = sum(len(x) for x, _ in micro)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr, shown)
+            if not dealt and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
+                return
 
     def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
         """Deal epoch ``pos.epoch``'s data (static shards: this worker's, from ``pos.batch`` on); returns the
