@@ -55,7 +55,7 @@ RESULT = {
         rf"^  mlp\s+ours auto→\w+\s+{NUM}$",
     ],
     "time_to_accuracy": [
-        rf"^\| gosgd \| dynamic \| r1 \+5 ms \| (not hit|{NUM})( \| -){{3}}( \| {NUM}){{3}} \|$"
+        rf"^\| gosgd \| dynamic \| r1 \+5 ms \| (not hit|{NUM})( \| -){{3}} \| {NUM}( \| {NUM}){{3}} \|$"
     ],
 }
 
