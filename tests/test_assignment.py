@@ -187,6 +187,11 @@ def test_dynamic_assignment_is_refused_where_it_cannot_work_and_auto_picks_it_fo
         checked_config(["data.assignment=random"])
     with pytest.raises(ValueError, match=r"train.val_every=1.5 is invalid.*fraction"):
         checked_config(["train.val_every=1.5"])
+    with pytest.raises(ValueError, match=r"train.val_every_s=0.0 is invalid.*> 0"):
+        checked_config(["train.val_every_s=0"])
+    with pytest.raises(ValueError, match=r"train.val_every_s=5.0 is invalid: train.val_every=0.25 also"):
+        checked_config(["train.val_every_s=5", "train.val_every=0.25"])
+    assert checked_config(["train.val_every_s=5", "train.val_every=2"]).train.val_every_s == 5
 
 
 def traced_batches(trace, chunks: Chunks, epochs: int) -> dict[int, list[int]]:
@@ -298,3 +303,31 @@ def test_validations_within_an_epoch_do_not_wait_for_a_slow_worker(cli):
     assert max(gaps) < 0.4, f"a validation waited for the slow worker's step: {gaps}"
     steps = run.summary["steps_per_worker"]
     assert steps[0] < min(steps[1], steps[2]) and run.summary["assignment"] == "dynamic", steps
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "rule,alone",
+    [
+        (["rule=bsp", "devices=2"], False),
+        (["rule=asgd", "devices=3", "simulate.straggler_ranks=[0]", "simulate.straggler_ms=200"], True),
+    ],
+    ids=["bsp-agreed", "asgd-claimed"],
+)
+def test_validations_by_time_come_when_due_once_each(cli, rule, alone):
+    """``train.val_every_s``: BSP's workers validate together at the agreement after each 0.3 s of
+    training (worker 0's clock); ASGD's, with worker 0 sleeping 200 ms a step, are claimed by the first free
+    worker, alone. Either way each is recorded once, none before it is due, and none is skipped."""
+    every = 0.3
+    run = cli(*rule, "hardware.oversubscribe=true", "train.epochs=3", f"train.val_every_s={every}")
+    assert run.returncode == 0, run.output
+    timed = sorted((r for r in run.records("val") if "due" in r), key=lambda r: r["due"])
+    dues = [r["due"] for r in timed]
+    assert dues == sorted(set(dues)) and len(dues) >= 3, dues  # once each
+    assert all(r["time"] >= r["due"] * every - 0.1 for r in timed), timed  # never before it is due
+    end = max(r["time"] for r in run.records("val"))
+    assert dues[-1] >= int(end // every) - 2 and dues[0] <= 2, (dues, end)  # none skipped on the way
+    assert all(bool(r.get("alone")) == alone for r in timed), timed
+    if alone:
+        assert {r["by"] for r in timed} - {0}, f"the slow worker 0 took every validation: {timed}"

@@ -527,6 +527,14 @@ class Counter:
         return int(out[0])
 
     @_faults
+    def fetch_max(self, slot: int, value: int) -> int:
+        """Raise ``slot`` to ``value`` atomically (if it is lower); the value it held before."""
+        out = np.zeros(1, dtype=np.int64)
+        self._win.Fetch_and_op(np.array([value], dtype=np.int64), out, self.host, slot, MPI.MAX)
+        self._win.Flush(self.host)
+        return int(out[0])
+
+    @_faults
     def put(self, slot: int, values: Sequence[int]) -> None:
         """Replace ``slot`` and the slots after it by ``values``, each atomically."""
         data = np.asarray(values, dtype=np.int64)

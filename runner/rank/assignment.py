@@ -175,8 +175,9 @@ class Dealer:
 
 
 def counter_slots(workers: int) -> int:
-    """A dealer's counter: the position, then :data:`HELD_SLOTS` per worker for the tickets it holds."""
-    return 1 + workers * HELD_SLOTS
+    """A dealer's counter: the position, then :data:`HELD_SLOTS` per worker for the tickets it holds, then
+    the last validation by time claimed (``train.val_every_s``: its last slot)."""
+    return 1 + workers * HELD_SLOTS + 1
 
 
 def held_rows(slots: list[int], workers: int) -> list[list[int]]:
@@ -261,6 +262,10 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     carried = [t for t in workers.allgather_object(dealer.carry) if t is not None]
     dealer.carry = None
     counter = workers.counter(counter_slots(workers.size))
+    if slots is not None:  # the validations by time claimed so far stay claimed
+        if workers.rank == 0:
+            counter.put(counter_slots(workers.size) - 1, [slots[-1]])
+        workers.barrier()
     dealer.counter.close()
     dealer.restart(counter, base, returned + carried + left, workers.rank)
     return note

@@ -27,6 +27,7 @@ import random
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -252,6 +253,7 @@ class Decision:
     stop: bool = False
     join: int = 0  # workers to add (``RUN_DIR/JOIN``)
     polled: bool = False  # the workers agreed at this step (False: a step between agreements)
+    validate: bool = False  # ``train.val_every_s`` passed on worker 0's clock: all validate here
 
 
 class Control:
@@ -276,7 +278,9 @@ class Control:
         self.workers, self.stop_file = workers, run_dir / STOP
         self.checkpointer, self.interval = checkpointer, interval
         self.join_file = run_dir / JOIN
-        self.flags = torch.zeros(3, dtype=torch.float64)
+        self.flags = torch.zeros(4, dtype=torch.float64)
+        #: Worker 0, at each agreement: whether a validation is due (``train.val_every_s``; None: never).
+        self.validation_due: Callable[[], bool] | None = None
         self.comm: Comm | None = None
         self.next_poll, self.forced, self.request = (start // interval + 1) * interval, False, None
         if split:  # (not: a worker spawned into the job; it splits with the others when welcomed)
@@ -301,11 +305,13 @@ class Control:
         if self.request is not None:
             self.request.wait()
             checkpoint = bool(self.flags[0] > 0) or decision.checkpoint
-            decision = Decision(checkpoint, bool(self.flags[1] > 0), int(self.flags[2]), polled=True)
+            stop, join, validate = bool(self.flags[1] > 0), int(self.flags[2]), bool(self.flags[3] > 0)
+            decision = Decision(checkpoint, stop, join, polled=True, validate=validate)
         if self.workers.rank == 0:
             self.flags[0] = float(self.checkpointer.time_due())
             self.flags[1] = float(self.stop_file.exists())
             self.flags[2] = float(self.join_requested())
+            self.flags[3] = float(self.validation_due is not None and self.validation_due())
         else:
             self.flags.zero_()
         self.request = self.comm.iallreduce(self.flags, op="max")

@@ -17,6 +17,7 @@ from runner.rank.assignment import (
     CHUNKS_PER_WORKER,
     Dealer,
     Meetings,
+    counter_slots,
     dealing_state,
     lost_shard,
     redeal,
@@ -163,6 +164,11 @@ class Trainer:
         self.whole_val: DataLoader | None = None  # the loader of the whole validation set (alone)
         self.solo_sent = 0  # validations taken alone and sent to worker 0 this epoch
         self.solo_got = 0  # worker 0: those it received
+        self.val_asked = 0  # train.val_every_s: the last validation by time asked for (or claimed)
+        by_claim = self.dealer is not None and self.rule.solo_validation  # the free worker claims it
+        timed = self.cfg.val_every_s is not None and not by_claim
+        if self.control is not None:
+            self.control.validation_due = self.validation_due if timed else None
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
@@ -258,6 +264,8 @@ class Trainer:
         meetings, chunks = self.meetings, self.dealer.chunks
         if self.workers.rank == 0 and self.rule.solo_validation:
             self.collect_validations()
+        if ticket is not None and self.cfg.val_every_s is not None and self.rule.solo_validation:
+            self.claim_validation(pos)
         if ticket is None:
             upto = meetings.count
         else:
@@ -270,6 +278,8 @@ class Trainer:
             elif meetings.validates(k) and ticket == pos.epoch * chunks.per_epoch + meetings.position(k):
                 self.validate_alone(pos)  # this worker drew the validation's chunk: it is the free one
             decision = self.control.poll(self.meetings_done)
+            if decision.validate:
+                self.validate_by_time(pos)
             self.note_growth(decision)
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
             steps = self.dealer.steps_at
@@ -386,6 +396,8 @@ class Trainer:
             self.validate(pos.epoch, pos.step)
             self.model.train()
         decision = self.control.poll(pos.step)
+        if decision.validate:
+            self.validate_by_time(pos)
         self.note_growth(decision)
         self.preempted = decision.stop
         if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
@@ -482,41 +494,73 @@ class Trainer:
         sums = validation_sums(model, self.val_loader, self.task, self.device, self.cfg.precision)
         return self.task.results(self.workers.allreduce_values(sums))
 
-    def validate_alone(self, pos: Position) -> None:
+    def validate_alone(self, pos: Position, due: int | None = None) -> None:
         """Within an epoch of dynamic assignment, the worker that drew the chunk at a validation's position
         (the first free one): validate the rule's reported model as it reads it alone
         (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the others train
         on. Worker 0 records it (:meth:`collect_validations`); it is not kept in the history early stopping
-        reads (only one worker has it)."""
+        reads (only one worker has it). ``due``: the validation by time (``train.val_every_s``) it is."""
         if self.whole_val is None:
             self.whole_val = self.val_share(0, 1)
         model = self.rule.solo_model()
         sums = validation_sums(model, self.whole_val, self.task, self.device, self.cfg.precision)
         self.model.train()
         if self.workers.rank == 0:
-            self.record_alone(pos.step, pos.epoch, time.time(), sums, 0)
+            self.record_alone(pos.step, pos.epoch, time.time(), sums, 0, due)
         else:
             assert len(sums) <= SUMS_SENT, f"{len(sums)} validation sums, more than {SUMS_SENT}"
-            message = torch.tensor([len(sums), pos.step, pos.epoch, time.time(), *sums], dtype=torch.float64)
+            head = [len(sums), pos.step, pos.epoch, time.time(), -1 if due is None else due]
+            message = torch.tensor([*head, *sums], dtype=torch.float64)
             self.workers.send(message, 0, VALIDATED)
             self.solo_sent += 1
         self.check_collapse(self.task.results(sums).get("loss"), pos.step)
 
-    def record_alone(self, step: int, epoch: int, at: float, sums: list[float], by: int) -> None:
-        """Worker 0: record a validation worker ``by`` took alone at ``at`` (its ``time.time()``)."""
+    def validation_due(self) -> bool:
+        """Worker 0, at an agreement: whether ``train.val_every_s`` more seconds of training passed since
+        the last validation it asked for (the workers then validate together where they agree)."""
+        due = int(self.log.elapsed() // self.cfg.val_every_s)
+        if due <= self.val_asked:
+            return False
+        self.val_asked = due
+        return True
+
+    def validate_by_time(self, pos: Position) -> None:
+        """Every worker, where they agreed that ``train.val_every_s`` passed on worker 0's clock."""
+        self.validate(pos.epoch, pos.step, due=self.val_asked if self.workers.rank == 0 else None)
+        self.model.train()
+
+    def claim_validation(self, pos: Position) -> None:
+        """Dynamic assignment, rules that validate alone, ``train.val_every_s``: the first worker to start a
+        step once the next validation is due takes it (an atomic maximum on the counter's last slot: of
+        the workers that see it due, one raises it), and validates alone."""
+        due = int(self.log.elapsed() // self.cfg.val_every_s)
+        if due <= self.val_asked:
+            return
+        before = self.dealer.counter.fetch_max(counter_slots(self.workers.size) - 1, due)
+        self.val_asked = max(due, before)
+        if before < due:
+            self.validate_alone(pos, due)
+
+    def record_alone(
+        self, step: int, epoch: int, at: float, sums: list[float], by: int, due: int | None = None
+    ) -> None:
+        """Worker 0: record a validation worker ``by`` took alone at ``at`` (its ``time.time()``); ``due``:
+        the validation by time it is (None: one at a position of the epoch)."""
         record = {f"val_{k}": v for k, v in self.task.results(sums).items()}
-        self.log.write("val", step, at=at, epoch=epoch, alone=True, by=by, **record)
+        timed = {} if due is None else {"due": due}
+        self.log.write("val", step, at=at, epoch=epoch, alone=True, by=by, **timed, **record)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
         self.meter.echo(f"epoch {epoch} (in progress, worker {by}): {shown}")
 
     def collect_validations(self, expected: int | None = None) -> None:
         """Worker 0: record the validations other workers took alone and sent; with ``expected`` (how many
         they sent this epoch), wait for those still on their way, and take no more."""
-        buf = torch.empty(4 + SUMS_SENT, dtype=torch.float64)
+        buf = torch.empty(5 + SUMS_SENT, dtype=torch.float64)
         while self.solo_got < expected if expected is not None else self.workers.iprobe(tag=VALIDATED):
             source, _ = self.workers.recv(buf, tag=VALIDATED)
-            n, step, epoch, at = buf[:4].tolist()
-            self.record_alone(int(step), int(epoch), at, buf[4 : 4 + int(n)].tolist(), source)
+            n, step, epoch, at, due = buf[:5].tolist()
+            sums = buf[5 : 5 + int(n)].tolist()
+            self.record_alone(int(step), int(epoch), at, sums, source, None if due < 0 else int(due))
             self.solo_got += 1
 
     def gather_validations(self) -> None:
@@ -529,8 +573,9 @@ class Trainer:
             self.collect_validations(expected=round(sent))
         self.solo_sent = self.solo_got = 0
 
-    def validate(self, epoch: int, step: int) -> nn.Module:
-        """Evaluate the rule's models, record them, and return the one the run reports (the first)."""
+    def validate(self, epoch: int, step: int, **extra: Any) -> nn.Module:
+        """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
+        reports (the first)."""
         record: dict[str, float] = {}
         models = self.rule.eval_models()
         first = next(iter(models))
@@ -539,7 +584,7 @@ class Trainer:
             prefix = f"{name}_" if name else ""
             record.update({f"{prefix}val_{k}": v for k, v in self.evaluate(model).items()})
         self.history.append(record)
-        self.log.write("val", step, epoch=epoch, **record)
+        self.log.write("val", step, epoch=epoch, **extra, **record)
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
         self.check_collapse(record.get(f"{self.reported_prefix}val_loss"), step)
         return next(iter(models.values()))

@@ -24,6 +24,7 @@ class TrainConfig:
     val_batch_size: int = 256
     seed: int = 0
     val_every: float = 1
+    val_every_s: float | None = None
     log_every: int = 10
     max_steps: int | None = None
     save_model: str = "rank0"
@@ -48,6 +49,19 @@ class TrainConfig:
             self.val_every,
             "validate every N epochs: a whole number >= 1, or a fraction of an epoch's samples below 1 "
             "(e.g. 0.25: four times an epoch)",
+        )
+        require(
+            self.val_every_s is None or (math.isfinite(self.val_every_s) and self.val_every_s > 0),
+            "val_every_s",
+            self.val_every_s,
+            "seconds of training between validations, > 0 (e.g. train.val_every_s=30), or null",
+        )
+        require(
+            self.val_every_s is None or self.val_every >= 1,
+            "val_every_s",
+            self.val_every_s,
+            f"train.val_every={self.val_every:g} also validates within epochs: keep one of the two "
+            "(train.val_every=1 with train.val_every_s, or train.val_every_s=null)",
         )
         require(self.log_every >= 1, "log_every", self.log_every, "log every N >= 1 steps")
         require(

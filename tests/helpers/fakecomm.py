@@ -396,6 +396,12 @@ class FakeCounter:
             self.values[slot] += value
             return before
 
+    def fetch_max(self, slot: int, value: int) -> int:
+        with self._lock:
+            before = self.values[slot]
+            self.values[slot] = max(before, value)
+            return before
+
     def put(self, slot: int, values: Sequence[int]) -> None:
         with self._lock:
             self.values[slot : slot + len(values)] = list(values)
