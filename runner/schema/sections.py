@@ -43,26 +43,7 @@ class TrainConfig:
         require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
         require(self.batch_size >= 1, "batch_size", self.batch_size, "the per-rank batch must be >= 1")
         require(self.val_batch_size >= 1, "val_batch_size", self.val_batch_size, "must be >= 1")
-        require(
-            0 < self.val_every < 1 or (self.val_every >= 1 and float(self.val_every).is_integer()),
-            "val_every",
-            self.val_every,
-            "validate every N epochs: a whole number >= 1, or a fraction of an epoch's samples below 1 "
-            "(e.g. 0.25: four times an epoch)",
-        )
-        require(
-            self.val_every_s is None or (math.isfinite(self.val_every_s) and self.val_every_s > 0),
-            "val_every_s",
-            self.val_every_s,
-            "seconds of training between validations, > 0 (e.g. train.val_every_s=30), or null",
-        )
-        require(
-            self.val_every_s is None or self.val_every >= 1,
-            "val_every_s",
-            self.val_every_s,
-            f"train.val_every={self.val_every:g} also validates within epochs: keep one of the two "
-            "(train.val_every=1 with train.val_every_s, or train.val_every_s=null)",
-        )
+        self._check_validations()
         require(self.log_every >= 1, "log_every", self.log_every, "log every N >= 1 steps")
         require(
             self.max_steps is None or self.max_steps >= 1,
@@ -103,6 +84,29 @@ class TrainConfig:
             "early_stop",
             self.early_stop,
             "validations without improvement of train.monitor before stopping, >= 1, or null",
+        )
+
+    def _check_validations(self) -> None:
+        """``val_every`` and ``val_every_s``: each valid, and one schedule within epochs."""
+        require(
+            0 < self.val_every < 1 or (self.val_every >= 1 and float(self.val_every).is_integer()),
+            "val_every",
+            self.val_every,
+            "validate every N epochs: a whole number >= 1, or a fraction of an epoch's samples below 1 "
+            "(e.g. 0.25: four times an epoch)",
+        )
+        require(
+            self.val_every_s is None or (math.isfinite(self.val_every_s) and self.val_every_s > 0),
+            "val_every_s",
+            self.val_every_s,
+            "seconds of training between validations, > 0 (e.g. train.val_every_s=30), or null",
+        )
+        require(
+            self.val_every_s is None or self.val_every >= 1,
+            "val_every_s",
+            self.val_every_s,
+            f"train.val_every={self.val_every:g} also validates within epochs: keep one of the two "
+            "(train.val_every=1 with train.val_every_s, or train.val_every_s=null)",
         )
 
 
