@@ -517,20 +517,19 @@ class Counter:
         comm._c.Barrier()
         self._one = np.ones(1, dtype=np.int64)
 
-    @_faults
     def fetch_add(self, slot: int = 0, value: int = 1) -> int:
         """Add ``value`` to ``slot`` atomically; the value it held before."""
-        self._one[0] = value
-        out = np.zeros(1, dtype=np.int64)
-        self._win.Fetch_and_op(self._one, out, self.host, slot, MPI.SUM)
-        self._win.Flush(self.host)
-        return int(out[0])
+        return self._fetch_and_op(slot, value, MPI.SUM)
 
-    @_faults
     def fetch_max(self, slot: int, value: int) -> int:
         """Raise ``slot`` to ``value`` atomically (if it is lower); the value it held before."""
+        return self._fetch_and_op(slot, value, MPI.MAX)
+
+    @_faults
+    def _fetch_and_op(self, slot: int, value: int, op: MPI.Op) -> int:
+        self._one[0] = value
         out = np.zeros(1, dtype=np.int64)
-        self._win.Fetch_and_op(np.array([value], dtype=np.int64), out, self.host, slot, MPI.MAX)
+        self._win.Fetch_and_op(self._one, out, self.host, slot, op)
         self._win.Flush(self.host)
         return int(out[0])
 

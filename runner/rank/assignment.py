@@ -180,6 +180,11 @@ def counter_slots(workers: int) -> int:
     return 1 + workers * HELD_SLOTS + 1
 
 
+def claim_slot(workers: int) -> int:
+    """The counter's slot of the last validation by time claimed (its last)."""
+    return counter_slots(workers) - 1
+
+
 def held_rows(slots: list[int], workers: int) -> list[list[int]]:
     """The tickets each worker published, by its rank, from the counter's ``slots``."""
     rows = [slots[1 + r * HELD_SLOTS : 1 + (r + 1) * HELD_SLOTS] for r in range(workers)]
@@ -264,7 +269,7 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     counter = workers.counter(counter_slots(workers.size))
     if slots is not None:  # the validations by time claimed so far stay claimed
         if workers.rank == 0:
-            counter.put(counter_slots(workers.size) - 1, [slots[-1]])
+            counter.put(claim_slot(workers.size), [slots[claim_slot(len(before))]])
         workers.barrier()
     dealer.counter.close()
     dealer.restart(counter, base, returned + carried + left, workers.rank)

@@ -17,7 +17,7 @@ from runner.rank.assignment import (
     CHUNKS_PER_WORKER,
     Dealer,
     Meetings,
-    counter_slots,
+    claim_slot,
     dealing_state,
     lost_shard,
     redeal,
@@ -272,16 +272,16 @@ class Trainer:
             upto = meetings.passed_by(ticket) if chunks.epoch_of(ticket) == pos.epoch else self.passed
         while self.passed < upto:
             k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
+            position = pos.epoch * chunks.per_epoch + meetings.position(k)
             if meetings.validates(k) and not self.rule.solo_validation:
                 self.validate(pos.epoch, pos.step)
                 self.model.train()
-            elif meetings.validates(k) and ticket == pos.epoch * chunks.per_epoch + meetings.position(k):
+            elif meetings.validates(k) and ticket == position:
                 self.validate_alone(pos)  # this worker drew the validation's chunk: it is the free one
             decision = self.control.poll(self.meetings_done)
             if decision.validate:
                 self.validate_by_time(pos)
             self.note_growth(decision)
-            position = pos.epoch * chunks.per_epoch + meetings.position(k)
             steps = self.dealer.steps_at
             due = self.control.checkpointer.due_between(steps(position - meetings.gap(k)), steps(position))
             if decision.stop or decision.checkpoint or due:
@@ -505,48 +505,55 @@ class Trainer:
         model = self.rule.solo_model()
         sums = validation_sums(model, self.whole_val, self.task, self.device, self.cfg.precision)
         self.model.train()
+        results = self.task.results(sums)
         if self.workers.rank == 0:
-            self.record_alone(pos.step, pos.epoch, time.time(), sums, 0, due)
+            self.record_alone(pos.step, pos.epoch, time.time(), results, 0, due)
         else:
             assert len(sums) <= SUMS_SENT, f"{len(sums)} validation sums, more than {SUMS_SENT}"
             head = [len(sums), pos.step, pos.epoch, time.time(), -1 if due is None else due]
             message = torch.tensor([*head, *sums], dtype=torch.float64)
             self.workers.send(message, 0, VALIDATED)
             self.solo_sent += 1
-        self.check_collapse(self.task.results(sums).get("loss"), pos.step)
+        self.check_collapse(results.get("loss"), pos.step)
+
+    def newly_due(self) -> int | None:
+        """The validation by time (``train.val_every_s``) that this worker's clock says is due, if it is
+        later than the last one asked for or claimed; else None."""
+        due = int(self.log.elapsed() // self.cfg.val_every_s)
+        return due if due > self.val_asked else None
 
     def validation_due(self) -> bool:
         """Worker 0, at an agreement: whether ``train.val_every_s`` more seconds of training passed since
         the last validation it asked for (the workers then validate together where they agree)."""
-        due = int(self.log.elapsed() // self.cfg.val_every_s)
-        if due <= self.val_asked:
+        due = self.newly_due()
+        if due is None:
             return False
         self.val_asked = due
         return True
 
     def validate_by_time(self, pos: Position) -> None:
         """Every worker, where they agreed that ``train.val_every_s`` passed on worker 0's clock."""
-        self.validate(pos.epoch, pos.step, due=self.val_asked if self.workers.rank == 0 else None)
+        self.validate(pos.epoch, pos.step, due=self.val_asked)  # (recorded by worker 0, which asked)
         self.model.train()
 
     def claim_validation(self, pos: Position) -> None:
         """Dynamic assignment, rules that validate alone, ``train.val_every_s``: the first worker to start a
         step once the next validation is due takes it (an atomic maximum on the counter's last slot: of
         the workers that see it due, one raises it), and validates alone."""
-        due = int(self.log.elapsed() // self.cfg.val_every_s)
-        if due <= self.val_asked:
+        due = self.newly_due()
+        if due is None:
             return
-        before = self.dealer.counter.fetch_max(counter_slots(self.workers.size) - 1, due)
+        before = self.dealer.counter.fetch_max(claim_slot(self.workers.size), due)
         self.val_asked = max(due, before)
         if before < due:
             self.validate_alone(pos, due)
 
     def record_alone(
-        self, step: int, epoch: int, at: float, sums: list[float], by: int, due: int | None = None
+        self, step: int, epoch: int, at: float, results: dict[str, float], by: int, due: int | None = None
     ) -> None:
-        """Worker 0: record a validation worker ``by`` took alone at ``at`` (its ``time.time()``); ``due``:
-        the validation by time it is (None: one at a position of the epoch)."""
-        record = {f"val_{k}": v for k, v in self.task.results(sums).items()}
+        """Worker 0: record the ``results`` of a validation worker ``by`` took alone at ``at`` (its
+        ``time.time()``); ``due``: the validation by time it is (None: one at a position of the epoch)."""
+        record = {f"val_{k}": v for k, v in results.items()}
         timed = {} if due is None else {"due": due}
         self.log.write("val", step, at=at, epoch=epoch, alone=True, by=by, **timed, **record)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
@@ -559,8 +566,8 @@ class Trainer:
         while self.solo_got < expected if expected is not None else self.workers.iprobe(tag=VALIDATED):
             source, _ = self.workers.recv(buf, tag=VALIDATED)
             n, step, epoch, at, due = buf[:5].tolist()
-            sums = buf[5 : 5 + int(n)].tolist()
-            self.record_alone(int(step), int(epoch), at, sums, source, None if due < 0 else int(due))
+            results = self.task.results(buf[5 : 5 + int(n)].tolist())
+            self.record_alone(int(step), int(epoch), at, results, source, None if due < 0 else int(due))
             self.solo_got += 1
 
     def gather_validations(self) -> None:
