@@ -310,8 +310,17 @@ def test_validations_within_an_epoch_do_not_wait_for_a_slow_worker(cli):
 @pytest.mark.parametrize(
     "rule,alone",
     [
-        (["rule=bsp", "devices=2"], False),
-        (["rule=asgd", "devices=3", "simulate.straggler_ranks=[0]", "simulate.straggler_ms=200"], True),
+        (["rule=bsp", "devices=2", "train.epochs=6"], False),  # about 0.3 s an epoch: 5 or more due
+        (
+            [
+                "rule=asgd",
+                "devices=3",
+                "train.epochs=3",
+                "simulate.straggler_ranks=[0]",
+                "simulate.straggler_ms=200",
+            ],
+            True,
+        ),
     ],
     ids=["bsp-agreed", "asgd-claimed"],
 )
@@ -320,7 +329,7 @@ def test_validations_by_time_come_when_due_once_each(cli, rule, alone):
     training (worker 0's clock); ASGD's, with worker 0 sleeping 200 ms a step, are claimed by the first free
     worker, alone. Either way each is recorded once, none before it is due, and none is skipped."""
     every = 0.3
-    run = cli(*rule, "hardware.oversubscribe=true", "train.epochs=3", f"train.val_every_s={every}")
+    run = cli(*rule, "hardware.oversubscribe=true", f"train.val_every_s={every}")
     assert run.returncode == 0, run.output
     timed = sorted((r for r in run.records("val") if "due" in r), key=lambda r: r["due"])
     dues = [r["due"] for r in timed]
