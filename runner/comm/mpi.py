@@ -3,8 +3,9 @@
 Everything here works on torch tensors through zero-copy numpy views of contiguous CPU tensors and uses
 mpi4py's buffer API (upper-case methods); the pickle API is kept for small Python objects (metrics,
 configuration). CUDA tensors are handed to MPI directly when the library is CUDA-aware and staged through
-pinned host buffers otherwise. Every call accounts the bytes it sent and the seconds it spent, so the
-training loop can split a step into compute and communication.
+pinned host buffers otherwise; with a ``torch.distributed`` transport (:mod:`runner.comm.dist`, NCCL on
+GPUs), the collectives of the tensors it carries go there instead. Every call accounts the bytes it sent
+and the seconds it spent, so the training loop can split a step into compute and communication.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ ANY_TAG = MPI.ANY_TAG
 #: ULFM's error classes: a peer failed (75, 76 for a pending wildcard receive) or revoked the communicator.
 _FAULTS = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
 F = TypeVar("F", bound=Callable[..., Any])
+#: The tag :meth:`Comm.check_peers` probes for: no message carries it, the probe only asks ULFM.
+_WATCH_TAG = 32001
 
 
 class PeerLost(RuntimeError):
@@ -128,6 +131,22 @@ class BackgroundRequest:
             raise self.error
 
 
+class DistRequest:
+    """A collective running on the ``torch.distributed`` transport; ``wait`` completes it (on a GPU it makes
+    the current stream wait for it, without blocking the host)."""
+
+    def __init__(self, comm: Comm, work: Any):
+        self._comm, self._work = comm, work
+
+    def test(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._comm.await_work(self._work)
+            self._work = None
+
+
 class Comm:
     """A thin wrapper over one MPI communicator, with byte and time accounting.
 
@@ -152,6 +171,7 @@ class Comm:
         self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
         self.ids: list[int] | None = None  # each rank's id in the job, once processes were spawned into it
         self.grown = False  # processes were spawned into it (then MPI_Finalize is not called at the end)
+        self.dist: Any = None  # the torch.distributed transport (runner/comm/dist.py), once attached
 
     def _buffer(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
         """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
@@ -181,6 +201,45 @@ class Comm:
         if t.is_contiguous() and t.device.type == "cpu":
             self._ready[id(t)] = (t, _view(t))
 
+    # -- the torch.distributed transport -------------------------------------------------------------
+    def use_transport(self, backend: str, timeout_s: float = 1800.0) -> None:
+        """Collective: carry the collectives of ``backend``'s tensors (``nccl``: CUDA, ``gloo``: CPU) on a
+        ``torch.distributed`` group over this communicator's ranks; it follows the communicator when
+        ranks are lost (:meth:`shrink`)."""
+        from runner.comm.dist import Transport
+
+        self.dist = Transport(self, backend, timeout_s)
+
+    def routes(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s collectives travel on the ``torch.distributed`` transport."""
+        return self.dist is not None and self.dist.takes(t)
+
+    def await_work(self, work: Any) -> None:
+        """Wait for a ``torch.distributed`` operation. Under fault tolerance it is polled between probes of
+        MPI, so that a peer's death (which ULFM reports, or a survivor's revocation) raises
+        :class:`PeerLost` here instead of leaving this rank waiting for the dead; an error of the backend
+        raises it too."""
+        t0 = time.perf_counter()
+        try:
+            if self.tolerant:
+                pause = 1e-5
+                while not work.is_completed():
+                    self.check_peers()
+                    time.sleep(pause)
+                    pause = min(2 * pause, 1e-3)
+            work.wait()
+        except RuntimeError as err:
+            if isinstance(err, PeerLost) or not self.tolerant:
+                raise
+            raise PeerLost(f"{self.dist.backend}: {str(err).strip().splitlines()[0]}") from None
+        finally:
+            self.stats.seconds += time.perf_counter() - t0
+
+    @_faults
+    def check_peers(self) -> None:
+        """Raise :class:`PeerLost` if ULFM knows a peer of this communicator died, or it was revoked."""
+        self._c.Iprobe(source=MPI.ANY_SOURCE, tag=_WATCH_TAG)
+
     # -- accounting -------------------------------------------------------------------------------
     def _sent(self, t: torch.Tensor, factor: float = 1.0) -> None:
         self.stats.bytes_sent += int(t.numel() * t.element_size() * factor)
@@ -202,25 +261,34 @@ class Comm:
         return t
 
     @_faults
-    def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
+    def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request | DistRequest:
         """Start an in-place allreduce of ``t``; the result is valid after ``Request.wait``."""
         t0 = time.perf_counter()
-        buf, staged = self._buffer(t)
-        req = self._c.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         self._allreduce_bytes(t)
+        if self.routes(t):
+            request: Request | DistRequest = DistRequest(self, self.dist.allreduce(t, op))
+        else:
+            buf, staged = self._buffer(t)
+            request = Request(self, self._c.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op]), staged, buf)
         self.stats.seconds += time.perf_counter() - t0
-        return Request(self, req, staged, buf)
+        return request
 
     def allreduce_background(
         self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None
-    ) -> BackgroundRequest:
+    ) -> BackgroundRequest | DistRequest:
         """Queue a blocking in-place allreduce of ``t`` on this communicator's background thread.
 
         Open MPI's non-blocking collectives progress only inside MPI calls and use slower algorithms; a
         thread running the blocking call overlaps truly (MPI_THREAD_MULTIPLE). Requests complete in order,
         and every rank must queue the same tensors in the same order. Only the time spent in ``wait`` is
-        counted as communication time.
+        counted as communication time. A tensor of the ``torch.distributed`` transport needs no thread:
+        its backend runs the all-reduce on a stream (NCCL) or threads (gloo) of its own.
         """
+        if self.routes(t):
+            if wire is not None:  # the 16-bit exchange's steps queue on the backend's stream (NCCL)
+                self.allreduce(t, op, wire)
+                return DistRequest(self, None)
+            return self.iallreduce(t, op)
         if self._thread is None:
             self._queue: queue.SimpleQueue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._serve, name="mpitrain-comm", daemon=True)
@@ -249,6 +317,9 @@ class Comm:
             assert op == "sum", "16-bit exchange sums"
             wire_allreduce(self, t, wire)
             return
+        if self.routes(t):
+            self.await_work(self.dist.allreduce(t, op))
+            return
         buf, staged = self._buffer(t)
         self._c.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         if staged is not None:
@@ -258,10 +329,13 @@ class Comm:
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
         t0 = time.perf_counter()
-        buf, staged = self._buffer(t)
-        self._c.Bcast(buf, root=root)
-        if staged is not None:
-            staged.finish()
+        if self.routes(t):
+            self.await_work(self.dist.broadcast(t, root))
+        else:
+            buf, staged = self._buffer(t)
+            self._c.Bcast(buf, root=root)
+            if staged is not None:
+                staged.finish()
         if self.rank == root:
             self._sent(t, self.size - 1)
         self.stats.seconds += time.perf_counter() - t0
@@ -274,13 +348,19 @@ class Comm:
     @_faults
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Rank r's i-th of ``size`` equal chunks of ``send`` becomes chunk r of rank i's ``recv``."""
-        self._c.Alltoall(self._buffer(send)[0], self._buffer(recv, copy_in=False)[0])
+        if self.routes(send) and self.routes(recv):
+            self.await_work(self.dist.alltoall(send, recv))
+        else:
+            self._c.Alltoall(self._buffer(send)[0], self._buffer(recv, copy_in=False)[0])
         self._sent(send, (self.size - 1) / self.size)
 
     @_faults
     def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Every rank's ``send``, in rank order, into each rank's ``recv`` (``size`` times as long)."""
-        self._c.Allgather(self._buffer(send)[0], self._buffer(recv, copy_in=False)[0])
+        if self.routes(send) and self.routes(recv):
+            self.await_work(self.dist.allgather(send, recv))
+        else:
+            self._c.Allgather(self._buffer(send)[0], self._buffer(recv, copy_in=False)[0])
         self._sent(send, self.size - 1)
 
     # -- point to point (``wire``: a 16-bit type to send float tensors in) ----------------------------
@@ -441,6 +521,8 @@ class Comm:
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
         self.ids = self._c.allgather(mine)
         self._children, self._node_comm, self.scratch = [], None, {}
+        if self.dist is not None:  # the transport's group follows: a new one over the new ranks
+            self.dist.rebuild(self)
 
     def grow(self, argv: list[str], count: int, key: int, wdir: str) -> str | None:
         """Collective over this communicator (no lost ranks in it): start ``count`` processes running

@@ -17,6 +17,7 @@ Point-to-point messages (GoSGD's pushes, EASGD's exchanges) are sent as a 16-bit
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
@@ -47,7 +48,8 @@ def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     numel = flat.numel()
     chunk = -(-numel // n)
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    send, recv, part = _scratch(comm, n * chunk, chunk, dtype, acc)
+    device = t.device if comm.routes(t) else torch.device("cpu")  # NCCL: on the GPU; MPI: staged
+    send, recv, part = _scratch(comm, n * chunk, chunk, dtype, acc, device)
     send[:numel].copy_(flat)
     send[numel:].zero_()
     comm.alltoall(send, recv)
@@ -63,13 +65,17 @@ def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _scratch(comm: Comm, total: int, chunk: int, dtype: torch.dtype, acc: torch.dtype) -> Any:
-    """Host buffers for one size, kept by the communicator (a model's buckets or tensors have few sizes)."""
-    key = (total, dtype, acc)
+def _scratch(
+    comm: Comm, total: int, chunk: int, dtype: torch.dtype, acc: torch.dtype, device: torch.device
+) -> Any:
+    """Buffers for one size on ``device``, kept by the communicator (a model's buckets or tensors have few
+    sizes): on the host for MPI, on the GPU for the NCCL transport (:meth:`Comm.routes`)."""
+    key = (total, dtype, acc, device)
     if key not in comm.scratch:
+        new = functools.partial(torch.empty, device=device)
         comm.scratch[key] = (
-            torch.empty(total, dtype=dtype),
-            torch.empty(total, dtype=dtype),
-            (torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=acc), torch.empty(chunk, dtype=acc)),
+            new(total, dtype=dtype),
+            new(total, dtype=dtype),
+            (new(chunk, dtype=dtype), new(chunk, dtype=acc), new(chunk, dtype=acc)),
         )
     return comm.scratch[key]

@@ -65,6 +65,7 @@ class HardwareConfig:
     fault_tolerance: str = "none"  # continue: survivors go on when a worker dies (ULFM); heal: and replace it
     min_workers: int = 1  # with fault_tolerance=continue|heal: fewer survivors end the job, with a checkpoint
     max_workers: int | None = None  # workers the job may grow to (RUN_DIR/JOIN); null: devices
+    transport: str = "auto"  # the workers' tensor collectives: auto, mpi, nccl (GPUs), gloo (CPU stand-in)
 
     def __post_init__(self) -> None:
         one_of("device", self.device, ("cpu", "cuda"))
@@ -91,6 +92,34 @@ class HardwareConfig:
             self.max_workers,
             "workers join a running job through fault tolerance's recovery: set "
             "hardware.fault_tolerance=heal (or continue), or leave max_workers null",
+        )
+
+        self._check_transport()
+
+    def _check_transport(self) -> None:
+        """``transport`` fits the device and the fault tolerance (docs/hardware.md, "Transports")."""
+        one_of("transport", self.transport, ("auto", "mpi", "nccl", "gloo"))
+        require(
+            self.transport != "nccl" or self.device == "cuda",
+            "transport",
+            self.transport,
+            "NCCL carries CUDA tensors but hardware.device=cpu: use hardware=gpu, or "
+            "hardware.transport=mpi (or gloo, torch.distributed on the CPU)",
+        )
+        require(
+            self.transport != "gloo" or self.device == "cpu",
+            "transport",
+            self.transport,
+            "gloo is torch.distributed's CPU backend (the NCCL path's stand-in on CPU): on GPUs use "
+            "hardware.transport=nccl or mpi",
+        )
+        require(
+            self.transport in ("auto", "mpi")
+            or (self.fault_tolerance != "heal" and self.max_workers is None),
+            "transport",
+            self.transport,
+            "a job that grows (fault_tolerance=heal, max_workers) keeps its collectives on MPI: set "
+            "hardware.transport=mpi (or auto), or fault_tolerance=continue",
         )
 
     @property

@@ -127,3 +127,41 @@ def place_rank(hw: HardwareConfig, comm: RankComm, run_dir: Path) -> tuple[torch
         report = {"ranks": bindings, "plan": plan, "problems": problems}
         (run_dir / BINDINGS).write_text(json.dumps(report, indent=1))
     return device, binding
+
+
+def choose_transport(hw: HardwareConfig, workers: RankComm, device: torch.device) -> tuple[str, str | None]:
+    """Collective over the workers: the transport of their tensor collectives (``mpi``, ``nccl`` or
+    ``gloo``), and why ``auto`` did not take NCCL on GPUs (None when it did, or asked nothing of it).
+
+    ``auto`` takes NCCL when the device is a GPU, torch has NCCL, and every worker has its own GPU, or
+    several share one and the NCCL in use allows it (2.30 and later, with ``NCCL_MULTI_RANK_GPU_ENABLE=1``);
+    otherwise MPI, staged through host memory. An explicit ``nccl`` that cannot run raises ValueError
+    naming the fix.
+    """
+    import torch
+
+    from runner.comm.dist import nccl_version
+
+    if hw.transport in ("mpi", "gloo") or (hw.transport == "auto" and device.type != "cuda"):
+        return ("mpi" if hw.transport == "auto" else hw.transport), None
+    if hw.fault_tolerance == "heal" or hw.max_workers is not None:
+        return "mpi", "a job that grows keeps its collectives on MPI"  # (explicit nccl: refused at launch)
+    gpus = workers.allgather_object((platform.node(), str(torch.cuda.get_device_properties(device).uuid)))
+    version = nccl_version()
+    why = None
+    if version is None or not torch.distributed.is_nccl_available():
+        why = "this torch has no NCCL"
+    elif len(set(gpus)) < len(gpus) and not shared_gpus_allowed(version):
+        why = (
+            f"workers share a GPU and NCCL {version} refuses that (NCCL 2.30 and later allow it with "
+            "NCCL_MULTI_RANK_GPU_ENABLE=1: hardware.env.NCCL_MULTI_RANK_GPU_ENABLE=1)"
+        )
+    if why is not None and hw.transport == "nccl":
+        raise ValueError(f"hardware.transport=nccl: {why}; or set hardware.transport=mpi (or auto)")
+    return ("mpi", why) if why is not None else ("nccl", None)
+
+
+def shared_gpus_allowed(version: str) -> bool:
+    """Whether NCCL ``version`` takes several ranks on one GPU (2.30 and later, when enabled)."""
+    major, minor = (int(v) for v in version.split(".")[:2])
+    return (major, minor) >= (2, 30) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"

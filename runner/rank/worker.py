@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from runner.comm import mpi
+from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
 from runner.rank import dynamo
 from runner.rank.assignment import Chunks, Dealer, counter_slots, plan
@@ -52,7 +53,7 @@ from runner.rank.loop import Parts, Place, Records, Trainer
 from runner.rank.meter import Meter
 from runner.rank.metrics import MetricsLog
 from runner.rank.output import redirect_output, root_cause
-from runner.rank.placement import place_rank
+from runner.rank.placement import choose_transport, place_rank
 from runner.rank.recovery import Recovery
 from runner.rank.state import Position, broadcast_state, run_length
 from runner.rules.base import RuleContext, split_roles
@@ -146,6 +147,8 @@ def place(
         hosts = comm.allgather_object(platform.node())
     servers = cfg.rule.extra_ranks()
     workers = split_roles(comm, servers)
+    if workers is not None:
+        env["transport"] = attach_transport(cfg.hardware, workers, device)
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
@@ -168,6 +171,17 @@ def place(
         topology,
         elastic,
     )
+
+
+def attach_transport(hw: HardwareConfig, workers: mpi.Comm, device: torch.device) -> str:
+    """Collective over the workers: put their tensor collectives on the transport ``hardware.transport``
+    asks for (``auto``: NCCL on GPUs where it can run, else MPI, said in one line); its name."""
+    name, why = choose_transport(hw, workers, device)
+    if why is not None and workers.rank == 0:
+        print(f"transport: mpi, staged through host memory, since {why}")
+    if name != "mpi":
+        workers.use_transport(name)
+    return name
 
 
 def most_workers(cfg: Config, world: mpi.Comm) -> int:

@@ -138,6 +138,10 @@ class FakeComm:
         self._seq = 0
         self.scratch: dict[Any, Any] = {}
 
+    def routes(self, t: torch.Tensor) -> bool:
+        """No ``torch.distributed`` transport here: every tensor is combined in memory."""
+        return False
+
     @contextmanager
     def _clock(self):
         t0 = time.perf_counter()

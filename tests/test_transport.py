@@ -1,0 +1,113 @@
+"""``hardware.transport``: the workers' tensor collectives on ``torch.distributed`` (NCCL on GPUs; gloo, its
+stand-in here, on CPU) give what MPI gives, for every operation and every rule, and how it is chosen."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runner.hardware.cpu import CPUConfig
+from runner.hardware.gpu import GPUConfig
+from runner.rank.placement import choose_transport, shared_gpus_allowed
+from runner.run_folder import MODEL
+from tests.conftest import ROOT, checked_config, mpirun_argv
+from tests.helpers.rules import variants
+
+JOB = ROOT / "tests" / "helpers" / "transport_job.py"
+
+
+@pytest.mark.parametrize(
+    "make, hint",
+    [
+        (lambda: CPUConfig(transport="nccl"), "NCCL carries CUDA tensors but hardware.device=cpu"),
+        (lambda: GPUConfig(transport="gloo"), "gloo is torch.distributed's CPU backend"),
+        (lambda: CPUConfig(transport="gloo", fault_tolerance="heal"), "grows .* keeps its collectives"),
+        (lambda: CPUConfig(transport="gloo", fault_tolerance="continue", max_workers=4), "grows"),
+        (lambda: CPUConfig(transport="ncll"), "one of"),
+    ],
+)
+def test_transports_that_cannot_run_are_refused_naming_the_key(make, hint):
+    with pytest.raises(ValueError, match=rf"transport.*{hint}"):
+        make()
+
+
+def test_nccl_on_the_cpu_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"hardware.transport.*use hardware=gpu"):
+        checked_config(["hardware.transport=nccl"])
+
+
+class _Workers(SimpleNamespace):
+    def allgather_object(self, obj):
+        raise AssertionError("no collective is needed to choose a CPU transport")
+
+
+@pytest.mark.parametrize("asked, chosen", [("auto", "mpi"), ("mpi", "mpi"), ("gloo", "gloo")])
+def test_the_transport_chosen_on_the_cpu(asked, chosen):
+    assert choose_transport(CPUConfig(transport=asked), _Workers(), torch.device("cpu")) == (chosen, None)
+
+
+def test_several_ranks_share_a_gpu_only_from_nccl_2_30_when_enabled(monkeypatch):
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    assert not shared_gpus_allowed("2.30.1")
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    assert shared_gpus_allowed("2.30.1") and shared_gpus_allowed("3.0.0")
+    assert not shared_gpus_allowed("2.29.7") and not shared_gpus_allowed("2.28.3")
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_collective_on_gloo_equals_mpi(ranks):
+    """All-reduces (sum, max, min; blocking, non-blocking, queued), the 16-bit exchange in bf16 and fp16,
+    broadcasts from every root, all-to-all and all-gather: tests/helpers/transport_job.py."""
+    proc = subprocess.run(
+        mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(JOB), "gloo"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(f"transport checks passed on {ranks} ranks (gloo)") == ranks
+
+
+#: Per rule and variant: its overrides. Rules that train on static shards are deterministic, so the model a
+#: gloo run ends with must equal the MPI run's: 10 steps, with an exchange every 3 (float32 sums in another
+#: order differ in the last bit, and training amplifies that: about 1e-6 after 16 steps, 1e-4 after 46).
+#: The asynchronous ones (their exchanges are MPI's point-to-point messages on either transport) train two
+#: epochs, their collectives (validation's averages, broadcasts) on gloo.
+SHORT = ["train.max_steps=10"]
+ASYNC = ["train.epochs=2"]
+RULES = {
+    "bsp": {"grads": SHORT, "bf16": [*SHORT, "rule.comm_dtype=bf16"], "params": [*SHORT, "rule.mode=params"]},
+    "diloco": {"": [*SHORT, "rule.inner_steps=3"]},
+    "easgd": {"sync": [*SHORT, "rule.tau=3"], "async": [*ASYNC, "rule.variant=async"]},
+    "asgd": {"": ASYNC},
+    "gosgd": {"": ASYNC},
+}
+COMMON = ["devices=3", "hardware.oversubscribe=true", "train.val_every=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("rule, overrides", variants(RULES, default=SHORT))
+def test_every_rule_trains_alike_on_gloo_and_on_mpi(cli, rule, overrides):
+    gloo = cli(f"rule={rule}", *overrides, *COMMON, "hardware.transport=gloo", timeout=240)
+    assert gloo.returncode == 0, gloo.output
+    assert gloo.summary["versions"]["transport"] == "gloo"
+    if gloo.summary["assignment"] != "static":
+        assert gloo.summary["final_val_acc"] > 0.8, gloo.summary
+        return
+    mpi = cli(f"rule={rule}", *overrides, *COMMON, timeout=240)
+    assert mpi.returncode == 0, mpi.output
+    assert mpi.summary["versions"]["transport"] == "mpi"
+    ours = torch.load(gloo.dir / MODEL, weights_only=True)
+    theirs = torch.load(mpi.dir / MODEL, weights_only=True)
+    ours, theirs = ours.get("model", ours), theirs.get("model", theirs)
+    for name, value in theirs.items():
+        assert torch.allclose(ours[name].double(), value.double(), rtol=1e-6, atol=1e-6), name
+    assert gloo.summary["final_val_loss"] == pytest.approx(mpi.summary["final_val_loss"], rel=1e-6)
