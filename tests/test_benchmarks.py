@@ -23,7 +23,7 @@ BENCHMARKS = ROOT / "benchmarks"
 #: Modules in benchmarks/ that the benchmarks import, not benchmarks themselves.
 HELPERS = {"mpijob"}
 #: Benchmarks that measure in this process: every other one starts mpirun (itself, or through runner jobs).
-IN_PROCESS = {"precision", "reliability"}
+IN_PROCESS = {"precision", "reliability", "scaling_model"}
 TIMEOUT = 120
 
 NUM = r"-?\d+(?:\.\d+)?(?:e[+-]\d+)?"
@@ -42,6 +42,10 @@ RESULT = {
             r"\(the growth itself\)",
             "first step with 3 workers",
         )
+    ],
+    "scaling_model": [
+        rf"^\| alexnet \| {kind} \| 1 \| 8 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$"
+        for kind in ("staged MPI fp32", "NCCL fp32", "NCCL bf16")
     ],
     "images_per_5120": [rf"^googlenet-2b\s+{NUM}\s+{NUM} = {NUM} \+\s+{NUM} \({NUM}\)\s+{NUM}$"],
     "precision": [
