@@ -83,3 +83,71 @@ def test_mixed_precision_trains_on_the_gpu_and_its_saved_model_evaluates_alike(c
     record = json.loads((run.dir / "eval.json").read_text())
     assert record["device"].startswith("cuda")
     assert record["val_acc"] == pytest.approx(s["final_val_acc"], abs=3e-3)
+
+
+# -- the NCCL transport (hardware.transport; tests/test_transport.py runs the same code on gloo) ----------
+
+
+def _nccl() -> str:
+    from runner.comm.dist import nccl_version
+
+    return nccl_version() or "none"
+
+
+@pytest.mark.parametrize("rule", rules())
+def test_every_rule_runs_on_the_nccl_transport_with_one_worker(cli, rule):
+    """World size 1 on NCCL: the bootstrap from MPI (store on rank 0, port broadcast), the group, its
+    stream and BSP's overlap. A rule with a server rank shares the GPU with it (the server is no worker)."""
+    run = cli(
+        "hardware=gpu",
+        f"rule={rule}",
+        "devices=1",
+        "hardware.gpus_per_node=1",
+        "hardware.ranks_per_gpu=2",
+        "hardware.transport=nccl",
+        "train.epochs=2",
+        timeout=300,
+    )
+    assert run.returncode == 0, run.output
+    assert run.summary["versions"]["transport"] == "nccl", f"NCCL {_nccl()}"
+    assert run.summary["final_val_acc"] > 0.8, run.summary
+
+
+def test_the_transport_job_on_nccl_equals_mpi_with_one_rank():
+    """tests/helpers/transport_job.py on the GPU: every collective of the NCCL group against staged MPI."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, mpirun_argv
+
+    job = ROOT / "tests" / "helpers" / "transport_job.py"
+    proc = subprocess.run(
+        mpirun_argv(1, sys.executable, "-m", "mpi4py", str(job), "nccl"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "transport checks passed on 1 ranks (nccl)" in proc.stdout
+
+
+def test_two_workers_on_one_gpu_on_nccl_where_the_nccl_allows_it(cli):
+    """NCCL 2.30 and later take several ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1; older ones
+    refuse them ("Duplicate GPU detected"), so ``auto`` stays on MPI and says why."""
+    from runner.rank.placement import SHARE_GPUS, nccl_shares_gpus
+
+    version = _nccl()
+    shared = ["hardware=gpu", "devices=2", "hardware.gpus_per_node=1", "hardware.ranks_per_gpu=2"]
+    if version == "none" or not nccl_shares_gpus(version):
+        run = cli(*shared, "train.epochs=1", timeout=300)
+        assert run.returncode == 0, run.output
+        assert run.summary["versions"]["transport"] == "mpi"
+        assert "transport: mpi, staged through host memory, since workers share a GPU" in run.output
+        pytest.skip(f"NCCL {version} takes one rank per GPU (2.30 or later with {SHARE_GPUS}=1 is needed)")
+    run = cli(
+        *shared, "hardware.transport=nccl", f"+hardware.env.{SHARE_GPUS}=1", "train.epochs=2", timeout=300
+    )
+    assert run.returncode == 0, run.output
+    assert run.summary["versions"]["transport"] == "nccl"
+    assert run.summary["final_val_acc"] > 0.9, run.summary

@@ -12,7 +12,7 @@ import torch
 
 from runner.hardware.cpu import CPUConfig
 from runner.hardware.gpu import GPUConfig
-from runner.rank.placement import choose_transport, shared_gpus_allowed
+from runner.rank.placement import choose_transport, nccl_shares_gpus
 from runner.run_folder import MODEL
 from tests.conftest import ROOT, checked_config, mpirun_argv
 from tests.helpers.rules import variants
@@ -50,12 +50,9 @@ def test_the_transport_chosen_on_the_cpu(asked, chosen):
     assert choose_transport(CPUConfig(transport=asked), _Workers(), torch.device("cpu")) == (chosen, None)
 
 
-def test_several_ranks_share_a_gpu_only_from_nccl_2_30_when_enabled(monkeypatch):
-    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
-    assert not shared_gpus_allowed("2.30.1")
-    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    assert shared_gpus_allowed("2.30.1") and shared_gpus_allowed("3.0.0")
-    assert not shared_gpus_allowed("2.29.7") and not shared_gpus_allowed("2.28.3")
+def test_several_ranks_share_a_gpu_from_nccl_2_30():
+    assert nccl_shares_gpus("2.30.1") and nccl_shares_gpus("3.0.0") and nccl_shares_gpus("2.31")
+    assert not nccl_shares_gpus("2.29.7") and not nccl_shares_gpus("2.28.3") and not nccl_shares_gpus("1.31")
 
 
 @pytest.mark.slow

@@ -129,6 +129,10 @@ def place_rank(hw: HardwareConfig, comm: RankComm, run_dir: Path) -> tuple[torch
     return device, binding
 
 
+#: The environment variable with which NCCL 2.30 and later take several ranks on one GPU (experimental).
+SHARE_GPUS = "NCCL_MULTI_RANK_GPU_ENABLE"
+
+
 def choose_transport(hw: HardwareConfig, workers: RankComm, device: torch.device) -> tuple[str, str | None]:
     """Collective over the workers: the transport of their tensor collectives (``mpi``, ``nccl`` or
     ``gloo``), and why ``auto`` did not take NCCL on GPUs (None when it did, or asked nothing of it).
@@ -151,17 +155,17 @@ def choose_transport(hw: HardwareConfig, workers: RankComm, device: torch.device
     why = None
     if version is None or not torch.distributed.is_nccl_available():
         why = "this torch has no NCCL"
-    elif len(set(gpus)) < len(gpus) and not shared_gpus_allowed(version):
+    elif len(set(gpus)) < len(gpus) and not (nccl_shares_gpus(version) and os.environ.get(SHARE_GPUS) == "1"):
         why = (
-            f"workers share a GPU and NCCL {version} refuses that (NCCL 2.30 and later allow it with "
-            "NCCL_MULTI_RANK_GPU_ENABLE=1: hardware.env.NCCL_MULTI_RANK_GPU_ENABLE=1)"
+            f"workers share a GPU and NCCL {version} takes one rank per GPU unless it is 2.30 or later "
+            f"and {SHARE_GPUS}=1 (+hardware.env.{SHARE_GPUS}=1)"
         )
     if why is not None and hw.transport == "nccl":
         raise ValueError(f"hardware.transport=nccl: {why}; or set hardware.transport=mpi (or auto)")
     return ("mpi", why) if why is not None else ("nccl", None)
 
 
-def shared_gpus_allowed(version: str) -> bool:
-    """Whether NCCL ``version`` takes several ranks on one GPU (2.30 and later, when enabled)."""
+def nccl_shares_gpus(version: str) -> bool:
+    """Whether NCCL ``version`` can take several ranks on one GPU (2.30 and later, with ``SHARE_GPUS=1``)."""
     major, minor = (int(v) for v in version.split(".")[:2])
-    return (major, minor) >= (2, 30) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+    return (major, minor) >= (2, 30)
