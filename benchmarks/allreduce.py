@@ -8,9 +8,11 @@ Starts itself under mpirun. For each buffer size every method reduces the same n
 ``raw``: one ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` on a numpy array (the floor for MPI); ``ours``: BSP's
 ``after_backward`` over a model whose gradients total that size, in 1 MB parameter tensors, as a training
 step leaves them (views of the buckets, already divided by N through the loss): all-reduce each bucket and
-hand the gradients back; ``gloo``: ``torch.distributed.all_reduce``. Times are medians over repetitions,
-ratios are against ``raw``. With several ``--bucket-mb`` values, one ``ours`` column per bucket size;
-``bf16``: the same exchange with ``rule.comm_dtype=bf16`` at the first bucket size, against its float32 time.
+hand the gradients back; ``gloo``: ``torch.distributed.all_reduce``; ``ours gloo``: ``ours`` on the
+``torch.distributed`` transport with gloo (``hardware.transport=gloo``, the NCCL path's code on CPU).
+Times are medians over repetitions, ratios are against ``raw``. With several ``--bucket-mb`` values, one
+``ours`` column per bucket size; ``bf16``: the same exchange with ``rule.comm_dtype=bf16`` at the first
+bucket size, against its float32 time.
 A second table times whole BSP training steps with the all-reduce overlapped with backward or not.
 ``--smoke`` checks that all of it runs, in seconds: one 0.25 MB buffer, one repetition, and the step table
 on an MLP of 2 layers of 64 for 2 timed steps.
@@ -121,6 +123,10 @@ def bench(args: argparse.Namespace) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank, world_size=n
         )
     comm = Comm()
+    transport = None
+    if not args.no_gloo:
+        transport = comm.split(0)
+        transport.use_transport("gloo")
     rows = []
     for mb in args.sizes:
         numel = int(mb * 2**20 / 4)
@@ -133,10 +139,11 @@ def bench(args: argparse.Namespace) -> None:
         if not args.no_gloo:
             buf = torch.ones(numel)
             methods["gloo"] = lambda buf=buf: dist.all_reduce(buf)
+            methods["ours gloo"] = bsp_exchange(transport, numel, args.bucket_mb[0])
         times = alternated(methods, reps, world.Barrier)
-        t_gloo = times.pop("gloo", float("nan"))
+        t_gloo, t_transport = times.pop("gloo", float("nan")), times.pop("ours gloo", float("nan"))
         t_raw, t_bf16 = times.pop("raw"), times.pop("bf16")
-        rows.append((mb, reps, t_raw, list(times.values()), t_gloo, t_bf16))
+        rows.append((mb, reps, t_raw, list(times.values()), t_gloo, t_transport, t_bf16))
         del raw, methods
 
     if rank == 0:
@@ -150,13 +157,14 @@ def bench(args: argparse.Namespace) -> None:
         first = format(args.bucket_mb[0], "g")
         print(
             f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} "
-            f"{'bf16 ' + first:>10} {'/fp32':>6} {'raw GB/s':>9}"
+            f"{'ours gloo':>10} {'/gloo':>6} {'bf16 ' + first:>10} {'/fp32':>6} {'raw GB/s':>9}"
         )
-        for mb, reps, t_raw, t_ours, t_gloo, t_bf16 in rows:
+        for mb, reps, t_raw, t_ours, t_gloo, t_transport, t_bf16 in rows:
             bus = 2 * (n - 1) / n * mb * 2**20 / 1e9
             ours = "".join(f"{t:10.5f} {t / t_raw:6.2f}" for t in t_ours)
             print(
                 f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} "
+                f"{t_transport:10.5f} {t_transport / t_gloo:6.2f} "
                 f"{t_bf16:10.5f} {t_bf16 / t_ours[0]:6.2f} {bus / t_raw:9.2f}"
             )
     overlap_table(comm, rank, n, world, **args.mlp)

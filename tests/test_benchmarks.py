@@ -30,7 +30,7 @@ NUM = r"-?\d+(?:\.\d+)?(?:e[+-]\d+)?"
 #: Per benchmark, patterns (re.MULTILINE) that its --smoke output must match.
 RESULT = {
     "allreduce": [
-        rf"^\s+0\.25\s+1\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$",
+        rf"^\s+0\.25\s+1\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$",
         *(rf"^  overlap={m}\s+{NUM} ms  comm\s+{NUM} ms  vs none\s+{NUM}$" for m in ("none", "thread")),
     ],
     "fault_tolerance": [
