@@ -86,6 +86,7 @@ class Transport:
         options = c10d.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
         group = c10d.ProcessGroupNCCL(store, rank, size, options)
+        group._set_sequence_number_for_group()  # as torch's own group helper does for NCCL
         group.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         return group
 
