@@ -1,11 +1,12 @@
 """Non-finite steps: a NaN or infinity in one rank's loss, gradients, BatchNorm statistics or parameters.
 
 :func:`poisoned` carries a rank's non-finite loss into the gradients it exchanges, so ranks that average
-gradients decide alike; :class:`Guard` decides before each optimizer step whether the step may be applied
-(``train.on_nonfinite``: stop the run as diverged, or skip the step everywhere), keeps the BatchNorm
-statistics a dropped or redone step must not leave behind, and refuses to checkpoint a model that is no
-longer finite. :func:`collapse` calls a run diverged whose validation loss, though finite, exploded
-(``train.diverge_at``).
+gradients decide alike; :class:`Guard` decides whether a step may be applied (``train.on_nonfinite``: stop
+the run as diverged, or skip the step everywhere), keeps the BatchNorm statistics a dropped or redone step
+must not leave behind, and refuses to checkpoint a model that is no longer finite. With ``stop`` (and no
+fp16 gradient scaler) its checks stay on the device and are read every ``train.log_every`` steps, so a
+GPU step needs no host synchronisation. :func:`collapse` calls a run diverged whose validation loss, though
+finite, exploded (``train.diverge_at``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ class Guard:
     """The non-finite checks of one worker's training. ``keep`` is whether the BatchNorm statistics are
     copied before each step (``on_nonfinite=skip``, or fault tolerance, which may redo a step); ``fp16`` a
     gradient scaler is in use, whose overflowing steps are skipped without ending the run; ``echo`` prints
-    a line for the run's output; ``rank()`` is this worker's rank now (for messages; recovery renumbers)."""
+    a line for the run's output; ``rank()`` is this worker's rank now (for messages; recovery renumbers).
+
+    With ``on_nonfinite=stop`` and no ``fp16`` the checks are deferred (:attr:`deferred`): each step's
+    finiteness is computed on the device, which remembers the first bad step and its cause, and the step is
+    applied regardless; :meth:`check` reads it (one host synchronisation) where the loop calls it: every
+    ``train.log_every`` steps, before every validation and checkpoint, at each epoch's end and at the end.
+    A model past a bad step is never checkpointed, and the run ends naming that first step. ``skip`` and
+    fp16 keep a host synchronisation per step: whether to apply the step must be known before it is."""
 
     def __init__(
         self,
@@ -74,6 +82,13 @@ class Guard:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.keeping, self.fp16, self.echo, self.rank = keep and bool(self.buffers), fp16, echo, rank
+        self.deferred = on_nonfinite == "stop" and not fp16
+        #: Deferred, on the device: the first step (0-based) that was not finite, -1 while none was (None
+        #: before the first step); its loss, gradient sum or norm, and whether the statistics were finite.
+        self.first: torch.Tensor | None = None
+        self.at_first: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.stats_ok: torch.Tensor | None = None  # the last forward pass's (deferred, with BatchNorm)
+        self.flat = False  # the gradient checked is the sum of the rule's flat buffers (else the norm)
         self.kept: list[torch.Tensor] = []
         self.checkpointed: int | None = None  # the step of the last checkpoint written (or resumed from)
         self.skipped = 0  # steps dropped for a non-finite loss, gradient or statistic
@@ -81,16 +96,20 @@ class Guard:
 
     def allows(self, loss: torch.Tensor, step: int) -> bool:
         """Whether the step may be applied: loss, BatchNorm statistics and gradients finite. Otherwise
-        ``on_nonfinite=stop`` raises :class:`Diverged`; ``skip`` drops the step (its update and its
-        BatchNorm statistics) and counts it. Rules that exchange gradients (BSP) decide alike on every rank,
-        since a rank's non-finite step poisons the gradient it sends. A rule that holds every gradient in a
-        few flat buffers (BSP's buckets) has their sums checked, a third cheaper than the norm and as sure:
-        a NaN or infinity anywhere makes the sum non-finite."""
+        ``on_nonfinite=stop`` raises :class:`Diverged` (deferred: the step is applied, and :meth:`check`
+        raises later); ``skip`` drops the step (its update and its BatchNorm statistics) and counts it. Rules
+        that exchange gradients (BSP) decide alike on every rank, since a rank's non-finite step poisons the
+        gradient it sends. A rule that holds every gradient in a few flat buffers (BSP's buckets) has their
+        sums checked, a third cheaper than the norm and as sure: a NaN or infinity anywhere makes the sum
+        non-finite."""
         flat = self.rule.grad_buffers()
         if flat:
             grad_norm = torch.stack([b.sum() for b in flat]).sum()
         else:
             grad_norm = norm([p.grad for p in self.params if p.grad is not None])
+        if self.deferred:
+            self.note(loss, grad_norm, step, bool(flat))
+            return True
         if bool(torch.isfinite(grad_norm)):
             return True
         if self.fp16 and bool(torch.isfinite(loss)):
@@ -104,16 +123,58 @@ class Guard:
         else:
             what = f"gradient ({'sum' if flat else 'norm'} {grad_norm.item()})"
         if self.on_nonfinite == "stop":
-            raise Diverged(
-                f"non-finite {what} at step {step + 1} on rank {self.rank()}; lower optim.lr, or "
-                f"train.on_nonfinite=skip to drop such steps; {self.kept_checkpoint()}"
-            )
+            raise self.diverged(what, step)
         self.skipped += 1
         self.optimizer.zero_grad(set_to_none=False)
         self.restore()
         if self.skipped <= 3 or self.skipped % 100 == 0:
             self.echo(f"step {step + 1}: non-finite {what}, step skipped ({self.skipped} so far)")
         return False
+
+    def poison(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        """:func:`poisoned`; deferred, it keeps whether the BatchNorm statistics were finite (for note)."""
+        if not self.deferred or not self.buffers:
+            return poisoned(loss, self.buffers, scale)
+        self.stats_ok = torch.isfinite(norm(self.buffers))
+        return loss * torch.where(torch.isfinite(loss) & self.stats_ok, scale, float("nan"))
+
+    def note(self, loss: torch.Tensor, grad: torch.Tensor, step: int, flat: bool) -> None:
+        """Deferred: remember on the device, without waiting for it, whether step ``step`` (0-based) was the
+        first that was not finite, and then its loss, gradient and statistics."""
+        if self.first is None:
+            self.first = torch.full((), -1, dtype=torch.int64, device=grad.device)
+            ok = torch.ones((), dtype=torch.bool, device=grad.device)
+            self.at_first = (torch.zeros_like(loss), torch.zeros_like(grad), ok)
+        now = ~torch.isfinite(grad) & (self.first < 0)
+        self.first = torch.where(now, step, self.first)
+        bad_loss, bad_grad, stats_ok = self.at_first
+        stats_ok = stats_ok if self.stats_ok is None else torch.where(now, self.stats_ok, stats_ok)
+        self.at_first = (torch.where(now, loss, bad_loss), torch.where(now, grad, bad_grad), stats_ok)
+        self.flat = flat
+
+    def check(self) -> None:
+        """Deferred: raise :class:`Diverged`, naming the first step that was not finite, if one was since
+        training began (one host synchronisation; nothing to do without deferred checks)."""
+        if self.first is None:
+            return
+        step = int(self.first)
+        if step < 0:
+            return
+        loss, grad, stats_ok = self.at_first
+        if not math.isfinite(float(loss)):
+            what = f"loss {float(loss)}"
+        elif not bool(stats_ok):
+            what = "BatchNorm statistics"
+        else:
+            what = f"gradient ({'sum' if self.flat else 'norm'} {float(grad)})"
+        raise self.diverged(what, step)
+
+    def diverged(self, what: str, step: int) -> Diverged:
+        """The error that ends the run at non-finite ``what`` in step ``step`` (0-based)."""
+        return Diverged(
+            f"non-finite {what} at step {step + 1} on rank {self.rank()}; lower optim.lr, or "
+            f"train.on_nonfinite=skip to drop such steps; {self.kept_checkpoint()}"
+        )
 
     @torch.no_grad()
     def keep(self) -> None:
@@ -133,7 +194,9 @@ class Guard:
 
     def check_model(self, step: int) -> None:
         """Raise :class:`Diverged` when the model is no longer finite (a finite gradient times a large
-        learning rate can overflow a parameter, large activations a BatchNorm statistic)."""
+        learning rate can overflow a parameter, large activations a BatchNorm statistic); first, with
+        deferred checks, when a step since the last check was not finite (:meth:`check`)."""
+        self.check()
         state = self.model.state_dict()
         tensors = [t for t in state.values() if t.is_floating_point()]
         if not bool(torch.isfinite(norm(tensors))):

@@ -25,10 +25,11 @@ from runner.rank.assignment import (
     val_chunks,
 )
 from runner.rank.checkpoint import Control, Decision, rng_state, set_rng_state
-from runner.rank.guard import Diverged, Guard, collapse, poisoned
+from runner.rank.guard import Diverged, Guard, collapse
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.meter import Meter
 from runner.rank.metrics import MetricsLog
+from runner.rank.prefetch import Batch, Prefetch
 from runner.rank.state import Position, broadcast_state, run_length
 from runner.rank.validation import autocast, validation_sums
 from runner.results import final_and_best, no_improvement
@@ -39,8 +40,6 @@ from runner.tasks import Task
 if TYPE_CHECKING:
     from runner.rank.recovery import Recovery
     from runner.schedule import Schedule
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
@@ -119,6 +118,11 @@ class Trainer:
     says, at the same step on every worker, when to checkpoint or stop. With ``recovery`` (fault
     tolerance) a lost worker is survived: recovery works through this class's :class:`Survivor
     <runner.rank.recovery.Survivor>` methods.
+
+    A GPU step waits for no host synchronisation: its loss stays on the device (``last_loss``, summed by the
+    meter), the guard's deferred checks are read every ``cfg.log_every`` steps (every worker of a
+    synchronous rule at the same steps) and before every validation, checkpoint and epoch record, and the
+    next step's batch is copied on a side stream while this one computes (:class:`Prefetch`).
     """
 
     def __init__(
@@ -151,7 +155,9 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.first_val_loss: float | None = None  # the reference of train.diverge_at
         self.preempted = False
-        self.first_step, self.last_loss = 0, float("nan")
+        self.first_step = 0
+        self.last_loss: float | torch.Tensor = float("nan")  # the last step's, left on the device (detached)
+        self.prefetch = Prefetch(self.device)
         # dynamic assignment (data.assignment): the dealer of this worker's chunks, the epoch's meetings
         sampler = getattr(self.train_loader, "batch_sampler", None)
         self.dealer: Dealer | None = sampler if isinstance(sampler, Dealer) else None
@@ -214,15 +220,15 @@ class Trainer:
         """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
         spent), up to ``max_steps``, a stop, or (static shards) a step that ends the run."""
         dealt = self.dealer is not None
-        for group in self.meter.batches(grouped(self.train_loader, self.cfg.accumulate)):
+        # on a GPU, static shards: the next step's batch is copied while this one computes (dynamic
+        # assignment: not, since drawing it ahead would hold a chunk of the shared counter's)
+        groups = self.prefetch(grouped(self.train_loader, self.cfg.accumulate), ahead=not dealt)
+        for micro in self.meter.batches(groups):
             if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
                 return
             self.grow_if_due(pos, mid_epoch=True)
             if dealt:
                 self.meter.restart_step()
-            micro = [
-                (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in group
-            ]
             while not self.step(micro, pos):
                 pass
             pos.step, pos.batch, shown = pos.step + 1, pos.batch + 1, None
@@ -230,6 +236,8 @@ class Trainer:
                 shown = self.dealer.step_of(self.dealer.current) + 1
                 self.dealer.trained()
             self.beat.progress(pos.step)
+            if pos.step % self.cfg.log_every == 0:  # deferred non-finite checks: read before the record
+                self.guard.check()
             samples = sum(len(x) for x, _ in micro)
             lr = self.optimizer.param_groups[0]["lr"]
             self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr, shown)
@@ -307,7 +315,7 @@ class Trainer:
             for i, (x, y) in enumerate(micro):
                 self.rule.micro_batch(last=i == len(micro) - 1)
                 loss = self.forward(x, y, first=pos.step == self.first_step and i == 0)
-                scaled = poisoned(loss, self.guard.buffers, scale)
+                scaled = self.guard.poison(loss, scale)
                 (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
                 losses.append(loss.detach())
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
@@ -325,7 +333,7 @@ class Trainer:
                 self.scaler.update()
             applied = True
             self.rule.after_step(pos.step)
-            self.last_loss = loss.item()
+            self.last_loss = loss
             return True
         except PeerLost:
             if self.recovery is None:
@@ -334,7 +342,7 @@ class Trainer:
             if not done:
                 self.guard.restore()
             if applied:
-                self.last_loss = loss.item()
+                self.last_loss = loss
             return done
 
     def tolerant(self, fn: Callable[..., Any], pos: Position, *args: Any) -> Any:
@@ -349,13 +357,14 @@ class Trainer:
 
     def end_epoch(self, pos: Position, epochs: int, span: Any) -> nn.Module | None:
         """The epoch's records, after validation when due; the model validated (None: no validation)."""
+        self.guard.check()
         self.gather_validations()
         self.rule.on_epoch_end(pos.epoch)
         reported = None
         every = self.cfg.val_every
         if every < 1 or (pos.epoch + 1) % int(every) == 0 or pos.epoch == epochs - 1:
             reported = self.validate(pos.epoch, pos.step)
-        mean_loss = span.loss / max(1, span.steps)
+        mean_loss = float(span.loss) / max(1, span.steps)
         train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
         rates, extra = span.rates(self.workers.size), self.rule.metrics()
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
@@ -363,6 +372,7 @@ class Trainer:
 
     def end(self, pos: Position, epochs: int, start: Position) -> None:
         """The end of training: the last agreement, the final checkpoint, the rule's last exchanges."""
+        self.guard.check()
         self.control.close()
         self.gather_validations()  # a run stopped within an epoch
         if not self.preempted:
@@ -500,6 +510,7 @@ class Trainer:
         (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the others train
         on. Worker 0 records it (:meth:`collect_validations`); it is not kept in the history early stopping
         reads (only one worker has it). ``due``: the validation by time (``train.val_every_s``) it is."""
+        self.guard.check()
         if self.whole_val is None:
             self.whole_val = self.val_share(0, 1)
         model = self.rule.solo_model()
@@ -583,6 +594,7 @@ class Trainer:
     def validate(self, epoch: int, step: int, **extra: Any) -> nn.Module:
         """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
         reports (the first)."""
+        self.guard.check()  # (a model past a non-finite step is not validated: the run ends at that step)
         record: dict[str, float] = {}
         models = self.rule.eval_models()
         first = next(iter(models))

@@ -13,6 +13,10 @@ terminal, rank 0 writes a progress record line (:data:`PROGRESS_RECORD`) at most
 to anything else (a pipe, a file, CI logs) a plain line every :data:`LINE_EVERY_S` seconds and at the end
 of every epoch. Records and lines go to the terminal stream only, never to the rank's log file;
 :meth:`Meter.echo`'s lines go to both.
+
+The loss stays where the step computed it: a step's loss is a 0-dim tensor on the training device, summed
+there (in float64, so the sums equal those of Python floats), and read by the host only where it is
+recorded or shown (:class:`Peek`): a GPU step waits for no host synchronisation.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TextIO
 
+import torch
 from tqdm import tqdm
 
 from runner.comm import CommStats
@@ -72,16 +77,42 @@ def progress_line(
     return f"step {step}/{total}{percent}, " + progress_text(epoch, loss, samples_s, eta_s)
 
 
+class Peek:
+    """The value of a loss on the device as the host can read it without waiting (progress shown between
+    steps): a copy to pinned memory is started behind the device's work and read once it has arrived, so
+    the value shown may be a step or two old. On the CPU, or ``exact``, the value itself."""
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None  # pinned
+        self.arrived: torch.cuda.Event | None = None  # the copy in flight
+        self.known: float | None = None
+
+    def __call__(self, loss: float | torch.Tensor, exact: bool = False) -> float:
+        if not isinstance(loss, torch.Tensor) or loss.device.type != "cuda" or exact:
+            return float(loss)
+        if self.arrived is not None and self.arrived.query():
+            self.known, self.arrived = self.host.item(), None
+        if self.arrived is None:
+            if self.host is None:
+                self.host = torch.empty((), dtype=torch.float64, pin_memory=True)
+            self.host.copy_(loss.detach().double(), non_blocking=True)
+            self.arrived = torch.cuda.Event()
+            self.arrived.record()
+        return float(loss) if self.known is None else self.known  # the first: wait for it once
+
+
 @dataclass
 class Timing:
-    """Seconds of a span of steps, split into data wait, compute and (exposed) communication."""
+    """Seconds of a span of steps, split into data wait, compute and (exposed) communication, and the sum of
+    its steps' losses (a float64 tensor on the training device while steps are added: ``float()`` it
+    where it is read)."""
 
     data: float = 0.0
     compute: float = 0.0
     comm: float = 0.0
     samples: int = 0
     steps: int = 0
-    loss: float = 0.0
+    loss: float | torch.Tensor = 0.0
 
     @property
     def total(self) -> float:
@@ -93,7 +124,7 @@ class Timing:
         self.comm += other.comm
         self.samples += other.samples
         self.steps += other.steps
-        self.loss += other.loss
+        self.loss = self.loss + other.loss  # (a new tensor: a span's sum is never another's)
 
     def rates(self, world: int) -> dict[str, float]:
         """Throughput (samples/s of all ``world`` workers) and the split of the step time."""
@@ -138,12 +169,15 @@ class Meter:
         self._comm0 = 0.0
         self._start, self._first_step = time.monotonic(), 0
         self._last_line = self._start if self.display.mode == "lines" else 0.0  # a bar: at the first step
-        self._pending: tuple[int, int, float, float, float | None] | None = None  # step epoch loss rate eta
-        self._loss: float | None = None  # the last step's, for progress shown between steps
+        self._pending: tuple[int, int, float | torch.Tensor, float, float | None] | None = None
+        self._loss: float | torch.Tensor | None = None  # the last step's, for progress shown between steps
+        self._peek = Peek()
         self._shown = 0  # the last step shown
 
     def state_dict(self) -> dict[str, dict[str, float]]:
-        return {"total": asdict(self.total), "epoch": asdict(self.epoch), "window": asdict(self.window)}
+        """The timings, their losses read (a host synchronisation)."""
+        spans = {"total": self.total, "epoch": self.epoch, "window": self.window}
+        return {k: {**vars(t), "loss": float(t.loss)} for k, t in spans.items()}
 
     def load_state_dict(self, state: dict[str, dict[str, float]], step: int, mid_epoch: bool) -> None:
         """Continue the timings of a checkpoint taken after ``step`` steps (the epoch's too, if mid-epoch)."""
@@ -173,18 +207,28 @@ class Meter:
         self._arrived, self._comm0 = time.perf_counter(), self.stats.seconds
 
     def step_done(
-        self, step: int, epoch: int, loss: float, samples: int, lr: float, shown: int | None = None
+        self,
+        step: int,
+        epoch: int,
+        loss: float | torch.Tensor,
+        samples: int,
+        lr: float,
+        shown: int | None = None,
     ) -> None:
-        """Account the step that just ended (``step`` counts steps done) and log or draw what is due;
-        ``shown``: the run's progress in steps, where it is not this worker's count (dynamic assignment)."""
+        """Account the step that just ended (``step`` counts steps done; ``loss``: its loss, a number or a
+        0-dim tensor left on its device) and log or draw what is due; ``shown``: the run's progress in
+        steps, where it is not this worker's count (dynamic assignment)."""
         now = time.perf_counter()
         comm = self.stats.seconds - self._comm0
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().double()
         t = Timing(self._arrived - self._ready, now - self._arrived - comm, comm, samples, 1, loss)
         self.epoch.add(t)
         self.window.add(t)
         if step % self.log_every == 0:
             w = self.window
-            self.log.write("step", step, epoch=epoch, loss=w.loss / w.steps, lr=lr, **w.rates(self.world))
+            mean = float(w.loss) / w.steps
+            self.log.write("step", step, epoch=epoch, loss=mean, lr=lr, **w.rates(self.world))
             self.window = Timing()
         self._loss = loss
         if self.display.mode != "none":
@@ -196,7 +240,7 @@ class Meter:
         if self.display.mode != "none" and self._loss is not None and step > self._shown:
             self._show(step, epoch, self._loss)
 
-    def _show(self, step: int, epoch: int, loss: float) -> None:
+    def _show(self, step: int, epoch: int, loss: float | torch.Tensor) -> None:
         clock, self._shown = time.monotonic(), step
         done, elapsed = step - self._first_step, clock - self._start
         eta = (self.total_steps - step) * elapsed / done if done > 0 and step <= self.total_steps else None
@@ -208,6 +252,7 @@ class Meter:
     def _write_pending(self, final: bool = False) -> None:
         if self._pending is not None and self.terminal is not None:
             step, epoch, loss, rate, eta = self._pending
+            loss = self._peek(loss, exact=final)
             if self.display.mode == "bar":
                 text = progress_record(step, self.total_steps, progress_text(epoch, loss, rate, eta), final)
             else:

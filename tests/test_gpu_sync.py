@@ -1,0 +1,127 @@
+"""No host synchronisation in the steady-state training step on a GPU (skipped without CUDA).
+
+The real ``Trainer.train_span`` (BSP alone, a small convolutional net with BatchNorm, pinned batches copied
+one step ahead on a side stream, the non-finite guard deferred, the loss summed on the device, the progress
+bar peeking at it) runs a few steps after a warm-up under ``torch.cuda.set_sync_debug_mode("error")``, which
+raises at any call that waits for the device. The host reads the device only every ``train.log_every``
+steps: those reads are outside the window, and their results are checked after it."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from runner.comm import CommStats
+from runner.rank.checkpoint import Decision
+from runner.rank.guard import Diverged
+from runner.rank.loop import Parts, Place, Records, Trainer
+from runner.rank.meter import Meter
+from runner.rank.prefetch import Prefetch
+from runner.rank.state import Position
+from runner.rules.base import RuleContext
+from runner.rules.bsp import BSPConfig
+from runner.run_folder import TTY_ENV
+from runner.schedule.constant import ConstantConfig
+from runner.schema.sections import TrainConfig
+from runner.tasks.classification import ClassificationConfig
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BATCH, LOG_EVERY, WARMUP = 16, 1000, 3
+
+
+def trainer_on(device: torch.device, data: TensorDataset, bar: bool = True) -> tuple[Trainer, list[float]]:
+    """A Trainer as ``runner.rank.worker.build`` makes one, on ``device``, alone (BSP with one worker): its
+    loader pins its batches; records are collected; no heartbeat, agreement or checkpoint is ever due.
+    ``bar``: the meter writes a progress record at every step (the loss peeked at, not waited for). Each
+    ``train_span`` iterates the loader from its first batch (in order)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    ).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    stats = CommStats()
+    alone = SimpleNamespace(stats=stats, rank=0, size=1)
+    rule = BSPConfig().build(RuleContext(alone, alone, model, optimizer, 100))
+    parts = Parts(
+        model, optimizer, rule, ClassificationConfig().build(10), ConstantConfig().build(optimizer, 100)
+    )
+    loader = DataLoader(data, batch_size=BATCH, pin_memory=device.type == "cuda")
+    written: list[float] = []
+    log = SimpleNamespace(write=lambda kind, step, **v: written.append(v["loss"]))
+    meter = Meter(stats, 1, 100, log, LOG_EVERY, terminal=io.StringIO() if bar else None, progress=bar)
+    meter.every_s = 0.0
+    control = SimpleNamespace(poll=lambda step: Decision(), checkpointer=SimpleNamespace(due=lambda s: False))
+    records = Records(log, meter, SimpleNamespace(progress=lambda step: None), control)
+    cfg = TrainConfig(batch_size=BATCH, log_every=LOG_EVERY)
+    return Trainer(cfg, parts, (loader, None), Place(alone, device), records), written
+
+
+def images(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def steady(trainer: Trainer, pos: Position, steps: int) -> None:
+    """``steps`` more steps of ``trainer.train_span`` under the sync debug mode "error"."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.train_span(pos, 0, pos.step + steps)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_the_steady_state_step_does_not_synchronise(monkeypatch):
+    monkeypatch.setenv(TTY_ENV, "1")
+    device = torch.device("cuda")
+    trainer, written = trainer_on(device, images(20 * BATCH))
+    assert trainer.guard.deferred and trainer.meter.display.mode == "bar"
+    pos = Position()
+    trainer.train_span(pos, 0, WARMUP)  # the first step's checks, the allocator, cuDNN
+    steady(trainer, pos, 8)
+    assert pos.step == WARMUP + 8 and written == []
+    assert isinstance(trainer.last_loss, torch.Tensor) and trainer.last_loss.is_cuda
+    trainer.guard.check()  # the deferred read: every step was finite
+    trainer.meter.log_every = pos.step + 1
+    trainer.train_span(pos, 0, pos.step + 1)  # one step more: its record reads the device once
+    assert len(written) == 1 and 0 < written[0] < 10
+
+
+def test_a_nan_on_the_gpu_is_named_at_the_read_without_a_sync_at_its_step():
+    data = images(20 * BATCH)
+    trainer, _ = trainer_on(torch.device("cuda"), data, bar=False)
+    pos = Position()
+    trainer.train_span(pos, 0, WARMUP)
+    data.tensors[0][2 * BATCH] = float("nan")  # in the 3rd batch of the next span: its step WARMUP + 3
+    steady(trainer, pos, 6)  # the step goes on, and nothing waits for the device
+    with pytest.raises(Diverged, match=rf"non-finite loss nan at step {WARMUP + 3} on rank 0"):
+        trainer.guard.check()
+
+
+def test_prefetched_batches_arrive_whole_and_in_order():
+    """Copied on the side stream one step ahead, each group is the host's, on the device, in order, and
+    the current stream computes on it only once it is there."""
+    device = torch.device("cuda")
+    host = [
+        [(torch.full((64, 256), float(i)).pin_memory(), torch.full((64,), i).pin_memory())] for i in range(6)
+    ]
+    total = torch.zeros((), device=device)
+    for i, [(x, y)] in enumerate(Prefetch(device)(iter(host))):
+        assert x.is_cuda and y.is_cuda
+        total += x.sum() + y.sum()  # on the current stream
+        assert torch.equal(x.cpu(), host[i][0][0]) and torch.equal(y.cpu(), host[i][0][1])
+    assert total.item() == sum(i * (64 * 256 + 64) for i in range(6))
