@@ -2,13 +2,15 @@
 
 - :mod:`runner.comm.mpi`: ``Comm`` over MPI (mpi4py's buffer API; the only module that imports mpi4py),
   ULFM failure detection, non-blocking and background all-reduces, accounting of bytes and seconds;
+- :mod:`runner.comm.dist`: the collectives of device tensors on ``torch.distributed`` (NCCL; gloo on CPU),
+  which a ``Comm`` hands them to once given the transport (``hardware.transport``);
 - :mod:`runner.comm.wire`: the 16-bit exchange (``rule.comm_dtype``);
 - :mod:`runner.comm.staging`: CUDA tensors through pinned host buffers when MPI is not CUDA-aware;
 - :mod:`runner.comm.flat`: parameters and gradients as flat buffers (one message, not one per tensor).
 
-A second transport (device tensors on NCCL) belongs beside ``mpi.py``. The names below are this package's
-face; they are imported from :mod:`runner.comm.mpi` on first use, so importing the package (or ``flat``
-and ``wire``, which the rules' schemas import in the launcher) starts neither MPI nor torch.
+The names below are this package's face; they are imported from :mod:`runner.comm.mpi` on first use, so
+importing the package (or ``flat`` and ``wire``, which the rules' schemas import in the launcher) starts
+neither MPI nor torch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
         Comm,
         CommStats,
         Counter,
+        DistRequest,
         PeerLost,
         Request,
     )
@@ -36,6 +39,7 @@ __all__ = [
     "Comm",
     "CommStats",
     "Counter",
+    "DistRequest",
     "PeerLost",
     "Request",
 ]

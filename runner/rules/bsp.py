@@ -43,7 +43,7 @@ from runner.schema import RuleConfig, one_of, require
 if TYPE_CHECKING:
     import torch
 
-    from runner.comm import BackgroundRequest, Request
+    from runner.comm import BackgroundRequest, DistRequest, Request
 else:
     torch = lazy_import("torch")
 
@@ -91,7 +91,7 @@ class _Bucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.packed: set[int] = set()
-        self.request: Request | BackgroundRequest | None = None
+        self.request: Request | BackgroundRequest | DistRequest | None = None
 
 
 class BSP(Rule):
