@@ -147,30 +147,35 @@ def bench(args: argparse.Namespace) -> None:
         del raw, methods
 
     if rank == 0:
-        algo = "ring" if args.ring else "Open MPI default"
-        buckets = ", ".join(f"{b:g}" for b in args.bucket_mb)
-        print(
-            f"\nallreduce of float32 buffers, {n} ranks, {algo} algorithm, buckets of {buckets} MB, "
-            f"median seconds (bus bandwidth = 2(N-1)/N · size / time)"
-        )
-        ours_heads = "".join(f"{'ours ' + format(b, 'g'):>10} {'/raw':>6}" for b in args.bucket_mb)
-        first = format(args.bucket_mb[0], "g")
-        print(
-            f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} "
-            f"{'ours gloo':>10} {'/gloo':>6} {'bf16 ' + first:>10} {'/fp32':>6} {'raw GB/s':>9}"
-        )
-        for mb, reps, t_raw, t_ours, t_gloo, t_transport, t_bf16 in rows:
-            bus = 2 * (n - 1) / n * mb * 2**20 / 1e9
-            ours = "".join(f"{t:10.5f} {t / t_raw:6.2f}" for t in t_ours)
-            print(
-                f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} "
-                f"{t_transport:10.5f} {t_transport / t_gloo:6.2f} "
-                f"{t_bf16:10.5f} {t_bf16 / t_ours[0]:6.2f} {bus / t_raw:9.2f}"
-            )
+        print_table(args, n, rows)
     overlap_table(comm, rank, n, world, **args.mlp)
     if not args.no_gloo:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def print_table(args: argparse.Namespace, n: int, rows: list) -> None:
+    """Rank 0: the all-reduce table, a row per buffer size."""
+    algo = "ring" if args.ring else "Open MPI default"
+    buckets = ", ".join(f"{b:g}" for b in args.bucket_mb)
+    print(
+        f"\nallreduce of float32 buffers, {n} ranks, {algo} algorithm, buckets of {buckets} MB, "
+        f"median seconds (bus bandwidth = 2(N-1)/N · size / time)"
+    )
+    ours_heads = "".join(f"{'ours ' + format(b, 'g'):>10} {'/raw':>6}" for b in args.bucket_mb)
+    first = format(args.bucket_mb[0], "g")
+    print(
+        f"{'MB':>6} {'reps':>4} {'raw mpi4py':>11}{ours_heads} {'gloo':>10} {'gloo/raw':>9} "
+        f"{'ours gloo':>10} {'/gloo':>6} {'bf16 ' + first:>10} {'/fp32':>6} {'raw GB/s':>9}"
+    )
+    for mb, reps, t_raw, t_ours, t_gloo, t_transport, t_bf16 in rows:
+        bus = 2 * (n - 1) / n * mb * 2**20 / 1e9
+        ours = "".join(f"{t:10.5f} {t / t_raw:6.2f}" for t in t_ours)
+        print(
+            f"{mb:6g} {reps:4d} {t_raw:11.5f}{ours} {t_gloo:10.5f} {t_gloo / t_raw:9.2f} "
+            f"{t_transport:10.5f} {t_transport / t_gloo:6.2f} "
+            f"{t_bf16:10.5f} {t_bf16 / t_ours[0]:6.2f} {bus / t_raw:9.2f}"
+        )
 
 
 def overlap_table(comm, rank: int, n: int, world, layers: int, width: int, batch: int, reps: int) -> None:
