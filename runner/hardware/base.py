@@ -114,13 +114,17 @@ class HardwareConfig:
             "hardware.transport=nccl or mpi",
         )
         require(
-            self.transport in ("auto", "mpi")
-            or (self.fault_tolerance != "heal" and self.max_workers is None),
+            self.transport in ("auto", "mpi") or not self.grows,
             "transport",
             self.transport,
             "a job that grows (fault_tolerance=heal, max_workers) keeps its collectives on MPI: set "
             "hardware.transport=mpi (or auto), or fault_tolerance=continue",
         )
+
+    @property
+    def grows(self) -> bool:
+        """Whether workers may be spawned into the running job (``heal``, or ``max_workers`` to join)."""
+        return self.fault_tolerance == "heal" or self.max_workers is not None
 
     @property
     def tolerant(self) -> bool:

@@ -89,7 +89,7 @@ def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
     """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them),
     counting the workers a growing job may spawn (``heal``: one more; ``max_workers``), since Open MPI
     refuses to spawn into a job bound to every core."""
-    if hw.fault_tolerance == "heal" or hw.max_workers:
+    if hw.grows:
         ranks = max(ranks + 1, hw.max_workers or 0)
     return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
 

@@ -71,7 +71,7 @@ class SlurmConfig(HardwareConfig):
         threads, bind = threads_per_rank(hw, ranks, alloc.cpus), effective_bind(hw, ranks, alloc.cpus)
         if not self.oversubscribe:
             check_fits(alloc, launcher, ranks, threads)
-        if launcher == "srun" and (self.fault_tolerance == "heal" or self.max_workers):
+        if launcher == "srun" and self.grows:
             raise ValueError(
                 "hardware.fault_tolerance=heal and hardware.max_workers need mpirun, which can start "
                 "processes into a running job (MPI_Comm_spawn); srun cannot: set hardware.launcher=mpirun "

@@ -27,13 +27,16 @@ def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors, foreach=True) if tensors else torch.zeros(())
 
 
-def poisoned(loss: torch.Tensor, buffers: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+def poisoned(
+    loss: torch.Tensor, buffers: list[torch.Tensor], scale: float = 1.0, stats_ok: torch.Tensor | None = None
+) -> torch.Tensor:
     """``scale · loss`` while the loss and the BatchNorm statistics its forward pass updated are finite, else
     NaN: backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step
     to every rank, and all of them decide alike (without a host sync). ``scale`` is the rule's
-    :attr:`~runner.rules.base.Rule.loss_scale`, applied in the same multiplication at no cost."""
-    ok = torch.isfinite(loss) & torch.isfinite(norm(buffers))
-    return loss * torch.where(ok, scale, float("nan"))
+    :attr:`~runner.rules.base.Rule.loss_scale`, applied in the same multiplication at no cost.
+    ``stats_ok``: whether the statistics are finite, when the caller computed it already."""
+    ok = torch.isfinite(norm(buffers)) if stats_ok is None else stats_ok
+    return loss * torch.where(torch.isfinite(loss) & ok, scale, float("nan"))
 
 
 class Diverged(RuntimeError):
@@ -136,7 +139,7 @@ class Guard:
         if not self.deferred or not self.buffers:
             return poisoned(loss, self.buffers, scale)
         self.stats_ok = torch.isfinite(norm(self.buffers))
-        return loss * torch.where(torch.isfinite(loss) & self.stats_ok, scale, float("nan"))
+        return poisoned(loss, self.buffers, scale, self.stats_ok)
 
     def note(self, loss: torch.Tensor, grad: torch.Tensor, step: int, flat: bool) -> None:
         """Deferred: remember on the device, without waiting for it, whether step ``step`` (0-based) was the

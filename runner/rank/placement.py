@@ -148,7 +148,7 @@ def choose_transport(hw: HardwareConfig, workers: RankComm, device: torch.device
 
     if hw.transport in ("mpi", "gloo") or (hw.transport == "auto" and device.type != "cuda"):
         return ("mpi" if hw.transport == "auto" else hw.transport), None
-    if hw.fault_tolerance == "heal" or hw.max_workers is not None:
+    if hw.grows:
         return "mpi", "a job that grows keeps its collectives on MPI"  # (explicit nccl: refused at launch)
     gpus = workers.allgather_object((platform.node(), str(torch.cuda.get_device_properties(device).uuid)))
     version = nccl_version()
