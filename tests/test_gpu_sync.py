@@ -1,14 +1,21 @@
-"""No host synchronisation in the steady-state training step on a GPU (skipped without CUDA).
+"""No host synchronisation in the steady-state training step on a GPU (skipped without CUDA), and its
+stand-in on CPU, which runs everywhere.
 
 The real ``Trainer.train_span`` (BSP alone, a small convolutional net with BatchNorm, pinned batches copied
 one step ahead on a side stream, the non-finite guard deferred, the loss summed on the device, the progress
 bar peeking at it) runs a few steps after a warm-up under ``torch.cuda.set_sync_debug_mode("error")``, which
 raises at any call that waits for the device. The host reads the device only every ``train.log_every``
-steps: those reads are outside the window, and their results are checked after it."""
+steps: those reads are outside the window, and their results are checked after it. On CPU nothing waits,
+so the stand-in counts instead every read of a tensor's value by the host (``item``, ``float``, ``bool``,
+``tolist``, ...) the same steps make: a ``loss.item()`` put back in the loop fails it on any machine."""
 
 from __future__ import annotations
 
 import io
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -30,10 +37,9 @@ from runner.schedule.constant import ConstantConfig
 from runner.schema.sections import TrainConfig
 from runner.tasks.classification import ClassificationConfig
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+#: The ways Python reads a tensor's value on the host: on a GPU, each one waits for the device.
+READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
 
 BATCH, LOG_EVERY, WARMUP = 16, 1000, 3
 
@@ -85,6 +91,46 @@ def steady(trainer: Trainer, pos: Position, steps: int) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
+@contextmanager
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every read of a tensor's value by the host while inside, each named by the innermost line of
+    ``runner/`` that led to it, but the data loader's own (its sampler's indices and worker seeds live in
+    host memory whatever the device)."""
+    seen: list[str] = []
+
+    def counting(name: str, method):  # noqa: ANN001
+        def read(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            stack = traceback.extract_stack()[:-1]
+            if f"torch{os.sep}utils{os.sep}data" not in stack[-1].filename:
+                where = next((f for f in reversed(stack) if "/runner/" in f.filename), stack[-1])
+                seen.append(f"{name} at {where.filename.split('/runner/')[-1]}:{where.lineno}")
+            return method(self, *args, **kwargs)
+
+        return read
+
+    with monkeypatch.context() as patch:
+        for name in READS:
+            patch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+        yield seen
+
+
+def test_the_steady_state_step_reads_nothing_on_the_host_on_cpu(monkeypatch):
+    """The CPU stand-in of the test below: the same steps read no tensor's value on the host; the bar is
+    off (on CPU it reads the loss directly, on a GPU through an event the test below checks)."""
+    trainer, written = trainer_on(torch.device("cpu"), images(20 * BATCH), bar=False)
+    assert trainer.guard.deferred
+    pos = Position()
+    trainer.train_span(pos, 0, WARMUP)
+    with host_reads(monkeypatch) as seen:
+        trainer.train_span(pos, 0, pos.step + 8)
+    assert pos.step == WARMUP + 8 and seen == [] and written == []
+    with host_reads(monkeypatch) as seen:  # the counting itself works: the deferred read is one
+        trainer.guard.check()
+    assert seen, "the deferred check reads the device: the counting missed it"
+
+
+@pytest.mark.slow
+@cuda
 def test_the_steady_state_step_does_not_synchronise(monkeypatch):
     monkeypatch.setenv(TTY_ENV, "1")
     device = torch.device("cuda")
@@ -101,6 +147,8 @@ def test_the_steady_state_step_does_not_synchronise(monkeypatch):
     assert len(written) == 1 and 0 < written[0] < 10
 
 
+@pytest.mark.slow
+@cuda
 def test_a_nan_on_the_gpu_is_named_at_the_read_without_a_sync_at_its_step():
     data = images(20 * BATCH)
     trainer, _ = trainer_on(torch.device("cuda"), data, bar=False)
@@ -112,6 +160,8 @@ def test_a_nan_on_the_gpu_is_named_at_the_read_without_a_sync_at_its_step():
         trainer.guard.check()
 
 
+@pytest.mark.slow
+@cuda
 def test_prefetched_batches_arrive_whole_and_in_order():
     """Copied on the side stream one step ahead, each group is the host's, on the device, in order, and
     the current stream computes on it only once it is there."""
