@@ -200,9 +200,17 @@ def test_a_lost_asgd_server_ends_the_job_naming_it(tmp_path):
 
     run_dir = tmp_path / "run"
     argv = cli_argv(
-        run_dir, *TOLERANT, "rule=asgd", "model.die_at=0", "train.epochs=100", "checkpoint.every=5"
+        run_dir,
+        *TOLERANT,
+        "rule=asgd",
+        "model.die_at=0",
+        "train.epochs=100",
+        "checkpoint.every=5",
+        "train.stall_timeout=60",  # should the workers miss the loss, the watchdog ends the job, not the test
     )
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     server_beat = run_dir / "logs" / "rank4.beat"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -210,7 +218,12 @@ def test_a_lost_asgd_server_ends_the_job_naming_it(tmp_path):
             break
         time.sleep(0.2)
     os.kill(json.loads(server_beat.read_text())["pid"], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=180)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, mpirun and every rank: nothing left running
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not end within 180 s of its server's loss:\n{out}")
     assert proc.returncode == 1, out
     assert "server rank 4 (" in out and "was lost at step" in out, out
     assert read_checkpoint_index(run_dir), "the checkpoints written before are kept"
