@@ -20,6 +20,13 @@ gradient's bytes (16-bit exchange: half), ``B`` a bus bandwidth, ``α`` a hop's 
 * staged MPI: ``2·S/B_pcie + ring(S, P, B_host, α)``: device to host and back over PCIe, and the host
   all-reduce at ``B_host`` (one node; over several, ``min(B_host, B_ib)`` and ``α_ib``).
 
+The asynchronous rules' point-to-point messages (a push of the whole model, ``S``: GoSGD, or ASGD with
+one server), per message (``p2p``)::
+
+    staged MPI: 2·S/B_pcie + S/B + α_host        B = B_host on one node, min(B_host, B_ib) across nodes
+    NCCL:       α_host + S/B' + α                 an MPI message saying who sends, then a matched send/recv
+                                                  over NVLink (B' = B_nvlink, α_nvlink) or IB (B_ib, α_ib)
+
 ``B_host`` comes from the measured job: ``R`` ranks (``R_gpu`` of them sharing one GPU and its PCIe link)
 take ``k = 5120/(R·batch)`` steps each for 5,120 images, so its communication per step is ``t = comm_s/k``;
 less the copies ``2·R_gpu·S/B_pcie`` and the hops ``2(R-1)·α_host``, the rest is the host all-reduce, and
@@ -39,7 +46,7 @@ from pathlib import Path
 IMAGES = 5120
 MODELS = ("alexnet", "resnet50")
 NODES = (1, 2, 4, 8, 16, 32, 64)
-TABLES = ("inputs", "steps", "scaling", "published")
+TABLES = ("inputs", "steps", "scaling", "p2p", "published")
 #: exchange name: (path, bytes per value sent)
 EXCHANGES = {"staged MPI fp32": ("staged", 4), "NCCL fp32": ("nccl", 4), "NCCL bf16": ("nccl", 2)}
 #: --smoke: the arguments it stands for.
@@ -186,6 +193,53 @@ def rows(inputs: dict[str, Input], models: list[str], nodes: list[int]) -> list[
     return out
 
 
+def p2p_rows(inputs: dict[str, Input], models: list[str]) -> list[dict]:
+    """One push of the whole fp32 model between two GPUs, on one node and across two: staged MPI against an
+    MPI control message and a matched NCCL send/recv; each also as a multiple of a step's compute."""
+    v = {key: i.value for key, i in inputs.items()}
+    out = []
+    for model in models:
+        d = derived(inputs, model)
+        size, host = d["size_mb"], d["host_gbps"]
+        for where, link, alpha, host_bus in (
+            ("one node", v["nvlink_bus_gbps"], v["alpha_nvlink_us"], host),
+            ("two nodes", v["ib_gbps"], v["alpha_ib_us"], min(host, v["ib_gbps"])),
+        ):
+            control = v["alpha_host_us"] * 1e-6
+            staged = 2 * size / (1e3 * v["pcie_gbps"]) + size / (1e3 * host_bus) + control
+            nccl = control + size / (1e3 * link) + alpha * 1e-6
+            out.append(
+                {
+                    "model": model,
+                    "where": where,
+                    "size_mb": size,
+                    "staged_ms": 1e3 * staged,
+                    "nccl_ms": 1e3 * nccl,
+                    "compute_ms": 1e3 * d["compute_s"],
+                }
+            )
+    return out
+
+
+def p2p_table(table: list[dict]) -> str:
+    """Per message: staged against NCCL, in ms and in steps of compute."""
+    body = [
+        [
+            r["model"],
+            r["where"],
+            f"{r['size_mb']:.1f}",
+            f"{r['staged_ms']:.2f}",
+            f"{r['staged_ms'] / r['compute_ms']:.2f}",
+            f"{r['nccl_ms']:.3f}",
+            f"{r['nccl_ms'] / r['compute_ms']:.3f}",
+            f"{r['staged_ms'] / r['nccl_ms']:.0f}×",
+        ]
+        for r in table
+    ]
+    header = ["model", "between", "MB", "staged ms", "× T_c", "NCCL ms", "× T_c", "staged / NCCL"]
+    return markdown(header, body)
+
+
 def markdown(header: list[str], body: list[list[str]]) -> str:
     """A Markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -313,12 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scaling_model.py: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"inputs": {k: vars(i) for k, i in inputs.items()}, "rows": table}, indent=1))
+        everything = {"inputs": {k: vars(i) for k, i in inputs.items()}, "rows": table}
+        print(json.dumps({**everything, "p2p": p2p_rows(inputs, args.models)}, indent=1))
         return 0
     sections = {
         "inputs": lambda: inputs_table(inputs, args.models),
         "steps": lambda: steps_table(table),
         "scaling": lambda: scaling_table(table),
+        "p2p": lambda: p2p_table(p2p_rows(inputs, args.models)),
         "published": published_table,
     }
     print("\n\n".join(sections[name]() for name in args.tables))

@@ -97,6 +97,24 @@ def test_efficiency_at_most_one_and_falling_with_nodes(model):
         assert all(a > b for a, b in zip(off[:-1], off[1:], strict=True)), (exchange, off)
 
 
+def test_a_push_staged_and_on_nccl_by_hand():
+    """One push of AlexNet's 244.4 MB: staged, both PCIe copies and the host's 1.76 GB/s; on NCCL, the MPI
+    control message, then NVLink (IB across nodes); the ratio is what the hardware page quotes."""
+    inputs = sm.load_inputs()
+    host = sm.derived(inputs, "alexnet")["host_gbps"]
+    rows = {r["where"]: r for r in sm.p2p_rows(inputs, ["alexnet"])}
+    staged = 2 * 244.4 / 53 + 244.4 / host + 2e-3  # ms
+    assert rows["one node"]["staged_ms"] == pytest.approx(staged, rel=1e-9)
+    assert rows["one node"]["nccl_ms"] == pytest.approx(2e-3 + 244.4 / 370 + 1e-3, rel=1e-9)
+    assert rows["two nodes"]["nccl_ms"] == pytest.approx(2e-3 + 244.4 / 50 + 5e-3, rel=1e-9)
+    assert rows["two nodes"]["staged_ms"] == pytest.approx(staged, rel=1e-9)  # B_host < B_ib: host-bound
+    for r in rows.values():
+        assert r["nccl_ms"] * 10 < r["staged_ms"] and r["compute_ms"] == pytest.approx(11.5)
+    slow_host = sm.load_inputs({"ib_gbps": host / 2})  # a fabric slower than the host: it bounds both
+    across = {r["where"]: r for r in sm.p2p_rows(slow_host, ["alexnet"])}["two nodes"]
+    assert across["staged_ms"] == pytest.approx(2 * 244.4 / 53 + 244.4 / (host / 2) + 2e-3, rel=1e-9)
+
+
 def test_overlap_hides_at_most_the_backward():
     assert sm.step_s(0.030, 0.010, 2 / 3, True) == pytest.approx(0.030)  # 10 ms under a 20 ms backward
     assert sm.step_s(0.030, 0.050, 2 / 3, True) == pytest.approx(0.060)  # 30 ms exposed
@@ -155,3 +173,15 @@ def test_smoke_prints_the_alexnet_8_gpu_rows():
         pattern = rf"^\| alexnet \| {exchange} \| 1 \| 8 (\| {num} ){{5}}\| {num} \|$"
         assert re.search(pattern, proc.stdout, re.M), f"no row for {exchange}:\n{proc.stdout}"
     assert "resnet50" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--tables", t] for t in ("inputs", "scaling", "p2p", "published")]
+    + [["--nodes", "1", "--tables", "steps"]],
+)
+def test_the_page_holds_the_scripts_tables_as_they_are(argv, capsys):
+    """docs/scaling.md pastes the script's tables: a change of input or formula that is not pasted fails."""
+    assert sm.main(argv) == 0
+    table = capsys.readouterr().out.strip()
+    assert table in (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8"), f"re-paste {' '.join(argv)}"
