@@ -3,6 +3,7 @@ stand-in here, on CPU) give what MPI gives, for every operation and every rule, 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from runner.comm.dist import NCCL_ERRORS
 from runner.hardware.cpu import CPUConfig
 from runner.hardware.gpu import GPUConfig
 from runner.rank.placement import choose_transport, nccl_shares_gpus
@@ -33,6 +35,50 @@ JOB = ROOT / "tests" / "helpers" / "transport_job.py"
 def test_transports_that_cannot_run_are_refused_naming_the_key(make, hint):
     with pytest.raises(ValueError, match=rf"transport.*{hint}"):
         make()
+
+
+class RecordedNCCL:
+    """Stands in for ``ProcessGroupNCCL`` (absent from CPU builds of torch): records how it was made."""
+
+    made: list[RecordedNCCL] = []
+
+    def __init__(self, store, rank: int, size: int, options):  # noqa: ANN001
+        self.rank, self.size, self.options, self.calls = rank, size, options, []
+        self.errors = os.environ.get(NCCL_ERRORS[0])  # as the constructor reads it
+        self.store = store
+        store.set("made", "1")  # the store works
+        RecordedNCCL.made.append(self)
+
+    Options = staticmethod(lambda: SimpleNamespace(_timeout=None, group_name=""))
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return lambda *args: self.calls.append((name, *args))
+
+
+@pytest.mark.parametrize("tolerant", [True, False])
+def test_an_nccl_group_is_made_and_replaced_as_torch_needs(monkeypatch, tolerant):
+    """What the NCCL branch asks of torch, on a stand-in: the timeout, a name per generation, the communicator
+    made at once on this rank's GPU; under fault tolerance torch's watchdog may not end the process after
+    a failure (NCCL's errors raise in the waiting call); a rebuild aborts the old group and keeps it."""
+    from runner.comm import dist
+
+    monkeypatch.setattr(dist.c10d, "ProcessGroupNCCL", RecordedNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv(NCCL_ERRORS[0], raising=False)
+    RecordedNCCL.made = []
+    alone = SimpleNamespace(
+        rank=0, size=1, tolerant=tolerant, local_size=lambda: 1, broadcast_object=lambda x: x
+    )
+    transport = dist.Transport(alone, "nccl", timeout_s=42)
+    transport.rebuild(alone)
+    first, second = RecordedNCCL.made
+    assert [g.options.group_name for g in (first, second)] == ["mpitrain1", "mpitrain2"]
+    assert first.options._timeout.total_seconds() == 42 and (first.rank, first.size) == (0, 1)
+    assert first.errors == second.errors == (NCCL_ERRORS[1] if tolerant else None)
+    assert ("eager_connect_single_device", torch.device("cuda", 0)) in first.calls
+    assert ("abort",) in first.calls and ("abort",) not in second.calls
+    assert transport.retired == [first] and transport.group is second
+    assert second.store.get("made") == b"1" and transport.store.check(["mpitrain/2/made"])
 
 
 def test_nccl_on_the_cpu_is_refused_before_any_process_starts():

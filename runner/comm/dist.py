@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 _OPS = {"sum": c10d.ReduceOp.SUM, "max": c10d.ReduceOp.MAX, "min": c10d.ReduceOp.MIN}
 #: The device type each backend carries.
 DEVICE = {"nccl": "cuda", "gloo": "cpu"}
+#: NCCL's error handling while peers may die: ``2`` (CleanUpOnly) aborts the communicators and raises in the
+#: waiting call. torch's default (``3``, SkipCleanUp) has its watchdog thread end the process about a minute
+#: after a collective fails, even once the survivors have gone on over a new group (torch 2.11's
+#: ProcessGroupNCCL). Read when a group is made.
+NCCL_ERRORS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def nccl_version() -> str | None:
@@ -56,6 +61,7 @@ class Transport:
     def __init__(self, comm: Comm, backend: str, timeout_s: float = 1800.0):
         assert backend in DEVICE, backend
         self.backend, self.device_type = backend, DEVICE[backend]
+        self.tolerant = comm.tolerant  # peers may die: no error of a group may end this process
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.generation = 0  # groups made so far: each one's keys live under its own store prefix
         self.retired: list[Any] = []  # groups that lost a rank: aborted, kept alive (see the module's text)
@@ -71,20 +77,23 @@ class Transport:
         host = store_host(comm)  # collective (it asks which ranks share a node)
         if comm.rank == 0:
             store = c10d.TCPStore(host, 0, comm.size, True, self.timeout, wait_for_workers=False)
-            comm.broadcast_object((host, store.port))
-        else:
-            host, port = comm.broadcast_object(None)
+            self.generation += 1
+            comm.broadcast_object((host, store.port, self.generation))
+        else:  # rank 0's count names the keys, so that every rank uses the same ones
+            host, port, self.generation = comm.broadcast_object(None)
             store = c10d.TCPStore(host, port, comm.size, False, self.timeout)
-        self.generation += 1
         self.store = store
-        prefixed = c10d.PrefixStore(f"mpitrain/{self.generation}/", store)
+        prefixed = c10d.PrefixStore(f"mpitrain/{self.generation}", store)
         self.group = self._group(prefixed, comm.rank, comm.size)
 
     def _group(self, store: Any, rank: int, size: int) -> Any:
         if self.backend == "gloo":
             return c10d.ProcessGroupGloo(store, rank, size, self.timeout)
+        if self.tolerant:
+            os.environ[NCCL_ERRORS[0]] = NCCL_ERRORS[1]
         options = c10d.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
+        options.group_name = f"mpitrain{self.generation}"  # (NCCL's logs and torch's flight recorder)
         group = c10d.ProcessGroupNCCL(store, rank, size, options)
         group._set_sequence_number_for_group()  # as torch's own group helper does for NCCL
         group.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
