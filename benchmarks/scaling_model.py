@@ -197,6 +197,7 @@ def p2p_rows(inputs: dict[str, Input], models: list[str]) -> list[dict]:
     """One push of the whole fp32 model between two GPUs, on one node and across two: staged MPI against an
     MPI control message and a matched NCCL send/recv; each also as a multiple of a step's compute."""
     v = {key: i.value for key, i in inputs.items()}
+    control = v["alpha_host_us"] * 1e-6  # the MPI message (staged: the payload's own latency)
     out = []
     for model in models:
         d = derived(inputs, model)
@@ -205,7 +206,6 @@ def p2p_rows(inputs: dict[str, Input], models: list[str]) -> list[dict]:
             ("one node", v["nvlink_bus_gbps"], v["alpha_nvlink_us"], host),
             ("two nodes", v["ib_gbps"], v["alpha_ib_us"], min(host, v["ib_gbps"])),
         ):
-            control = v["alpha_host_us"] * 1e-6
             staged = 2 * size / (1e3 * v["pcie_gbps"]) + size / (1e3 * host_bus) + control
             nccl = control + size / (1e3 * link) + alpha * 1e-6
             out.append(

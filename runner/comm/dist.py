@@ -61,7 +61,6 @@ class Transport:
     def __init__(self, comm: Comm, backend: str, timeout_s: float = 1800.0):
         assert backend in DEVICE, backend
         self.backend, self.device_type = backend, DEVICE[backend]
-        self.tolerant = comm.tolerant  # peers may die: no error of a group may end this process
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.generation = 0  # groups made so far: each one's keys live under its own store prefix
         self.retired: list[Any] = []  # groups that lost a rank: aborted, kept alive (see the module's text)
@@ -84,18 +83,19 @@ class Transport:
             store = c10d.TCPStore(host, port, comm.size, False, self.timeout)
         self.store = store
         prefixed = c10d.PrefixStore(f"mpitrain/{self.generation}", store)
-        self.group = self._group(prefixed, comm.rank, comm.size)
+        self.group = self._group(prefixed, comm)
 
-    def _group(self, store: Any, rank: int, size: int) -> Any:
+    def _group(self, store: Any, comm: Comm) -> Any:
+        rank, size = comm.rank, comm.size
         if self.backend == "gloo":
             return c10d.ProcessGroupGloo(store, rank, size, self.timeout)
-        if self.tolerant:
+        if comm.tolerant:  # peers may die: no error of a group may end this process
             os.environ[NCCL_ERRORS[0]] = NCCL_ERRORS[1]
         options = c10d.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
         options.group_name = f"mpitrain{self.generation}"  # (NCCL's logs and torch's flight recorder)
         group = c10d.ProcessGroupNCCL(store, rank, size, options)
-        group._set_sequence_number_for_group()  # as torch's own group helper does for NCCL
+        group._set_sequence_number_for_group()  # torch's own helper calls it (a no-op for NCCL in 2.11)
         group.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         return group
 
