@@ -281,20 +281,24 @@ def metrics_records(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
-def wait_for_step(run_dir: str | os.PathLike, min_step: int = 1, timeout: float = 120.0) -> dict:
-    """Wait until ``run_dir/metrics.jsonl`` has a training record (``"kind": "step"``) of step ≥ ``min_step``;
-    returns it. TimeoutError after ``timeout`` seconds, naming the records seen."""
+def wait_for_step(
+    run_dir: str | os.PathLike, min_step: int = 1, timeout: float = 120.0, kinds: Sequence[str] = ("step",)
+) -> dict:
+    """Wait until ``run_dir/metrics.jsonl`` has a training record of step >= ``min_step``; returns it.
+
+    A training record is ``"kind": "step"`` (written every ``train.log_every`` steps: set it to 1 for short
+    runs); ``kinds`` widens that (e.g. ``("step", "epoch")``). TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         records = metrics_records(run_dir)
         for record in records:
-            if record.get("kind") == "step" and record.get("step", -1) >= min_step:
+            if record.get("kind") in kinds and record.get("step", -1) >= min_step:
                 return record
         if time.monotonic() > deadline:
-            kinds = sorted({str(r.get("kind")) for r in records})
+            seen = sorted({str(r.get("kind")) for r in records})
             raise TimeoutError(
-                f"no training record of step >= {min_step} in {run_dir}/metrics.jsonl after {timeout:g} s "
-                f"({len(records)} records, kinds {kinds})"
+                f"no record of kind {'/'.join(kinds)} and step >= {min_step} in {run_dir}/metrics.jsonl "
+                f"after {timeout:g} s ({len(records)} records, kinds {seen})"
             )
         time.sleep(0.1)
 

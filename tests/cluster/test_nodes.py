@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from tests.cluster import nodes as nodes_mod
 from tests.cluster.conftest import leftovers, netns_inodes, require_slurm
 from tests.cluster.nodes import Nodes, processes_in, wait_for_step
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster
 
@@ -210,6 +212,7 @@ def test_wait_for_step_reads_training_records(tmp_path):
     assert wait_for_step(tmp_path, min_step=2, timeout=10)["loss"] == 1.5
     with pytest.raises(TimeoutError, match="step >= 3"):
         wait_for_step(tmp_path, min_step=3, timeout=0.3)
+    assert wait_for_step(tmp_path, min_step=3, timeout=0.3, kinds=("step", "val"))["kind"] == "val"
 
 
 def test_teardown_leaves_nothing_after_a_node_died(hello):
@@ -286,3 +289,35 @@ def test_the_leftover_check_sees_a_skipped_teardown_step(step, cluster, monkeypa
         sleeper.wait(5)
         nodes_mod.purge(nodes.tag)
     assert leftovers(nodes.tag, inodes) == []
+
+
+#: Brings up 2 nodes, prints their tag and the inodes of their namespaces, then waits to be interrupted.
+OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.cluster.conftest import netns_inodes
+from tests.cluster.nodes import Nodes
+with Nodes.up(2) as nodes:
+    nodes.popen(1, [sys.executable, "-c", "import time; time.sleep(60)"])
+    print(nodes.tag, *netns_inodes(nodes), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+def test_an_interrupted_or_killed_owner_leaves_nothing(signal_name, cluster):
+    """Ctrl-C in the owner tears its nodes down; the nodes of a SIGKILLed owner go at the next bring-up."""
+    owner = nodes_mod.subprocess.Popen([sys.executable, "-c", OWNER, str(ROOT)], stdout=-1, text=True)
+    try:
+        tag, *inodes = owner.stdout.readline().split()
+        inodes = {int(i) for i in inodes}
+        assert processes_in(inodes)
+        owner.send_signal(getattr(signal, signal_name))
+        owner.wait(20)
+    finally:
+        owner.kill()
+        owner.wait()
+    if signal_name == "SIGKILL":
+        assert leftovers(tag, inodes), "a SIGKILLed owner cannot have torn its nodes down"
+        assert tag in nodes_mod.sweep_stale()
+    assert leftovers(tag, inodes) == []
