@@ -20,6 +20,7 @@ A run folder (``outputs/DATE/TIME``, or a sweep's ``outputs/multirun/DATE/TIME/N
     model.pt           the model the run reports; model.rank<r>.pt per rank       rank 0 / every rank
     bindings.json      the cores and device each rank was bound to                rank 0
     logs/              rank<r>.log, rank<r>.error, rank<r>.beat, lost.json        every rank
+                       generation.<g>, rank<r>.partitioned (a partition)
                        (a worker spawned into the job: the next unused r)
     eval.json          the metrics of ``eval=RUN_DIR``                            eval
 """
@@ -49,6 +50,10 @@ MODEL = "model.pt"
 BINDINGS = "bindings.json"
 LOGS = "logs"
 LOST = "lost.json"
+#: ``logs/generation.<g>``: membership generation g claimed the run folder (:mod:`runner.rank.fence`).
+GENERATION = "generation"
+#: ``logs/rank<r>.partitioned``: rank r stopped on the minority side of a partition (its reason).
+PARTITIONED = "partitioned"
 EVAL = "eval.json"
 #: Hydra's records of the run (overrides.yaml, hydra.yaml); a sweep folder has multirun.yaml.
 HYDRA_DIR = ".hydra"
@@ -71,8 +76,9 @@ EXIT = {"ok": 0, "failed": 1, "invalid": 2, "diverged": 3, "stalled": 4, "preemp
 
 
 def rank_file_name(rank: int, kind: str) -> str:
-    """``rank<r>.<kind>`` in ``logs/``: a rank's ``log`` (its output), ``error`` (its failure), ``beat``."""
-    assert kind in ("log", "error", "beat"), kind
+    """``rank<r>.<kind>`` in ``logs/``: a rank's ``log`` (its output), ``error`` (its failure), ``beat``,
+    ``partitioned`` (it stopped on the minority side of a partition)."""
+    assert kind in ("log", "error", "beat", PARTITIONED), kind
     return f"rank{rank}.{kind}"
 
 

@@ -194,11 +194,15 @@ if mode == "ignore":
 print("started", flush=True)
 open(os.path.join(run, "ready"), "w").close()
 start = time.time()
+summary = os.path.join(run, "summary.json")
 while time.time() - start < 60:
     if mode == "preempt" and os.path.exists(os.path.join(run, "STOP")):
         print("stopping on", open(os.path.join(run, "STOP")).read().strip(), flush=True)
         json.dump({"status": "preempted"}, open(os.path.join(run, "summary.json"), "w"))
         sys.exit(0)
+    if mode == "hangs_after_summary" and time.time() - start > 0.5 and not os.path.exists(summary + "_time"):
+        json.dump({"status": "ok"}, open(summary, "w"))  # rank 0's last write; mpirun then waits on
+        open(summary + "_time", "w").write(repr(time.time()))  # a daemon that is gone
     if mode == "beats":
         beat(0, 5, start)
         if time.time() - start < 0.5:
@@ -283,6 +287,21 @@ def test_the_watchdog_ends_a_stalled_job_and_names_the_silent_rank(job, tmp_path
     ]
     assert len(warnings) == 1 and warnings[0].message.startswith("rank 1 (host h"), "one at half the timeout"
     assert "ending the job: stalled: rank 1" in caplog.text
+
+
+def test_an_mpirun_outliving_the_jobs_summary_is_ended_after_the_grace(job, tmp_path, monkeypatch, caplog):
+    """A cut link leaves mpirun waiting for a daemon it cannot reach after rank 0 wrote the final
+    summary.json: the launcher ends it SUMMARY_GRACE_S later, not before, and the job counts as ended by
+    its summary (status 0 here), not by the launcher's SIGTERM."""
+    monkeypatch.setattr(runner.launcher.supervise, "SUMMARY_GRACE_S", 2.0)
+    (tmp_path / "summary.json").write_text('{"status": "failed"}')  # a previous job's: not this one's end
+    os.utime(tmp_path / "summary.json", (time.time() - 60, time.time() - 60))
+    outcome = job("hangs_after_summary").run()
+    ended = time.time()
+    written = float((tmp_path / "summary.json_time").read_text())
+    assert outcome.after_summary and outcome.returncode == 0, outcome
+    assert 2.0 <= ended - written < 2.0 + 1.0 + 3.0, "the grace, a tick, SIGTERM's wait, and slack"
+    assert "mpirun is still running 2 s after the job wrote its summary.json" in caplog.text
 
 
 def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tmp_path, capfd, caplog):

@@ -11,15 +11,44 @@ from pathlib import Path
 from typing import NamedTuple
 
 from runner.launcher.watchdog import read_lost
-from runner.run_folder import LOGS, MPIRUN_LOG, rank_file
+from runner.run_folder import BINDINGS, LOGS, MPIRUN_LOG, rank_file, read_checkpoint_index, read_json
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
 #: Open MPI's report of a rank that exited with a non-zero status without MPI_Abort.
 EXITED = re.compile(r"Process name:\s*\[.*?,(\d+)\]\s+Exit code:\s*(\d+)")
 ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+)[^\n]*\n(?:.*\n)*?\s*Errorcode:\s*(\d+)")
+#: PRRTE's report of a lost node: its daemon (``prted``) is gone or unreachable, and the job is ended.
+LOST_DAEMON = re.compile(
+    r"PRTE has lost communication with a remote daemon\.(?:.*\n)*?\s*Remote daemon:.*? on node (\S+)"
+)
 #: A worker's error for a lost ASGD server (runner.rank.recovery.ServerLost): the server is the failed rank.
 SERVER_LOST = re.compile(r"ServerLost: server rank (\d+)")
+
+
+def lost_node(run_dir: Path, node: str) -> Failure:
+    """A node lost with its Open MPI daemon: which ranks ran there, why no fault tolerance survives it, and
+    the checkpoint a ``resume=`` continues from."""
+    hosts = {r.get("rank"): r.get("host") for r in read_json(run_dir / BINDINGS).get("ranks", [])}
+    on_node = [r for r, host in hosts.items() if host == node]
+    ranks = (
+        f" with rank{'s' if len(on_node) > 1 else ''} {', '.join(map(str, on_node))} on it" if on_node else ""
+    )
+    try:
+        latest = read_checkpoint_index(run_dir)[-1]["dir"]
+    except Exception:  # no index, or a damaged one
+        latest = None
+    then = (
+        f"python -m runner resume={run_dir} continues from its checkpoint {latest}"
+        if latest
+        else "no checkpoint was written: run it again"
+    )
+    cause = f"node {node} lost (its Open MPI daemon too)"
+    message = (
+        f"{cause}{ranks}: Open MPI 5's runtime (PRRTE) ends the whole job when it loses a node's daemon, so "
+        f"hardware.fault_tolerance=continue|heal survive lost ranks but not a lost node; {then}"
+    )
+    return Failure(message, on_node[0] if on_node else None, cause)
 
 
 def _signal_name(number: int) -> str:
@@ -72,6 +101,8 @@ def failure_report(
             output = log.read().decode(errors="replace")
     except OSError:
         output = ""
+    if daemon := LOST_DAEMON.search(output):
+        return lost_node(run_dir, daemon.group(1))
     tolerated = read_lost(logs)
     kills = [k for k in KILLED.finditer(output) if int(k.group(1)) not in tolerated]
     if kills:

@@ -46,10 +46,12 @@ from runner.run_folder import (
     COMMAND,
     CONFIG,
     EXIT,
+    GENERATION,
     IDENTITY,
     LOGS,
     LOST,
     METRICS,
+    PARTITIONED,
     PLAN,
     STOP,
     SUMMARY,
@@ -126,6 +128,8 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STOP).unlink(missing_ok=True)  # a previous job's stop request
         (run_dir / LOGS / LOST).unlink(missing_ok=True)  # and the ranks it lost
+        for claimed in (run_dir / LOGS).glob(f"{GENERATION}.*"):  # and its memberships
+            claimed.unlink(missing_ok=True)
     except OSError as err:
         raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
     write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(resolved))
@@ -208,7 +212,7 @@ def conclude(
         return _complete(job, summary_path, run_dir, outcome, wall, load_start)
     else:
         failure = failure_report(run_dir, outcome.returncode, outcome.log_start, outcome.said)
-        if failure.rank is None and outcome.returncode == 0:  # (under ULFM an MPI_Abort exits 0)
+        if failure.cause.startswith("the mpirun job exited with status 0 "):  # (ULFM: MPI_Abort exits 0)
             failure = Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
         status, reason = failure.status, failure.message
         fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}
@@ -236,6 +240,19 @@ def grown_job(summary_path: Path, outcome: Outcome, wall: float) -> dict[str, An
     return {}
 
 
+def partitioned(run_dir: Path, since: float) -> dict[int, str]:
+    """The ranks that stopped on the minority side of a partition during this job (since ``since``), with
+    their reasons (``logs/rank<r>.partitioned``, :mod:`runner.rank.fence`)."""
+    found = {}
+    for path in sorted((run_dir / LOGS).glob(f"rank*.{PARTITIONED}")):
+        try:
+            if path.stat().st_mtime >= since:
+                found[int(path.name[4 : -len(PARTITIONED) - 1])] = path.read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return dict(sorted(found.items()))
+
+
 def checkpoint_since(run_dir: Path, since: float | None) -> str:
     """What an interrupted job left to resume from: the checkpoint written after its first stop signal (at
     ``since``), or that it ended without one."""
@@ -258,6 +275,15 @@ def _complete(
     job.pop("exit_status", None)
     signal = {"signal": outcome.signal} if outcome.signal else {}
     added = {"wall_time_s": wall, "load": machine_load(load_start), "run_dir": str(run_dir), **signal}
+    if cut := partitioned(run_dir, time.time() - wall - 1):
+        added["partitioned"] = cut
+        names = ", ".join(f"rank {r}" for r in cut)
+        log.warning(
+            "%s stopped on the minority side of a partition (%s): this run folder holds the other side's "
+            "history alone",
+            names,
+            run_dir / LOGS / f"rank{next(iter(cut))}.{PARTITIONED}",
+        )
     job = run_folder.summary(status, **{**job, **added})
     try:
         write_atomic(path, run_folder.dumps(job, indent=1))

@@ -10,6 +10,9 @@ The job runs in a session of its own, so nothing reaches it but what the launche
 - **Signals.** SIGTERM, SIGUSR1 (Slurm's ``--signal``, ``scancel``) and SIGINT (Ctrl-C) write
   ``RUN_DIR/STOP`` holding the signal's name; the ranks then finish their step, write a checkpoint and
   exit. A second signal, or :data:`GRACE_S` without the job ending, ends it at once.
+- **A job that does not end after its summary.** Rank 0 writes ``summary.json`` last; an ``mpirun`` still
+  running :data:`SUMMARY_GRACE_S` later is waiting for something that will not come (a daemon on a node it
+  cannot reach since a cut link) and is ended; the job counts as ended by its summary's status.
 - **Stalls.** With ``train.stall_timeout`` set, the ranks' heartbeats (``logs/rank<r>.beat``) are read
   every second; :func:`stall_check` decides, from them alone, whether and which ranks are stuck.
 
@@ -31,7 +34,7 @@ from typing import Any, BinaryIO
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
 from runner.launcher.watchdog import Stall, read_beats, stall_check
-from runner.run_folder import LOGS, MPIRUN_LOG, STOP, write_atomic
+from runner.run_folder import LOGS, MPIRUN_LOG, STOP, SUMMARY, write_atomic
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
 GRACE_S = 120.0
@@ -42,6 +45,10 @@ WATCH_INTERVAL_S = 1.0
 #: A rank that failed with an error aborts the job (MPI_Abort); under ULFM (fault_tolerance=continue) the
 #: other ranks are not stopped by it, so the job is ended this long after the rank's error file appeared.
 FAILED_RANK_GRACE_S = 3.0
+#: Seconds mpirun may outlive the job's final summary.json (rank 0's last write) before it is ended: rank
+#: 0's own model files are written before it, the other ranks' within seconds; mpirun itself can wait forever
+#: for a daemon it lost the link to.
+SUMMARY_GRACE_S = 20.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -57,6 +64,7 @@ class Outcome:
     log_start: int = 0  # where this job's output starts in mpirun.log (a resumed run appends to it)
     stop_time: float | None = None  # when the first stop signal came
     said: tuple[tuple[int, str], ...] = ()  # the ranks' ``rank N failed: cause`` lines, as (rank, cause)
+    after_summary: bool = False  # ended by the launcher SUMMARY_GRACE_S after the job's final summary.json
 
 
 def _die_with_parent() -> None:
@@ -98,6 +106,8 @@ class Supervisor:
         self.beats: dict[int, dict] = {}
         self.next_watch = 0.0
         self.failed_since: float | None = None
+        self.summary_since: float | None = None  # when this job's summary.json was first seen
+        self.after_summary = False
         self.filter = EchoFilter()
         self.tap = ProgressTap()
         self.bar = Bar(prefix=self.prefix)
@@ -140,7 +150,11 @@ class Supervisor:
             self._say(f"the job printed {self.filter.tracebacks} Python traceback(s): see mpirun.log")
         first = self.signals[0] if self.signals else None
         said = tuple(self.filter.failures)
-        return Outcome(status, first, self.interrupted, self.stall, log_start, self.stop_time, said)
+        if self.after_summary:
+            status = 0  # the job's own end is its summary's; mpirun's is the launcher's SIGTERM
+        return Outcome(
+            status, first, self.interrupted, self.stall, log_start, self.stop_time, said, self.after_summary
+        )
 
     def _say(self, text: str) -> None:
         """One of the launcher's own lines, above the progress bar."""
@@ -180,6 +194,7 @@ class Supervisor:
         elif now >= self.next_watch:
             self.next_watch = now + WATCH_INTERVAL_S
             self._check_errors(now)
+            self._check_summary(now)
             if self.stall_timeout and self.ending_since is None:
                 self._watch(now)
 
@@ -191,6 +206,22 @@ class Supervisor:
                 self.failed_since = now
         elif now - self.failed_since > FAILED_RANK_GRACE_S:
             self._end("a rank failed with an error and the others did not stop")
+
+    def _check_summary(self, now: float) -> None:
+        """End an mpirun that outlives the job's final summary.json by :data:`SUMMARY_GRACE_S`."""
+        if self.summary_since is None:
+            try:
+                written = (self.run_dir / SUMMARY).stat().st_mtime >= self.launch_time
+            except OSError:
+                written = False
+            if written:
+                self.summary_since = now
+        elif now - self.summary_since > SUMMARY_GRACE_S and self.ending_since is None:
+            self.after_summary = True
+            self._end(
+                f"mpirun is still running {SUMMARY_GRACE_S:.0f} s after the job wrote its summary.json "
+                "(waiting for a node it cannot reach?)"
+            )
 
     def _watch(self, now: float) -> None:
         beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
+from runner.rank.fence import Fence, Partitioned
 from runner.run_folder import (
     CHECKPOINT_ENTRY,
     CHECKPOINT_INDEX,
@@ -182,8 +183,16 @@ def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]
 class Checkpointer:
     """Writes this rank's part of a checkpoint; collective over every rank of the job (``world``)."""
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path, world: Comm, resumed: dict[str, Any] | None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        world: Comm,
+        resumed: dict[str, Any] | None,
+        fence: Fence | None = None,
+    ):
         self.cfg, self.world = cfg, world
+        self.fence = fence or Fence(run_dir, world.tolerant)
         self.root = run_dir / CHECKPOINTS
         self.root.mkdir(exist_ok=True)
         self.last_time = time.time()
@@ -208,10 +217,11 @@ class Checkpointer:
         """Write this rank's ``part`` of the job's next checkpoint, taken after ``step`` steps; once every
         rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
         checkpoints, so the k-th is in the same folder everywhere."""
+        name = checkpoint_folder(self.count + 1, step)
         if self.world.tolerant:  # ranks may have died: the parts are the survivors', renumbered
             self.world.fault_barrier()
+            self.fenced(f"checkpoint {name}")
         self.count += 1
-        name = checkpoint_folder(self.count, step)
         (self.root / name).mkdir(exist_ok=True)
         digest = save_atomic(part, checkpoint_part(self.root.parent, name, self.world.rank))
         parts = self.world.allgather_object(digest)  # and a barrier: every rank has written its part
@@ -231,6 +241,19 @@ class Checkpointer:
         write_atomic(self.root / name / CHECKPOINT_ENTRY, dumps(entry, indent=1))
         self.index(entry)
 
+    def fenced(self, what: str) -> None:
+        """Collective: raise :class:`Partitioned` on every rank if rank 0 finds the run folder claimed by a
+        later membership (:mod:`runner.rank.fence`), before anything of ``what`` is written."""
+        why = None
+        if self.world.rank == 0:
+            try:
+                self.fence.check(what)
+            except Partitioned as err:
+                why = str(err)
+        why = self.world.broadcast_object(why, root=0)
+        if why is not None:
+            raise Partitioned(why)
+
     def index(self, entry: dict[str, Any]) -> None:
         """Rank 0: add ``entry`` to the index (rebuilt from the folders if it is damaged) and remove the
         checkpoints beyond ``checkpoint.keep``."""
@@ -240,6 +263,7 @@ class Checkpointer:
             entries, _ = rebuild_checkpoint_index(self.root.parent)
             print(f"{err}: rebuilt from the checkpoint folders", flush=True)
         entries = [e for e in entries if e["seq"] < entry["seq"]] + [entry]
+        self.fence.check("the checkpoint index")
         write_atomic(
             self.root / CHECKPOINT_INDEX, dumps({"checkpoints": entries[-self.cfg.keep :]}, indent=1)
         )

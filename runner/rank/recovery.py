@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from runner.rank.fence import Fence, Partitioned, quorum
 from runner.rank.state import Position
 from runner.run_folder import LOGS, LOST, dumps, write_atomic
 
@@ -95,10 +96,12 @@ class Recovery:
         hosts: list[str],
         elastic: Elastic | None = None,
         heal: bool = False,
+        fence: Fence | None = None,
     ):
         self.workers, self.world, self.servers, self.run_dir = workers, world, servers, run_dir
         self.min_workers, self.terminal, self.val_loader = min_workers, terminal, val_loader
         self.hosts, self.elastic, self.heal = hosts, elastic, heal
+        self.fence = fence or Fence(run_dir, enabled=False)
         self.failures: list[dict[str, Any]] = []
         self.seconds = 0.0
         self.heal_pending = 0  # lost workers to replace at the next agreement (heal)
@@ -117,6 +120,7 @@ class Recovery:
             raise RuntimeError(
                 "a communication call failed on a worker although no worker was lost (see the ranks' logs)"
             ) from None
+        self._go_on_or_stop(before)
         adopted = False
         if trainer.synchronous:
             adopted = self._agree(trainer, pos, holding, pos.step + int(holding and applied))
@@ -136,6 +140,26 @@ class Recovery:
         if self.heal:
             self.heal_pending += self._to_replace(lost, pos.step)
         return adopted or applied
+
+    def _go_on_or_stop(self, before: list[int]) -> None:
+        """Collective over the survivors: raise :class:`Partitioned` unless they are the side of a possible
+        partition that goes on (:func:`runner.rank.fence.quorum`) and their rank 0 claims the run folder's
+        next membership generation first."""
+        survivors = [self.workers.launch_rank(r) for r in range(self.workers.size)]
+        why = quorum(before, survivors, self.hosts)
+        if why is not None:
+            raise Partitioned(why) from None
+        claimed = None
+        if self.workers.rank == 0:
+            members = ", ".join(f"{r}@{self.hosts[r]}" for r in survivors)
+            claimed = self.fence.claim(members) if self.fence.enabled else True
+        if not self.workers.broadcast_object(claimed, root=0):
+            raise Partitioned(
+                f"partitioned: another side claimed the run folder's membership generation "
+                f"{self.fence.generation + 1} first; this side ({len(survivors)} workers) stops without a "
+                "checkpoint"
+            ) from None
+        self.fence.advance()
 
     def _to_replace(self, lost: list[int], step: int) -> int:
         """How many of ``lost`` to replace (heal): not a replacement that died before it trained (it joined
@@ -192,6 +216,7 @@ class Recovery:
         )
         trainer.record_failure(step, lost, seconds, line, self.terminal)
         lost_all = sorted({f["rank"] for f in self.failures})
+        self.fence.check(str(self.run_dir / LOGS / LOST))
         write_atomic(self.run_dir / LOGS / LOST, dumps({"lost": lost_all}))
 
     def summary(self) -> dict[str, Any]:

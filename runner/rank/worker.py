@@ -47,6 +47,7 @@ from runner.rank.checkpoint import (
     set_rng_state,
 )
 from runner.rank.elastic import Elastic, arrive
+from runner.rank.fence import Fence, Partitioned
 from runner.rank.guard import Diverged
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.loop import Parts, Place, Records, Trainer
@@ -57,7 +58,17 @@ from runner.rank.placement import choose_transport, place_rank
 from runner.rank.recovery import Recovery
 from runner.rank.state import Position, broadcast_state, run_length
 from runner.rules.base import RuleContext, split_roles
-from runner.run_folder import CONFIG, EXIT, IDENTITY, MODEL, rank_file, rank_model, read_json, write_summary
+from runner.run_folder import (
+    CONFIG,
+    EXIT,
+    IDENTITY,
+    MODEL,
+    PARTITIONED,
+    rank_file,
+    rank_model,
+    read_json,
+    write_summary,
+)
 from runner.schema import option_name
 from runner.schema.config import Config, load, monitored
 
@@ -203,7 +214,9 @@ def place_joined(
     if hw.device == "cuda":
         device = torch.device("cuda", elastic.workers.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, None)
+    fence = Fence(run_dir, comm.tolerant)
+    fence.generation = fence.current()  # spawned by the membership that holds the run folder now
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, None, fence)
     return Rank(
         cfg,
         run_dir,
@@ -341,6 +354,7 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.hosts,
             rank.elastic,
             cfg.hardware.fault_tolerance == "heal",
+            rank.checkpointer.fence,
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank), cfg.simulate.spin)
     kept = records(rank, rule.synchronous, steps, dealt is not None)
@@ -407,6 +421,8 @@ def fit(
 def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, Any], wall: float) -> None:
     """Save the model (``train.save_model``) and write ``summary.json`` (rank 0)."""
     cfg, comm, run_dir = rank.cfg, rank.comm, rank.run_dir
+    if comm.rank == 0:
+        rank.checkpointer.fence.check("the model and summary.json")
     if cfg.train.save_model != "none" and comm.rank == 0:
         save_atomic(reported.state_dict(), run_dir / MODEL)
     if cfg.train.save_model == "all":
@@ -450,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.hardware.cuda_aware is not None:
             comm.cuda_aware = cfg.hardware.cuda_aware
         run(cfg, run_dir, comm, (log_file, terminal), beat, joined)
+    except Partitioned as err:
+        beat.close()
+        stop_partitioned(err, run_dir, me, log_file)
     except BaseException as err:
         fail(err, run_dir, me, log_file)
         raise
@@ -465,6 +484,19 @@ def main(argv: list[str] | None = None) -> None:
     # Everything is written and closed: leave without the interpreter's teardown, which with torch loaded
     # takes about a second (benchmarks/README.md, start-up).
     os._exit(0)
+
+
+def stop_partitioned(err: Partitioned, run_dir: Path, rank: int, log_file: TextIO) -> None:
+    """Leave on the minority side of a partition: the reason in ``logs/rank<r>.partitioned`` and the rank's
+    log, nothing else written, no MPI_Abort (the majority goes on; an error file would end its job)."""
+    try:
+        rank_file(run_dir, rank, PARTITIONED).write_text(f"{err}\n")
+    except OSError:
+        pass
+    print(f"rank {rank} stopped: {err}", file=sys.stderr, flush=True)  # to its log too
+    log_file.flush()
+    sys.stdout.flush()
+    os._exit(0)  # not an error: under ULFM a non-zero exit could make mpirun end the side that goes on
 
 
 def fail(err: BaseException, run_dir: Path, rank: int, log_file: TextIO) -> None:

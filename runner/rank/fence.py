@@ -1,0 +1,105 @@
+"""One side of a partition goes on: the quorum rule after a loss, and the run folder fenced by generation.
+
+Under ULFM a partitioned peer looks exactly like a dead one: when a link between nodes is cut and the
+failure detector is on, each side sees the other as failed and shrinks to itself. Were both to go on,
+both would write checkpoints, records and the summary into the same run folder (a split brain). Two
+rules stop that:
+
+- **Quorum** (:func:`quorum`): after a loss that may be a partition, the survivors go on only if they are
+  a strict majority of the membership before it, or exactly half of it holding its rank 0. Since both
+  sides shrink from the same membership, at most one side passes. A loss can be a partition only when a
+  whole host went silent: a lost rank that shared its host with a survivor was not cut off from it (ranks
+  of one node are on the same side of any cut), so it died, and the survivors go on whatever their number.
+- **Fencing** (:class:`Fence`): every membership change that goes on claims the next generation with a
+  file created exclusively in the run folder (``logs/generation.<g>``); rank 0 checks, before each write of
+  the checkpoint index, the lost ranks' record and the summary, that no later generation exists. A side
+  that went on wrongly (a quorum decided on different memberships) is stopped before it overwrites the
+  records of the side that claimed the generation first.
+
+A side that must not go on raises :class:`Partitioned`: it ends without a checkpoint, naming the cut.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from runner.run_folder import GENERATION, LOGS
+
+
+class Partitioned(RuntimeError):
+    """This side of a partition must not go on: it ends without writing to the run folder."""
+
+
+def quorum(before: Sequence[int], survivors: Sequence[int], hosts: Sequence[str]) -> str | None:
+    """Why the ``survivors`` (launch ranks) of the membership ``before`` (launch ranks, rank 0 first) must
+    stop, or None when they may go on; ``hosts``: every launch rank's host."""
+    alive = set(survivors)
+    lost = [r for r in before if r not in alive]
+    survivor_hosts = {hosts[r] for r in survivors}
+    cut_off = sorted({hosts[r] for r in lost if hosts[r] not in survivor_hosts})
+    if not cut_off:
+        return None  # every lost rank shared a host with a survivor: dead, not partitioned
+    if 2 * len(survivors) > len(before):
+        return None
+    if 2 * len(survivors) == len(before) and before[0] in alive:
+        return None
+    side = ", ".join(f"rank {r} ({hosts[r]})" for r in survivors)
+    other = ", ".join(cut_off)
+    if 2 * len(survivors) == len(before):
+        why = f"exactly half of the {len(before)} workers, without rank {before[0]} ({hosts[before[0]]})"
+    else:
+        why = f"{len(survivors)} of {len(before)} workers, not a majority"
+    return (
+        f"partitioned: {side} lost contact with {other} and {'are' if len(survivors) > 1 else 'is'} {why}; "
+        "the other side, if it is alive, goes on and keeps the run folder, so this side stops without a "
+        "checkpoint"
+    )
+
+
+class Fence:
+    """The membership generation this rank belongs to, and the run folder's check against it."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.dir, self.enabled = run_dir / LOGS, enabled
+        self.generation = 0
+
+    def current(self) -> int:
+        """The run folder's latest claimed generation (0: none yet)."""
+        prefix = GENERATION + "."
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return 0
+        numbers = [n[len(prefix) :] for n in names if n.startswith(prefix)]
+        return max((int(g) for g in numbers if g.isdigit()), default=0)
+
+    def claim(self, members: str) -> bool:
+        """Claim the next generation for this rank's membership (``members``: who, for the file); False when
+        another side claimed it first. Called by the new rank 0 alone; every member then calls
+        :meth:`advance`."""
+        path = self.dir / f"{GENERATION}.{self.generation + 1}"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as file:
+            file.write(members + "\n")
+        return True
+
+    def advance(self) -> None:
+        """This rank's membership moved to the next generation (claimed by its rank 0)."""
+        self.generation += 1
+
+    def check(self, what: str) -> None:
+        """Raise :class:`Partitioned` if a later membership has claimed the run folder (before writing
+        ``what``)."""
+        if not self.enabled:
+            return
+        latest = self.current()
+        if latest != self.generation:
+            raise Partitioned(
+                f"partitioned: the run folder belongs to membership generation {latest}, this side is at "
+                f"generation {self.generation}; {what} not written, this side stops without a checkpoint"
+            )
