@@ -307,13 +307,15 @@ with Nodes.up(2) as nodes:
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
 def test_an_interrupted_or_killed_owner_leaves_nothing(signal_name, cluster):
     """Ctrl-C in the owner tears its nodes down; the nodes of a SIGKILLed owner go at the next bring-up."""
-    owner = nodes_mod.subprocess.Popen([sys.executable, "-c", OWNER, str(ROOT)], stdout=-1, text=True)
+    argv = [sys.executable, "-c", OWNER, str(ROOT)]
+    owner = nodes_mod.subprocess.Popen(argv, stdout=-1, stderr=-1, text=True)
     try:
         tag, *inodes = owner.stdout.readline().split()
         inodes = {int(i) for i in inodes}
         assert processes_in(inodes)
         owner.send_signal(getattr(signal, signal_name))
-        owner.wait(20)
+        err = owner.communicate(timeout=20)[1]
+        assert signal_name == "SIGKILL" or "KeyboardInterrupt" in err, err
     finally:
         owner.kill()
         owner.wait()
