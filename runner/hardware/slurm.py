@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.hardware.base import HardwareConfig, Launch
-from runner.hardware.mpirun import effective_bind, rank_env, threads_per_rank, worker_argv
+from runner.hardware.mpirun import effective_bind, rank_env, srun_mca_env, threads_per_rank, worker_argv
 from runner.schema import one_of, require
 
 #: Step ids from here up are Slurm's special steps (batch script, extern, interactive), not ``srun`` steps.
@@ -78,7 +78,9 @@ class SlurmConfig(HardwareConfig):
                 "(from the batch script, outside a job step), or hardware.fault_tolerance=continue"
             )
         if launcher == "srun":
-            argv = srun_argv(hw, ranks, threads, bind, rank_env(hw, threads), alloc, worker_argv(run_dir))
+            env = rank_env(hw, threads)
+            env.update((k, v) for k, v in srun_mca_env(hw).items() if k not in env)  # hardware.env wins
+            argv = srun_argv(hw, ranks, threads, bind, env, alloc, worker_argv(run_dir))
             return Launch(argv, threads, bind, "srun")
         placements = hw.gpu_plan(ranks, threads) if alloc.nodes == 1 else None
         return hw.mpirun_launch(ranks, run_dir, alloc.cpus, placements)
