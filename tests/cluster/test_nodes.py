@@ -179,7 +179,9 @@ def test_kill_ranks_kill_node_cut_and_restore(make_nodes):
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     rank = nodes.popen(1, [*sleeper, "runner.rank.worker"])
     other = nodes.popen(1, sleeper)
-    time.sleep(0.3)
+    while not {rank.pid, other.pid} <= set(nodes.pids(1)):  # both started and in the node's namespace
+        assert rank.poll() is None and other.poll() is None
+        time.sleep(0.01)
     assert nodes.kill_ranks(1) == [rank.pid]
     assert rank.wait(5) == -9 and other.poll() is None
     nodes.cut(1)
@@ -298,7 +300,9 @@ sys.path.insert(0, sys.argv[1])
 from tests.cluster.conftest import netns_inodes
 from tests.cluster.nodes import Nodes
 with Nodes.up(2) as nodes:
-    nodes.popen(1, [sys.executable, "-c", "import time; time.sleep(60)"])
+    nodes.popen(1, [sys.executable, "-c", "import time; time.sleep(60)"], stdout=-3, stderr=-3)
+    while not nodes.pids(1):
+        time.sleep(0.01)
     print(nodes.tag, *netns_inodes(nodes), flush=True)
     time.sleep(60)
 """
