@@ -18,9 +18,11 @@ KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S
 #: Open MPI's report of a rank that exited with a non-zero status without MPI_Abort.
 EXITED = re.compile(r"Process name:\s*\[.*?,(\d+)\]\s+Exit code:\s*(\d+)")
 ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+)[^\n]*\n(?:.*\n)*?\s*Errorcode:\s*(\d+)")
-#: PRRTE's report of a lost node: its daemon (``prted``) is gone or unreachable, and the job is ended.
+#: PRRTE's reports of a lost node: its daemon (``prted``) is gone or unreachable, and the job is ended (the
+#: second when the daemon's launch agent, ssh, ended with it).
 LOST_DAEMON = re.compile(
     r"PRTE has lost communication with a remote daemon\.(?:.*\n)*?\s*Remote daemon:.*? on node (\S+)"
+    r"|A daemon failed to report back after being spawned\.(?:.*\n)*?\s*Remote host:\s*(\S+)"
 )
 #: A worker's error for a lost ASGD server (runner.rank.recovery.ServerLost): the server is the failed rank.
 SERVER_LOST = re.compile(r"ServerLost: server rank (\d+)")
@@ -102,7 +104,7 @@ def failure_report(
     except OSError:
         output = ""
     if daemon := LOST_DAEMON.search(output):
-        return lost_node(run_dir, daemon.group(1))
+        return lost_node(run_dir, daemon.group(1) or daemon.group(2))
     tolerated = read_lost(logs)
     kills = [k for k in KILLED.finditer(output) if int(k.group(1)) not in tolerated]
     if kills:

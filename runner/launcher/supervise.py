@@ -48,7 +48,7 @@ FAILED_RANK_GRACE_S = 3.0
 #: Seconds mpirun may outlive the job's final summary.json (rank 0's last write) before it is ended: rank
 #: 0's own model files are written before it, the other ranks' within seconds; mpirun itself can wait forever
 #: for a daemon it lost the link to.
-SUMMARY_GRACE_S = 20.0
+SUMMARY_GRACE_S = 12.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
