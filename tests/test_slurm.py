@@ -116,7 +116,9 @@ def test_srun_in_a_batch_script_when_asked(slurm_env, tmp_path):
         (BATCH, ["hardware=slurm", "devices=9"], r"devices: the job needs 9 ranks .* 8 task"),
         (STEP, ["hardware=slurm", "devices=4", "hardware.threads_per_rank=8"], "need 32 CPUs"),
         (STEP, ["hardware=slurm", "hardware.launcher=mpirun"], "launcher=srun or auto"),
-        (STEP, ["hardware=slurm", "devices=4", "hardware.fault_tolerance=heal"], "heal .* need mpirun"),
+        (STEP, ["hardware=slurm", "devices=4", "hardware.fault_tolerance=heal"], "heal needs mpirun"),
+        (STEP, ["hardware=slurm", "hardware.fault_tolerance=continue"], "continue needs mpirun: under srun"),
+        (BATCH, ["hardware=slurm", "hardware.launcher=srun", "hardware.fault_tolerance=continue"], "PMIx"),
     ],
 )
 def test_slurm_mistakes_are_refused_before_launch(slurm_env, tmp_path, env, overrides, message):

@@ -10,7 +10,8 @@ otherwise.
 run directly in the batch script (``use_srun: false``), so each sweep point is one allocation whose
 single launcher starts the ranks, and with ``tasks_per_node`` defaulting to ``devices`` / ``nodes``
 (rounded up), so the allocation has a slot for every worker (add one per server rank for async EASGD and
-ASGD).
+ASGD). Its launcher (:mod:`runner.hardware.slurm_sweep`) takes each point's result from that single task,
+and reads the jobs' states from ``sacct``, or from ``squeue`` where Slurm keeps no accounting (no slurmdbd).
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ class SlurmConfig(HardwareConfig):
         threads, bind = threads_per_rank(hw, ranks, alloc.cpus), effective_bind(hw, ranks, alloc.cpus)
         if not self.oversubscribe:
             check_fits(alloc, launcher, ranks, threads)
+        if launcher == "srun" and self.tolerant:
+            raise ValueError(
+                f"hardware.fault_tolerance={self.fault_tolerance} needs mpirun: under srun, Slurm's PMIx "
+                "server (slurmstepd's mpi/pmix plugin) kills the whole job step at the first lost rank, so "
+                "ULFM cannot go on; set hardware.launcher=mpirun (or auto, from the batch script, outside "
+                "a job step), or hardware.fault_tolerance=none"
+            )
         if launcher == "srun" and self.grows:
             raise ValueError(
                 "hardware.fault_tolerance=heal and hardware.max_workers need mpirun, which can start "
@@ -186,15 +194,12 @@ def srun_argv(
 ) -> list[str]:
     """``srun --mpi=<plugin>`` starting ``ranks`` ranks of ``threads`` CPUs each, bound by ``bind``.
 
-    With ``fault_tolerance=continue`` the step is not killed when a task or node fails (``--no-kill``);
+    A failed task ends the step (fault tolerance is refused under srun: :meth:`SlurmConfig.plan_launch`);
     ``--overlap`` lets the step share CPUs with the step this process runs in, if any (else it would wait
     for them forever); the environment goes through ``env`` so ``mpirun.txt`` replays the run exactly.
     """
     argv = ["srun", f"--mpi={hw.srun_mpi}", f"--ntasks={ranks}", f"--cpus-per-task={threads}"]
-    tolerant = hw.tolerant  # a lost task or node must not end the step
-    argv += [f"--cpu-bind={CPU_BIND[bind]}", f"--kill-on-bad-exit={0 if tolerant else 1}", "--unbuffered"]
-    if tolerant:
-        argv.append("--no-kill")
+    argv += [f"--cpu-bind={CPU_BIND[bind]}", "--kill-on-bad-exit=1", "--unbuffered"]
     if alloc.in_step:
         argv.append("--overlap")
     if hw.oversubscribe:
@@ -205,6 +210,10 @@ def srun_argv(
     return argv + ["env", *(f"{k}={v}" for k, v in env.items()), *worker]
 
 
+#: The name Hydra knows ``hydra/launcher=mpitrain_slurm``'s launcher by (it takes launchers only from the
+#: ``hydra_plugins`` package); the class is :class:`runner.hardware.slurm_sweep.MpitrainSlurmLauncher`.
+SLURM_LAUNCHER = "hydra_plugins.mpitrain_slurm.MpitrainSlurmLauncher"
+
 try:
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 except ImportError:  # the optional `slurm` extra is not installed
@@ -214,19 +223,27 @@ if SlurmQueueConf is not None:
 
     @dataclass
     class SubmititSlurmConf(SlurmQueueConf):
-        """``hydra/launcher=mpitrain_slurm``: one allocation per sweep point, whose launcher starts ranks."""
+        """``hydra/launcher=mpitrain_slurm``: one allocation per sweep point, whose launcher starts ranks;
+        each point's result is read from the task that ran it (:mod:`runner.hardware.slurm_sweep`)."""
 
+        _target_: str = SLURM_LAUNCHER
         use_srun: bool = False
         tasks_per_node: Any = "${mpitrain_ceil_div:${devices},${hydra.launcher.nodes}}"
         name: str = "mpitrain"
 
 
 def register_launcher() -> None:
-    """Store ``hydra/launcher=mpitrain_slurm`` when hydra-submitit-launcher is installed."""
+    """Store ``hydra/launcher=mpitrain_slurm`` and make its launcher known to Hydra (as
+    :data:`SLURM_LAUNCHER`), when hydra-submitit-launcher is installed."""
     if SlurmQueueConf is None:
         return
     from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
     from omegaconf import OmegaConf
+
+    from runner.hardware.slurm_sweep import MpitrainSlurmLauncher
+
+    Plugins.instance().class_name_to_class[SLURM_LAUNCHER] = MpitrainSlurmLauncher
 
     OmegaConf.register_new_resolver("mpitrain_ceil_div", lambda a, b: -(-int(a) // int(b)), replace=True)
     ConfigStore.instance().store(
