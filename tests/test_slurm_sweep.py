@@ -23,8 +23,8 @@ from submitit.core import core  # noqa: E402
 from submitit.core.utils import cloudpickle_dump  # noqa: E402
 from submitit.slurm.slurm import SlurmJob  # noqa: E402
 
-from runner.hardware.slurm_sweep import PURGED, UNLISTED_S, QueueWatcher  # noqa: E402
 from runner.launcher.launch import JobEnded  # noqa: E402
+from runner.launcher.slurm_sweep import PURGED, UNLISTED_S, QueueWatcher  # noqa: E402
 from tests.conftest import CONF  # noqa: E402
 
 #: What sacct of Slurm 22.05 says without accounting (on stderr, exit status 1).
@@ -176,11 +176,11 @@ def test_every_point_reports_the_result_of_the_task_that_ran_it(slurm, tmp_path,
     is taken from task 0 (hydra-submitit-launcher waits for a result from all 4 tasks: forever here, or
     UncompletedJobError for task 1), the two not ok are named and recorded for the exit status, and the
     cancelled one gets a summary.json, so the report has all three."""
-    import runner.launcher.cli as cli
+    import runner.launcher.outcomes as outcomes
 
     monkeypatch.setattr("submitit.AutoExecutor", FakeArray)
     monkeypatch.setattr(core.Job, "_results_timeout_s", 0)  # no result is coming: do not wait for one
-    monkeypatch.setattr(cli, "NOT_OK", [])
+    monkeypatch.setattr(outcomes, "NOT_OK", [])
     slurm.say("8_2|CANCELLED|\n8_1|COMPLETED|swn[1-2]\n8_0|COMPLETED|swn[1-2]\n")
     points = [["optim.lr=0.05"], ["optim.lr=0.1"], ["optim.lr=0.2"]]
     FakeArray.RESULTS = [
@@ -196,7 +196,7 @@ def test_every_point_reports_the_result_of_the_task_that_ran_it(slurm, tmp_path,
     returns = launcher.launch(points, initial_job_idx=0)
     assert [r.status for r in returns] == [JobStatus.COMPLETED] * 3, "the sweep goes on to its report"
     assert returns[0].return_value == 0.97 and all(math.isnan(r.return_value) for r in returns[1:])
-    assert cli.NOT_OK == [("optim.lr=0.1", "diverged", 3), ("optim.lr=0.2", "failed", 1)]
+    assert outcomes.NOT_OK == [("optim.lr=0.1", "diverged", 3), ("optim.lr=0.2", "failed", 1)]
     lost = json.loads((sweep / "2" / "summary.json").read_text())
     assert lost["status"] == "failed" and lost["name"] == "optim.lr=0.2" and lost["slurm_job"] == "8_2"
     assert "Slurm state CANCELLED" in lost["error"]

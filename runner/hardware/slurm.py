@@ -10,7 +10,7 @@ otherwise.
 run directly in the batch script (``use_srun: false``), so each sweep point is one allocation whose
 single launcher starts the ranks, and with ``tasks_per_node`` defaulting to ``devices`` / ``nodes``
 (rounded up), so the allocation has a slot for every worker (add one per server rank for async EASGD and
-ASGD). Its launcher (:mod:`runner.hardware.slurm_sweep`) takes each point's result from that single task,
+ASGD). Its launcher (:mod:`runner.launcher.slurm_sweep`) takes each point's result from that single task,
 and reads the jobs' states from ``sacct``, or from ``squeue`` where Slurm keeps no accounting (no slurmdbd).
 """
 
@@ -211,7 +211,7 @@ def srun_argv(
 
 
 #: The name Hydra knows ``hydra/launcher=mpitrain_slurm``'s launcher by (it takes launchers only from the
-#: ``hydra_plugins`` package); the class is :class:`runner.hardware.slurm_sweep.MpitrainSlurmLauncher`.
+#: ``hydra_plugins`` package); the class is :class:`runner.launcher.slurm_sweep.MpitrainSlurmLauncher`.
 SLURM_LAUNCHER = "hydra_plugins.mpitrain_slurm.MpitrainSlurmLauncher"
 
 try:
@@ -224,7 +224,7 @@ if SlurmQueueConf is not None:
     @dataclass
     class SubmititSlurmConf(SlurmQueueConf):
         """``hydra/launcher=mpitrain_slurm``: one allocation per sweep point, whose launcher starts ranks;
-        each point's result is read from the task that ran it (:mod:`runner.hardware.slurm_sweep`)."""
+        each point's result is read from the task that ran it (:mod:`runner.launcher.slurm_sweep`)."""
 
         _target_: str = SLURM_LAUNCHER
         use_srun: bool = False
@@ -233,17 +233,12 @@ if SlurmQueueConf is not None:
 
 
 def register_launcher() -> None:
-    """Store ``hydra/launcher=mpitrain_slurm`` and make its launcher known to Hydra (as
-    :data:`SLURM_LAUNCHER`), when hydra-submitit-launcher is installed."""
+    """Store ``hydra/launcher=mpitrain_slurm`` when hydra-submitit-launcher is installed ; its launcher,
+    :data:`SLURM_LAUNCHER`, is made known to Hydra by ``runner.launcher.register``."""
     if SlurmQueueConf is None:
         return
     from hydra.core.config_store import ConfigStore
-    from hydra.core.plugins import Plugins
     from omegaconf import OmegaConf
-
-    from runner.hardware.slurm_sweep import MpitrainSlurmLauncher
-
-    Plugins.instance().class_name_to_class[SLURM_LAUNCHER] = MpitrainSlurmLauncher
 
     OmegaConf.register_new_resolver("mpitrain_ceil_div", lambda a, b: -(-int(a) // int(b)), replace=True)
     ConfigStore.instance().store(

@@ -19,21 +19,20 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.launcher import outcomes
 from runner.launcher.help import CONF, PRIMARY, register_help
 from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
+from runner.launcher.outcomes import invalid_input, os_error
 from runner.launcher.register import check_folders, register
 from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
 from runner.schema.identity import command_line_overrides, concurrent_points, identity, sweep_overrides
 
 log = logging.getLogger("runner")
-#: The sweep points that did not end ok, as (name, status, exit status), in the order they ended.
-NOT_OK: list[tuple[str, str, int]] = []
 register()
 register_help()
 # A log file that cannot be written (full disk) must not print a traceback per message: the console
@@ -101,7 +100,7 @@ def not_ok(single: bool, ident: dict[str, Any] | None, status: str, code: int) -
     processes raise: their sweep hears of them only so.)"""
     if single:
         raise SystemExit(code) from None
-    NOT_OK.append((ident["name"] if ident else "?", status, code))
+    outcomes.NOT_OK.append((ident["name"] if ident else "?", status, code))
     return float("nan")
 
 
@@ -126,24 +125,6 @@ def evaluate(cfg: DictConfig) -> float:
         raise SystemExit(EXIT["failed"])
     record = json.loads((run_dir / EVAL).read_text())
     return record[record["monitor"]]
-
-
-def os_error(err: BaseException | None) -> OSError | None:
-    """The first OS error in ``err``'s chain (an unwritable or full output folder), if any."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and not isinstance(err, HydraException):
-            return err
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def invalid_input(err: BaseException | None) -> bool:
-    """Whether ``err``, which made Hydra give up before or around the task, is the user's input: a config
-    that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
-    refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
-    return os_error(err) is None and isinstance(err, (HydraException, OmegaConfBaseException, ValueError))
 
 
 def run() -> None:
@@ -174,10 +155,10 @@ def run() -> None:
 
         print(f"error: invalid input, nothing was started: {explain(err, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT["invalid"])
-    if NOT_OK:
-        ended = ", ".join(f"{name} {status}" for name, status, _ in NOT_OK)
-        log.error("%d sweep point(s) did not end ok: %s", len(NOT_OK), ended)
-        sys.exit(NOT_OK[0][2])
+    if outcomes.NOT_OK:
+        ended = ", ".join(f"{name} {status}" for name, status, _ in outcomes.NOT_OK)
+        log.error("%d sweep point(s) did not end ok: %s", len(outcomes.NOT_OK), ended)
+        sys.exit(outcomes.NOT_OK[0][2])
 
 
 if __name__ == "__main__":

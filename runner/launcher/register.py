@@ -62,6 +62,19 @@ def check_folders(argv: list[str]) -> None:
             ) from None
 
 
+def register_sweep_launcher() -> None:
+    """Make ``hydra/launcher=mpitrain_slurm``'s launcher known to Hydra, which takes launchers only from its
+    ``hydra_plugins`` package, by the name its config targets (when the `slurm` extra is installed)."""
+    try:
+        from hydra.core.plugins import Plugins
+
+        from runner.hardware.slurm import SLURM_LAUNCHER
+        from runner.launcher.slurm_sweep import MpitrainSlurmLauncher
+    except ImportError:  # hydra-submitit-launcher is not installed
+        return
+    Plugins.instance().class_name_to_class[SLURM_LAUNCHER] = MpitrainSlurmLauncher
+
+
 def register() -> None:
     """Make the schemas known to Hydra (idempotent): ``schema`` here, the groups' through ``mpitrain://``,
     and the resolver ``${mpitrain_unique:PATH}`` (:func:`unique_dir`) that ``hydra.run.dir`` and
@@ -72,6 +85,7 @@ def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
     register_source()
     register_launcher()
+    register_sweep_launcher()
     OmegaConf.register_new_resolver("mpitrain_unique", unique_dir, use_cache=True, replace=True)
     OmegaConf.register_new_resolver(
         "mpitrain_hydra_subdir",

@@ -216,18 +216,18 @@ class MpitrainSlurmLauncher(SlurmLauncher):
 
     def not_ok(self, overrides: list[str], err: BaseException) -> None:
         """Name a point that did not end ok on the terminal and record it for the sweep's exit status."""
-        from runner.launcher.cli import NOT_OK, invalid_input
+        from runner.launcher import outcomes
         from runner.launcher.launch import JobEnded
         from runner.run_folder import EXIT
 
         if isinstance(err, JobEnded):
             status, code = err.status, err.code
         else:
-            status = "invalid" if invalid_input(err) else "failed"
+            status = "invalid" if outcomes.invalid_input(err) else "failed"
             code = EXIT[status]
         name = self.ident(overrides)["name"]
         (log.warning if status == "preempted" else log.error)("[%s] job %s: %s", name, status, err)
-        NOT_OK.append((name, status, code))
+        outcomes.NOT_OK.append((name, status, code))
 
     def ident(self, overrides: list[str]) -> dict[str, Any]:
         """The point's identity (overrides, swept values, name) in this sweep."""

@@ -1,0 +1,28 @@
+"""How a sweep's points ended, shared by the launchers that run them (this process's and Slurm's), and
+what counts as the user's input among the errors that end a point before it starts."""
+
+from __future__ import annotations
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+#: The sweep points that did not end ok, as (name, status, exit status), in the order they ended.
+NOT_OK: list[tuple[str, str, int]] = []
+
+
+def os_error(err: BaseException | None) -> OSError | None:
+    """The first OS error in ``err``'s chain (an unwritable or full output folder), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and not isinstance(err, HydraException):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def invalid_input(err: BaseException | None) -> bool:
+    """Whether ``err``, which made Hydra give up before or around the task, is the user's input: a config
+    that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
+    refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
+    return os_error(err) is None and isinstance(err, (HydraException, OmegaConfBaseException, ValueError))
