@@ -310,12 +310,23 @@ def test_validations_within_an_epoch_do_not_wait_for_a_slow_worker(cli):
 @pytest.mark.parametrize(
     "rule,alone",
     [
-        (["rule=bsp", "devices=2", "train.epochs=6"], False),  # about 0.3 s an epoch: 5 or more due
+        # worker 1 sleeps 10 ms a step, so 6 epochs (138 steps) last 1.4 s or more however fast the machine:
+        # 4 or more due (without it a fast machine trained them in 0.75 s, 2 due)
+        (
+            [
+                "rule=bsp",
+                "devices=2",
+                "train.epochs=6",
+                "simulate.straggler_ranks=[1]",
+                "simulate.straggler_ms=10",
+            ],
+            False,
+        ),
         (
             [
                 "rule=asgd",
                 "devices=3",
-                "train.epochs=3",
+                "train.epochs=6",  # 1.6 s or more: worker 0's 200 ms steps are a sixth of the chunks
                 "simulate.straggler_ranks=[0]",
                 "simulate.straggler_ms=200",
             ],

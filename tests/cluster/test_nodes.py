@@ -164,7 +164,11 @@ def test_sacct_standin_only_where_asked(slurm_cluster):
     assert str(nodes_mod.SACCT_BIN) not in c.slurm_env()["PATH"]
     env = c.slurm_env(sacct_standin=True)
     job = c.run(
-        0, ["sbatch", "--parsable", "--wait", "-N2", "--wrap", "hostname"], env=env, timeout=60, check=True
+        0,
+        ["sbatch", "--parsable", "--wait", "-N2", "--output=/dev/null", "--wrap", "hostname"],
+        env=env,
+        timeout=60,
+        check=True,
     )
     job_id = job.stdout.strip().split(";")[0]
     argv = ["sacct", "-o", "JobID,State,NodeList", "--parsable2", "-j", job_id]
