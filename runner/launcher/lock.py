@@ -5,10 +5,15 @@ the pid, host and start time of its launcher. The kernel releases it when the la
 exits (a launcher killed by SIGKILL takes its job with it, see :mod:`runner.launcher.supervise`), so a lock
 file left behind by a dead launcher blocks nothing. A second launch into the folder, or a second
 ``resume=`` of it while the first runs, is refused before anything is written there, naming the holder.
+
+The lock fails closed: a lock file that cannot be opened or locked (a directory in its place, a folder
+that cannot be read or written, a file system without ``flock``) refuses the job, naming the file and the
+fix, rather than running it unguarded beside another.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -22,8 +27,8 @@ from runner.run_folder import CONFIG, LOCK, STOP
 class RunFolderLock:
     """Holds ``run_dir``'s lock while in a ``with`` block. ``fresh``: a new run, refused in a folder that
     already holds one (its ``config.yaml``), with ``resume=`` and a fresh folder as the fixes. Raises
-    ValueError (the launcher's "invalid input", exit 2); a folder that cannot be written is left to the
-    launcher's own error for it."""
+    ValueError (the launcher's "invalid input", exit 2), also when the lock cannot be taken at all (it
+    fails closed: :meth:`_cannot_lock`)."""
 
     def __init__(self, run_dir: Path, fresh: bool):
         self.run_dir, self.fresh = run_dir, fresh
@@ -32,9 +37,11 @@ class RunFolderLock:
     def __enter__(self) -> RunFolderLock:
         path = self.run_dir / LOCK
         try:
+            if self.fresh:  # (Hydra has made a new run's folder already; resume= names an existing one)
+                self.run_dir.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # an unwritable or missing folder: the launcher names it when it writes there
-            return self
+        except OSError as err:
+            raise ValueError(self._cannot_lock(path, err)) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -44,6 +51,9 @@ class RunFolderLock:
                 f"{self.run_dir} is in use by a running job ({holder}): wait for it to end, stop it "
                 f"(touch {self.run_dir / STOP}), or give another folder (hydra.run.dir=...)"
             ) from None
+        except OSError as err:  # no flock here (some network file systems): refuse, not run unguarded
+            self._close()
+            raise ValueError(self._cannot_lock(path, err)) from None
         if self.fresh and (self.run_dir / CONFIG).exists():
             self._close()
             raise ValueError(
@@ -62,6 +72,23 @@ class RunFolderLock:
         self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._close()
+
+    @staticmethod
+    def _cannot_lock(path: Path, err: OSError) -> str:
+        """The refusal when ``path`` cannot be opened or locked (``err``): the file, why, and the fix."""
+        fixes = {
+            errno.EISDIR: f"remove that folder (rm -r {path}), or give another folder (hydra.run.dir=...)",
+            errno.ENOENT: "give the folder of a run (e.g. resume=outputs/2026-01-31/12-00-00)",
+            errno.ENOTDIR: "give the folder of a run (e.g. resume=outputs/2026-01-31/12-00-00)",
+            errno.EACCES: f"make {path.parent} readable and writable for you",
+            errno.EPERM: f"make {path.parent} readable and writable for you",
+            errno.EROFS: "give a folder on a writable file system",
+        }
+        fix = fixes.get(err.errno or 0, "give a folder where the lock can be taken")
+        return (
+            f"cannot lock the run folder: {path}: {err.strerror or err}; {fix}. "
+            "Nothing was started: without the lock two jobs could run in one folder at once"
+        )
 
     def _close(self) -> None:
         if self.fd is not None:
