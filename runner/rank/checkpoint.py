@@ -301,13 +301,15 @@ class Control:
     ):
         self.workers, self.stop_file = workers, run_dir / STOP
         self.checkpointer, self.interval = checkpointer, interval
-        self.join_file = run_dir / JOIN
+        self.join_file, self.join_unreadable = run_dir / JOIN, False
         self.flags = torch.zeros(4, dtype=torch.float64)
         #: Worker 0, at each agreement: whether a validation is due (``train.val_every_s``; None: never).
         self.validation_due: Callable[[], bool] | None = None
         self.comm: Comm | None = None
         self.next_poll, self.forced, self.request = (start // interval + 1) * interval, False, None
         if split:  # (not: a worker spawned into the job; it splits with the others when welcomed)
+            if workers.rank == 0:
+                self.drop_stale_join()
             self.reset(self.next_poll, forced=False)
 
     def reset(self, next_poll: int, forced: bool = True) -> None:
@@ -334,7 +336,7 @@ class Control:
         if self.workers.rank == 0:
             self.flags[0] = float(self.checkpointer.time_due())
             self.flags[1] = float(self.stop_file.exists())
-            self.flags[2] = float(self.join_requested())
+            self.flags[2] = float(self.join_granted())
             self.flags[3] = float(self.validation_due is not None and self.validation_due())
         else:
             self.flags.zero_()
@@ -343,18 +345,48 @@ class Control:
 
     def join_requested(self) -> int:
         """Worker 0: the workers ``RUN_DIR/JOIN`` asks to add (its text, a number; empty: 1), taken once
-        (the file is removed); 0 without one. A text that is not a number is named and ignored."""
+        (the file is removed); 0 without one. A text that is not a small number is named in one warning and
+        ignored (:func:`runner.rank.elastic.join_count`)."""
+        from runner.rank.elastic import JOIN_READ, join_count
+
         try:
-            text = self.join_file.read_text().strip()
+            with open(self.join_file, "rb") as f:
+                text = f.read(JOIN_READ).decode(errors="replace")
             self.join_file.unlink()
-        except OSError:
+        except FileNotFoundError:
             return 0
-        if text == "":
-            return 1
-        if not text.lstrip("+").isdigit():
-            print(f"warning: {self.join_file} says {text[:40]!r}: write the number of workers to add, e.g. 2")
+        except OSError as err:  # (a folder in its place): said once, not at every agreement
+            if not self.join_unreadable:
+                print(
+                    f"warning: {self.join_file} cannot be read ({err.strerror or err}); ignored", flush=True
+                )
+            self.join_unreadable = True
             return 0
-        return int(text)
+        count, problem = join_count(text)
+        if problem is not None:
+            print(f"warning: {self.join_file} {problem}; ignored (the file is removed)", flush=True)
+        return count
+
+    def join_granted(self) -> int:
+        """Worker 0, at an agreement: :meth:`join_requested`, refused in one warning (0) when this job cannot
+        grow (:func:`runner.rank.elastic.growth_refusal`: no fault tolerance, or NCCL or gloo)."""
+        from runner.rank.elastic import growth_refusal
+
+        count = self.join_requested()
+        refusal = growth_refusal(self.workers) if count else None
+        if refusal is not None:
+            print(f"warning: {self.join_file} refused: {refusal}; the file is removed", flush=True)
+            return 0
+        return count
+
+    def drop_stale_join(self) -> None:
+        """Worker 0, as the job starts: remove a ``RUN_DIR/JOIN`` an earlier job of the run folder left
+        (older than this job's ``config.yaml``), so that ``resume=`` does not apply an old request."""
+        from runner.rank.elastic import stale_join
+
+        if stale_join(self.join_file.parent, self.join_file):
+            self.join_file.unlink(missing_ok=True)
+            print(f"warning: {self.join_file} was left by an earlier job: removed, not applied", flush=True)
 
     def close(self) -> None:
         """Complete the all-reduce in flight (every worker calls this at the same step)."""

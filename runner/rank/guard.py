@@ -6,7 +6,8 @@ the run as diverged, or skip the step everywhere), keeps the BatchNorm statistic
 must not leave behind, and refuses to checkpoint a model that is no longer finite. With ``stop`` (and no
 fp16 gradient scaler) its checks stay on the device and are read every ``train.log_every`` steps, so a
 GPU step needs no host synchronisation. :func:`collapse` calls a run diverged whose validation loss, though
-finite, exploded (``train.diverge_at``).
+finite, exploded (``train.diverge_at``); :func:`fell_to_chance` one whose classifier ended at chance after
+having been well above it (``train.collapse_margin``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,34 @@ def collapse(loss: float, first: float, factor: float | None) -> str | None:
             f"train.diverge_at={factor:g}"
         )
     return None
+
+
+def fell_to_chance(
+    history: list[dict[str, float]], prefix: str, classes: int | None, margin: float | None
+) -> str | None:
+    """Why the run's last validation (``history``, the reported model's keys starting with ``prefix``) means
+    its classifier of ``classes`` classes collapsed (None: it did not, or no margin, class count or
+    accuracy): an earlier validation well above chance, accuracy at least ``chance + 2·margin·(1 − chance)``,
+    and now either its accuracy within ``chance + margin·(1 − chance)``, or its loss above chance level
+    (``ln classes``, a uniform guess's) while its accuracy is no longer well above chance."""
+    acc_key, loss_key = f"{prefix}val_acc", f"{prefix}val_loss"
+    accs = [r[acc_key] for r in history if acc_key in r]
+    if margin is None or classes is None or classes < 2 or len(accs) < 2:
+        return None
+    chance, level = 1 / classes, math.log(classes)
+    near, above = chance + margin * (1 - chance), chance + 2 * margin * (1 - chance)
+    best, final, loss = max(accs[:-1]), accs[-1], history[-1].get(loss_key)
+    lost = final <= near or (loss is not None and loss > level and final < above)
+    if best < above or not lost:
+        return None
+    shown = (
+        f", validation loss {loss:.4g} (chance level ln {classes} = {level:.3g})" if loss is not None else ""
+    )
+    return (
+        f"validation accuracy fell from {best:.4g} (its best) to {final:.4g}, near chance ({chance:.3g}, "
+        f"1 of {classes} classes){shown}: the model collapsed; lower optim.lr or change the rule's settings, "
+        f"or train.collapse_margin=null to end such a run ok (now {margin:g})"
+    )
 
 
 class Guard:

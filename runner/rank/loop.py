@@ -25,7 +25,7 @@ from runner.rank.assignment import (
     val_chunks,
 )
 from runner.rank.checkpoint import Control, Decision, rng_state, set_rng_state
-from runner.rank.guard import Diverged, Guard, collapse
+from runner.rank.guard import Diverged, Guard, collapse, fell_to_chance
 from runner.rank.heartbeat import Heartbeat
 from runner.rank.meter import Meter
 from runner.rank.metrics import MetricsLog
@@ -213,6 +213,10 @@ class Trainer:
                 )
                 break
         self.meter.close()
+        classes = None if self.preempted else getattr(self.task, "num_classes", None)
+        why = fell_to_chance(self.history, self.reported_prefix, classes, self.cfg.collapse_margin)
+        if why is not None:  # ended at chance, after being well above it (before its final checkpoint)
+            raise Diverged(f"step {pos.step}: {why}; {self.guard.kept_checkpoint()}")
         self.tolerant(self.end, pos, epochs, start)
         return reported, self._summary(epochs, pos.step)
 

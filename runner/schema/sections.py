@@ -32,6 +32,9 @@ class TrainConfig:
     same_init: bool = True
     on_nonfinite: str = "stop"
     diverge_at: float | None = 100.0
+    #: A classifier that ends near chance after having been well above it ends diverged (runner/rank/guard.py,
+    #: ``fell_to_chance``): near is within this fraction of the way from chance to a perfect accuracy.
+    collapse_margin: float | None = 0.15
     stall_timeout: float | None = 300.0
     precision: str = "fp32"
     accumulate: int = 1
@@ -59,6 +62,13 @@ class TrainConfig:
             self.diverge_at,
             "a multiple of the run's first validation loss, > 1 (e.g. 100), or null to never call a finite "
             "loss diverged",
+        )
+        require(
+            self.collapse_margin is None or 0 < self.collapse_margin < 0.5,
+            "collapse_margin",
+            self.collapse_margin,
+            "a fraction of the way from chance to a perfect accuracy, 0 < margin < 0.5 (e.g. 0.15), or null "
+            "to end a run that fell to chance ok",
         )
         require(
             self.stall_timeout is None or self.stall_timeout > 0,

@@ -39,6 +39,7 @@ class Classification(Task):
         self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, num_classes: int | None
     ):
         super().__init__(loss)
+        self.num_classes = num_classes  # (None: not known) chance is 1 / num_classes (train.collapse_margin)
         self.top5 = num_classes is not None and num_classes > 5
 
     def default_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
