@@ -1,14 +1,18 @@
 """CIFAR-10 from its "python version" batch files (Krizhevsky 2009): ``data_batch_1..5``, ``test_batch``.
 
-Training batches get the standard augmentation (random 32×32 crop of the image zero-padded by 4, random
-horizontal flip); both splits are standardised with the usual per-channel CIFAR-10 mean and std.
+The files are read as data (:class:`BatchUnpickler`: numpy arrays, dicts, lists, strings and numbers only),
+so a crafted batch file cannot run code when the data set loads. Training batches get the standard
+augmentation (random 32×32 crop of the image zero-padded by 4, random horizontal flip); both splits are
+standardised with the usual per-channel CIFAR-10 mean and std.
 """
 
 from __future__ import annotations
 
+import codecs
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,11 +27,53 @@ MEAN, STD = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
 SHAPE, CLASSES = [3, 32, 32], 10
 
 
-def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Images (N, 3, 32, 32) uint8 and labels (N,) of one batch file; a clear error if it is not one."""
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    """What a pickled numpy array names (under numpy 1's and numpy 2's module names), and nothing else."""
     try:
-        with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+        from numpy._core import multiarray, numeric  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray, numeric
+
+    found: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    for core in ("numpy.core", "numpy._core"):
+        found[(f"{core}.multiarray", "_reconstruct")] = multiarray._reconstruct
+        found[(f"{core}.multiarray", "scalar")] = multiarray.scalar
+        found[(f"{core}.numeric", "_frombuffer")] = numeric._frombuffer  # protocol 5
+    return found
+
+
+#: Plain types a batch file (pickled by Python 2 or 3, protocol 2 or later) may name besides numpy's.
+PLAIN = {
+    **{(m, t.__name__): t for m in ("builtins", "__builtin__") for t in (bytearray, set, frozenset, complex)},
+    ("_codecs", "encode"): codecs.encode,  # bytes pickled by Python 3 with protocol 2
+}
+
+
+class BatchUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR batch file as data: dicts, lists, strings, numbers and numpy arrays. Any other
+    global the file names (a function to call: ``os.system``, ``subprocess.run``...) is refused, so a
+    crafted file cannot run code when the data set loads."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = {**_numpy_globals(), **PLAIN}
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR batch file does not hold")
+        return allowed[(module, name)]
+
+
+def load_batch(path: Path) -> Any:
+    """The object pickled in the batch file at ``path``, read with :class:`BatchUnpickler`."""
+    with open(path, "rb") as f:
+        return BatchUnpickler(f, encoding="bytes").load()
+
+
+def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 3, 32, 32) uint8 and labels (N,) of one batch file; a clear error if it is not one (a file
+    naming anything but data is refused, never run)."""
+    try:
+        batch = load_batch(path)
+        if not isinstance(batch, dict):
+            raise TypeError(f"it holds a {type(batch).__name__}, not a dict")
         x = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         y = np.asarray(batch.get(b"labels", batch.get(b"fine_labels")), dtype=np.int64)
     except Exception as err:  # any unpickling or shape problem means the same thing to the user

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from runner.run_folder import (
 )
 from runner.schema.config import load_structured
 from runner.schema.identity import override_key
+from runner.schema.trust import check_paths, targets
 
 log = logging.getLogger("runner")
 
@@ -83,7 +86,8 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
                 f"drop {override!r}, or start a new run. Safe to change: "
                 + ", ".join(s.rstrip(".") + ("*" if s.endswith(".") else "") for s in SAFE_TO_CHANGE)
             )
-    resumed = load_structured(run_dir / CONFIG)
+    resumed = load_structured(run_dir / CONFIG)  # its _schemas_ checked before any is imported
+    check_targets(resumed, run_dir / CONFIG)
     for override in overrides:
         key = override_key(override)
         if not key.startswith("hydra.") and key != "resume":
@@ -104,6 +108,30 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     for error in (run_dir / LOGS).glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir
+
+
+def check_targets(resumed: DictConfig, config: Path) -> None:
+    """Refuse a run folder's ``config.yaml`` whose ``_target_`` nodes are not the kind of object their keys
+    build (:mod:`runner.schema.trust`): the standard library's here, without importing anything; the rest by
+    ``python -m runner.schema.trust`` (which imports the targets' modules and torch, which this process does
+    not), only when there is any. Raises ValueError with its reason."""
+    found = targets(OmegaConf.to_container(resumed, resolve=True))
+    if not found:
+        return
+    check_paths(found, str(config))
+    argv = [sys.executable, "-m", "runner.schema.trust", str(config)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"{config}: its targets could not be checked ({err})") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        if done.returncode == 2 and lines:
+            raise ValueError(lines[-1])
+        raise ValueError(
+            f"{config}: its targets could not be checked (python -m runner.schema.trust, exit "
+            f"{done.returncode}): {done.stderr.strip()}"
+        )
 
 
 def resume_checkpoint(run_dir: Path, given: str) -> dict[str, Any]:

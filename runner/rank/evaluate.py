@@ -3,7 +3,9 @@
 ``python -m runner.rank.evaluate RUN_DIR`` (what ``eval=RUN_DIR`` starts) is one process, without MPI: it
 builds the run's model, task and data from the run folder's ``config.yaml``, loads ``model.pt`` (the model the
 run reported), evaluates it on the whole validation set with the run's precision, prints the metrics and
-writes them to ``RUN_DIR/eval.json``.
+writes them to ``RUN_DIR/eval.json``. Nothing is built before the config is checked
+(:mod:`runner.schema.trust`: a run folder's file is data, never code), and ``model.pt`` is checked against
+the size and CRC-32 written with it (``model.pt.crc``, :mod:`runner.rank.saved_model`) before it is loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runner.rank.checkpoint import load_checked
+from runner.rank.saved_model import load_model
 from runner.rank.validation import validation_sums
 from runner.run_folder import CONFIG, EVAL, MODEL
 
@@ -28,7 +30,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     cfg = load(run_dir / CONFIG)
     device = torch.device("cuda" if cfg.hardware.device != "cpu" and torch.cuda.is_available() else "cpu")
     model = cfg.model.build().to(device)
-    state = load_checked(run_dir / MODEL, None, "train the run again to evaluate it", map_location=device)
+    state = load_model(run_dir / MODEL, "train the run again to evaluate it", map_location=device)
     model.load_state_dict(state)
     data = cfg.data.build()
     task = cfg.task.build(data.num_classes)

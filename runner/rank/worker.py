@@ -43,7 +43,6 @@ from runner.rank.checkpoint import (
     latest_checkpoint,
     load_part,
     rng_state,
-    save_atomic,
     set_rng_state,
 )
 from runner.rank.elastic import Elastic, arrive
@@ -56,6 +55,7 @@ from runner.rank.metrics import MetricsLog
 from runner.rank.output import redirect_output, root_cause
 from runner.rank.placement import choose_transport, place_rank
 from runner.rank.recovery import Recovery
+from runner.rank.saved_model import save_model
 from runner.rank.state import Position, broadcast_state, run_length
 from runner.rules.base import RuleContext, split_roles
 from runner.run_folder import (
@@ -424,9 +424,9 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
     if comm.rank == 0:
         rank.checkpointer.fence.check("the model and summary.json")
     if cfg.train.save_model != "none" and comm.rank == 0:
-        save_atomic(reported.state_dict(), run_dir / MODEL)
+        save_model(reported.state_dict(), run_dir / MODEL)
     if cfg.train.save_model == "all":
-        save_atomic(trainer.model.state_dict(), rank_model(run_dir, comm.rank))
+        save_model(trainer.model.state_dict(), rank_model(run_dir, comm.rank))
     if comm.rank != 0:
         return
     model = trainer.model

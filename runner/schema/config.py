@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from runner.schema import GROUPS, option_name, require
 from runner.schema.logger import DEFAULT_LOGGERS, as_loggers
 from runner.schema.sections import CheckpointConfig, SimulateConfig, TrainConfig
 from runner.schema.target import of_node
+from runner.schema.trust import check_kinds, check_schema_class, check_schemas, targets
 
 #: ``_schemas_`` entry of a group given by its class (``model=custom model._target_=...``): no schema.
 TARGET_NODE = "target"
@@ -216,16 +218,27 @@ def load_structured(path: str | Path) -> DictConfig:
     raw = OmegaConf.load(path)
     if "logger" not in raw:  # written before the logger group: TensorBoard alone
         raw.logger = {name: {} for name in DEFAULT_LOGGERS}
-    schemas = {**SCHEMAS_BEFORE, **{g: packaged(p) for g, p in raw.pop("_schemas_").items()}}
+    given = raw.pop("_schemas_", None)
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{path}: _schemas_ is missing or not a mapping: not a run folder's config.yaml")
+    schemas = {**SCHEMAS_BEFORE, **{g: packaged(p) if isinstance(p, str) else p for g, p in given.items()}}
+    # before importing any of them: the file may come from anywhere
+    check_schemas(schemas, str(path), {TARGET_NODE: TARGET_GROUPS})
     top = OmegaConf.structured(Config)
     for group, cls_path in schemas.items():
         node = raw.pop(group, {})
-        top[group] = (
-            node if cls_path == TARGET_NODE else OmegaConf.merge(OmegaConf.structured(locate(cls_path)), node)
-        )
+        if cls_path == TARGET_NODE:
+            top[group] = node
+            continue
+        cls = locate(cls_path)
+        check_schema_class(group, cls_path, cls, str(path))
+        top[group] = OmegaConf.merge(OmegaConf.structured(cls), node)
     return OmegaConf.merge(top, raw)
 
 
 def load(path: str | Path) -> Config:
-    """The checked config of a run folder's ``config.yaml``."""
-    return OmegaConf.to_object(load_structured(path))
+    """The checked config of a run folder's ``config.yaml``; what it names is checked to be of the kind its
+    key builds before anything is built (:mod:`runner.schema.trust`)."""
+    structured = load_structured(path)
+    check_kinds(targets(OmegaConf.to_container(structured, resolve=True)), str(path))
+    return OmegaConf.to_object(structured)
