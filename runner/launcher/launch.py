@@ -48,6 +48,7 @@ from runner.run_folder import (
     EXIT,
     GENERATION,
     IDENTITY,
+    JOIN,
     LOGS,
     LOST,
     METRICS,
@@ -127,6 +128,7 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STOP).unlink(missing_ok=True)  # a previous job's stop request
+        (run_dir / JOIN).unlink(missing_ok=True)  # and its join request
         (run_dir / LOGS / LOST).unlink(missing_ok=True)  # and the ranks it lost
         for claimed in (run_dir / LOGS).glob(f"{GENERATION}.*"):  # and its memberships
             claimed.unlink(missing_ok=True)
@@ -332,6 +334,10 @@ def launch(
     finally:
         if planned.lease is not None:
             planned.lease.release()
+        try:  # a join request the job did not take: not for the next job on this folder
+            (run_dir / JOIN).unlink(missing_ok=True)
+        except OSError:
+            pass
     summary = conclude(cfg, run_dir, outcome, time.time() - start, load_start)
     monitor = summary.get("monitor", "val_acc")
     log.info(
