@@ -3,7 +3,11 @@
 MPI keeps launching, binding, control, the small messages and ULFM's failure detection; this transport
 carries the large tensors' collectives, as Horovod splits the work. Rank 0 of the MPI communicator opens a
 ``TCPStore`` on port 0 (the operating system picks a free port, so there is no race) and broadcasts its
-address over MPI; every rank then makes a process group of the backend over that store. The groups are
+address over MPI; every rank then makes a process group of the backend over that store. The store is the
+job's own: it listens only where the ranks reach it (the loopback on one node, ``store_host``'s address on
+several), on a socket bound here and handed to torch (``master_listen_fd``), and its keys live under a random
+secret rank 0 makes and broadcasts over MPI (which connects only the job's ranks), new per generation, so a
+process that finds the port can neither guess nor overwrite them. The groups are
 torch's backend objects used directly, not ``init_process_group``'s global one, so that a new group can
 replace one that lost a rank (:meth:`Transport.rebuild`): the store moves to the new rank 0, a survivor, and
 the old group is aborted and kept, never destroyed (destroying waits for operations a dead peer will never
@@ -13,7 +17,9 @@ finish). It imports no MPI binding: the MPI communicator is handed in by :mod:`r
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +58,40 @@ def store_host(comm: Comm) -> str:
     return "127.0.0.1" if comm.local_size() == comm.size else socket.gethostname()
 
 
+def listen(host: str, one_node: bool) -> tuple[int, str, int]:
+    """A socket listening for the store on a free port (port 0: no race): its descriptor, which torch's
+    store takes over (and closes), the address the ranks connect to, and the port. On one node it is on the
+    loopback only; on several on ``host``'s address only (the first this machine can bind that is not a
+    loopback one), else, where ``host`` names none, on every interface: the secret keys still keep the store
+    the job's."""
+    if one_node:
+        addresses = [(socket.AF_INET, "127.0.0.1")]
+    else:
+        try:
+            infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        addresses = [(info[0], str(info[4][0])) for info in infos if not _loopback(str(info[4][0]))]
+    for family, address in addresses:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((address, 0))
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            continue
+        port = sock.getsockname()[1]
+        return sock.detach(), address, port
+    sock = socket.create_server(("", 0), backlog=socket.SOMAXCONN)
+    port = sock.getsockname()[1]
+    return sock.detach(), host, port
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (numeric, IPv4 or IPv6) is a loopback one."""
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
 class Transport:
     """A process group of ``backend`` (``nccl`` or ``gloo``) over the ranks of the MPI communicator
     ``comm``, in the same order; collective over ``comm`` to make. Its operations return torch's ``Work``
@@ -75,14 +115,19 @@ class Transport:
             self._retire(self.group)
         host = store_host(comm)  # collective (it asks which ranks share a node)
         if comm.rank == 0:
-            store = c10d.TCPStore(host, 0, comm.size, True, self.timeout, wait_for_workers=False)
+            fd, host, port = listen(host, comm.local_size() == comm.size)
+            store = c10d.TCPStore(
+                host, port, comm.size, True, self.timeout, wait_for_workers=False, master_listen_fd=fd
+            )
             self.generation += 1
-            comm.broadcast_object((host, store.port, self.generation))
+            secret = secrets.token_hex(16)  # the keys' names: only the job's ranks learn them (over MPI)
+            comm.broadcast_object((host, port, self.generation, secret))
         else:  # rank 0's count names the keys, so that every rank uses the same ones
-            host, port, self.generation = comm.broadcast_object(None)
+            host, port, self.generation, secret = comm.broadcast_object(None)
             store = c10d.TCPStore(host, port, comm.size, False, self.timeout)
-        self.store = store
-        prefixed = c10d.PrefixStore(f"mpitrain/{self.generation}", store)
+        self.port: int = port
+        self.store = c10d.PrefixStore(secret, store)  # (it keeps ``store`` alive)
+        prefixed = c10d.PrefixStore(f"mpitrain/{self.generation}", self.store)
         self.group = self._group(prefixed, comm)
 
     def _group(self, store: Any, comm: Comm) -> Any:
