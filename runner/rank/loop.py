@@ -168,8 +168,10 @@ class Trainer:
             self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
         self.val_share: Callable[[int, int], DataLoader] | None = None  # (r, n) -> loader of share r of n
         self.whole_val: DataLoader | None = None  # the loader of the whole validation set (alone)
-        self.solo_sent = 0  # validations taken alone and sent to worker 0 this epoch
+        self.solo_sent: list[tuple[int, list[float]]] = []  # validations taken alone and sent to worker 0
+        # this epoch, on the workers' communicator as it is: (this worker's rank, the message)
         self.solo_got = 0  # worker 0: those it received
+        self.solo_seen: set[tuple[int, float]] = set()  # worker 0: their (sender's rank, time)
         self.val_asked = 0  # train.val_every_s: the last validation by time asked for (or claimed)
         by_claim = self.dealer is not None and self.rule.solo_validation  # the free worker claims it
         timed = self.cfg.val_every_s is not None and not by_claim
@@ -528,7 +530,7 @@ class Trainer:
             head = [len(sums), pos.step, pos.epoch, time.time(), -1 if due is None else due]
             message = torch.tensor([*head, *sums], dtype=torch.float64)
             self.workers.send(message, 0, VALIDATED)
-            self.solo_sent += 1
+            self.solo_sent.append((self.workers.rank, message.tolist()))
         self.check_collapse(results.get("loss"), pos.step)
 
     def newly_due(self) -> int | None:
@@ -580,20 +582,40 @@ class Trainer:
         buf = torch.empty(5 + SUMS_SENT, dtype=torch.float64)
         while self.solo_got < expected if expected is not None else self.workers.iprobe(tag=VALIDATED):
             source, _ = self.workers.recv(buf, tag=VALIDATED)
-            n, step, epoch, at, due = buf[:5].tolist()
-            results = self.task.results(buf[5 : 5 + int(n)].tolist())
-            self.record_alone(int(step), int(epoch), at, results, source, None if due < 0 else int(due))
+            self.record_message(source, buf.tolist())
             self.solo_got += 1
+
+    def record_message(self, source: int, message: list[float]) -> None:
+        """Worker 0: record a validation worker ``source`` took alone, as :meth:`validate_alone` sent it."""
+        n, step, epoch, at, due = message[:5]
+        self.solo_seen.add((source, at))
+        results = self.task.results(message[5 : 5 + int(n)])
+        self.record_alone(int(step), int(epoch), at, results, source, None if due < 0 else int(due))
 
     def gather_validations(self) -> None:
         """Collective over the workers (dynamic assignment, rules that validate alone): worker 0 records
         every validation taken alone this epoch before the epoch's own records."""
         if self.dealer is None or not self.rule.solo_validation:
             return
-        sent = self.workers.allreduce_values([float(self.solo_sent)])[0]
+        sent = self.workers.allreduce_values([float(len(self.solo_sent))])[0]
         if self.workers.rank == 0:
             self.collect_validations(expected=round(sent))
-        self.solo_sent = self.solo_got = 0
+        self.solo_sent, self.solo_got, self.solo_seen = [], 0, set()
+
+    def resend_validations(self, record: bool) -> None:
+        """Collective over the workers once their communicator was replaced (workers lost or joined): the
+        validations taken alone that worker 0 had not received went with the old one (worker 0 would wait
+        for them at the epoch's end), so every worker hands those it sent over again, worker 0 records the
+        ones it had not (``record`` False: a new worker 0, which cannot tell what the lost one recorded),
+        and the count of those on their way starts over."""
+        if self.dealer is None or not self.rule.solo_validation:
+            return
+        sent = self.workers.allgather_object(self.solo_sent)
+        if self.workers.rank == 0 and record:
+            for source, message in (m for row in sent for m in row):
+                if (source, message[3]) not in self.solo_seen:
+                    self.record_message(source, message)
+        self.solo_sent, self.solo_got, self.solo_seen = [], 0, set()
 
     def validate(self, epoch: int, step: int, **extra: Any) -> nn.Module:
         """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
@@ -679,6 +701,7 @@ class Trainer:
                 if joined:
                     pos, mid_epoch = self.unpack(package)
         sub.free()
+        self.resend_validations(record=True)  # (worker 0 stays worker 0)
         if self.dealer is None:
             sampler = self.train_loader.sampler
             plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
@@ -754,6 +777,7 @@ class Trainer:
 
     def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
         self.rule.recover()
+        self.resend_validations(record=before[0] not in lost)
         self.val_loader = val_loader
         self.control.reset(next_poll)
         self.meter.world = self.workers.size

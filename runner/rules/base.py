@@ -199,33 +199,37 @@ class Rule:
         """Server ranks: ``handle(source, tag)`` each message of the workers in arrival order until every
         worker has sent tag ``done`` or was lost; when every living worker has sent tag ``checkpoint``
         (a float64 header: the step), save this server's state. A lost worker (its messages fail, or it dies
-        while the server waits) is no longer served, and a push or exchange it did not finish is dropped."""
+        while the server waits) is no longer served, and a push or exchange it did not finish is dropped.
+        Which workers asked for the checkpoint is kept by id: a loss noticed after every survivor asked
+        (they wait for this server in the checkpoint) saves at once; a lost worker's ask counts no more."""
         from runner.comm import PeerLost
 
         header = torch.zeros(1, dtype=torch.float64)
         living = {self.comm.launch_rank(r) for r in range(self.num_workers)}
         finished: set[int] = set()
-        asked = 0
+        asked: set[int] = set()
         while living - finished:
             try:
+                if asked and living <= asked:
+                    asked = set()
+                    self.save(int(header), self.state_dict())
+                    continue
                 source, tag = self.comm.probe()
                 if tag in (done, checkpoint, GROW):
                     self.comm.recv(header, source, tag)
                 if tag == GROW:  # the workers grow the job (runner/rank/elastic.py)
                     self.grow_job()
-                    self.num_workers, asked = self.comm.size - self.num_servers, 0
+                    self.num_workers, asked = self.comm.size - self.num_servers, set()
                     living = {self.comm.launch_rank(r) for r in range(self.num_workers)} - finished
                 elif tag == done:
                     finished.add(self.comm.launch_rank(source))
                 elif tag == checkpoint:
-                    asked += 1
-                    if asked >= len(living):
-                        asked = 0
-                        self.save(int(header), self.state_dict())
+                    asked.add(self.comm.launch_rank(source))
                 else:
                     handle(source, tag)
             except PeerLost:
                 living -= set(self.comm.lost_peers_ids()) - finished
+                asked &= living
         assert self.comm.iprobe() is None, "a message was left in flight"
 
     # -- helpers for rules that report a model other than the local one -----------------------------------

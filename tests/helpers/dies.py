@@ -2,12 +2,20 @@
 rank, to test ``hardware.fault_tolerance=continue``.
 
 Selected with ``hydra.searchpath=[file://tests/conf]`` and ``model=dies model.die_rank=2 model.die_at=30``.
+``model.die_after_val=N`` kills it instead at its N-th training forward call after its first validation
+pass (a forward call in eval mode, of this model or a copy of it: the servers' or the center's model).
+``model.val_marker=PATH`` kills it as soon as another worker validated, wherever it is then (a thread
+watches for the file, which the ranks other than ``die_rank`` and 0 create when they validate, as a worker
+that validates alone and sends worker 0 its results does); ``model.hold_rank=0 model.hold_s=1`` then has
+rank 0 sleep a second at its first training forward call after the file appeared (the results it was sent
+wait for it meanwhile).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,29 +24,82 @@ import torch
 
 from runner.models.cnn import CNNConfig
 
+#: Whether this process ran a forward call in eval mode (a validation); shared by the model's copies.
+_validated = [False]
+
+
+def launch_rank() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", -1))
+
 
 class Dies(torch.nn.Module):
-    """Wraps a model; its ``at``-th training forward call on launch rank ``rank`` kills the process."""
+    """Wraps a model; its ``at``-th training forward call on launch rank ``rank`` kills the process (with
+    ``after_val`` > 0: its ``after_val``-th training forward call after its first validation; with
+    ``marker``: as soon as that file exists, made by another worker's validation; ``hold``: rank
+    ``hold[0]`` then sleeps ``hold[1]`` seconds once, at a training forward call)."""
 
-    def __init__(self, inner: torch.nn.Module, rank: int, at: int):
+    def __init__(
+        self,
+        inner: torch.nn.Module,
+        rank: int,
+        at: int,
+        after_val: int = 0,
+        marker: str | None = None,
+        hold: tuple[int, float] = (-1, 0.0),
+    ):
         super().__init__()
-        self.inner, self.rank, self.at, self.calls = inner, rank, at, 0
+        self.inner, self.rank, self.at, self.after_val = inner, rank, at, after_val
+        self.marker = Path(marker) if marker else None
+        self.hold = hold  # (launch rank, seconds): that rank sleeps once, when the marker appeared
+        self.calls = self.calls_after_val = 0
+        if self.marker is not None and launch_rank() == rank:
+            die_on(self.marker)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and not os.environ.get("MPITRAIN_TEST_NO_DIE"):  # (set: a resumed run lives on)
+        if not self.training:
+            _validated[0] = True
+            if self.marker is not None and launch_rank() not in (self.rank, 0):
+                self.marker.touch()
+        elif not os.environ.get("MPITRAIN_TEST_NO_DIE"):  # (set: a resumed run lives on)
             self.calls += 1
-            if self.calls == self.at and int(os.environ.get("OMPI_COMM_WORLD_RANK", -1)) == self.rank:
-                stamp = os.environ.get("MPITRAIN_KILL_STAMP")  # benchmarks/fault_tolerance.py: when
-                if stamp:
-                    Path(stamp).write_text(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+            self.calls_after_val += _validated[0]
+            if self.marker is not None and self.hold[0] == launch_rank() and self.marker.exists():
+                time.sleep(self.hold[1])
+                self.hold = (-1, 0.0)
+            due = self.calls_after_val == self.after_val if self.after_val else self.calls == self.at
+            if due and launch_rank() == self.rank:
+                die()
         return self.inner(x)
+
+
+def die() -> None:
+    stamp = os.environ.get("MPITRAIN_KILL_STAMP")  # benchmarks/fault_tolerance.py: when
+    if stamp:
+        Path(stamp).write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_on(marker: Path) -> None:
+    """Kill this process as soon as ``marker`` exists (a daemon thread polls for it every 2 ms)."""
+
+    def watch() -> None:
+        while not marker.exists():
+            time.sleep(0.002)
+        die()
+
+    if not os.environ.get("MPITRAIN_TEST_NO_DIE"):
+        threading.Thread(target=watch, daemon=True).start()
 
 
 @dataclass
 class DiesCNNConfig(CNNConfig):
     die_rank: int = 2
     die_at: int = 30  # training forward calls of that rank
+    die_after_val: int = 0  # N > 0 instead: its N-th training forward call after a validation
+    val_marker: str | None = None  # a file: die as soon as another worker (not 0) validated
+    hold_rank: int = -1  # with val_marker: this rank sleeps hold_s once, at its first step after it appeared
+    hold_s: float = 0.0
 
     def build(self) -> torch.nn.Module:
-        return Dies(super().build(), self.die_rank, self.die_at)
+        hold = (self.hold_rank, self.hold_s)
+        return Dies(super().build(), self.die_rank, self.die_at, self.die_after_val, self.val_marker, hold)

@@ -1,0 +1,51 @@
+"""A worker of a server-based rule (ASGD, async EASGD) killed right after another worker took a validation
+alone and sent worker 0 its results: under ``continue`` and ``heal`` the survivors go on and the job ends
+ok. The message went with the communicator the survivors replaced; worker 0 used to wait for it at the
+epoch's end while the others waited for worker 0 (the stall watchdog ended the job, exit 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+RULES = {"asgd": ["rule=asgd"], "easgd-async": ["rule=easgd", "rule.variant=async"]}
+
+
+@pytest.mark.parametrize("tolerance", ["continue", "heal"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_worker_killed_after_a_validation_taken_alone_is_survived(tmp_path, rule, tolerance):
+    """3 workers, validations every 4 chunks, each taken by the worker that draws its chunk: worker 2 dies
+    as soon as worker 1 validated (tests/helpers/dies.py), while worker 0 sleeps a second in a step, so
+    worker 1's results wait for it when the survivors replace their communicator."""
+    run = run_cli(
+        tmp_path / "run",
+        "hydra.searchpath=[file://tests/conf]",
+        "model=dies",
+        "devices=3",
+        "hardware.oversubscribe=true",
+        f"hardware.fault_tolerance={tolerance}",
+        *RULES[rule],
+        "model.die_rank=2",
+        "model.die_at=0",
+        f"model.val_marker={tmp_path / 'validated'}",
+        "model.hold_rank=0",
+        "model.hold_s=1",
+        "train.val_every=0.1",
+        f"train.epochs={2 if tolerance == 'heal' else 1}",  # heal: an agreement after a late loss too
+        "train.stall_timeout=60",  # a deadlock ends the job (exit 4), not the test's timeout
+        timeout=150,
+    )
+    assert run.returncode == 0, run.output
+    summary = run.summary
+    assert summary["status"] == "ok" and summary["exit_status"] == 0
+    [failure] = summary["failures"]
+    assert failure["rank"] == 2
+    assert summary["workers_at_end"] == (3 if tolerance == "heal" else 2), summary
+    alone = [r for r in run.records("val") if r.get("alone")]
+    assert any(r["by"] == 1 for r in alone), "worker 1 validated alone, and worker 0 recorded it"
+    if tolerance == "heal":
+        [join] = summary["joins"]
+        assert join["rank"] == 4 and join["step"] >= failure["step"]
