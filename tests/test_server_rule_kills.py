@@ -19,7 +19,8 @@ RULES = {"asgd": ["rule=asgd"], "easgd-async": ["rule=easgd", "rule.variant=asyn
 def test_a_worker_killed_after_a_validation_taken_alone_is_survived(tmp_path, rule, tolerance):
     """3 workers, validations every 4 chunks, each taken by the worker that draws its chunk: worker 2 dies
     as soon as worker 1 validated (tests/helpers/dies.py), while worker 0 sleeps a second in a step, so
-    worker 1's results wait for it when the survivors replace their communicator."""
+    worker 1's results wait for it when the survivors replace their communicator. Workers 0 and 2 are
+    15 ms a step slower, so worker 1 draws validation chunks whatever the machine's load."""
     run = run_cli(
         tmp_path / "run",
         "hydra.searchpath=[file://tests/conf]",
@@ -34,6 +35,10 @@ def test_a_worker_killed_after_a_validation_taken_alone_is_survived(tmp_path, ru
         "model.hold_rank=0",
         "model.hold_s=1",
         "train.val_every=0.1",
+        # workers 0 and 2 a little slower than worker 1, so that worker 1 draws validation chunks on any
+        # machine (without it, worker 1 once drew none: the marker never came and nothing was tested)
+        "simulate.straggler_ranks=[0,2]",
+        "simulate.straggler_ms=15",
         f"train.epochs={2 if tolerance == 'heal' else 1}",  # heal: an agreement after a late loss too
         "train.stall_timeout=60",  # a deadlock ends the job (exit 4), not the test's timeout
         timeout=150,
