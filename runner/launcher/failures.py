@@ -75,6 +75,16 @@ def _after(ranks: list[int]) -> str:
     return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed after it)"
 
 
+def job_output(run_dir: Path, log_start: int) -> str:
+    """This job's part of ``mpirun.log`` (from ``log_start``; a resumed run appends to it), or ""."""
+    try:
+        with open(run_dir / MPIRUN_LOG, "rb") as log:
+            log.seek(log_start)
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def failure_report(
     run_dir: Path, status: int, log_start: int = 0, said: Sequence[tuple[int, str]] = ()
 ) -> Failure:
@@ -97,12 +107,7 @@ def failure_report(
         causes = {}
     for rank, cause in said:
         causes.setdefault(rank, cause)
-    try:
-        with open(run_dir / MPIRUN_LOG, "rb") as log:
-            log.seek(log_start)
-            output = log.read().decode(errors="replace")
-    except OSError:
-        output = ""
+    output = job_output(run_dir, log_start)
     if daemon := LOST_DAEMON.search(output):
         return lost_node(run_dir, daemon.group(1) or daemon.group(2))
     tolerated = read_lost(logs)
