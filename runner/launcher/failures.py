@@ -53,6 +53,13 @@ def lost_node(run_dir: Path, node: str) -> Failure:
     return Failure(message, on_node[0] if on_node else None, cause)
 
 
+def unexplained(status: int) -> str:
+    """The cause of a job that left nothing but mpirun's exit ``status``."""
+    if status < 0:
+        return f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
+    return f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -136,8 +143,5 @@ def failure_report(
     if aborted := ABORTED.search(output):
         cause = f"called MPI_Abort (error code {aborted.group(2)})"
         return Failure(f"rank {aborted.group(1)} {cause}; see {mpirun_log}", int(aborted.group(1)), cause)
-    if status < 0:
-        cause = f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
-    else:
-        cause = f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
+    cause = unexplained(status)
     return Failure(f"{cause}; see {mpirun_log}", None, cause)

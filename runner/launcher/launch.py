@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import run_folder
 from runner.hardware.base import Launch
-from runner.launcher.failures import Failure, failure_report
+from runner.launcher.failures import Failure, failure_report, unexplained
 from runner.launcher.supervise import Outcome, Supervisor
 from runner.results import final_and_best
 from runner.run_folder import (
@@ -214,7 +214,7 @@ def conclude(
         return _complete(job, summary_path, run_dir, outcome, wall, load_start)
     else:
         failure = failure_report(run_dir, outcome.returncode, outcome.log_start, outcome.said)
-        if failure.cause.startswith("the mpirun job exited with status 0 "):  # (ULFM: MPI_Abort exits 0)
+        if failure.cause == unexplained(0) and outcome.returncode == 0:  # (ULFM: MPI_Abort exits 0)
             failure = Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
         status, reason = failure.status, failure.message
         fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}

@@ -77,8 +77,10 @@ class Fence:
 
     def claim(self, members: str) -> bool:
         """Claim the next generation for this rank's membership (``members``: who, for the file); False when
-        another side claimed it first. Called by the new rank 0 alone; every member then calls
-        :meth:`advance`."""
+        another side claimed it first (a fence that is not enabled claims nothing and is never refused).
+        Called by the new rank 0 alone; every member then calls :meth:`advance`."""
+        if not self.enabled:
+            return True
         path = self.dir / f"{GENERATION}.{self.generation + 1}"
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -152,7 +152,7 @@ class Recovery:
         claimed = None
         if self.workers.rank == 0:
             members = ", ".join(f"{r}@{self.hosts[r]}" for r in survivors)
-            claimed = self.fence.claim(members) if self.fence.enabled else True
+            claimed = self.fence.claim(members)
         if not self.workers.broadcast_object(claimed, root=0):
             raise Partitioned(
                 f"partitioned: another side claimed the run folder's membership generation "

@@ -423,8 +423,8 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
     cfg, comm, run_dir = rank.cfg, rank.comm, rank.run_dir
     if comm.rank == 0:
         rank.checkpointer.fence.check("the model and summary.json")
-    if cfg.train.save_model != "none" and comm.rank == 0:
-        save_model(reported.state_dict(), run_dir / MODEL)
+        if cfg.train.save_model != "none":
+            save_model(reported.state_dict(), run_dir / MODEL)
     if cfg.train.save_model == "all":
         save_model(trainer.model.state_dict(), rank_model(run_dir, comm.rank))
     if comm.rank != 0:
