@@ -29,6 +29,7 @@ mpi4py.rc.finalize = False  # processes that import it never do); init() arrange
 from mpi4py import MPI  # noqa: E402
 
 from runner.comm.staging import HostBuffers, Staged, cuda_aware_mpi  # noqa: E402
+from runner.comm.tags import WATCH  # noqa: E402
 from runner.comm.wire import allreduce as wire_allreduce  # noqa: E402
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -37,8 +38,6 @@ ANY_TAG = MPI.ANY_TAG
 #: ULFM's error classes: a peer failed (75, 76 for a pending wildcard receive) or revoked the communicator.
 _FAULTS = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
 F = TypeVar("F", bound=Callable[..., Any])
-#: The tag :meth:`Comm.check_peers` probes for: no message carries it, the probe only asks ULFM.
-_WATCH_TAG = 32001
 
 
 class PeerLost(RuntimeError):
@@ -238,7 +237,7 @@ class Comm:
     @_faults
     def check_peers(self) -> None:
         """Raise :class:`PeerLost` if ULFM knows a peer of this communicator died, or it was revoked."""
-        self._c.Iprobe(source=MPI.ANY_SOURCE, tag=_WATCH_TAG)
+        self._c.Iprobe(source=MPI.ANY_SOURCE, tag=WATCH)
 
     # -- accounting -------------------------------------------------------------------------------
     def _sent(self, t: torch.Tensor, factor: float = 1.0) -> None:

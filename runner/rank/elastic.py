@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runner.comm.mpi import SERVER_KEY
-from runner.rules.base import GROW, split_roles
+from runner.comm.tags import GROW
+from runner.rules.base import split_roles
 
 if TYPE_CHECKING:
     from runner.comm import Comm

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
+from runner.comm.tags import VALIDATED
 from runner.rank.assignment import (
     CHUNKS_PER_WORKER,
     Dealer,
@@ -75,8 +76,6 @@ def delay(seconds: float, spin: bool) -> None:
         pass
 
 
-#: The tag of a validation a worker took alone, sent to worker 0 on the workers' communicator to record.
-VALIDATED = 98
 #: The most validation sums such a message carries (a task's results come from a few).
 SUMS_SENT = 60
 

@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.comm.flat import FlatTensors, flat_copy
+from runner.comm.tags import ASGD_CHECKPOINT as CHECKPOINT
+from runner.comm.tags import ASGD_DONE as DONE
+from runner.comm.tags import ASGD_FETCH as FETCH
+from runner.comm.tags import ASGD_PUSH as PUSH
+from runner.comm.tags import ASGD_PUSH_DATA as PUSH_DATA
+from runner.comm.tags import ASGD_REPLY as REPLY
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, one_of, require
@@ -33,8 +39,6 @@ if TYPE_CHECKING:
     import torch
 else:
     torch = lazy_import("torch")
-
-PUSH, PUSH_DATA, FETCH, REPLY, DONE, CHECKPOINT = 31, 32, 33, 34, 35, 36
 
 
 @dataclass

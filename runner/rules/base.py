@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from runner.comm.flat import FlatTensors, flat_copy, float_buffers
+from runner.comm.tags import GROW
 from runner.comm.wire import wire_dtype
 from runner.lazy import lazy_import
 
@@ -35,9 +36,6 @@ def no_grad(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
-
-#: The message tag worker 0 sends each server when the job grows (:mod:`runner.rank.elastic`).
-GROW = 99
 
 
 def split_roles(comm: Comm, servers: int) -> Comm | None:

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.comm.flat import FlatTensors, flat_copy
+from runner.comm.tags import EASGD_CHECKPOINT as CHECKPOINT
+from runner.comm.tags import EASGD_DONE as DONE
+from runner.comm.tags import EASGD_EXCHANGE as EXCHANGE
+from runner.comm.tags import EASGD_FETCH as FETCH
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, one_of, require
@@ -38,7 +42,6 @@ if TYPE_CHECKING:
 else:
     torch = lazy_import("torch")
 
-EXCHANGE, FETCH, DONE, CHECKPOINT = 11, 12, 13, 14
 DEFAULT_BETA = 0.9
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.comm.flat import FlatTensors
+from runner.comm.tags import GOSGD_PARAMS as PARAMS
+from runner.comm.tags import GOSGD_WEIGHT as WEIGHT
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.schema import RuleConfig, require
@@ -34,8 +36,6 @@ if TYPE_CHECKING:
     from runner.comm import Request
 else:
     torch = lazy_import("torch")
-
-WEIGHT, PARAMS = 21, 22
 
 
 @dataclass
