@@ -131,6 +131,23 @@ def test_async_easgd_is_preempted_resumes_and_finishes(tmp_path):
     assert again.returncode == 0, again.output
     s = Run(again.proc, tmp_path / "cut").summary
     assert s["status"] == "ok" and s["epochs"] == 4 and s["final_val_acc"] > 0.9
+    # the run is finished: resuming it again (its length as it was, or as given again) does nothing
+    before = files(tmp_path / "cut")
+    for extra in ((), ("train.epochs=4",)):
+        done = run_cli(tmp_path / "done", f"resume={tmp_path / 'cut'}", *extra, timeout=120)
+        assert done.returncode == 0, done.output
+        assert "the run finished" in done.output and "train.epochs=N (now 4)" in done.output, done.output
+        assert "run folder:" not in done.output, done.output  # no job was started
+        assert files(tmp_path / "cut") == before
+
+
+def files(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Every file of a run folder but its lock, with its size and modification time."""
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.name != "job.lock"
+    }
 
 
 def test_resume_refuses_a_change_that_the_checkpoint_cannot_take_and_passes_over_a_damaged_one(tmp_path):

@@ -63,9 +63,13 @@ def main(cfg: DictConfig) -> float:
             run_dir = Path(cfg.resume).expanduser()
         with RunFolderLock(run_dir, fresh=not cfg.resume):  # one job per run folder
             if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
-                from runner.launcher.resume import resume_config
+                from runner.launcher.resume import Finished, resume_config
 
-                cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
+                try:
+                    cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
+                except Finished as done:
+                    log.info("%s", done)
+                    return None
                 ident = None
             summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
     except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix

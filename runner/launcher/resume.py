@@ -27,10 +27,12 @@ from runner.run_folder import (
     CONFIG,
     DAMAGED_SUFFIX,
     LOGS,
+    SUMMARY,
     DamagedIndex,
     checkpoint_damage,
     dumps,
     read_checkpoint_index,
+    read_json,
     rebuild_checkpoint_index,
     write_atomic,
 )
@@ -88,10 +90,14 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             )
     resumed = load_structured(run_dir / CONFIG)  # its _schemas_ checked before any is imported
     check_targets(resumed, run_dir / CONFIG)
+    trained = (resumed.train.epochs, resumed.train.max_steps)
     for override in overrides:
         key = override_key(override)
         if not key.startswith("hydra.") and key != "resume":
             OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
+    done = finished(run_dir, trained, (resumed.train.epochs, resumed.train.max_steps))
+    if done is not None:
+        raise Finished(f"resume={cfg.resume}: {done}")
     latest = resume_checkpoint(run_dir, cfg.resume)
     ranks = resumed.devices + OmegaConf.to_object(resumed.rule).extra_ranks()
     if latest["world_size"] != ranks:  # workers were lost (fault tolerance), or joined (elastic)
@@ -108,6 +114,33 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     for error in (run_dir / LOGS).glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir
+
+
+class Finished(Exception):
+    """``resume=`` of a run that ended ok and would train no further: exit 0, nothing written."""
+
+
+def finished(run_dir: Path, trained: tuple[Any, Any], asked: tuple[Any, Any]) -> str | None:
+    """Why resuming ``run_dir`` has nothing to do, or None: its last job ended ok (``summary.json`` newer
+    than the ``config.yaml`` every job writes when it starts, so no later job was cut short) and the run's
+    length (``trained``: its ``train.epochs``, ``train.max_steps``) is what is ``asked`` now."""
+    summary_path = run_dir / SUMMARY
+    result = read_json(summary_path)
+    try:
+        current = summary_path.stat().st_mtime >= (run_dir / CONFIG).stat().st_mtime
+    except OSError:
+        return None
+    if result.get("status") != "ok" or not current or tuple(asked) != tuple(trained):
+        return None
+    monitor = result.get("monitor", "val_acc")
+    final = result.get(f"final_{monitor}")
+    shown = f", final {monitor} {final:.4f}" if isinstance(final, (int, float)) else ""
+    epochs, max_steps = trained
+    return (
+        f"the run finished ({result.get('steps')} steps{shown}): nothing to resume, nothing was written. "
+        f"To train it further, give it a longer run: resume={run_dir} train.epochs=N (now {epochs}"
+        + (f", train.max_steps {max_steps})" if max_steps is not None else ")")
+    )
 
 
 def check_targets(resumed: DictConfig, config: Path) -> None:
