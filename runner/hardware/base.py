@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.hardware.cores import CoreLease
+from runner.hardware.extra_args import check_extra_args
 from runner.hardware.mca import DEFAULT_MCA, check_mca, value_problem
 from runner.hardware.mpirun import (
     build_argv,
@@ -193,6 +194,7 @@ class HardwareConfig:
         if self.tolerant:
             check_ulfm(mpirun, flavor, self.fault_tolerance)
         check_mca(mpirun, flavor, self.mca)
+        check_extra_args(mpirun, flavor, self.extra_args)
         argv = build_argv(
             self,
             ranks,
