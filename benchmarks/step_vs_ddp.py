@@ -104,8 +104,8 @@ def make_trainer(model, optimizer, rule, comm, batch: int, total_steps: int):
     import torch
 
     from runner.rank.loop import Parts, Place, Records, Trainer
-    from runner.rank.meter import Meter
-    from runner.rank.metrics import MetricsLog
+    from runner.rank.records.meter import Meter
+    from runner.rank.records.metrics import MetricsLog
     from runner.schedule.constant import ConstantConfig
     from runner.schema.sections import TrainConfig
     from runner.tasks.classification import ClassificationConfig

@@ -13,8 +13,8 @@ from torch.nn import functional as F
 
 from runner.data.base import ClassificationData, TensorData
 from runner.rank.checkpoint import Checkpointer, Control, load_part, rng_state, set_rng_state
-from runner.rank.heartbeat import Heartbeat
-from runner.rank.output import root_cause
+from runner.rank.records.heartbeat import Heartbeat
+from runner.rank.records.output import root_cause
 from runner.rules.gosgd import GoSGDConfig
 from runner.run_folder import dumps, file_digest, read_checkpoint_index
 from runner.schema import schema_of

@@ -21,8 +21,8 @@ from runner.data.base import ClassificationData
 from runner.rank.checkpoint import Checkpointer, Control
 from runner.rank.guard import Diverged, Guard
 from runner.rank.loop import Parts, Place, Records, Trainer
-from runner.rank.meter import Meter
-from runner.rank.metrics import MetricsLog
+from runner.rank.records.meter import Meter
+from runner.rank.records.metrics import MetricsLog
 from runner.rank.state import Position
 from runner.rules.base import Rule, RuleContext
 from runner.rules.bsp import BSPConfig

@@ -1,10 +1,10 @@
-"""Workers joining a running job (runner/rank/elastic.py): each rule's own math when the job grows
+"""Workers joining a running job (runner/rank/resilience/elastic.py): each rule's own math when the job grows
 (``Rule.grow``, in process, in milliseconds), and real mpirun jobs that heal a killed worker and grow on
 request (``RUN_DIR/JOIN``).
 
 In process, a job of 2 workers trains a while (phase 1); then a world of 4 is made where workers 0 and 1
 carry on with their own model and rule state and workers 2 and 3 are built as joined workers (``joined``:
-no collective call), take worker 0's model, optimizer and rule state, as ``Trainer.welcome`` gives them,
+no collective call), take worker 0's model, optimizer and rule state, as ``Growth.welcome`` gives them,
 and every worker calls ``Rule.grow``.
 """
 
@@ -206,7 +206,7 @@ def test_a_running_easgd_job_grows_from_2_to_4_workers_on_request(tmp_path):
 
 def test_spawned_workers_get_the_ranks_environment(tmp_path, monkeypatch):
     """mpirun's -x settings reach only the ranks it started: a spawned worker gets them through env."""
-    from runner.rank.elastic import spawn_argv
+    from runner.rank.resilience.elastic import spawn_argv
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("MY_SETTING", "x")
@@ -255,7 +255,7 @@ def test_a_replacement_that_dies_at_once_is_not_replaced_again(capsys):
     spawned again and again); one that trained a while is."""
     from types import SimpleNamespace
 
-    from runner.rank.recovery import Recovery
+    from runner.rank.resilience.recovery import Recovery
 
     joins = [{"rank": 4, "step": 20}, {"rank": 5, "step": 3}]
     survivor = SimpleNamespace(elastic=SimpleNamespace(joins=joins), workers=SimpleNamespace(rank=0))

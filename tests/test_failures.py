@@ -104,7 +104,7 @@ def test_the_first_rank_to_raise_is_named_with_its_root_cause(tmp_path):
 def test_a_lost_asgd_server_is_the_failed_rank_not_the_worker_that_noticed_it(tmp_path):
     noticed = (
         "ServerLost: server rank 2 (vm) was lost at step 212: it held state no other rank has, so the job "
-        "ends; resume=RUN_DIR continues from the last checkpoint (/w/runner/rank/recovery.py:140)"
+        "ends; resume=RUN_DIR continues from the last checkpoint (/w/runner/rank/resilience/recovery.py:140)"
     )
     folder = run_folder(tmp_path / "s", "", {0: noticed, 1: noticed})
     failure = failure_report(folder, 1)

@@ -27,8 +27,8 @@ from runner.comm import CommStats
 from runner.rank.checkpoint import Decision
 from runner.rank.guard import Diverged
 from runner.rank.loop import Parts, Place, Records, Trainer
-from runner.rank.meter import Meter
 from runner.rank.prefetch import Prefetch
+from runner.rank.records.meter import Meter
 from runner.rank.state import Position
 from runner.rules.base import RuleContext
 from runner.rules.bsp import BSPConfig

@@ -20,7 +20,7 @@ import pytest
 
 from runner.comm import CommStats
 from runner.launcher.progress import ERASE, Bar, ProgressTap
-from runner.rank.meter import Display, Meter, display, progress_record
+from runner.rank.records.meter import Display, Meter, display, progress_record
 from runner.run_folder import PROGRESS_RECORD, TTY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -107,7 +107,7 @@ def test_the_delay_opens_the_step_and_counts_in_its_measured_time():
     inside the step's clock, as compute: no MPI, one rank, one step."""
     from runner.comm import CommStats
     from runner.rank.loop import Parts, Place, Records, Trainer
-    from runner.rank.meter import Meter
+    from runner.rank.records.meter import Meter
     from runner.rank.state import Position
     from runner.rules.base import Rule, RuleContext
     from runner.schedule.constant import ConstantConfig

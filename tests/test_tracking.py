@@ -1,6 +1,6 @@
-"""The ``logger`` group (runner/schema/logger/, runner/rank/tracking.py): every logger's records read back
-through the tool that shows them. TensorBoard's HParams table as its own backend computes it, MLflow's runs
-through ``MlflowClient``, an offline W&B run from its transaction log."""
+"""The ``logger`` group (runner/schema/logger/, runner/rank/records/tracking.py): every logger's records read
+back through the tool that shows them. TensorBoard's HParams table as its own backend computes it, MLflow's
+runs through ``MlflowClient``, an offline W&B run from its transaction log."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def fake_run(run_dir: Path, swept: dict, overrides: list[str] | None = None, swe
 
 def record_run(run_dir: Path, loggers: dict | None, acc: float = 0.5, **kwargs):
     """What rank 0 records of a short run: steps, a validation, the hparams, the summary and the model."""
-    from runner.rank.metrics import MetricsLog
+    from runner.rank.records.metrics import MetricsLog
     from runner.run_folder import read_json
 
     log = MetricsLog(run_dir, enabled=True, loggers=loggers, **kwargs)
@@ -138,7 +138,7 @@ def test_tensorboard_hparams_show_every_swept_key_of_every_run_named_by_its_poin
 
 
 def test_a_run_name_becomes_one_folder_name():
-    from runner.rank.tracking import NAME_BYTES, folder_name
+    from runner.rank.records.tracking import NAME_BYTES, folder_name
 
     assert folder_name("rule.alpha=0.5,optim.lr=0.1") == "rule.alpha=0.5,optim.lr=0.1"
     assert folder_name("data.root=/data/set") == "data.root=_data_set"
@@ -222,7 +222,7 @@ def test_the_launcher_and_the_default_logger_import_no_mlflow_or_wandb(tmp_path)
     code = (
         "import sys; from pathlib import Path; from tests.conftest import checked_config\n"
         "checked_config(['logger=[tensorboard,mlflow,wandb]'])\n"
-        "from runner.rank.metrics import MetricsLog\n"
+        "from runner.rank.records.metrics import MetricsLog\n"
         "log = MetricsLog(Path(sys.argv[1]), enabled=True); log.write('step', 1, loss=0.5); log.close()\n"
         "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))"
     )
@@ -235,7 +235,7 @@ def test_the_launcher_and_the_default_logger_import_no_mlflow_or_wandb(tmp_path)
 
 # -- MLflow, in-process --------------------------------------------------------------------------------------
 def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_the_run(tmp_path):
-    from runner.rank.metrics import MetricsLog
+    from runner.rank.records.metrics import MetricsLog
     from runner.schema.logger.mlflow import MLflowConfig
 
     uri = f"file:{tmp_path / 'mlruns'}"
@@ -272,8 +272,8 @@ def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_
 def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp_path, capsys, monkeypatch):
     """MLflow's store cannot be written (its folder is a file): the start fails, one line names the logger
     and the cause, and the other records are all written; a failure later on does the same."""
-    from runner.rank.metrics import MetricsLog
-    from runner.rank.tracking import MLflowTracker
+    from runner.rank.records.metrics import MetricsLog
+    from runner.rank.records.tracking import MLflowTracker
     from runner.schema.logger.mlflow import MLflowConfig
     from runner.schema.logger.tensorboard import TensorBoardConfig
 

@@ -98,7 +98,7 @@ def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
 def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
     """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
     output is a terminal (``MPITRAIN_TTY``: the ranks' own pseudo-terminals say 0×0 either way; rank 0 then
-    sends progress records for the launcher's bar, :mod:`runner.rank.meter`), ``hardware.env``."""
+    sends progress records for the launcher's bar, :mod:`runner.rank.records.meter`), ``hardware.env``."""
     tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get(TTY_ENV) != "0"
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", TTY_ENV: str(int(tty))}
     env.update(hw.env)

@@ -46,8 +46,8 @@ class EchoFilter:
     BINDING = re.compile(rb"^\[[^\]]*:\d+\] (?:Rank|MCW rank) \d+ (?:bound|is not bound)")
     #: Open MPI's count of the same help message from other ranks (``2 more processes have sent help ...``).
     MORE_HELP = re.compile(rb"^\d+ more process(?:es)? ha(?:s|ve) sent help message")
-    #: prterun's last words after a job into which processes were spawned (runner/rank/elastic.py), with no
-    #: newline: the job ended as its ranks' records say.
+    #: prterun's last words after a job into which processes were spawned (runner/rank/resilience/elastic.py),
+    #: with no newline: the job ended as its ranks' records say.
     SPAWNED_END = b"LAUNCHER JOB OBJECT NOT FOUND"
     STARTS = (*TRACEBACK, b"rank ", REVOKED, SPAWNED_END, b"[", *(str(d).encode() for d in range(10)))
 

@@ -24,7 +24,8 @@ LOST_DAEMON = re.compile(
     r"PRTE has lost communication with a remote daemon\.(?:.*\n)*?\s*Remote daemon:.*? on node (\S+)"
     r"|A daemon failed to report back after being spawned\.(?:.*\n)*?\s*Remote host:\s*(\S+)"
 )
-#: A worker's error for a lost ASGD server (runner.rank.recovery.ServerLost): the server is the failed rank.
+#: A worker's error for a lost ASGD server (runner.rank.resilience.recovery.ServerLost): the server is the
+#: failed rank.
 SERVER_LOST = re.compile(r"ServerLost: server rank (\d+)")
 
 

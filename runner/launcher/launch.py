@@ -226,11 +226,11 @@ def conclude(
 
 
 def grown_job(summary_path: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
-    """The ranks' summary.json of a job that spawned workers (:mod:`runner.rank.elastic`) and ended: mpirun
-    exits non-zero for it whatever happened (MPI_Finalize is not called: with spawned processes it was
-    seen to crash, so the ranks meet in a last barrier after every write and leave without it). Rank 0
-    writes its summary, during this job (the last ``wall`` seconds), only after every rank agreed the run
-    ended; else nothing (a failed job)."""
+    """The ranks' summary.json of a job that spawned workers (:mod:`runner.rank.resilience.elastic`) and
+    ended: mpirun exits non-zero for it whatever happened (MPI_Finalize is not called: with spawned
+    processes it was seen to crash, so the ranks meet in a last barrier after every write and leave without
+    it). Rank 0 writes its summary, during this job (the last ``wall`` seconds), only after every rank
+    agreed the run ended; else nothing (a failed job)."""
     try:
         fresh = summary_path.stat().st_mtime >= time.time() - wall - 1
     except OSError:

@@ -109,8 +109,9 @@ def read_beats(
     """Every running rank's heartbeat (None: none yet). A beat written before ``launch_time`` (a previous
     job in this folder) counts as none; a rank whose beat says ``"done": true``, or whose beat file is gone
     after it was seen, has finished and is left out, as are the ranks in ``lost.json``, which the others went
-    on without. Workers spawned into the job (ids from ``ranks`` on, :mod:`runner.rank.elastic`) are
-    watched from their first beat. ``previous`` keeps the last good beats between calls."""
+    on without. Workers spawned into the job (ids from ``ranks`` on,
+    :mod:`runner.rank.resilience.elastic`) are watched from their first beat. ``previous`` keeps the last
+    good beats between calls."""
     beats: dict[int, dict | None] = {}
     lost = read_lost(logs)
     for r in [*range(ranks), *spawned_ids(logs, ranks)]:

@@ -346,8 +346,8 @@ class Control:
     def join_requested(self) -> int:
         """Worker 0: the workers ``RUN_DIR/JOIN`` asks to add (its text, a number; empty: 1), taken once
         (the file is removed); 0 without one. A text that is not a small number is named in one warning and
-        ignored (:func:`runner.rank.elastic.join_count`)."""
-        from runner.rank.elastic import JOIN_READ, join_count
+        ignored (:func:`runner.rank.join_request.join_count`)."""
+        from runner.rank.join_request import JOIN_READ, join_count
 
         try:
             with open(self.join_file, "rb") as f:
@@ -369,8 +369,8 @@ class Control:
 
     def join_granted(self) -> int:
         """Worker 0, at an agreement: :meth:`join_requested`, refused in one warning (0) when this job cannot
-        grow (:func:`runner.rank.elastic.growth_refusal`: no fault tolerance, or NCCL or gloo)."""
-        from runner.rank.elastic import growth_refusal
+        grow (:func:`runner.rank.join_request.growth_refusal`: no fault tolerance, or NCCL or gloo)."""
+        from runner.rank.join_request import growth_refusal
 
         count = self.join_requested()
         refusal = growth_refusal(self.workers) if count else None
@@ -382,7 +382,7 @@ class Control:
     def drop_stale_join(self) -> None:
         """Worker 0, as the job starts: remove a ``RUN_DIR/JOIN`` an earlier job of the run folder left
         (older than this job's ``config.yaml``), so that ``resume=`` does not apply an old request."""
-        from runner.rank.elastic import stale_join
+        from runner.rank.join_request import stale_join
 
         if stale_join(self.join_file.parent, self.join_file):
             self.join_file.unlink(missing_ok=True)

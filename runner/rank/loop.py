@@ -20,26 +20,26 @@ from runner.rank.assignment import (
     Meetings,
     claim_slot,
     dealing_state,
-    lost_shard,
-    redeal,
-    regrow,
     val_chunks,
 )
-from runner.rank.checkpoint import Control, Decision, rng_state, set_rng_state
+from runner.rank.checkpoint import Control, rng_state, set_rng_state
 from runner.rank.guard import Diverged, Guard, collapse, fell_to_chance
-from runner.rank.heartbeat import Heartbeat
-from runner.rank.meter import Meter
-from runner.rank.metrics import MetricsLog
 from runner.rank.prefetch import Batch, Prefetch
-from runner.rank.state import Position, broadcast_state, run_length
+from runner.rank.records.heartbeat import Heartbeat
+from runner.rank.records.meter import Meter
+from runner.rank.records.metrics import MetricsLog
+from runner.rank.records.summary import Outcome, summary
+from runner.rank.resilience.growth import Growth
+from runner.rank.resilience.survivor import Survivors
+from runner.rank.state import Position, run_length
 from runner.rank.validation import autocast, validation_sums
-from runner.results import final_and_best, no_improvement
+from runner.results import no_improvement
 from runner.rules.base import Rule
 from runner.schema.sections import TrainConfig
 from runner.tasks import Task
 
 if TYPE_CHECKING:
-    from runner.rank.recovery import Recovery
+    from runner.rank.resilience.recovery import Recovery
     from runner.schedule import Schedule
 
 
@@ -115,8 +115,9 @@ class Trainer:
     With ``cfg.precision`` bf16 or fp16 the forward passes run under autocast; fp16 scales the loss with a
     gradient scaler (a step whose gradients overflow is skipped and the scale halved). ``records.control``
     says, at the same step on every worker, when to checkpoint or stop. With ``recovery`` (fault
-    tolerance) a lost worker is survived: recovery works through this class's :class:`Survivor
-    <runner.rank.recovery.Survivor>` methods.
+    tolerance) a lost worker is survived: recovery works through the loop's :class:`Survivors
+    <runner.rank.resilience.survivor.Survivors>`, and the job grows through its :class:`Growth
+    <runner.rank.resilience.growth.Growth>`.
 
     A GPU step waits for no host synchronisation: its loss stays on the device (``last_loss``, summed by the
     meter), the guard's deferred checks are read every ``cfg.log_every`` steps (every worker of a
@@ -136,7 +137,7 @@ class Trainer:
         self.cfg, self.recovery = cfg, recovery
         self.model, self.optimizer, self.rule = parts.model, parts.optimizer, parts.rule
         self.task, self.schedule, self.monitor = parts.task, parts.schedule, records.monitor
-        self.workers, self.stats, self.device = place.workers, place.workers.stats, place.device
+        self.workers, self.device = place.workers, place.device
         self.delay_s, self.spin = place.delay_s, place.spin
         self.log, self.meter = records.log, records.meter
         self.beat, self.control = records.beat, records.control
@@ -179,7 +180,8 @@ class Trainer:
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
-        self.grow_due = 0  # workers to add at the next step's start (elastic)
+        self.survivors = Survivors(self)  # what recovery asks of the loop (fault tolerance)
+        self.growth = Growth(self, self.survivors)  # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
@@ -188,7 +190,7 @@ class Trainer:
         self.first_step, dealt = start.step, self.dealer is not None
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
-            self.grow_if_due(pos, mid_epoch=False)
+            self.growth.if_due(pos, mid_epoch=False)
             max_steps = self.begin_epoch(pos, epochs, start, max_steps)
             self.model.train()
             self.train_span(pos, epoch, max_steps)
@@ -219,7 +221,9 @@ class Trainer:
         if why is not None:  # ended at chance, after being well above it (before its final checkpoint)
             raise Diverged(f"step {pos.step}: {why}; {self.guard.kept_checkpoint()}")
         self.tolerant(self.end, pos, epochs, start)
-        return reported, self._summary(epochs, pos.step)
+        fp16 = self.scaler is not None
+        outcome = Outcome(self.history, self.reported_prefix, self.monitor, self.stopped_early, fp16)
+        return reported, summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
 
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
         """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
@@ -231,7 +235,7 @@ class Trainer:
         for micro in self.meter.batches(groups):
             if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
                 return
-            self.grow_if_due(pos, mid_epoch=True)
+            self.growth.if_due(pos, mid_epoch=True)
             if dealt:
                 self.meter.restart_step()
             while not self.step(micro, pos):
@@ -294,7 +298,7 @@ class Trainer:
             decision = self.control.poll(self.meetings_done)
             if decision.validate:
                 self.validate_by_time(pos)
-            self.note_growth(decision)
+            self.growth.note(decision)
             steps = self.dealer.steps_at
             due = self.control.checkpointer.due_between(steps(position - meetings.gap(k)), steps(position))
             if decision.stop or decision.checkpoint or due:
@@ -343,7 +347,7 @@ class Trainer:
         except PeerLost:
             if self.recovery is None:
                 raise
-            done = self.recovery.recover(self, pos, holding=True, applied=applied)
+            done = self.recovery.recover(self.survivors, pos, holding=True, applied=applied)
             if not done:
                 self.guard.restore()
             if applied:
@@ -358,7 +362,7 @@ class Trainer:
             except PeerLost:
                 if self.recovery is None:
                     raise
-                self.recovery.recover(self, pos, holding=False, applied=True)
+                self.recovery.recover(self.survivors, pos, holding=False, applied=True)
 
     def end_epoch(self, pos: Position, epochs: int, span: Any) -> nn.Module | None:
         """The epoch's records, after validation when due; the model validated (None: no validation)."""
@@ -413,7 +417,7 @@ class Trainer:
         decision = self.control.poll(pos.step)
         if decision.validate:
             self.validate_by_time(pos)
-        self.note_growth(decision)
+        self.growth.note(decision)
         self.preempted = decision.stop
         if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
             self.save(pos, False)
@@ -654,167 +658,3 @@ class Trainer:
         for loader in (self.train_loader, self.val_loader, self.whole_val):
             if getattr(loader, "_iterator", None) is not None:  # persistent loader processes
                 loader._iterator = None  # the last reference: its __del__ shuts them down now
-
-    # -- growing the job (runner/rank/elastic.py) -----------------------------------------------------------
-    def note_growth(self, decision: Decision) -> None:
-        """At an agreement: the workers to add at the next step's start (lost ones to replace, and those
-        ``RUN_DIR/JOIN`` asks for); the same on every worker."""
-        if decision.polled and self.recovery is not None and self.recovery.elastic is not None:
-            self.grow_due = decision.join + self.recovery.heal_pending
-
-    def grow_if_due(self, pos: Position, mid_epoch: bool) -> None:
-        """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
-        if self.grow_due and self.rule.ready_to_grow:
-            self.tolerant(self.grow, pos, mid_epoch)
-
-    def grow(self, pos: Position, mid_epoch: bool) -> None:
-        """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
-        start, recovery = time.time(), self.recovery
-        self.control.close()  # the agreement in flight (every worker started it)
-        self.rule.before_grow()
-        ids = recovery.elastic.grow(self.grow_due)
-        self.grow_due, recovery.heal_pending = 0, 0
-        self.welcome(pos, mid_epoch, joined=False)
-        refusal = recovery.elastic.refusal
-        if refusal and self.workers.rank == 0:
-            self.meter.echo(f"warning: {refusal}")
-        if ids:
-            line = recovery.elastic.record(ids, pos.step)
-            seconds = time.time() - start
-            self.log.write(
-                "joined", pos.step, joined=ids, workers=self.workers.size, seconds=round(seconds, 4)
-            )
-            self.meter.echo(f"{line} (in {seconds:.2f} s)")
-
-    def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
-        """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
-        worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
-        grows, and the workers agree on their next agreement. Returns where the new ones start, and
-        whether that is within an epoch (they then take the lost workers' shards of it)."""
-        w = self.workers
-        sub = w.split(0 if w.rank == 0 or joined else 1, keep=False)
-        if w.rank == 0 or joined:
-            if sub.size > 1:
-                broadcast_state(self.model, sub, root=0)
-                package = sub.broadcast_object(self.package(pos, mid_epoch) if w.rank == 0 else None)
-                if joined:
-                    pos, mid_epoch = self.unpack(package)
-        sub.free()
-        self.resend_validations(record=True)  # (worker 0 stays worker 0)
-        if self.dealer is None:
-            sampler = self.train_loader.sampler
-            plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
-            if joined and mid_epoch:
-                self.shard_plan = lost_shard(plans, w.rank)
-        else:
-            regrow(self.dealer, w, joined)
-        self.rule.grow(joined)
-        if self.val_share is not None:
-            self.val_loader = self.val_share(w.rank, w.size)
-        self.meter.world = w.size
-        self.control.reset(int(w.allreduce_values([self.agreement_after(pos.step)], "max")[0]))
-        return pos, mid_epoch
-
-    def package(self, pos: Position, mid_epoch: bool) -> dict[str, Any]:
-        """Worker 0: what a new worker takes besides the model (:meth:`welcome`)."""
-        scaler = self.scaler.state_dict() if self.scaler is not None else None
-        dealt = self.dealer is not None
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "rule": self.rule.state_dict(),
-            "scaler": scaler,
-            "position": (pos.step, pos.epoch, pos.batch, mid_epoch),
-            "history": self.history,
-            "skipped": self.guard.skipped,
-            "checkpointed": self.guard.checkpointed,
-            "first_val_loss": self.first_val_loss,
-            "reported_prefix": self.reported_prefix,
-            "meter": self.meter.state_dict(),
-            "checkpoints": (self.control.checkpointer.count, self.control.checkpointer.latest),
-            "schedule": self.schedule.total_steps,
-            "dealing": (self.dealer.total, self.dealer.steps, self.meetings, self.meetings_done, self.passed)
-            if dealt
-            else None,
-        }
-
-    def unpack(self, package: dict[str, Any]) -> tuple[Position, bool]:
-        """A new worker: take worker 0's :meth:`package`; where to start, and whether within an epoch."""
-        self.adopt((package["optimizer"], package["rule"], package["scaler"]))
-        step, epoch, batch, mid_epoch = package["position"]
-        self.history, self.guard.skipped = list(package["history"]), package["skipped"]
-        self.guard.checkpointed, self.first_val_loss = package["checkpointed"], package["first_val_loss"]
-        self.reported_prefix = package["reported_prefix"]
-        self.meter.load_state_dict(package["meter"], step, batch > 0)
-        self.control.checkpointer.count, self.control.checkpointer.latest = package["checkpoints"]
-        if package["schedule"] != self.schedule.total_steps:
-            self.schedule.replan(package["schedule"])
-            self.meter.replan(package["schedule"])
-        if package["dealing"] is not None:
-            total, steps, self.meetings, self.meetings_done, self.passed = package["dealing"]
-            self.dealer.total, self.dealer.steps = total, steps
-        return Position(step, epoch, batch), mid_epoch
-
-    # -- what recovery asks of the loop (runner.rank.recovery.Survivor) ------------------------------------
-    @property
-    def synchronous(self) -> bool:
-        return self.rule.synchronous
-
-    def abandon(self) -> None:
-        self.rule.abandon()
-
-    def share_state(self, comm: Comm, root: int) -> Any:
-        broadcast_state(self.model, comm, root=root)
-        scaler = self.scaler.state_dict() if self.scaler is not None else None
-        return comm.broadcast_object((self.optimizer.state_dict(), self.rule.state_dict(), scaler), root=root)
-
-    def adopt(self, state: Any) -> None:
-        optimizer, rule, scaler = state
-        self.optimizer.load_state_dict(optimizer)
-        self.rule.load_state_dict(rule)
-        if scaler is not None:  # fp16: every survivor scales its loss alike again
-            self.scaler.load_state_dict(scaler)
-
-    def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
-        self.rule.recover()
-        self.resend_validations(record=before[0] not in lost)
-        self.val_loader = val_loader
-        self.control.reset(next_poll)
-        self.meter.world = self.workers.size
-        if self.dealer is not None:  # the lost workers' chunks go back to the pool
-            note = redeal(self.dealer, self.workers, before, lost)
-            if note and self.workers.rank == 0:
-                self.meter.echo(f"warning: {note}")
-
-    def agreement_after(self, step: int) -> int:
-        if self.dealer is not None:  # dynamic assignment: the workers agree at meetings, counted
-            return self.meetings_done + 1
-        return (step // self.control.interval + 1) * self.control.interval
-
-    def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: Any) -> None:
-        if not self.log.enabled:  # the lowest survivor is the new rank 0: it takes the records over
-            self.log.take_over()
-            self.meter.terminal = terminal
-        self.log.write("failure", step, lost=lost, workers=self.workers.size, recovery_s=round(seconds, 4))
-        self.meter.echo(line)
-
-    def _summary(self, epochs: int, steps: int) -> dict[str, Any]:
-        """The run's results (validation results None when it was preempted before its first)."""
-        rates = self.meter.total.rates(self.workers.size)
-        own = self.meter.total.samples / max(self.meter.total.total, 1e-12)  # this worker's samples/s
-        rates["samples_per_s"] = self.workers.allreduce_values([own])[0]  # all workers' (unequal: dynamic)
-        return {
-            "epochs": epochs,
-            "steps": steps,
-            "monitor": self.monitor,
-            **final_and_best(self.history, self.reported_prefix),
-            "stopped_early_after_epoch": self.stopped_early,
-            "fp16_overflow_steps": self.guard.overflows if self.scaler is not None else None,
-            "samples_per_s": rates["samples_per_s"],
-            "comm_fraction": rates["comm_frac"],
-            "data_wait_fraction": rates["data_frac"],
-            "compute_fraction": rates["compute_frac"],
-            "bytes_sent": self.workers.allreduce_values([self.stats.bytes_sent])[0],
-            "steps_per_worker": self.workers.allgather_object(steps),  # dynamic assignment: unequal
-            "skipped_steps": self.guard.skipped,
-            "validations": self.history,
-        }

@@ -45,16 +45,16 @@ from runner.rank.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from runner.rank.elastic import Elastic, arrive
 from runner.rank.fence import Fence, Partitioned
 from runner.rank.guard import Diverged
-from runner.rank.heartbeat import Heartbeat
 from runner.rank.loop import Parts, Place, Records, Trainer
-from runner.rank.meter import Meter
-from runner.rank.metrics import MetricsLog
-from runner.rank.output import redirect_output, root_cause
 from runner.rank.placement import choose_transport, place_rank
-from runner.rank.recovery import Recovery
+from runner.rank.records.heartbeat import Heartbeat
+from runner.rank.records.meter import Meter
+from runner.rank.records.metrics import MetricsLog
+from runner.rank.records.output import redirect_output, root_cause
+from runner.rank.resilience.elastic import Elastic, arrive
+from runner.rank.resilience.recovery import Recovery
 from runner.rank.saved_model import save_model
 from runner.rank.state import Position, broadcast_state, run_length
 from runner.rules.base import RuleContext, split_roles
@@ -136,7 +136,7 @@ def run(
     if rank.hosts is not None and not joined:
         comm.barrier()  # every rank is past the start-up collectives before any trains (see serve)
     if joined:
-        start_at, mid_epoch = trainer.welcome(Position(), False, joined=True)
+        start_at, mid_epoch = trainer.growth.welcome(Position(), False, joined=True)
         print(f"rank {comm.launch_rank()}: joined the job at step {start_at.step} as worker {comm.rank}")
     reported, result = fit(rank, trainer, epochs, steps, start_at)
     finish(rank, trainer, reported, result, time.time() - start)
@@ -205,8 +205,8 @@ def place_joined(
     cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat
 ) -> Rank:
     """A worker spawned into the running job: its device, and its part in the job's growth with the ranks
-    that spawned it (:func:`runner.rank.elastic.arrive`). It is bound by mpirun's placement of the new
-    processes; on GPUs it takes the GPU of its place among the workers on its node."""
+    that spawned it (:func:`runner.rank.resilience.elastic.arrive`). It is bound by mpirun's placement of
+    the new processes; on GPUs it takes the GPU of its place among the workers on its node."""
     topology, env = read_topology().to_dict(), versions(comm)
     hw = cfg.hardware
     elastic = arrive(comm, cfg.rule.extra_ranks(), run_dir, most_workers(cfg, comm), hw.env)

@@ -167,7 +167,7 @@ class Rule:
         """Collective over all ranks (workers and servers) after training: metrics for summary.json."""
         return {}
 
-    # -- fault tolerance (hardware.fault_tolerance=continue; runner/rank/recovery.py) ------------------------
+    # -- fault tolerance (hardware.fault_tolerance=continue; runner/rank/resilience/recovery.py) ------------
     def abandon(self) -> None:
         """Workers, when a worker was lost and the communicator is revoked: complete or forget the
         operations in flight (they fail), leaving the local state as it was before them."""
@@ -176,7 +176,7 @@ class Rule:
         """Workers, once the communicator holds the survivors only (and, for synchronous rules, all are at
         the same step): make the rule's state consistent again, by the rule's own math."""
 
-    # -- growing the job (fault_tolerance=heal, RUN_DIR/JOIN; runner/rank/elastic.py) ------------------------
+    # -- growing the job (fault_tolerance=heal, RUN_DIR/JOIN; runner/rank/resilience/elastic.py) ------------
     @property
     def ready_to_grow(self) -> bool:
         """Whether workers may join at this step (the same answer on every worker of a synchronous rule)."""
@@ -215,7 +215,7 @@ class Rule:
                 source, tag = self.comm.probe()
                 if tag in (done, checkpoint, GROW):
                     self.comm.recv(header, source, tag)
-                if tag == GROW:  # the workers grow the job (runner/rank/elastic.py)
+                if tag == GROW:  # the workers grow the job (runner/rank/resilience/elastic.py)
                     self.grow_job()
                     self.num_workers, asked = self.comm.size - self.num_servers, set()
                     living = {self.comm.launch_rank(r) for r in range(self.num_workers)} - finished

@@ -3,7 +3,8 @@
 ``logger`` is a list-valued group (Hydra 1.1+): ``logger=[tensorboard,mlflow]`` selects two options, and the
 config holds one node per option under its name (``logger.mlflow.experiment``); ``logger=[]`` selects none.
 Each option's schema is the one :class:`LoggerConfig` subclass of ``runner/schema/logger/<name>.py``,
-selected by ``conf/logger/<name>.yaml``; the ranks' side (:mod:`runner.rank.tracking`) writes the records.
+selected by ``conf/logger/<name>.yaml``; the ranks' side (:mod:`runner.rank.records.tracking`) writes the
+records.
 Nothing here imports torch or a tracking package: :meth:`LoggerConfig.check_installed` only looks for it.
 """
 

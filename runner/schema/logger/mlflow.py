@@ -1,5 +1,5 @@
 """MLflow tracking: the config as params, the records as metrics, the model file as an artifact
-(runner/rank/tracking.py writes them; ``pip install "mpitrain[mlflow]"``)."""
+(runner/rank/records/tracking.py writes them; ``pip install "mpitrain[mlflow]"``)."""
 
 from __future__ import annotations
 

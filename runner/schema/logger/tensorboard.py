@@ -1,4 +1,4 @@
-"""TensorBoard event files in the run folder's ``tb/`` (the default logger; runner/rank/tracking.py)."""
+"""TensorBoard event files in the run folder's ``tb/`` (the default logger; rank/records/tracking.py)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from runner.run_folder import LOGS, LOST, dumps, write_atomic
 
 if TYPE_CHECKING:
     from runner.comm import Comm
-    from runner.rank.elastic import Elastic
+    from runner.rank.resilience.elastic import Elastic
 
 
 class Survivor(Protocol):
@@ -82,7 +82,8 @@ class Recovery:
 
     ``servers``: the rule's server ranks, the last ones of ``world``; ``val_loader(rank, size)`` makes the
     loader of a share of the validation data; ``hosts``: every rank's host, by id; ``elastic``: the job may
-    grow (:mod:`runner.rank.elastic`), and with ``heal`` a lost worker is replaced at the next agreement."""
+    grow (:mod:`runner.rank.resilience.elastic`), and with ``heal`` a lost worker is replaced at the next
+    agreement."""
 
     def __init__(
         self,

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from runner.comm import CommStats
-from runner.rank.metrics import MetricsLog
+from runner.rank.records.metrics import MetricsLog
 from runner.run_folder import PROGRESS_RECORD, TTY_ENV
 
 #: Seconds between two progress lines when the output is not a terminal.

@@ -1,5 +1,5 @@
 """Run-folder records: metrics.jsonl (one strict-JSON object per line), and the same records to the loggers
-chosen (``logger=[tensorboard,mlflow]``; :mod:`runner.rank.tracking`)."""
+chosen (``logger=[tensorboard,mlflow]``; :mod:`runner.rank.records.tracking`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.rank.output import root_cause
-from runner.rank.tracking import RunInfo, Trackers, scalars
+from runner.rank.records.output import root_cause
+from runner.rank.records.tracking import RunInfo, Trackers, scalars
 from runner.run_folder import METRICS, MODEL, SUMMARY, dumps, read_json
 from runner.schema.logger import DEFAULT_LOGGERS, LoggerConfig
 

@@ -1,8 +1,9 @@
 """Growing a running job (``hardware.fault_tolerance=heal``, ``RUN_DIR/JOIN``): new workers spawned into it.
 
-After the survivors of a lost worker have recovered (:mod:`runner.rank.recovery`), or when ``RUN_DIR/JOIN``
-asks for more workers, the workers decide at an agreement point to grow, and at the start of their next
-step (or epoch) every living rank, servers included, grows the job collectively (:meth:`Elastic.grow`):
+After the survivors of a lost worker have recovered (:mod:`runner.rank.resilience.recovery`), or when
+``RUN_DIR/JOIN`` asks for more workers, the workers decide at an agreement point to grow, and at the start
+of their next step (or epoch) every living rank, servers included, grows the job collectively
+(:meth:`Elastic.grow`):
 
 1. the workers meet (each is done with its calls on the world), worker 0 tells each server (a message
    after all of its others), and the world is shrunk to the living;
@@ -10,26 +11,20 @@ step (or epoch) every living rank, servers included, grows the job collectively 
    are never reused, so a replacement has its own log and heartbeat) on the slots mpirun was given, and
    ``MPI_Intercomm_merge`` brings them in; the world is reordered workers first (survivors, then the new
    ones), servers last, as a fresh launch would be, and the workers' communicator split anew;
-3. the workers then welcome the new ones (:meth:`runner.rank.loop.Trainer.welcome`): worker 0 gives them
-   its model, optimizer, rule and position, the dealing of the data starts over among all of them, and
-   each rule grows by its own math (:meth:`runner.rules.base.Rule.grow`).
+3. the workers then welcome the new ones (:meth:`runner.rank.resilience.growth.Growth.welcome`): worker 0
+   gives them its model, optimizer, rule and position, the dealing of the data starts over among all of
+   them, and each rule grows by its own math (:meth:`runner.rules.base.Rule.grow`).
 
 A spawn that fails (no free slot, a command that does not start) is named on the console and the job goes
 on with the workers it has.
 
-``RUN_DIR/JOIN`` is read by worker 0 at the agreement (:meth:`runner.rank.checkpoint.Control.join_requested`)
-through :func:`join_count` and :func:`growth_refusal`: its text must be a small number (ASCII digits, 1 to
-:data:`MOST_JOINED`; empty: 1), else it is named in one warning and ignored; a job that cannot grow (no
-fault tolerance, or collectives on NCCL or gloo, whose groups cannot take new ranks) refuses it in one
-warning; either way the file is removed and the job goes on. A JOIN older than the job (left by an earlier
-job of the run folder) is removed unread (:func:`stale_join`).
+``RUN_DIR/JOIN`` is read by worker 0 at the agreement (:mod:`runner.rank.join_request`).
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -47,54 +42,6 @@ if TYPE_CHECKING:
 #: Environment variables a spawned worker gets from the rank that spawns it (mpirun's ``-x`` reach only
 #: the ranks it started).
 PASSED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MPITRAIN_TTY", "CUDA_DEVICE_ORDER", "PYTHONPATH")
-#: The most workers one ``RUN_DIR/JOIN`` may ask for (``hardware.max_workers`` caps them further).
-MOST_JOINED = 1000
-#: A JOIN's text: ASCII digits only (``str.isdigit`` takes ``²`` and other scripts' digits, which ``int``
-#: refuses), at most 4 of them, so that no text can overflow a count; a leading ``+`` is allowed.
-JOIN_TEXT = re.compile(r"\+?[0-9]{1,4}")
-#: The most of a JOIN file read (a request is a few bytes; a large file is not read whole).
-JOIN_READ = 4096
-
-
-def join_count(text: str) -> tuple[int, str | None]:
-    """The workers a JOIN's ``text`` asks for (empty: 1), or 0 and why the text is not a request."""
-    text = text.strip()
-    if text == "":
-        return 1, None
-    if JOIN_TEXT.fullmatch(text) and 1 <= int(text) <= MOST_JOINED:
-        return int(text), None
-    more = "+" if len(text) >= JOIN_READ - 1 else ""  # (only so much of the file was read)
-    shown = ascii(text[:40]) + (f"... ({len(text)}{more} characters)" if len(text) > 40 else "")
-    return 0, f"says {shown}: write the number of workers to add, 1 to {MOST_JOINED} (e.g. 2)"
-
-
-def growth_refusal(workers: Comm) -> str | None:
-    """Why the job of the workers' communicator ``workers`` cannot take new workers (None: it can): no
-    fault tolerance (``hardware.fault_tolerance=none``), or its collectives on a ``torch.distributed``
-    transport (NCCL, gloo), whose process groups cannot take new ranks (the spawn would wait forever)."""
-    if not getattr(workers, "tolerant", False):
-        return (
-            "this job cannot grow (hardware.fault_tolerance=none); to add workers to a run, start it with "
-            "hardware.fault_tolerance=continue or heal (and hardware.max_workers)"
-        )
-    dist = getattr(workers, "dist", None)
-    if dist is not None:
-        return (
-            f"this job cannot grow: its collectives run on hardware.transport={dist.backend}, whose groups "
-            "cannot take new workers; run it with hardware.transport=mpi (or auto on CPUs) to add workers"
-        )
-    return None
-
-
-def stale_join(run_dir: Path, join: Path) -> bool:
-    """Whether ``join`` was written before this job started (before the launcher wrote ``config.yaml``):
-    a request to an earlier job of the run folder, never to be applied to this one."""
-    from runner.run_folder import CONFIG
-
-    try:
-        return join.stat().st_mtime < (run_dir / CONFIG).stat().st_mtime
-    except OSError:
-        return False
 
 
 def spawn_argv(run_dir: Path, first_id: int, env: dict[str, str]) -> list[str]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.rank.output import root_cause
+from runner.rank.records.output import root_cause
 from runner.run_folder import CONFIG, EXIT, IDENTITY, SUMMARY, SWEEP_CONFIG, TENSORBOARD, read_json
 from runner.schema.logger import LoggerConfig, as_loggers
 from runner.schema.logger.mlflow import MLflowConfig

@@ -1,0 +1,52 @@
+"""The run's results as a worker reports them (``summary.json``'s training fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from runner.results import final_and_best
+
+if TYPE_CHECKING:
+    from runner.comm import Comm
+    from runner.rank.guard import Guard
+    from runner.rank.records.meter import Meter
+
+
+@dataclass
+class Outcome:
+    """What the loop ends with: the validations (``history``, the reported model's under ``prefix``), the
+    metric the run reports (``monitor``), the epoch after which early stopping ended training (None: it
+    did not), and whether the loss was scaled (fp16: overflowed steps are counted)."""
+
+    history: list[dict[str, float]]
+    prefix: str
+    monitor: str
+    stopped_early: int | None
+    fp16: bool
+
+
+def summary(
+    outcome: Outcome, epochs: int, steps: int, meter: Meter, guard: Guard, workers: Comm
+) -> dict[str, Any]:
+    """Collective over the workers: the run's results (validation results None when it was preempted
+    before its first); rates are this worker's, samples per second and bytes sent all workers'."""
+    rates = meter.total.rates(workers.size)
+    own = meter.total.samples / max(meter.total.total, 1e-12)  # this worker's samples/s
+    rates["samples_per_s"] = workers.allreduce_values([own])[0]  # all workers' (unequal: dynamic)
+    return {
+        "epochs": epochs,
+        "steps": steps,
+        "monitor": outcome.monitor,
+        **final_and_best(outcome.history, outcome.prefix),
+        "stopped_early_after_epoch": outcome.stopped_early,
+        "fp16_overflow_steps": guard.overflows if outcome.fp16 else None,
+        "samples_per_s": rates["samples_per_s"],
+        "comm_fraction": rates["comm_frac"],
+        "data_wait_fraction": rates["data_frac"],
+        "compute_fraction": rates["compute_frac"],
+        "bytes_sent": workers.allreduce_values([workers.stats.bytes_sent])[0],
+        "steps_per_worker": workers.allgather_object(steps),  # dynamic assignment: unequal
+        "skipped_steps": guard.skipped,
+        "validations": outcome.history,
+    }

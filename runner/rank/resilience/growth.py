@@ -1,0 +1,127 @@
+"""The loop's side of growing the job (:mod:`runner.rank.resilience.elastic`): when to grow, and welcoming
+the new workers into a :class:`~runner.rank.loop.Trainer`'s training."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from runner.rank.assignment import lost_shard, regrow
+from runner.rank.state import Position, broadcast_state
+
+if TYPE_CHECKING:
+    from runner.rank.checkpoint import Decision
+    from runner.rank.loop import Trainer
+    from runner.rank.resilience.survivor import Survivors
+
+
+class Growth:
+    """Growing one worker's loop (``loop``): the workers agree to grow at an agreement (:meth:`note`),
+    grow at the next step's or epoch's start (:meth:`if_due`), and welcome the new workers."""
+
+    def __init__(self, loop: Trainer, survivors: Survivors):
+        self.loop, self.survivors = loop, survivors
+        self.due = 0  # workers to add at the next step's start
+
+    def note(self, decision: Decision) -> None:
+        """At an agreement: the workers to add at the next step's start (lost ones to replace, and those
+        ``RUN_DIR/JOIN`` asks for); the same on every worker."""
+        recovery = self.loop.recovery
+        if decision.polled and recovery is not None and recovery.elastic is not None:
+            self.due = decision.join + recovery.heal_pending
+
+    def if_due(self, pos: Position, mid_epoch: bool) -> None:
+        """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
+        if self.due and self.loop.rule.ready_to_grow:
+            self.loop.tolerant(self.grow, pos, mid_epoch)
+
+    def grow(self, pos: Position, mid_epoch: bool) -> None:
+        """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
+        loop, start = self.loop, time.time()
+        recovery = loop.recovery
+        loop.control.close()  # the agreement in flight (every worker started it)
+        loop.rule.before_grow()
+        ids = recovery.elastic.grow(self.due)
+        self.due, recovery.heal_pending = 0, 0
+        self.welcome(pos, mid_epoch, joined=False)
+        refusal = recovery.elastic.refusal
+        if refusal and loop.workers.rank == 0:
+            loop.meter.echo(f"warning: {refusal}")
+        if ids:
+            line = recovery.elastic.record(ids, pos.step)
+            seconds = time.time() - start
+            size = loop.workers.size
+            loop.log.write("joined", pos.step, joined=ids, workers=size, seconds=round(seconds, 4))
+            loop.meter.echo(f"{line} (in {seconds:.2f} s)")
+
+    def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
+        """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
+        worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
+        grows, and the workers agree on their next agreement. Returns where the new ones start, and
+        whether that is within an epoch (they then take the lost workers' shards of it)."""
+        loop = self.loop
+        w = loop.workers
+        sub = w.split(0 if w.rank == 0 or joined else 1, keep=False)
+        if w.rank == 0 or joined:
+            if sub.size > 1:
+                broadcast_state(loop.model, sub, root=0)
+                package = sub.broadcast_object(self.package(pos, mid_epoch) if w.rank == 0 else None)
+                if joined:
+                    pos, mid_epoch = self.unpack(package)
+        sub.free()
+        loop.resend_validations(record=True)  # (worker 0 stays worker 0)
+        if loop.dealer is None:
+            sampler = loop.train_loader.sampler
+            plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
+            if joined and mid_epoch:
+                loop.shard_plan = lost_shard(plans, w.rank)
+        else:
+            regrow(loop.dealer, w, joined)
+        loop.rule.grow(joined)
+        if loop.val_share is not None:
+            loop.val_loader = loop.val_share(w.rank, w.size)
+        loop.meter.world = w.size
+        after = self.survivors.agreement_after(pos.step)
+        loop.control.reset(int(w.allreduce_values([after], "max")[0]))
+        return pos, mid_epoch
+
+    def package(self, pos: Position, mid_epoch: bool) -> dict[str, Any]:
+        """Worker 0: what a new worker takes besides the model (:meth:`welcome`)."""
+        loop = self.loop
+        scaler = loop.scaler.state_dict() if loop.scaler is not None else None
+        dealer = loop.dealer
+        return {
+            "optimizer": loop.optimizer.state_dict(),
+            "rule": loop.rule.state_dict(),
+            "scaler": scaler,
+            "position": (pos.step, pos.epoch, pos.batch, mid_epoch),
+            "history": loop.history,
+            "skipped": loop.guard.skipped,
+            "checkpointed": loop.guard.checkpointed,
+            "first_val_loss": loop.first_val_loss,
+            "reported_prefix": loop.reported_prefix,
+            "meter": loop.meter.state_dict(),
+            "checkpoints": (loop.control.checkpointer.count, loop.control.checkpointer.latest),
+            "schedule": loop.schedule.total_steps,
+            "dealing": (dealer.total, dealer.steps, loop.meetings, loop.meetings_done, loop.passed)
+            if dealer is not None
+            else None,
+        }
+
+    def unpack(self, package: dict[str, Any]) -> tuple[Position, bool]:
+        """A new worker: take worker 0's :meth:`package`; where to start, and whether within an epoch."""
+        loop = self.loop
+        self.survivors.adopt((package["optimizer"], package["rule"], package["scaler"]))
+        step, epoch, batch, mid_epoch = package["position"]
+        loop.history, loop.guard.skipped = list(package["history"]), package["skipped"]
+        loop.guard.checkpointed, loop.first_val_loss = package["checkpointed"], package["first_val_loss"]
+        loop.reported_prefix = package["reported_prefix"]
+        loop.meter.load_state_dict(package["meter"], step, batch > 0)
+        loop.control.checkpointer.count, loop.control.checkpointer.latest = package["checkpoints"]
+        if package["schedule"] != loop.schedule.total_steps:
+            loop.schedule.replan(package["schedule"])
+            loop.meter.replan(package["schedule"])
+        if package["dealing"] is not None:
+            total, steps, loop.meetings, loop.meetings_done, loop.passed = package["dealing"]
+            loop.dealer.total, loop.dealer.steps = total, steps
+        return Position(step, epoch, batch), mid_epoch
