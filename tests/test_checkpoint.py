@@ -12,7 +12,8 @@ import torch
 from torch.nn import functional as F
 
 from runner.data.base import ClassificationData, TensorData
-from runner.rank.checkpoint import Checkpointer, Control, load_part, rng_state, set_rng_state
+from runner.rank.agreement import Control
+from runner.rank.checkpoint import Checkpointer, load_part, rng_state, set_rng_state
 from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.output import root_cause
 from runner.rules.gosgd import GoSGDConfig

@@ -18,7 +18,8 @@ from torch.utils.data import TensorDataset
 
 from runner.comm import CommStats
 from runner.data.base import ClassificationData
-from runner.rank.checkpoint import Checkpointer, Control
+from runner.rank.agreement import Control
+from runner.rank.checkpoint import Checkpointer
 from runner.rank.guard import Diverged, Guard
 from runner.rank.loop import Parts, Place, Records, Trainer
 from runner.rank.records.meter import Meter

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from runner.rank.agreement import Control
 from runner.rank.assignment import lost_shard
-from runner.rank.checkpoint import Control
 from tests.conftest import checked_config
 
 

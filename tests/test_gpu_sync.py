@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner.comm import CommStats
-from runner.rank.checkpoint import Decision
+from runner.rank.agreement import Decision
 from runner.rank.guard import Diverged
 from runner.rank.loop import Parts, Place, Records, Trainer
 from runner.rank.prefetch import Prefetch

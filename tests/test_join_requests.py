@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.rank.checkpoint import Checkpointer, Control
+from runner.rank.agreement import Control
+from runner.rank.checkpoint import Checkpointer
 from runner.run_folder import CONFIG, JOIN
 from runner.schema.sections import CheckpointConfig
 from tests.helpers.fakecomm import FakeWorld

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
 from runner.comm.tags import VALIDATED
+from runner.rank.agreement import Control
 from runner.rank.assignment import (
     CHUNKS_PER_WORKER,
     Dealer,
@@ -22,7 +23,7 @@ from runner.rank.assignment import (
     dealing_state,
     val_chunks,
 )
-from runner.rank.checkpoint import Control, rng_state, set_rng_state
+from runner.rank.checkpoint import rng_state, set_rng_state
 from runner.rank.guard import Diverged, Guard, collapse, fell_to_chance
 from runner.rank.prefetch import Batch, Prefetch
 from runner.rank.records.heartbeat import Heartbeat

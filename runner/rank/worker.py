@@ -36,15 +36,9 @@ from runner.comm import mpi
 from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
 from runner.rank import dynamo
+from runner.rank.agreement import Control
 from runner.rank.assignment import Chunks, Dealer, counter_slots, plan
-from runner.rank.checkpoint import (
-    Checkpointer,
-    Control,
-    latest_checkpoint,
-    load_part,
-    rng_state,
-    set_rng_state,
-)
+from runner.rank.checkpoint import Checkpointer, latest_checkpoint, load_part, rng_state, set_rng_state
 from runner.rank.fence import Fence, Partitioned
 from runner.rank.guard import Diverged
 from runner.rank.loop import Parts, Place, Records, Trainer

@@ -10,7 +10,7 @@ from runner.rank.assignment import lost_shard, regrow
 from runner.rank.state import Position, broadcast_state
 
 if TYPE_CHECKING:
-    from runner.rank.checkpoint import Decision
+    from runner.rank.agreement import Decision
     from runner.rank.loop import Trainer
     from runner.rank.resilience.survivor import Survivors
 
