@@ -20,10 +20,8 @@ from runner.rank.assignment import (
     Dealer,
     Meetings,
     claim_slot,
-    dealing_state,
     val_chunks,
 )
-from runner.rank.checkpoint import rng_state, set_rng_state
 from runner.rank.guard import Diverged, Guard, collapse, fell_to_chance
 from runner.rank.prefetch import Batch, Prefetch
 from runner.rank.records.heartbeat import Heartbeat
@@ -33,6 +31,7 @@ from runner.rank.records.summary import Outcome, summary
 from runner.rank.resilience.growth import Growth
 from runner.rank.resilience.survivor import Survivors
 from runner.rank.state import Position, run_length
+from runner.rank.trainer_state import TrainerState
 from runner.rank.validation import autocast, validation_sums
 from runner.results import no_improvement
 from runner.rules.base import Rule
@@ -181,6 +180,7 @@ class Trainer:
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
+        self.state = TrainerState(self)  # its three uses: checkpoint, a joining worker's package, a share
         self.survivors = Survivors(self)  # what recovery asks of the loop (fault tolerance)
         self.growth = Growth(self, self.survivors)  # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
 
@@ -431,14 +431,7 @@ class Trainer:
         # the checkpoint is named by rank 0's step (dynamic assignment: each worker is at its own)
         step = pos.step if self.dealer is None else int(self.workers.broadcast_object(pos.step))
         self.rule.before_checkpoint(step)
-        loop = {"step": pos.step, "epoch": pos.epoch, "batch": pos.batch, **self.state_dict()}
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rule": self.rule.state_dict(),
-            "loop": loop,
-            "rng": rng_state(),
-        }
+        state = self.state.checkpoint(pos)
         self.log.flush()
         info = {
             "epoch": pos.epoch,
@@ -452,52 +445,9 @@ class Trainer:
         self.guard.checkpointed = step
         self.meter.echo(f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The loop's part of a checkpoint (collective under dynamic assignment: the workers gather what is
-        left to deal, and the meetings passed)."""
-        sampler = self.train_loader.sampler
-        deal = None
-        if self.dealer is not None:
-            deal = {
-                **dealing_state(self.dealer, self.workers),
-                "meetings": self.meetings_done,
-                "passed": self.passed,
-            }
-        return {
-            "history": self.history,
-            "skipped": self.guard.skipped,
-            "meter": self.meter.state_dict(),
-            "shard": [sampler.rank, sampler.num_replicas] if self.dealer is None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "deal": deal,
-        }
-
     def restore(self, part: dict[str, Any]) -> Position:
         """Take this rank's part of a checkpoint (as :meth:`save` wrote it); returns where training stood."""
-        self.model.load_state_dict(part["model"])
-        self.optimizer.load_state_dict(part["optimizer"])
-        self.rule.load_state_dict(part["rule"])
-        loop = part["loop"]
-        start = Position(loop["step"], loop["epoch"], loop["batch"])
-        self.load_state_dict(loop, start.step, mid_epoch=start.batch > 0)
-        set_rng_state(part["rng"])
-        self.guard.checkpointed = start.step
-        return start
-
-    def load_state_dict(self, state: dict[str, Any], step: int, mid_epoch: bool) -> None:
-        self.history, self.guard.skipped = list(state["history"]), state["skipped"]
-        self.meter.load_state_dict(state["meter"], step, mid_epoch)
-        if mid_epoch and state.get("shard"):
-            self.shard_plan = tuple(state["shard"])
-        if self.dealer is not None:
-            self.resume_dealing(state.get("deal"), step)
-        elif state.get("deal"):
-            raise ValueError(
-                f"the checkpoint after step {step} was written with data.assignment=dynamic: resume it "
-                "with data.assignment=dynamic"
-            )
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        return self.state.restore(part)
 
     def resume_dealing(self, deal: dict[str, Any] | None, step: int) -> None:
         """Deal what the checkpoint's workers had not trained: its ``pending`` tickets, then from ``base``."""

@@ -4,7 +4,7 @@ the new workers into a :class:`~runner.rank.loop.Trainer`'s training."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.rank.assignment import lost_shard, regrow
 from runner.rank.state import Position, broadcast_state
@@ -65,9 +65,9 @@ class Growth:
         if w.rank == 0 or joined:
             if sub.size > 1:
                 broadcast_state(loop.model, sub, root=0)
-                package = sub.broadcast_object(self.package(pos, mid_epoch) if w.rank == 0 else None)
+                package = sub.broadcast_object(loop.state.package(pos, mid_epoch) if w.rank == 0 else None)
                 if joined:
-                    pos, mid_epoch = self.unpack(package)
+                    pos, mid_epoch = loop.state.unpack(package)
         sub.free()
         loop.resend_validations(record=True)  # (worker 0 stays worker 0)
         if loop.dealer is None:
@@ -84,44 +84,3 @@ class Growth:
         after = self.survivors.agreement_after(pos.step)
         loop.control.reset(int(w.allreduce_values([after], "max")[0]))
         return pos, mid_epoch
-
-    def package(self, pos: Position, mid_epoch: bool) -> dict[str, Any]:
-        """Worker 0: what a new worker takes besides the model (:meth:`welcome`)."""
-        loop = self.loop
-        scaler = loop.scaler.state_dict() if loop.scaler is not None else None
-        dealer = loop.dealer
-        return {
-            "optimizer": loop.optimizer.state_dict(),
-            "rule": loop.rule.state_dict(),
-            "scaler": scaler,
-            "position": (pos.step, pos.epoch, pos.batch, mid_epoch),
-            "history": loop.history,
-            "skipped": loop.guard.skipped,
-            "checkpointed": loop.guard.checkpointed,
-            "first_val_loss": loop.first_val_loss,
-            "reported_prefix": loop.reported_prefix,
-            "meter": loop.meter.state_dict(),
-            "checkpoints": (loop.control.checkpointer.count, loop.control.checkpointer.latest),
-            "schedule": loop.schedule.total_steps,
-            "dealing": (dealer.total, dealer.steps, loop.meetings, loop.meetings_done, loop.passed)
-            if dealer is not None
-            else None,
-        }
-
-    def unpack(self, package: dict[str, Any]) -> tuple[Position, bool]:
-        """A new worker: take worker 0's :meth:`package`; where to start, and whether within an epoch."""
-        loop = self.loop
-        self.survivors.adopt((package["optimizer"], package["rule"], package["scaler"]))
-        step, epoch, batch, mid_epoch = package["position"]
-        loop.history, loop.guard.skipped = list(package["history"]), package["skipped"]
-        loop.guard.checkpointed, loop.first_val_loss = package["checkpointed"], package["first_val_loss"]
-        loop.reported_prefix = package["reported_prefix"]
-        loop.meter.load_state_dict(package["meter"], step, batch > 0)
-        loop.control.checkpointer.count, loop.control.checkpointer.latest = package["checkpoints"]
-        if package["schedule"] != loop.schedule.total_steps:
-            loop.schedule.replan(package["schedule"])
-            loop.meter.replan(package["schedule"])
-        if package["dealing"] is not None:
-            total, steps, loop.meetings, loop.meetings_done, loop.passed = package["dealing"]
-            loop.dealer.total, loop.dealer.steps = total, steps
-        return Position(step, epoch, batch), mid_epoch

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TextIO
 
 from runner.rank.assignment import redeal
-from runner.rank.state import broadcast_state
 
 if TYPE_CHECKING:
     from runner.comm import Comm
@@ -37,18 +36,11 @@ class Survivors:
 
     def share_state(self, comm: Comm, root: int) -> Any:
         """Give every survivor ``root``'s model, and return ``root``'s optimizer, rule and scaler states."""
-        loop = self.loop
-        broadcast_state(loop.model, comm, root=root)
-        scaler = loop.scaler.state_dict() if loop.scaler is not None else None
-        return comm.broadcast_object((loop.optimizer.state_dict(), loop.rule.state_dict(), scaler), root=root)
+        return self.loop.state.share(comm, root)
 
     def adopt(self, state: Any) -> None:
         """Take the states :meth:`share_state` returned (this survivor was behind)."""
-        loop, (optimizer, rule, scaler) = self.loop, state
-        loop.optimizer.load_state_dict(optimizer)
-        loop.rule.load_state_dict(rule)
-        if scaler is not None:  # fp16: every survivor scales its loss alike again
-            loop.scaler.load_state_dict(scaler)
+        self.loop.state.adopt(state)
 
     def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
         """Go on over the survivors: the rule's own recovery, the validation share, the next agreement, and

@@ -1,0 +1,260 @@
+"""A worker's training state, registered once: one list of fields, each with how it is taken from the loop
+and given back, serving the three uses that move it.
+
+* the **checkpoint** (:meth:`TrainerState.checkpoint` / :meth:`TrainerState.restore`): this rank's part
+  of a checkpoint, written to disk and read on ``resume=``;
+* the **package** a joining worker takes from worker 0 (:meth:`TrainerState.package` /
+  :meth:`TrainerState.unpack`, besides the model, which is broadcast as tensors);
+* the **share** of the survivors of a lost worker, when one behind takes the state of one ahead
+  (:meth:`TrainerState.share` / :meth:`TrainerState.adopt`).
+
+Each use carries the subset of :data:`FIELDS` that :data:`USES` names, and every field a use leaves out is
+named in :data:`LEFT_OUT` with the reason (tests/test_trainer_state.py holds the three to it and
+round-trips each use), so a field cannot be added to one use and forgotten in another without saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from runner.rank.assignment import dealing_state
+from runner.rank.checkpoint import rng_state, set_rng_state
+from runner.rank.state import Position, broadcast_state
+
+if TYPE_CHECKING:
+    from runner.comm import Comm
+    from runner.rank.loop import Trainer
+
+
+@dataclass
+class At:
+    """Where training stands as a state is taken or given back: the position, and (a joining worker's
+    package) whether it is within an epoch."""
+
+    pos: Position = field(default_factory=Position)
+    mid_epoch: bool = False
+
+
+@dataclass(frozen=True)
+class Field:
+    """One part of the training state: ``take(loop, at)`` its value, ``give(loop, value, at)`` back."""
+
+    name: str
+    take: Callable[[Trainer, At], Any]
+    give: Callable[[Trainer, Any, At], None]
+
+
+def _set_pos(name: str) -> Callable[[Trainer, Any, At], None]:
+    return lambda loop, value, at: setattr(at.pos, name, value)
+
+
+def _give_scaler(loop: Trainer, value: Any, at: At) -> None:
+    if value and loop.scaler is not None:  # fp16: every worker scales its loss alike again
+        loop.scaler.load_state_dict(value)
+
+
+def _give_history(loop: Trainer, value: Any, at: At) -> None:
+    loop.history = list(value)
+
+
+def _set_guard(name: str) -> Callable[[Trainer, Any, At], None]:
+    return lambda loop, value, at: setattr(loop.guard, name, value)
+
+
+def _give_checkpoints(loop: Trainer, value: Any, at: At) -> None:
+    loop.control.checkpointer.count, loop.control.checkpointer.latest = value
+
+
+def _give_schedule(loop: Trainer, value: Any, at: At) -> None:
+    if value != loop.schedule.total_steps:
+        loop.schedule.replan(value)
+        loop.meter.replan(value)
+
+
+def _set(name: str) -> Callable[[Trainer, Any, At], None]:
+    return lambda loop, value, at: setattr(loop, name, value)
+
+
+def _take_shard(loop: Trainer, at: At) -> Any:
+    sampler = loop.train_loader.sampler
+    return [sampler.rank, sampler.num_replicas] if loop.dealer is None else None
+
+
+def _give_shard(loop: Trainer, value: Any, at: At) -> None:
+    if at.pos.batch > 0 and value:
+        loop.shard_plan = tuple(value)
+
+
+def _take_deal(loop: Trainer, at: At) -> Any:
+    if loop.dealer is None:
+        return None
+    return {**dealing_state(loop.dealer, loop.workers), "meetings": loop.meetings_done, "passed": loop.passed}
+
+
+def _give_deal(loop: Trainer, value: Any, at: At) -> None:
+    if loop.dealer is not None:
+        loop.resume_dealing(value, at.pos.step)
+    elif value:
+        raise ValueError(
+            f"the checkpoint after step {at.pos.step} was written with data.assignment=dynamic: resume it "
+            "with data.assignment=dynamic"
+        )
+
+
+def _take_dealing(loop: Trainer, at: At) -> Any:
+    dealer = loop.dealer
+    if dealer is None:
+        return None
+    return (dealer.total, dealer.steps, loop.meetings, loop.meetings_done, loop.passed)
+
+
+def _give_dealing(loop: Trainer, value: Any, at: At) -> None:
+    if value is not None:
+        total, steps, loop.meetings, loop.meetings_done, loop.passed = value
+        loop.dealer.total, loop.dealer.steps = total, steps
+
+
+#: The training state, in the order it is given back (the position before the meter, which reads it; the
+#: random generators last).
+FIELDS: tuple[Field, ...] = (
+    Field(
+        "model", lambda loop, at: loop.model.state_dict(), lambda loop, v, at: loop.model.load_state_dict(v)
+    ),
+    Field(
+        "optimizer",
+        lambda loop, at: loop.optimizer.state_dict(),
+        lambda loop, v, at: loop.optimizer.load_state_dict(v),
+    ),
+    Field("rule", lambda loop, at: loop.rule.state_dict(), lambda loop, v, at: loop.rule.load_state_dict(v)),
+    Field(
+        "scaler", lambda loop, at: loop.scaler.state_dict() if loop.scaler is not None else None, _give_scaler
+    ),
+    Field("step", lambda loop, at: at.pos.step, _set_pos("step")),
+    Field("epoch", lambda loop, at: at.pos.epoch, _set_pos("epoch")),
+    Field("batch", lambda loop, at: at.pos.batch, _set_pos("batch")),
+    Field("mid_epoch", lambda loop, at: at.mid_epoch, lambda loop, v, at: setattr(at, "mid_epoch", v)),
+    Field("history", lambda loop, at: loop.history, _give_history),
+    Field("skipped", lambda loop, at: loop.guard.skipped, _set_guard("skipped")),
+    Field("checkpointed", lambda loop, at: loop.guard.checkpointed, _set_guard("checkpointed")),
+    Field("first_val_loss", lambda loop, at: loop.first_val_loss, _set("first_val_loss")),
+    Field("reported_prefix", lambda loop, at: loop.reported_prefix, _set("reported_prefix")),
+    Field(
+        "meter",
+        lambda loop, at: loop.meter.state_dict(),
+        lambda loop, v, at: loop.meter.load_state_dict(v, at.pos.step, at.pos.batch > 0),
+    ),
+    Field(
+        "checkpoints",
+        lambda loop, at: (loop.control.checkpointer.count, loop.control.checkpointer.latest),
+        _give_checkpoints,
+    ),
+    Field("schedule", lambda loop, at: loop.schedule.total_steps, _give_schedule),
+    Field("shard", _take_shard, _give_shard),
+    Field("deal", _take_deal, _give_deal),
+    Field("dealing", _take_dealing, _give_dealing),
+    Field("rng", lambda loop, at: rng_state(), lambda loop, v, at: set_rng_state(v)),
+)
+
+#: Which fields each use carries.
+USES: dict[str, tuple[str, ...]] = {
+    "checkpoint": (
+        *("model", "optimizer", "rule", "scaler", "step", "epoch", "batch", "history", "skipped", "meter"),
+        *("shard", "deal", "rng"),
+    ),
+    "package": (
+        *("optimizer", "rule", "scaler", "step", "epoch", "batch", "mid_epoch", "history", "skipped"),
+        *("checkpointed", "first_val_loss", "reported_prefix", "meter", "checkpoints", "schedule", "dealing"),
+    ),
+    "share": ("optimizer", "rule", "scaler"),
+}
+
+_TENSORS = "broadcast as tensors first (broadcast_state), not pickled with the rest"
+_OWN_RNG = "each worker keeps its own random generators (its own data order and dropout)"
+_AGREED = "recovery agrees on the position itself (Recovery._agree)"
+_SAME = "the survivors kept it alike (validations, skipped steps, checkpoints and schedule are collective)"
+#: ``(field, use) -> why the use leaves the field out``: every field is in every use or named here.
+LEFT_OUT: dict[tuple[str, str], str] = {
+    ("model", "package"): _TENSORS,
+    ("model", "share"): _TENSORS,
+    ("rng", "package"): _OWN_RNG,
+    ("rng", "share"): _OWN_RNG,
+    **{(name, "share"): _AGREED for name in ("step", "epoch", "batch", "mid_epoch")},
+    ("mid_epoch", "checkpoint"): "a checkpoint's batch > 0 says it",
+    **{(name, "share"): _SAME for name in ("history", "skipped", "checkpointed", "checkpoints", "schedule")},
+    ("checkpointed", "checkpoint"): "restore sets it to the step of the checkpoint it resumes from",
+    ("first_val_loss", "checkpoint"): "the collapse check takes it from the history's first validation",
+    ("first_val_loss", "share"): _SAME,
+    ("reported_prefix", "checkpoint"): "the next validation sets it, before the results read it",
+    ("reported_prefix", "share"): _SAME,
+    ("meter", "share"): "each worker times its own steps",
+    ("checkpoints", "checkpoint"): "the checkpointer reads them from the index entry it resumes from",
+    ("schedule", "checkpoint"): "built for the run's steps; survivors re-plan it at each epoch's start",
+    ("shard", "package"): "the welcome gives a new worker a lost worker's shard (lost_shard)",
+    ("shard", "share"): "survivors keep their shards until the next epoch",
+    ("deal", "package"): "the package carries the dealing as it is (dealing); the welcome deals anew",
+    ("deal", "share"): "recovery deals the lost workers' chunks anew (redeal)",
+    ("dealing", "checkpoint"): "a checkpoint keeps what is left to deal (deal), which a resumed job deals",
+    ("dealing", "share"): "recovery deals the lost workers' chunks anew (redeal)",
+}
+
+#: The fields a checkpoint part holds at its top level; the others are under ``"loop"``.
+CHECKPOINT_TOP = ("model", "optimizer", "rule", "rng")
+_BY_NAME = {f.name: f for f in FIELDS}
+
+
+class TrainerState:
+    """The three uses of one worker's training state (``loop``: its :class:`~runner.rank.loop.Trainer`)."""
+
+    def __init__(self, loop: Trainer):
+        self.loop = loop
+
+    def take(self, use: str, at: At) -> dict[str, Any]:
+        """The fields ``use`` carries, taken in :data:`FIELDS` order (collective where a field is: under
+        dynamic assignment the checkpoint's ``deal`` gathers what is left over the workers)."""
+        names = USES[use]
+        return {f.name: f.take(self.loop, at) for f in FIELDS if f.name in names}
+
+    def give(self, use: str, state: dict[str, Any], at: At | None = None) -> At:
+        """Give back what :meth:`take` returned (a field missing from ``state``: None), in :data:`FIELDS`
+        order; returns where training stands."""
+        at = at or At()
+        names = USES[use]
+        for f in FIELDS:
+            if f.name in names:
+                f.give(self.loop, state.get(f.name), at)
+        return at
+
+    def checkpoint(self, pos: Position) -> dict[str, Any]:
+        """This rank's part of a checkpoint at ``pos``: :data:`CHECKPOINT_TOP` at its top level, the rest
+        under ``"loop"``."""
+        state = self.take("checkpoint", At(Position(pos.step, pos.epoch, pos.batch)))
+        part = {name: state.pop(name) for name in CHECKPOINT_TOP}
+        return {**part, "loop": state}
+
+    def restore(self, part: dict[str, Any]) -> Position:
+        """Take this rank's part of a checkpoint (as :meth:`checkpoint` made it); returns where it stood."""
+        state = {**{k: v for k, v in part.items() if k != "loop"}, **part["loop"]}
+        start = self.give("checkpoint", state).pos
+        self.loop.guard.checkpointed = start.step
+        return start
+
+    def package(self, pos: Position, mid_epoch: bool) -> dict[str, Any]:
+        """Worker 0: what a joining worker takes besides the model (which it broadcasts as tensors)."""
+        return self.take("package", At(Position(pos.step, pos.epoch, pos.batch), mid_epoch))
+
+    def unpack(self, package: dict[str, Any]) -> tuple[Position, bool]:
+        """A joining worker: take worker 0's :meth:`package`; where to start, and whether within an epoch."""
+        at = self.give("package", package)
+        return at.pos, at.mid_epoch
+
+    def share(self, comm: Comm, root: int) -> dict[str, Any]:
+        """Collective over ``comm``: give every rank ``root``'s model, and return ``root``'s share."""
+        broadcast_state(self.loop.model, comm, root=root)
+        mine = self.take("share", At()) if comm.rank == root else None
+        return comm.broadcast_object(mine, root=root)
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Take the share :meth:`share` returned (this survivor was behind)."""
+        self.give("share", state)
