@@ -29,6 +29,13 @@ from typing import Any
 #: assignment's counter) leave out ``osc/ucx``, which without UCX devices prints an error at every window
 #: made; on a UCX fabric give ``hardware.mca.osc=ucx`` for counters across nodes.
 DEFAULT_MCA = {"btl": "^ofi", "osc": "^ucx"}
+#: The BTLs of a job on one machine that does not grow: its ranks talk over shared memory, and without TCP's
+#: BTL no rank listens on the network (it listens on every address: ``btl_tcp_if_include`` picks the routes,
+#: not the socket). A job that may grow keeps it: processes spawned into it reach the others only by TCP
+#: (without it Open MPI reports them unreachable, help-mca-bml-r2.txt). Open MPI's runtime (PRRTE) still
+#: listens on every address: it refuses a loopback-only ``prte_if_include`` ("No network interfaces were
+#: found for out-of-band communications").
+ONE_NODE_BTL = "^ofi,tcp"
 
 #: First words of the keys of PRRTE, mpirun's runtime (``prte_info``): no rank reads them.
 PRRTE_PREFIXES = (
@@ -52,6 +59,14 @@ NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 VERBOSITY = {"none", "error", "component", "warn", "info", "trace", "debug", "max"}
 
 log = logging.getLogger("runner")
+
+
+def one_node(mca: Mapping[str, Any], grows: bool) -> dict[str, Any]:
+    """``hardware.mca`` for a job on this machine alone: the default ``btl`` without TCP's unless the job
+    may grow (``grows``: processes are spawned into it); a ``btl`` the user set is kept as given."""
+    if mca.get("btl") == DEFAULT_MCA["btl"] and not grows:
+        return {**mca, "btl": ONE_NODE_BTL}
+    return dict(mca)
 
 
 def render(value: Any) -> str:
