@@ -120,7 +120,10 @@ def test_the_import_walker_sees_what_it_must():
     assert "runner.comm.mpi" in edges["runner.rank.worker"]  # from runner.comm import mpi
     assert "runner.report.write" in edges["runner.launcher.callbacks"]  # inside a method
     assert "runner.rank.loop" in edges["runner.rank.worker"]
-    assert "runner.comm" not in edges["runner.comm.wire"] and "runner.comm" in hinted["runner.comm.wire"]
+    assert (
+        "runner.comm.face" not in edges["runner.comm.wire"]
+        and "runner.comm.face" in hinted["runner.comm.wire"]
+    )
     assert len(edges) > 80
 
 
@@ -137,14 +140,18 @@ def test_the_launcher_schema_and_hardware_never_import_the_ranks_or_the_comm_lay
     assert not bad, bad
 
 
-def test_only_the_mpi_module_imports_mpi4py():
+def test_only_the_binding_module_imports_mpi4py():
+    """mpi4py is imported in one module of the communication layer, which sets it not to start MPI; the rest
+    of the layer takes ``MPI`` from there, and no other side imports the layer's MPI modules (above)."""
     mods = modules()
     importers = sorted(
         name
         for name, path in mods.items()
         if any(t.split(".")[0] == "mpi4py" for t, _ in imports(path, name, set(mods)))
     )
-    assert importers == ["runner.comm.mpi"]
+    assert importers == ["runner.comm.binding"]
+    users = {name for name, targets in graph(hints=True).items() if "runner.comm.binding" in targets}
+    assert users and {side(name) for name in users} == {"comm"}, users
 
 
 def test_no_import_circle_between_folders():

@@ -27,7 +27,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 if TYPE_CHECKING:
-    from runner.comm.mpi import Comm
+    from runner.comm.face import CommLike as Comm
 
 #: The reduction of each ``op`` name :class:`~runner.comm.mpi.Comm` accepts.
 _OPS = {"sum": c10d.ReduceOp.SUM, "max": c10d.ReduceOp.MAX, "min": c10d.ReduceOp.MIN}

@@ -1,4 +1,5 @@
-"""Device memory and MPI: whether the loaded MPI library is CUDA-aware, and staging through host buffers.
+"""Device memory and MPI: whether the loaded MPI library is CUDA-aware, what MPI is given for a tensor, and
+staging through host buffers.
 
 A tensor MPI cannot read in place (on a GPU without CUDA-aware MPI, or not contiguous) goes through a
 contiguous host copy; CUDA tensors use pinned buffers kept from call to call. It imports no MPI binding:
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
+import numpy as np
 import torch
 
 #: Overrides the detection of :func:`cuda_aware_mpi`: ``1`` or ``0`` (``hardware.cuda_aware`` reaches a
@@ -96,3 +99,48 @@ class HostBuffers:
 
     def __len__(self) -> int:
         return len(self._buffers)
+
+
+def view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing memory with the contiguous CPU tensor ``t``."""
+    assert t.is_contiguous() and t.device.type == "cpu", "comm buffers must be contiguous CPU tensors"
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: moved as 16-bit integers, never reduced
+        t = t.view(torch.int16)
+    return t.detach().numpy()
+
+
+class Buffers:
+    """What MPI is given for each tensor: a view of it, the device memory itself (CUDA-aware MPI,
+    ``cuda_aware``) or a staged host copy; long-lived buffers prepared once (:meth:`keep`)."""
+
+    def __init__(self, cuda_aware: bool):
+        self.cuda_aware = cuda_aware
+        self.host = HostBuffers()
+        self._ready: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def get(self, t: torch.Tensor, copy_in: bool = True) -> tuple[Any, Staged | None]:
+        """What MPI is given for ``t``, and the staging to finish after the call (None: ``t`` itself).
+
+        Work queued on the GPU is waited for first, since MPI reads and writes device memory outside
+        CUDA's streams. A buffer given to :meth:`keep` is handed over as prepared then.
+        """
+        ready = self._ready.get(id(t))
+        if ready is not None and ready[0] is t:
+            return ready[1], None
+        if t.is_contiguous() and t.device.type == "cpu":
+            return view(t), None
+        if t.is_cuda and t.is_contiguous() and self.cuda_aware:
+            torch.cuda.current_stream(t.device).synchronize()
+            return t.detach(), None
+        if t.is_cuda:
+            host = self.host.get(t)
+        else:
+            host = torch.empty(t.numel(), dtype=t.dtype)
+        staged = Staged(t, host, copy_in)
+        return view(host), staged
+
+    def keep(self, t: torch.Tensor) -> None:
+        """Prepare the long-lived contiguous CPU buffer ``t`` once, for every later call on it (kept alive
+        here)."""
+        if t.is_contiguous() and t.device.type == "cpu":
+            self._ready[id(t)] = (t, view(t))

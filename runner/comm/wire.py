@@ -26,7 +26,7 @@ from runner.schema import WIRE_NAMES as NAMES
 if TYPE_CHECKING:
     import torch
 
-    from runner.comm import Comm
+    from runner.comm.face import CommLike as Comm
 else:
     torch = lazy_import("torch")
 

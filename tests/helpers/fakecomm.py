@@ -128,7 +128,8 @@ class FakeWorld:
 
 
 class FakeComm:
-    """One rank's view of a communicator; the API of :class:`runner.comm.Comm`."""
+    """One rank's view of a communicator: it satisfies :class:`runner.comm.face.CommLike`, as ``Comm`` does
+    (tests/test_comm_face.py compares their signatures)."""
 
     cuda_aware = False
 
@@ -276,7 +277,9 @@ class FakeComm:
             kind, list(values), lambda xs: combine(torch.tensor(xs, dtype=torch.float64)).tolist()
         )
 
-    def split(self, color: int, key: int | None = None) -> FakeComm:
+    def split(self, color: int, key: int | None = None, keep: bool = True) -> FakeComm:
+        """Collective: the ranks of one ``color`` ranked by (key, rank); ``keep`` changes nothing here."""
+
         def combine(members: list) -> dict[int, tuple[_Group, int]]:  # members: (color, key, old rank)
             placed = {}
             for c in {m[0] for m in members}:
@@ -389,7 +392,7 @@ class FakeComm:
 
 
 class FakeCounter:
-    """The API of :class:`runner.comm.Counter` over a list every rank of a fake world shares."""
+    """:class:`runner.comm.face.CounterLike` over a list every rank of a fake world shares."""
 
     def __init__(self, values: list[int], lock: threading.Condition):
         self.values, self._lock = values, lock

@@ -1,0 +1,50 @@
+"""The communicator's background thread: blocking all-reduces run beside the computation.
+
+Open MPI's non-blocking collectives progress only inside MPI calls and use slower algorithms; a thread
+running the blocking call overlaps truly (MPI_THREAD_MULTIPLE). Requests complete in order, and every rank
+must queue the same tensors in the same order. The thread counts no seconds: its requests' waits do.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from runner.comm.requests import BackgroundRequest
+from runner.comm.stats import uncounted_thread
+
+
+class Background:
+    """A thread that runs ``reduce(t, op, wire)`` for each queued tensor, in order, for ``comm``."""
+
+    def __init__(self, comm: Any, reduce: Callable[[Any, str, Any], None]):
+        self._comm, self._reduce = comm, reduce
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="mpitrain-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, t: Any, op: str, wire: Any) -> BackgroundRequest:
+        """Queue the all-reduce of ``t``; its request."""
+        request = BackgroundRequest(self._comm)
+        self._queue.put((t, op, wire, request))
+        return request
+
+    def drain(self) -> None:
+        """Return once every all-reduce queued so far is done (the thread is idle)."""
+        marker = BackgroundRequest(self._comm)
+        self._queue.put((None, None, None, marker))
+        marker._done.wait()
+
+    def _serve(self) -> None:
+        uncounted_thread()
+        while True:
+            t, op, wire, request = self._queue.get()
+            error = None
+            try:
+                if t is not None:
+                    self._reduce(t, op, wire)
+            except BaseException as err:  # handed to the waiting thread
+                error = err
+            request.finish(error)

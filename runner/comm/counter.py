@@ -1,0 +1,86 @@
+"""The one-sided counter: int64 slots held by one rank, updated by any rank without the host's help
+(as mpi4py's ``util/sync.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from runner.comm.binding import MPI
+from runner.comm.errors import faulted
+
+if TYPE_CHECKING:
+    from runner.comm.membership import Membership
+
+
+class Counter:
+    """Shared int64 values held by one rank (``host``) and updated by any rank with MPI's one-sided atomics.
+
+    ``fetch_add`` is ``MPI_Fetch_and_op`` in a passive-target epoch that stays open for the counter's life:
+    over shared memory (Open MPI's ``osc/sm``, one node) the origin updates the host's memory itself, so a
+    host busy computing does not delay it (about 1-3 µs a call here). Across nodes the transport decides
+    whether the host must enter MPI for the call to progress (benchmarks/README.md). Collective over
+    ``comm`` to make.
+    """
+
+    def __init__(self, comm: Membership, slots: int, host: int = 0):
+        self._comm, self.host, self.slots = comm, host, slots
+        self._win = MPI.Win.Allocate(8 * slots if comm.rank == host else 0, 8, comm=comm._c)
+        if comm.rank == host:
+            np.frombuffer(self._win.tomemory(), dtype=np.int64)[:] = 0
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        comm._c.Barrier()
+        self._one = np.ones(1, dtype=np.int64)
+
+    def fetch_add(self, slot: int = 0, value: int = 1) -> int:
+        """Add ``value`` to ``slot`` atomically; the value it held before."""
+        return self._fetch_and_op(slot, value, MPI.SUM)
+
+    def fetch_max(self, slot: int, value: int) -> int:
+        """Raise ``slot`` to ``value`` atomically (if it is lower); the value it held before."""
+        return self._fetch_and_op(slot, value, MPI.MAX)
+
+    @faulted
+    def _fetch_and_op(self, slot: int, value: int, op: MPI.Op) -> int:
+        self._one[0] = value
+        out = np.zeros(1, dtype=np.int64)
+        self._win.Fetch_and_op(self._one, out, self.host, slot, op)
+        self._win.Flush(self.host)
+        return int(out[0])
+
+    @faulted
+    def put(self, slot: int, values: Sequence[int]) -> None:
+        """Replace ``slot`` and the slots after it by ``values``, each atomically."""
+        data = np.asarray(values, dtype=np.int64)
+        self._win.Accumulate(data, self.host, (slot, len(data), MPI.INT64_T), MPI.REPLACE)
+        self._win.Flush(self.host)
+
+    @faulted
+    def read(self, slot: int = 0, count: int = 1) -> list[int]:
+        """``count`` values from ``slot`` on, each read atomically."""
+        out = np.zeros(count, dtype=np.int64)
+        self._win.Get_accumulate(
+            np.zeros(count, dtype=np.int64), out, self.host, (slot, count, MPI.INT64_T), MPI.NO_OP
+        )
+        self._win.Flush(self.host)
+        return out.tolist()
+
+    def snapshot(self) -> list[int]:
+        """The host only: every slot, read from its own memory (works when other ranks were lost)."""
+        assert self._comm.rank == self.host, "only the counter's host holds its slots"
+        return np.frombuffer(self._win.tomemory(), dtype=np.int64).tolist()
+
+    def close(self) -> None:
+        """Collective: end the access epoch and free the window. After a peer was lost, the window is
+        dropped instead (freeing it would wait for the dead)."""
+        if self._win is None:
+            return
+        try:
+            self._win.Unlock_all()
+            if not self._comm.tolerant:
+                self._win.Free()
+        except MPI.Exception:
+            pass  # a lost peer: the survivors make a new counter
+        self._win = None

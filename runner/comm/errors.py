@@ -1,0 +1,59 @@
+"""A lost peer as one exception: ULFM's failure errors of an MPI call mapped to :class:`PeerLost`, in one
+place."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from runner.comm.binding import MPI
+
+#: ULFM's error classes: a peer failed (75, 76 for a pending wildcard receive) or revoked the communicator.
+FAULTS = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PeerLost(RuntimeError):
+    """A process of the communicator died, or a survivor revoked the communicator after seeing one die.
+
+    Raised by every communication call when the job runs with ``hardware.fault_tolerance=continue``
+    (MPI's ULFM, errors returned instead of aborting); without it a lost process aborts the job in MPI.
+    """
+
+
+class Tolerant(Protocol):
+    """What the mapping reads of a communicator: whether peers may die."""
+
+    tolerant: bool
+
+
+class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
+    """Turn ULFM's failure errors of the MPI calls in the block into :class:`PeerLost` (named ``what``); under
+    fault tolerance, any error (a collective cut short by a peer's death may fail with a generic class): the
+    survivors' recovery then finds out whether a process was lost."""
+
+    __slots__ = ("comm", "what")
+
+    def __init__(self, comm: Tolerant, what: str):
+        self.comm, self.what = comm, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
+        if isinstance(err, MPI.Exception) and (err.Get_error_class() in FAULTS or self.comm.tolerant):
+            raise PeerLost(f"{self.what}: {err.Get_error_string()}") from None
+        return False
+
+
+def faulted(fn: F) -> F:
+    """A method whose MPI errors are mapped by :func:`faults`, for its object's communicator (``self._comm``,
+    else ``self``)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with faults(getattr(self, "_comm", self), fn.__name__):
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

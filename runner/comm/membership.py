@@ -1,0 +1,160 @@
+"""Who is in the job: ULFM's failure detection and recovery (revoke, agree, shrink) and the job's growth
+(spawned processes merged in), as the part of :class:`runner.comm.mpi.Comm` that changes its members.
+
+A communicator made tolerant (:meth:`Membership.return_errors`, ``hardware.fault_tolerance=continue`` or
+``heal``) raises :class:`~runner.comm.errors.PeerLost` from every call once a peer died; the survivors then
+revoke it (everyone comes to recover), agree, and shrink it to themselves, or grow it with new processes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runner.comm.binding import MPI
+from runner.comm.errors import FAULTS, faulted
+from runner.comm.tags import WATCH
+
+if TYPE_CHECKING:
+    from runner.comm.background import Background
+
+#: The order keys of a job's ranks after it grew (:meth:`Membership.grow`): its workers by rank, then the
+#: spawned ones, then its servers.
+GROWN_KEY = 1 << 20
+SERVER_KEY = 1 << 21
+
+
+class Membership:
+    """The membership half of a communicator over the MPI communicator ``_c``; ``ids``: each rank's id in
+    the job, once processes were spawned into it; ``grown``: processes were (then MPI_Finalize is not called
+    at the end)."""
+
+    _c: Any
+    rank: int
+    size: int
+    tolerant: bool
+    ids: list[int] | None
+    grown: bool
+    scratch: dict[Any, Any]
+    dist: Any
+    _children: list[Any]
+    _node_comm: Any
+    _background: Background | None
+
+    def return_errors(self) -> None:
+        """Failures of peers raise :class:`PeerLost` instead of aborting the job (call before splitting:
+        communicators made from this one inherit it)."""
+        self._c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.tolerant = True
+
+    def launch_rank(self, rank: int | None = None) -> int:
+        """The rank in the job as launched (``MPI.COMM_WORLD``) of this communicator's ``rank``."""
+        rank = self.rank if rank is None else rank
+        if self.ids is not None:  # processes were spawned into it: they are in no common COMM_WORLD
+            return self.ids[rank]
+        return MPI.Group.Translate_ranks(self._c.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
+
+    @faulted
+    def check_peers(self) -> None:
+        """Raise :class:`PeerLost` if ULFM knows a peer of this communicator died, or it was revoked."""
+        self._c.Iprobe(source=MPI.ANY_SOURCE, tag=WATCH)
+
+    def revoke(self) -> None:
+        """Revoke this communicator and those split from it: every survivor's pending and later calls on
+        them raise :class:`PeerLost`, wherever it is, so all of them come to recover."""
+        for comm in [self, *self._children]:
+            try:
+                comm._c.Revoke()
+            except MPI.Exception:
+                pass  # revoked already, by a peer
+
+    def lost_peers(self) -> list[int]:
+        """Acknowledge the failures this process knows of (so that wildcard receives go on among the
+        living); the failed ranks, in this communicator."""
+        self._c.Ack_failed()
+        group = self._c.Get_failed()
+        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
+
+    def lost_peers_ids(self) -> list[int]:
+        """:meth:`lost_peers`, as ids in the job (:meth:`launch_rank`)."""
+        return [self.launch_rank(r) for r in self.lost_peers()]
+
+    def shrink(self) -> list[int]:
+        """Replace the communicator, in place, by one of its survivors (ranks renumbered in order); returns
+        the lost ones' ranks as launched (:meth:`launch_rank`). Collective over the survivors. Split
+        communicators are dropped: split anew. The background thread is idle first (its calls on the
+        revoked communicator fail)."""
+        if self._background is not None:
+            self._background.drain()
+        before = [self.launch_rank(r) for r in range(self.size)]
+        mine = before[self.rank]
+        self._replace(self._c.Shrink(), mine)
+        after = set(self.ids or ())
+        return [launched for launched in before if launched not in after]
+
+    def _replace(self, new: Any, mine: int) -> None:
+        """Make this object wrap ``new`` (this process's id in the job: ``mine``); split communicators
+        are dropped (split anew)."""
+        self._c = new
+        if self.tolerant:
+            self._c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
+        self.ids = self._c.allgather(mine)
+        self._children, self._node_comm, self.scratch = [], None, {}
+        if self.dist is not None:  # the transport's group follows: a new one over the new ranks
+            self.dist.rebuild(self)
+
+    def fault_barrier(self) -> list[int]:
+        """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``),
+        then shrinks the communicator if any had; returns the lost ones' ranks as launched."""
+        while True:
+            try:
+                self._c.Agree(1)
+                break
+            except MPI.Exception as err:
+                if err.Get_error_class() not in FAULTS:
+                    raise
+                self.lost_peers()
+        return self.shrink() if self.lost_peers() else []
+
+    # -- growth -----------------------------------------------------------------------------------------
+    def grow(self, argv: list[str], count: int, key: int, wdir: str) -> str | None:
+        """Collective over this communicator (no lost ranks in it): start ``count`` processes running
+        ``argv`` (``MPI_Comm_spawn``) and merge them in, in place; this process takes place ``key`` in
+        the new order (the new ones take ``GROWN_KEY + i``). Returns why no process was started (MPI's
+        message: no free slot, a command that failed), else None."""
+        mine = self.launch_rank()
+        info = MPI.Info.Create()
+        info.Set("wdir", wdir)
+        try:
+            inter = self._c.Spawn(argv[0], argv[1:], maxprocs=count, info=info, root=0)
+        except MPI.Exception as err:
+            self.grown = True  # mpirun counts the failed spawn too
+            return err.Get_error_string().strip()
+        finally:
+            info.Free()
+        merged = inter.Merge(high=False)
+        inter.Disconnect()  # (left connected, MPI_Finalize was seen to crash disconnecting it)
+        self._replace(merged.Split(0, key), mine)
+        self.grown = True
+        return None
+
+    def merge_parent(self, first: int) -> None:
+        """A spawned process, on its world: merge into the job that spawned it, in place (fault tolerant), in
+        which the spawned processes have ids ``first``, ``first + 1``..."""
+        mine = first + self.rank
+        parent = MPI.Comm.Get_parent()
+        merged = parent.Merge(high=True)
+        parent.Disconnect()
+        self.return_errors()
+        order = GROWN_KEY + self.rank
+        self._replace(merged.Split(0, order), mine)
+        self.grown = True
+
+    @faulted
+    def resplit(self, parent: Membership, color: int) -> None:
+        """Collective over ``parent``: wrap, in place, ``parent``'s ranks of the same ``color`` (after the
+        job grew; ranks keep ``parent``'s order)."""
+        self.tolerant = parent.tolerant
+        self._replace(parent._c.Split(color, parent.rank), parent.launch_rank())
+        if self not in parent._children:
+            parent._children.append(self)

@@ -1,0 +1,27 @@
+"""The 16-bit exchange (``rule.comm_dtype``): an all-reduce asked in a 16-bit ``wire`` type, over several
+ranks, is an all-to-all and an all-gather in that type (:mod:`runner.comm.wire`), which take their
+own routes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runner.comm.routes.base import Carrier, Route
+from runner.comm.wire import allreduce as wire_allreduce
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Wire16(Route):
+    """All-reduces in 16 bits, summed in float32."""
+
+    def takes(
+        self, comm: Carrier, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None
+    ) -> bool:
+        return wire is not None and comm.size > 1
+
+    def allreduce(self, comm: Carrier, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
+        assert op == "sum", "16-bit exchange sums"
+        assert wire is not None
+        wire_allreduce(comm, t, wire)  # type: ignore[arg-type]
