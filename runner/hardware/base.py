@@ -126,6 +126,12 @@ class HardwareConfig:
         return self.fault_tolerance == "heal" or self.max_workers is not None
 
     @property
+    def one_machine(self) -> bool:
+        """Whether every rank runs on this machine (``hardware=cpu|gpu``; hosts and Slurm allocations may
+        span several)."""
+        return True
+
+    @property
     def tolerant(self) -> bool:
         """Whether ranks may be lost or added while the job runs (Open MPI's ULFM): the survivors go on."""
         return self.fault_tolerance != "none"

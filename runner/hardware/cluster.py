@@ -78,6 +78,10 @@ class ClusterConfig(HardwareConfig):
         """None: the launcher cannot see the other hosts; each rank takes its node-local rank's GPU."""
         return None
 
+    @property
+    def one_machine(self) -> bool:
+        return False
+
     def host_args(self, flavor: str) -> list[str]:
         if flavor == "openmpi":
             return ["--host", ",".join(self.hosts)] if self.hosts else ["--hostfile", self.hostfile]

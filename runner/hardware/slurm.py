@@ -62,6 +62,10 @@ class SlurmConfig(HardwareConfig):
             "an srun --mpi plugin, e.g. pmix (see srun --mpi=list)",
         )
 
+    @property
+    def one_machine(self) -> bool:
+        return False
+
     def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
         """The job in this allocation: ``mpirun`` (which reads the nodes from Slurm) or ``srun``, with
         ``SLURM_CPUS_PER_TASK`` threads per rank unless ``threads_per_rank`` says otherwise; refused when the
