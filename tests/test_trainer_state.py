@@ -95,9 +95,9 @@ def advance(loop: Trainer) -> Position:
         loop.rule.momentum[0].add_(1.0)
     loop.rule.round_step, loop.rule.outer_steps = 2, 5
     loop.scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
-    loop.history = [{"val_loss": 0.5, "val_acc": 0.75}]
+    loop.validator.history = [{"val_loss": 0.5, "val_acc": 0.75}]
     loop.guard.skipped, loop.guard.checkpointed = 2, 4
-    loop.first_val_loss, loop.reported_prefix = 0.7, "center_"
+    loop.validator.first_val_loss, loop.validator.reported_prefix = 0.7, "center_"
     loop.meter.total.steps, loop.meter.epoch.samples, loop.meter.window.loss = 5, 20, 1.5
     loop.control.checkpointer.count, loop.control.checkpointer.latest = 3, "00003-step4"
     loop.schedule.replan(2 * STEPS + 4)

@@ -13,16 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
-from runner.comm.tags import VALIDATED
 from runner.rank.agreement import Control
 from runner.rank.assignment import (
     CHUNKS_PER_WORKER,
     Dealer,
     Meetings,
-    claim_slot,
     val_chunks,
 )
-from runner.rank.guard import Diverged, Guard, collapse, fell_to_chance
+from runner.rank.guard import Diverged, Guard, fell_to_chance
 from runner.rank.prefetch import Batch, Prefetch
 from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.meter import Meter
@@ -32,7 +30,8 @@ from runner.rank.resilience.growth import Growth
 from runner.rank.resilience.survivor import Survivors
 from runner.rank.state import Position, run_length
 from runner.rank.trainer_state import TrainerState
-from runner.rank.validation import autocast, validation_sums
+from runner.rank.validation import autocast
+from runner.rank.validator import Validator
 from runner.results import no_improvement
 from runner.rules.base import Rule
 from runner.schema.sections import TrainConfig
@@ -74,10 +73,6 @@ def delay(seconds: float, spin: bool) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-
-
-#: The most validation sums such a message carries (a task's results come from a few).
-SUMS_SENT = 60
 
 
 @dataclass
@@ -141,9 +136,8 @@ class Trainer:
         self.delay_s, self.spin = place.delay_s, place.spin
         self.log, self.meter = records.log, records.meter
         self.beat, self.control = records.beat, records.control
-        self.train_loader, self.val_loader = loaders
+        self.train_loader, val_loader = loaders
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
-        self.reported_prefix = ""  # the record prefix of the model the run reports ("" or e.g. "center_")
         self.stopped_early: int | None = None  # the epoch after which early stopping ended training
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         keep = cfg.on_nonfinite == "skip" or recovery is not None  # a step may be dropped or redone
@@ -152,8 +146,6 @@ class Trainer:
         self.guard = Guard(
             self.model, self.optimizer, self.rule, cfg.on_nonfinite, keep, fp16, self.meter.echo, rank
         )
-        self.history: list[dict[str, float]] = []
-        self.first_val_loss: float | None = None  # the reference of train.diverge_at
         self.preempted = False
         self.first_step = 0
         self.last_loss: float | torch.Tensor = float("nan")  # the last step's, left on the device (detached)
@@ -166,17 +158,13 @@ class Trainer:
             per_epoch = self.dealer.chunks.per_epoch
             val = val_chunks(cfg.val_every, per_epoch)
             self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
-        self.val_share: Callable[[int, int], DataLoader] | None = None  # (r, n) -> loader of share r of n
-        self.whole_val: DataLoader | None = None  # the loader of the whole validation set (alone)
-        self.solo_sent: list[tuple[int, list[float]]] = []  # validations taken alone and sent to worker 0
-        # this epoch, on the workers' communicator as it is: (this worker's rank, the message)
-        self.solo_got = 0  # worker 0: those it received
-        self.solo_seen: set[tuple[int, float]] = set()  # worker 0: their (sender's rank, time)
-        self.val_asked = 0  # train.val_every_s: the last validation by time asked for (or claimed)
-        by_claim = self.dealer is not None and self.rule.solo_validation  # the free worker claims it
+        kept = (self.log, self.meter, self.guard)
+        parts_ = (self.model, self.rule, self.task)
+        self.validator = Validator(cfg, parts_, self.workers, self.device, kept, val_loader, self.dealer)
+        by_claim = self.validator.alone  # the free worker claims a validation by time
         timed = self.cfg.val_every_s is not None and not by_claim
         if self.control is not None:
-            self.control.validation_due = self.validation_due if timed else None
+            self.control.validation_due = self.validator.due_by_time if timed else None
         self.val_steps: int | None = None  # static shards: steps between validations within the epoch
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
@@ -187,7 +175,7 @@ class Trainer:
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
         results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
-        pos, reported = Position(start.step, start.epoch, start.batch), self.model
+        pos, reported, v = Position(start.step, start.epoch, start.batch), self.model, self.validator
         self.first_step, dealt = start.step, self.dealer is not None
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
@@ -209,7 +197,7 @@ class Trainer:
                 ends = min((epoch + 1) * self.dealer.chunks.per_epoch, self.dealer.total)
                 self.meter.reach(self.dealer.steps_at(ends), epoch)
             pos.batch, self.passed = 0, 0
-            if no_improvement(self.history, self.reported_prefix + self.monitor, self.cfg.early_stop):
+            if no_improvement(v.history, v.reported_prefix + self.monitor, self.cfg.early_stop):
                 self.stopped_early = epoch
                 self.meter.echo(
                     f"early stop after epoch {epoch}: {self.monitor} did not improve in the last "
@@ -218,12 +206,12 @@ class Trainer:
                 break
         self.meter.close()
         classes = None if self.preempted else getattr(self.task, "num_classes", None)
-        why = fell_to_chance(self.history, self.reported_prefix, classes, self.cfg.collapse_margin)
+        why = fell_to_chance(v.history, v.reported_prefix, classes, self.cfg.collapse_margin)
         if why is not None:  # ended at chance, after being well above it (before its final checkpoint)
             raise Diverged(f"step {pos.step}: {why}; {self.guard.kept_checkpoint()}")
         self.tolerant(self.end, pos, epochs, start)
         fp16 = self.scaler is not None
-        outcome = Outcome(self.history, self.reported_prefix, self.monitor, self.stopped_early, fp16)
+        outcome = Outcome(v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16)
         return reported, summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
 
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
@@ -281,9 +269,9 @@ class Trainer:
         and checkpoint or stop as the workers agreed. True when they agreed to stop."""
         meetings, chunks = self.meetings, self.dealer.chunks
         if self.workers.rank == 0 and self.rule.solo_validation:
-            self.collect_validations()
+            self.validator.collect()
         if ticket is not None and self.cfg.val_every_s is not None and self.rule.solo_validation:
-            self.claim_validation(pos)
+            self.validator.claim(pos)
         if ticket is None:
             upto = meetings.count
         else:
@@ -292,13 +280,15 @@ class Trainer:
             k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
             if meetings.validates(k) and not self.rule.solo_validation:
-                self.validate(pos.epoch, pos.step)
+                self.validator.validate(pos.epoch, pos.step)
                 self.model.train()
             elif meetings.validates(k) and ticket == position:
-                self.validate_alone(pos)  # this worker drew the validation's chunk: it is the free one
+                self.validator.validate_alone(
+                    pos
+                )  # this worker drew the validation's chunk: it is the free one
             decision = self.control.poll(self.meetings_done)
             if decision.validate:
-                self.validate_by_time(pos)
+                self.validator.by_time(pos)
             self.growth.note(decision)
             steps = self.dealer.steps_at
             due = self.control.checkpointer.due_between(steps(position - meetings.gap(k)), steps(position))
@@ -368,12 +358,12 @@ class Trainer:
     def end_epoch(self, pos: Position, epochs: int, span: Any) -> nn.Module | None:
         """The epoch's records, after validation when due; the model validated (None: no validation)."""
         self.guard.check()
-        self.gather_validations()
+        self.validator.gather()
         self.rule.on_epoch_end(pos.epoch)
         reported = None
         every = self.cfg.val_every
         if every < 1 or (pos.epoch + 1) % int(every) == 0 or pos.epoch == epochs - 1:
-            reported = self.validate(pos.epoch, pos.step)
+            reported = self.validator.validate(pos.epoch, pos.step)
         mean_loss = float(span.loss) / max(1, span.steps)
         train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
         rates, extra = span.rates(self.workers.size), self.rule.metrics()
@@ -384,7 +374,7 @@ class Trainer:
         """The end of training: the last agreement, the final checkpoint, the rule's last exchanges."""
         self.guard.check()
         self.control.close()
-        self.gather_validations()  # a run stopped within an epoch
+        self.validator.gather()  # a run stopped within an epoch
         if not self.preempted:
             self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
         self.rule.finish()
@@ -413,11 +403,11 @@ class Trainer:
         """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""
         every = self.val_steps
         if every and pos.batch % every == 0 and pos.batch < len(self.train_loader) // self.cfg.accumulate:
-            self.validate(pos.epoch, pos.step)
+            self.validator.validate(pos.epoch, pos.step)
             self.model.train()
         decision = self.control.poll(pos.step)
         if decision.validate:
-            self.validate_by_time(pos)
+            self.validator.by_time(pos)
         self.growth.note(decision)
         self.preempted = decision.stop
         if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
@@ -439,7 +429,7 @@ class Trainer:
             "end": end,
             "metrics_lines": self.log.lines,
             "elapsed": self.log.elapsed(),
-            "validation": self.history[-1] if self.history else None,
+            "validation": self.validator.history[-1] if self.validator.history else None,
         }
         self.control.checkpointer.save(step, state, info)
         self.guard.checkpointed = step
@@ -459,153 +449,9 @@ class Trainer:
         self.dealer.base, self.dealer.pending = deal["base"], list(deal["pending"])
         self.meetings_done, self.passed = deal["meetings"], deal["passed"]
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """The task's metrics of ``model`` over the whole validation set (all ranks' shares)."""
-        sums = validation_sums(model, self.val_loader, self.task, self.device, self.cfg.precision)
-        return self.task.results(self.workers.allreduce_values(sums))
-
-    def validate_alone(self, pos: Position, due: int | None = None) -> None:
-        """Within an epoch of dynamic assignment, the worker that drew the chunk at a validation's position
-        (the first free one): validate the rule's reported model as it reads it alone
-        (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the others train
-        on. Worker 0 records it (:meth:`collect_validations`); it is not kept in the history early stopping
-        reads (only one worker has it). ``due``: the validation by time (``train.val_every_s``) it is."""
-        self.guard.check()
-        if self.whole_val is None:
-            self.whole_val = self.val_share(0, 1)
-        model = self.rule.solo_model()
-        sums = validation_sums(model, self.whole_val, self.task, self.device, self.cfg.precision)
-        self.model.train()
-        results = self.task.results(sums)
-        if self.workers.rank == 0:
-            self.record_alone(pos.step, pos.epoch, time.time(), results, 0, due)
-        else:
-            assert len(sums) <= SUMS_SENT, f"{len(sums)} validation sums, more than {SUMS_SENT}"
-            head = [len(sums), pos.step, pos.epoch, time.time(), -1 if due is None else due]
-            message = torch.tensor([*head, *sums], dtype=torch.float64)
-            self.workers.send(message, 0, VALIDATED)
-            self.solo_sent.append((self.workers.rank, message.tolist()))
-        self.check_collapse(results.get("loss"), pos.step)
-
-    def newly_due(self) -> int | None:
-        """The validation by time (``train.val_every_s``) that this worker's clock says is due, if it is
-        later than the last one asked for or claimed; else None."""
-        due = int(self.log.elapsed() // self.cfg.val_every_s)
-        return due if due > self.val_asked else None
-
-    def validation_due(self) -> bool:
-        """Worker 0, at an agreement: whether ``train.val_every_s`` more seconds of training passed since
-        the last validation it asked for (the workers then validate together where they agree)."""
-        due = self.newly_due()
-        if due is None:
-            return False
-        self.val_asked = due
-        return True
-
-    def validate_by_time(self, pos: Position) -> None:
-        """Every worker, where they agreed that ``train.val_every_s`` passed on worker 0's clock."""
-        self.validate(pos.epoch, pos.step, due=self.val_asked)  # (recorded by worker 0, which asked)
-        self.model.train()
-
-    def claim_validation(self, pos: Position) -> None:
-        """Dynamic assignment, rules that validate alone, ``train.val_every_s``: the first worker to start a
-        step once the next validation is due takes it (an atomic maximum on the counter's last slot: of
-        the workers that see it due, one raises it), and validates alone."""
-        due = self.newly_due()
-        if due is None:
-            return
-        before = self.dealer.counter.fetch_max(claim_slot(self.workers.size), due)
-        self.val_asked = max(due, before)
-        if before < due:
-            self.validate_alone(pos, due)
-
-    def record_alone(
-        self, step: int, epoch: int, at: float, results: dict[str, float], by: int, due: int | None = None
-    ) -> None:
-        """Worker 0: record the ``results`` of a validation worker ``by`` took alone at ``at`` (its
-        ``time.time()``); ``due``: the validation by time it is (None: one at a position of the epoch)."""
-        record = {f"val_{k}": v for k, v in results.items()}
-        timed = {} if due is None else {"due": due}
-        self.log.write("val", step, at=at, epoch=epoch, alone=True, by=by, **timed, **record)
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items())
-        self.meter.echo(f"epoch {epoch} (in progress, worker {by}): {shown}")
-
-    def collect_validations(self, expected: int | None = None) -> None:
-        """Worker 0: record the validations other workers took alone and sent; with ``expected`` (how many
-        they sent this epoch), wait for those still on their way, and take no more."""
-        buf = torch.empty(5 + SUMS_SENT, dtype=torch.float64)
-        while self.solo_got < expected if expected is not None else self.workers.iprobe(tag=VALIDATED):
-            source, _ = self.workers.recv(buf, tag=VALIDATED)
-            self.record_message(source, buf.tolist())
-            self.solo_got += 1
-
-    def record_message(self, source: int, message: list[float]) -> None:
-        """Worker 0: record a validation worker ``source`` took alone, as :meth:`validate_alone` sent it."""
-        n, step, epoch, at, due = message[:5]
-        self.solo_seen.add((source, at))
-        results = self.task.results(message[5 : 5 + int(n)])
-        self.record_alone(int(step), int(epoch), at, results, source, None if due < 0 else int(due))
-
-    def gather_validations(self) -> None:
-        """Collective over the workers (dynamic assignment, rules that validate alone): worker 0 records
-        every validation taken alone this epoch before the epoch's own records."""
-        if self.dealer is None or not self.rule.solo_validation:
-            return
-        sent = self.workers.allreduce_values([float(len(self.solo_sent))])[0]
-        if self.workers.rank == 0:
-            self.collect_validations(expected=round(sent))
-        self.solo_sent, self.solo_got, self.solo_seen = [], 0, set()
-
-    def resend_validations(self, record: bool) -> None:
-        """Collective over the workers once their communicator was replaced (workers lost or joined): the
-        validations taken alone that worker 0 had not received went with the old one (worker 0 would wait
-        for them at the epoch's end), so every worker hands those it sent over again, worker 0 records the
-        ones it had not (``record`` False: a new worker 0, which cannot tell what the lost one recorded),
-        and the count of those on their way starts over."""
-        if self.dealer is None or not self.rule.solo_validation:
-            return
-        sent = self.workers.allgather_object(self.solo_sent)
-        if self.workers.rank == 0 and record:
-            for source, message in (m for row in sent for m in row):
-                if (source, message[3]) not in self.solo_seen:
-                    self.record_message(source, message)
-        self.solo_sent, self.solo_got, self.solo_seen = [], 0, set()
-
-    def validate(self, epoch: int, step: int, **extra: Any) -> nn.Module:
-        """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
-        reports (the first)."""
-        self.guard.check()  # (a model past a non-finite step is not validated: the run ends at that step)
-        record: dict[str, float] = {}
-        models = self.rule.eval_models()
-        first = next(iter(models))
-        self.reported_prefix = f"{first}_" if first else ""
-        for name, model in models.items():
-            prefix = f"{name}_" if name else ""
-            record.update({f"{prefix}val_{k}": v for k, v in self.evaluate(model).items()})
-        self.history.append(record)
-        self.log.write("val", step, epoch=epoch, **extra, **record)
-        self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
-        self.check_collapse(record.get(f"{self.reported_prefix}val_loss"), step)
-        return next(iter(models.values()))
-
-    def check_collapse(self, loss: float | None, step: int) -> None:
-        """End the run as diverged when the reported model's validation ``loss`` (None: the task has none)
-        is not finite or exploded against the run's first (``train.diverge_at``)."""
-        if loss is None:
-            return
-        if self.first_val_loss is None:
-            first = self.history[0].get(f"{self.reported_prefix}val_loss") if self.history else None
-            self.first_val_loss = loss if first is None else first
-        why = collapse(loss, self.first_val_loss, self.cfg.diverge_at)
-        if why is not None:
-            raise Diverged(
-                f"step {step}: {why}: the run collapsed; lower optim.lr or change the rule's settings, or "
-                f"train.diverge_at=null to train on; {self.guard.kept_checkpoint()}"
-            )
-
     def close(self) -> None:
         """Stop the loaders' background processes (the worker then leaves without Python's teardown,
         which would stop them)."""
-        for loader in (self.train_loader, self.val_loader, self.whole_val):
+        for loader in (self.train_loader, *self.validator.loaders()):
             if getattr(loader, "_iterator", None) is not None:  # persistent loader processes
                 loader._iterator = None  # the last reference: its __del__ shuts them down now

@@ -56,7 +56,7 @@ def _give_scaler(loop: Trainer, value: Any, at: At) -> None:
 
 
 def _give_history(loop: Trainer, value: Any, at: At) -> None:
-    loop.history = list(value)
+    loop.validator.history = list(value)
 
 
 def _set_guard(name: str) -> Callable[[Trainer, Any, At], None]:
@@ -73,8 +73,8 @@ def _give_schedule(loop: Trainer, value: Any, at: At) -> None:
         loop.meter.replan(value)
 
 
-def _set(name: str) -> Callable[[Trainer, Any, At], None]:
-    return lambda loop, value, at: setattr(loop, name, value)
+def _set_validator(name: str) -> Callable[[Trainer, Any, At], None]:
+    return lambda loop, value, at: setattr(loop.validator, name, value)
 
 
 def _take_shard(loop: Trainer, at: At) -> Any:
@@ -135,11 +135,15 @@ FIELDS: tuple[Field, ...] = (
     Field("epoch", lambda loop, at: at.pos.epoch, _set_pos("epoch")),
     Field("batch", lambda loop, at: at.pos.batch, _set_pos("batch")),
     Field("mid_epoch", lambda loop, at: at.mid_epoch, lambda loop, v, at: setattr(at, "mid_epoch", v)),
-    Field("history", lambda loop, at: loop.history, _give_history),
+    Field("history", lambda loop, at: loop.validator.history, _give_history),
     Field("skipped", lambda loop, at: loop.guard.skipped, _set_guard("skipped")),
     Field("checkpointed", lambda loop, at: loop.guard.checkpointed, _set_guard("checkpointed")),
-    Field("first_val_loss", lambda loop, at: loop.first_val_loss, _set("first_val_loss")),
-    Field("reported_prefix", lambda loop, at: loop.reported_prefix, _set("reported_prefix")),
+    Field("first_val_loss", lambda loop, at: loop.validator.first_val_loss, _set_validator("first_val_loss")),
+    Field(
+        "reported_prefix",
+        lambda loop, at: loop.validator.reported_prefix,
+        _set_validator("reported_prefix"),
+    ),
     Field(
         "meter",
         lambda loop, at: loop.meter.state_dict(),

@@ -353,7 +353,7 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank), cfg.simulate.spin)
     kept = records(rank, rule.synchronous, steps, dealt is not None)
     trainer = Trainer(cfg.train, parts, pair, place, kept, recovery)
-    trainer.val_share = val_share(rank, data)
+    trainer.validator.val_share = val_share(rank, data)
     return trainer, epochs, steps
 
 

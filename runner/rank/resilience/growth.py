@@ -69,7 +69,7 @@ class Growth:
                 if joined:
                     pos, mid_epoch = loop.state.unpack(package)
         sub.free()
-        loop.resend_validations(record=True)  # (worker 0 stays worker 0)
+        loop.validator.resend(record=True)  # (worker 0 stays worker 0)
         if loop.dealer is None:
             sampler = loop.train_loader.sampler
             plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
@@ -78,8 +78,7 @@ class Growth:
         else:
             regrow(loop.dealer, w, joined)
         loop.rule.grow(joined)
-        if loop.val_share is not None:
-            loop.val_loader = loop.val_share(w.rank, w.size)
+        loop.validator.regrow()
         loop.meter.world = w.size
         after = self.survivors.agreement_after(pos.step)
         loop.control.reset(int(w.allreduce_values([after], "max")[0]))

@@ -47,8 +47,8 @@ class Survivors:
         (dynamic assignment) the lost workers' data back to the pool."""
         loop = self.loop
         loop.rule.recover()
-        loop.resend_validations(record=before[0] not in lost)
-        loop.val_loader = val_loader
+        loop.validator.resend(record=before[0] not in lost)
+        loop.validator.val_loader = val_loader
         loop.control.reset(next_poll)
         loop.meter.world = loop.workers.size
         if loop.dealer is not None:  # the lost workers' chunks go back to the pool
