@@ -13,6 +13,32 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+#: A test outside the slow tier that takes longer (setup, call and teardown) is named at the end of the run:
+#: the fast tier must stay under 2 minutes on 2 cores (README). A report, not a failure.
+FAST_BUDGET_S = 3.0
+_fast_times: dict[str, float] = {}  # test id -> seconds, for the tests outside the slow tier
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every ``mpi`` test is also ``slow``: the fast tier never starts ``mpirun``."""
+    for item in items:
+        if item.get_closest_marker("mpi") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up the time of each test outside the slow tier (its setup, call and teardown)."""
+    if "slow" not in report.keywords:
+        _fast_times[report.nodeid] = _fast_times.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Name the tests outside the slow tier that took over :data:`FAST_BUDGET_S`, slowest first."""
+    over = sorted(((t, n) for n, t in _fast_times.items() if t > FAST_BUDGET_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"fast-tier tests over {FAST_BUDGET_S:.0f} s", yellow=True)
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"WARNING {seconds:.1f} s {nodeid}: make it smaller, or mark it slow")
 
 
 class Run:

@@ -41,6 +41,7 @@ def model(out: str) -> str:
     return line
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_the_store_of_a_one_node_job_listens_on_the_loopback_only():
     """Rank 0's listening sockets on the store's port, read from /proc while the job runs."""
@@ -50,6 +51,7 @@ def test_the_store_of_a_one_node_job_listens_on_the_loopback_only():
     assert all(host == "127.0.0.1" for host, _ in listens), listens
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_foreign_client_knowing_the_port_does_not_change_the_model():
     """Keys written under ``mpitrain/G/`` (the names before they were secret) before the group's
