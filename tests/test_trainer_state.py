@@ -104,7 +104,8 @@ def advance(loop: Trainer) -> Position:
     if loop.dealer is not None:
         loop.dealer.base, loop.dealer.pending = 7, [2, 5]
         loop.dealer.total, loop.dealer.steps = loop.dealer.total - 1, loop.dealer.steps - 1
-        loop.meetings, loop.meetings_done, loop.passed = Meetings(12, 3, None), 3, 1
+        pace = loop.pace
+        pace.meetings, pace.meetings_done, pace.passed = Meetings(12, 3, None), 3, 1
     else:
         loop.train_loader.sampler.reshard(1, 3)
     torch.manual_seed(99)
@@ -167,7 +168,7 @@ def test_checkpoint_then_restore_gives_back_the_trainer(tmp_path, assignment):
         torch.manual_seed(5)
         before = copy.deepcopy(b.state.take("checkpoint", At()))  # (a state dict holds live tensors)
         start = b.restore(torch.load(save(part, tmp_path), weights_only=True))
-        b.begin_epoch(start, 2, start, 2 * STEPS)  # as fit does: a resumed epoch's shard is taken there
+        b.pace.begin_epoch(start, 2, start, 2 * STEPS)  # as fit does: a resumed epoch's shard is taken there
         assert b.guard.checkpointed == start.step == pos.step
         return differences(
             "checkpoint", taken, before, b.state.take("checkpoint", At(start)), ABSENT[assignment]

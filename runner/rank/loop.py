@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -15,12 +14,10 @@ from torch.utils.data import DataLoader
 from runner.comm import Comm, PeerLost
 from runner.rank.agreement import Control
 from runner.rank.assignment import (
-    CHUNKS_PER_WORKER,
     Dealer,
-    Meetings,
-    val_chunks,
 )
 from runner.rank.guard import Diverged, Guard, fell_to_chance
+from runner.rank.pace import Dynamic, Static
 from runner.rank.prefetch import Batch, Prefetch
 from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.meter import Meter
@@ -28,7 +25,7 @@ from runner.rank.records.metrics import MetricsLog
 from runner.rank.records.summary import Outcome, summary
 from runner.rank.resilience.growth import Growth
 from runner.rank.resilience.survivor import Survivors
-from runner.rank.state import Position, run_length
+from runner.rank.state import Position
 from runner.rank.trainer_state import TrainerState
 from runner.rank.validation import autocast
 from runner.rank.validator import Validator
@@ -139,7 +136,6 @@ class Trainer:
         self.train_loader, val_loader = loaders
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         self.stopped_early: int | None = None  # the epoch after which early stopping ended training
-        self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         keep = cfg.on_nonfinite == "skip" or recovery is not None  # a step may be dropped or redone
         fp16 = self.scaler is not None
         rank = lambda: self.workers.rank  # noqa: E731 (recovery gives the survivors new ranks)
@@ -150,14 +146,10 @@ class Trainer:
         self.first_step = 0
         self.last_loss: float | torch.Tensor = float("nan")  # the last step's, left on the device (detached)
         self.prefetch = Prefetch(self.device)
-        # dynamic assignment (data.assignment): the dealer of this worker's chunks, the epoch's meetings
+        # dynamic assignment (data.assignment): the dealer of this worker's chunks; the pace, chosen once
         sampler = getattr(self.train_loader, "batch_sampler", None)
         self.dealer: Dealer | None = sampler if isinstance(sampler, Dealer) else None
-        self.meetings: Meetings | None = None
-        if self.dealer is not None:
-            per_epoch = self.dealer.chunks.per_epoch
-            val = val_chunks(cfg.val_every, per_epoch)
-            self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * self.workers.size, val)
+        self.pace: Static | Dynamic = Static(self) if self.dealer is None else Dynamic(self, self.dealer)
         kept = (self.log, self.meter, self.guard)
         parts_ = (self.model, self.rule, self.task)
         self.validator = Validator(cfg, parts_, self.workers, self.device, kept, val_loader, self.dealer)
@@ -165,9 +157,6 @@ class Trainer:
         timed = self.cfg.val_every_s is not None and not by_claim
         if self.control is not None:
             self.control.validation_due = self.validator.due_by_time if timed else None
-        self.val_steps: int | None = None  # static shards: steps between validations within the epoch
-        self.passed = 0  # meetings of this epoch passed
-        self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
         self.state = TrainerState(self)  # its three uses: checkpoint, a joining worker's package, a share
         self.survivors = Survivors(self)  # what recovery asks of the loop (fault tolerance)
         self.growth = Growth(self, self.survivors)  # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
@@ -176,27 +165,22 @@ class Trainer:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
         results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
         pos, reported, v = Position(start.step, start.epoch, start.batch), self.model, self.validator
-        self.first_step, dealt = start.step, self.dealer is not None
+        self.first_step, pace = start.step, self.pace
         for epoch in range(start.epoch, epochs):
             pos.epoch = epoch
             self.growth.if_due(pos, mid_epoch=False)
-            max_steps = self.begin_epoch(pos, epochs, start, max_steps)
+            max_steps = pace.begin_epoch(pos, epochs, start, max_steps)
             self.model.train()
             self.train_span(pos, epoch, max_steps)
-            while dealt and not self.preempted:
-                self.tolerant(self.meet, pos, None)  # the epoch's end (where a loss may be noticed)
-                if not self.dealer.reopen():  # chunks dealt anew after this worker's draws were spent
-                    break
+            while pace.end_of_span(pos):  # dynamic assignment: chunks dealt anew (a lost worker's)
                 self.train_span(pos, epoch, max_steps)
             if self.preempted:
                 self.meter.epoch_done()
                 break
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
-            if dealt:  # every worker is past the epoch's end (its records were reduced over all)
-                ends = min((epoch + 1) * self.dealer.chunks.per_epoch, self.dealer.total)
-                self.meter.reach(self.dealer.steps_at(ends), epoch)
-            pos.batch, self.passed = 0, 0
+            pace.end_of_epoch(epoch)
+            pos.batch = 0
             if no_improvement(v.history, v.reported_prefix + self.monitor, self.cfg.early_stop):
                 self.stopped_early = epoch
                 self.meter.echo(
@@ -217,87 +201,25 @@ class Trainer:
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
         """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
         spent), up to ``max_steps``, a stop, or (static shards) a step that ends the run."""
-        dealt = self.dealer is not None
-        # on a GPU, static shards: the next step's batch is copied while this one computes (dynamic
-        # assignment: not, since drawing it ahead would hold a chunk of the shared counter's)
-        groups = self.prefetch(grouped(self.train_loader, self.cfg.accumulate), ahead=not dealt)
+        pace = self.pace
+        groups = self.prefetch(grouped(self.train_loader, self.cfg.accumulate), ahead=pace.ahead)
         for micro in self.meter.batches(groups):
-            if pos.step >= max_steps or (dealt and self.tolerant(self.meet, pos, self.dealer.take())):
+            if pos.step >= max_steps or pace.before_step(pos):
                 return
             self.growth.if_due(pos, mid_epoch=True)
-            if dealt:
-                self.meter.restart_step()
+            pace.start_step()
             while not self.step(micro, pos):
                 pass
-            pos.step, pos.batch, shown = pos.step + 1, pos.batch + 1, None
-            if dealt:  # the run's progress, in steps of all workers' chunks
-                shown = self.dealer.step_of(self.dealer.current) + 1
-                self.dealer.trained()
+            pos.step, pos.batch = pos.step + 1, pos.batch + 1
+            shown = pace.after_step()
             self.beat.progress(pos.step)
             if pos.step % self.cfg.log_every == 0:  # deferred non-finite checks: read before the record
                 self.guard.check()
             samples = sum(len(x) for x, _ in micro)
             lr = self.optimizer.param_groups[0]["lr"]
             self.meter.step_done(pos.step, epoch, self.last_loss, samples, lr, shown)
-            if not dealt and (self.tolerant(self.at_step_end, pos) or pos.step >= max_steps):
+            if pace.at_step_end(pos, max_steps):
                 return
-
-    def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
-        """Deal epoch ``pos.epoch``'s data (static shards: this worker's, from ``pos.batch`` on); returns the
-        run's steps, which the survivors of a lost worker re-plan with their longer epochs (static)."""
-        if self.dealer is not None:  # the dealer ends the run when the tickets are spent
-            self.dealer.set_epoch(pos.epoch)
-            return sys.maxsize
-        sampler = self.train_loader.sampler
-        plan = self.shard_plan if pos.epoch == start.epoch and self.shard_plan else None
-        sampler.reshard(*(plan or (self.workers.rank, self.workers.size)))
-        if self.recovery is not None:  # survivors: longer epochs
-            steps_per_epoch = len(self.train_loader) // self.cfg.accumulate
-            done = pos.step - pos.batch
-            _, max_steps = run_length(epochs, self.cfg.max_steps, steps_per_epoch, pos.epoch, done)
-            if max_steps != self.schedule.total_steps:
-                self.schedule.replan(max_steps)
-                self.meter.replan(max_steps)
-        sampler.set_epoch(pos.epoch)
-        sampler.start_at(pos.batch * self.cfg.batch_size * self.cfg.accumulate)
-        self.val_steps = val_chunks(self.cfg.val_every, len(self.train_loader) // self.cfg.accumulate)
-        return max_steps
-
-    def meet(self, pos: Position, ticket: int | None) -> bool:
-        """Dynamic assignment: pass the meetings of this epoch that come before ``ticket``, the one this
-        worker is about to train (None: the epoch has ended, pass them all); at each, validate when due,
-        and checkpoint or stop as the workers agreed. True when they agreed to stop."""
-        meetings, chunks = self.meetings, self.dealer.chunks
-        if self.workers.rank == 0 and self.rule.solo_validation:
-            self.validator.collect()
-        if ticket is not None and self.cfg.val_every_s is not None and self.rule.solo_validation:
-            self.validator.claim(pos)
-        if ticket is None:
-            upto = meetings.count
-        else:
-            upto = meetings.passed_by(ticket) if chunks.epoch_of(ticket) == pos.epoch else self.passed
-        while self.passed < upto:
-            k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
-            position = pos.epoch * chunks.per_epoch + meetings.position(k)
-            if meetings.validates(k) and not self.rule.solo_validation:
-                self.validator.validate(pos.epoch, pos.step)
-                self.model.train()
-            elif meetings.validates(k) and ticket == position:
-                self.validator.validate_alone(
-                    pos
-                )  # this worker drew the validation's chunk: it is the free one
-            decision = self.control.poll(self.meetings_done)
-            if decision.validate:
-                self.validator.by_time(pos)
-            self.growth.note(decision)
-            steps = self.dealer.steps_at
-            due = self.control.checkpointer.due_between(steps(position - meetings.gap(k)), steps(position))
-            if decision.stop or decision.checkpoint or due:
-                self.preempted = decision.stop
-                self.save(pos, False)
-            if self.preempted:
-                return True
-        return False
 
     def step(self, micro: list[Batch], pos: Position) -> bool:
         """One training step on its micro-batches; False when it must be redone (workers were lost during
@@ -307,7 +229,7 @@ class Trainer:
             delay(self.delay_s, self.spin)
         try:
             self.rule.before_step(pos.step)
-            self.schedule.apply(pos.step if self.dealer is None else self.dealer.step_of(self.dealer.current))
+            self.schedule.apply(self.pace.schedule_step(pos))
             self.optimizer.zero_grad(set_to_none=False)
             self.guard.keep()
             scale = self.rule.loss_scale / len(micro)
@@ -399,27 +321,11 @@ class Trainer:
                 "data.shape and data.num_classes, and task=classification|regression|language_model"
             ) from None
 
-    def at_step_end(self, pos: Position) -> bool:
-        """Checkpoint when due (every worker decides alike); True when the launcher asked to stop."""
-        every = self.val_steps
-        if every and pos.batch % every == 0 and pos.batch < len(self.train_loader) // self.cfg.accumulate:
-            self.validator.validate(pos.epoch, pos.step)
-            self.model.train()
-        decision = self.control.poll(pos.step)
-        if decision.validate:
-            self.validator.by_time(pos)
-        self.growth.note(decision)
-        self.preempted = decision.stop
-        if decision.stop or decision.checkpoint or self.control.checkpointer.due(pos.step):
-            self.save(pos, False)
-        return self.preempted
-
     def save(self, pos: Position, end: bool) -> None:
         """Checkpoint, unless the model is no longer finite: then the run has diverged, and the last good
         checkpoint is kept."""
         self.guard.check_model(pos.step)
-        # the checkpoint is named by rank 0's step (dynamic assignment: each worker is at its own)
-        step = pos.step if self.dealer is None else int(self.workers.broadcast_object(pos.step))
+        step = self.pace.checkpoint_step(pos)
         self.rule.before_checkpoint(step)
         state = self.state.checkpoint(pos)
         self.log.flush()
@@ -438,16 +344,6 @@ class Trainer:
     def restore(self, part: dict[str, Any]) -> Position:
         """Take this rank's part of a checkpoint (as :meth:`save` wrote it); returns where training stood."""
         return self.state.restore(part)
-
-    def resume_dealing(self, deal: dict[str, Any] | None, step: int) -> None:
-        """Deal what the checkpoint's workers had not trained: its ``pending`` tickets, then from ``base``."""
-        if deal is None:
-            raise ValueError(
-                f"the checkpoint after step {step} was written with data.assignment=static: resume it "
-                "with data.assignment=static"
-            )
-        self.dealer.base, self.dealer.pending = deal["base"], list(deal["pending"])
-        self.meetings_done, self.passed = deal["meetings"], deal["passed"]
 
     def close(self) -> None:
         """Stop the loaders' background processes (the worker then leaves without Python's teardown,

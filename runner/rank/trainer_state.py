@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runner.rank.assignment import dealing_state
 from runner.rank.checkpoint import rng_state, set_rng_state
 from runner.rank.state import Position, broadcast_state
 
@@ -77,45 +76,6 @@ def _set_validator(name: str) -> Callable[[Trainer, Any, At], None]:
     return lambda loop, value, at: setattr(loop.validator, name, value)
 
 
-def _take_shard(loop: Trainer, at: At) -> Any:
-    sampler = loop.train_loader.sampler
-    return [sampler.rank, sampler.num_replicas] if loop.dealer is None else None
-
-
-def _give_shard(loop: Trainer, value: Any, at: At) -> None:
-    if at.pos.batch > 0 and value:
-        loop.shard_plan = tuple(value)
-
-
-def _take_deal(loop: Trainer, at: At) -> Any:
-    if loop.dealer is None:
-        return None
-    return {**dealing_state(loop.dealer, loop.workers), "meetings": loop.meetings_done, "passed": loop.passed}
-
-
-def _give_deal(loop: Trainer, value: Any, at: At) -> None:
-    if loop.dealer is not None:
-        loop.resume_dealing(value, at.pos.step)
-    elif value:
-        raise ValueError(
-            f"the checkpoint after step {at.pos.step} was written with data.assignment=dynamic: resume it "
-            "with data.assignment=dynamic"
-        )
-
-
-def _take_dealing(loop: Trainer, at: At) -> Any:
-    dealer = loop.dealer
-    if dealer is None:
-        return None
-    return (dealer.total, dealer.steps, loop.meetings, loop.meetings_done, loop.passed)
-
-
-def _give_dealing(loop: Trainer, value: Any, at: At) -> None:
-    if value is not None:
-        total, steps, loop.meetings, loop.meetings_done, loop.passed = value
-        loop.dealer.total, loop.dealer.steps = total, steps
-
-
 #: The training state, in the order it is given back (the position before the meter, which reads it; the
 #: random generators last).
 FIELDS: tuple[Field, ...] = (
@@ -155,9 +115,11 @@ FIELDS: tuple[Field, ...] = (
         _give_checkpoints,
     ),
     Field("schedule", lambda loop, at: loop.schedule.total_steps, _give_schedule),
-    Field("shard", _take_shard, _give_shard),
-    Field("deal", _take_deal, _give_deal),
-    Field("dealing", _take_dealing, _give_dealing),
+    Field("shard", lambda loop, at: loop.pace.shard(), lambda loop, v, at: loop.pace.take_shard(v, at.pos)),
+    Field(
+        "deal", lambda loop, at: loop.pace.left_to_deal(), lambda loop, v, at: loop.pace.deal_rest(v, at.pos)
+    ),
+    Field("dealing", lambda loop, at: loop.pace.dealing(), lambda loop, v, at: loop.pace.take_dealing(v)),
     Field("rng", lambda loop, at: rng_state(), lambda loop, v, at: set_rng_state(v)),
 )
 

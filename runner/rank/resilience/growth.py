@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from runner.rank.assignment import lost_shard, regrow
 from runner.rank.state import Position, broadcast_state
 
 if TYPE_CHECKING:
@@ -70,13 +69,7 @@ class Growth:
                     pos, mid_epoch = loop.state.unpack(package)
         sub.free()
         loop.validator.resend(record=True)  # (worker 0 stays worker 0)
-        if loop.dealer is None:
-            sampler = loop.train_loader.sampler
-            plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
-            if joined and mid_epoch:
-                loop.shard_plan = lost_shard(plans, w.rank)
-        else:
-            regrow(loop.dealer, w, joined)
+        loop.pace.welcome(joined, mid_epoch)  # the data dealt anew among all
         loop.rule.grow(joined)
         loop.validator.regrow()
         loop.meter.world = w.size

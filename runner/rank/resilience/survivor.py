@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TextIO
 
-from runner.rank.assignment import redeal
-
 if TYPE_CHECKING:
     from runner.comm import Comm
     from runner.rank.loop import Trainer
@@ -51,17 +49,11 @@ class Survivors:
         loop.validator.val_loader = val_loader
         loop.control.reset(next_poll)
         loop.meter.world = loop.workers.size
-        if loop.dealer is not None:  # the lost workers' chunks go back to the pool
-            note = redeal(loop.dealer, loop.workers, before, lost)
-            if note and loop.workers.rank == 0:
-                loop.meter.echo(f"warning: {note}")
+        loop.pace.rejoin(before, lost)  # dynamic assignment: the lost workers' chunks back to the pool
 
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
-        loop = self.loop
-        if loop.dealer is not None:  # dynamic assignment: the workers agree at meetings, counted
-            return loop.meetings_done + 1
-        return (step // loop.control.interval + 1) * loop.control.interval
+        return self.loop.pace.agreement_after(step)
 
     def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: TextIO) -> None:
         """Record the loss in the run's records and on the console (the new rank 0 takes them over)."""

@@ -1,0 +1,295 @@
+"""How a worker's steps are paced through an epoch: by its static shard (:class:`Static`) or by the chunks a
+dealer deals it (:class:`Dynamic`, ``data.assignment=dynamic``). The loop chooses one at construction and
+calls it at the same points, with no branch of its own on which it is:
+
+* :meth:`~Static.begin_epoch` deals the epoch's data and says the run's steps;
+* :meth:`~Static.before_step` (True: the span ends), :meth:`~Static.start_step`, :meth:`~Static.after_step`
+  (the progress shown);
+* :meth:`~Static.at_step_end` (True: the span ends), where static shards validate, agree, checkpoint;
+* :meth:`~Static.end_of_span` (True: train the epoch again), where dynamic assignment meets at its end;
+* :meth:`~Static.end_of_epoch`, the progress reached;
+* and what the training state, recovery and growth ask of it (the shard, what is left to deal, the next
+  agreement, the data anew after a loss or a growth).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from runner.rank.assignment import (
+    CHUNKS_PER_WORKER,
+    Dealer,
+    Meetings,
+    dealing_state,
+    lost_shard,
+    redeal,
+    regrow,
+    val_chunks,
+)
+from runner.rank.state import Position, run_length
+
+if TYPE_CHECKING:
+    from runner.rank.loop import Trainer
+
+
+class Static:
+    """Static shards: this worker's shard of each epoch (``DistributedSampler``), the same number of steps
+    on every worker; the workers agree after every step (an interval of them, asynchronous rules)."""
+
+    ahead = True  # on a GPU the next step's batch is copied while this one computes
+
+    def __init__(self, loop: Trainer):
+        self.loop = loop
+        self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
+        self.val_steps: int | None = None  # steps between validations within the epoch
+
+    def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
+        """Deal epoch ``pos.epoch``'s shard from ``pos.batch`` on; returns the run's steps, which the
+        survivors of a lost worker re-plan with their longer epochs."""
+        loop, cfg = self.loop, self.loop.cfg
+        sampler = loop.train_loader.sampler
+        plan = self.shard_plan if pos.epoch == start.epoch and self.shard_plan else None
+        sampler.reshard(*(plan or (loop.workers.rank, loop.workers.size)))
+        if loop.recovery is not None:  # survivors: longer epochs
+            steps_per_epoch = len(loop.train_loader) // cfg.accumulate
+            done = pos.step - pos.batch
+            _, max_steps = run_length(epochs, cfg.max_steps, steps_per_epoch, pos.epoch, done)
+            if max_steps != loop.schedule.total_steps:
+                loop.schedule.replan(max_steps)
+                loop.meter.replan(max_steps)
+        sampler.set_epoch(pos.epoch)
+        sampler.start_at(pos.batch * cfg.batch_size * cfg.accumulate)
+        self.val_steps = val_chunks(cfg.val_every, len(loop.train_loader) // cfg.accumulate)
+        return max_steps
+
+    def before_step(self, pos: Position) -> bool:
+        return False
+
+    def start_step(self) -> None:
+        pass
+
+    def schedule_step(self, pos: Position) -> int:
+        """The step whose learning rate the schedule sets."""
+        return pos.step
+
+    def after_step(self) -> int | None:
+        """The run's progress to show (None: the loop's step count)."""
+        return None
+
+    def at_step_end(self, pos: Position, max_steps: int) -> bool:
+        """Validate, agree and checkpoint when due; True when the span ends (a stop, or the run's end)."""
+        return self.loop.tolerant(self.agree, pos) or pos.step >= max_steps
+
+    def agree(self, pos: Position) -> bool:
+        """Validate within the epoch when due, then checkpoint when the workers agree or the step count asks
+        (every worker decides alike); True when the launcher asked to stop."""
+        loop, every = self.loop, self.val_steps
+        if every and pos.batch % every == 0 and pos.batch < len(loop.train_loader) // loop.cfg.accumulate:
+            loop.validator.validate(pos.epoch, pos.step)
+            loop.model.train()
+        decision = loop.control.poll(pos.step)
+        if decision.validate:
+            loop.validator.by_time(pos)
+        loop.growth.note(decision)
+        loop.preempted = decision.stop
+        if decision.stop or decision.checkpoint or loop.control.checkpointer.due(pos.step):
+            loop.save(pos, False)
+        return loop.preempted
+
+    def end_of_span(self, pos: Position) -> bool:
+        return False
+
+    def end_of_epoch(self, epoch: int) -> None:
+        """Every worker is past the epoch's end."""
+
+    def checkpoint_step(self, pos: Position) -> int:
+        """The step a checkpoint is named by."""
+        return pos.step
+
+    def agreement_after(self, step: int) -> int:
+        """The first step after ``step`` at which the workers agree on checkpoints and stops."""
+        interval = self.loop.control.interval
+        return (step // interval + 1) * interval
+
+    # -- the training state (runner/rank/trainer_state.py) ---------------------------------------------------
+    def shard(self) -> list[int] | None:
+        sampler = self.loop.train_loader.sampler
+        return [sampler.rank, sampler.num_replicas]
+
+    def take_shard(self, shard: list[int] | None, pos: Position) -> None:
+        if pos.batch > 0 and shard:  # a resumed epoch goes on over the checkpoint's shards
+            self.shard_plan = (shard[0], shard[1])
+
+    def left_to_deal(self) -> dict[str, Any] | None:
+        return None
+
+    def deal_rest(self, deal: dict[str, Any] | None, pos: Position) -> None:
+        if deal:
+            raise ValueError(
+                f"the checkpoint after step {pos.step} was written with data.assignment=dynamic: resume it "
+                "with data.assignment=dynamic"
+            )
+
+    def dealing(self) -> tuple | None:
+        return None
+
+    def take_dealing(self, dealing: tuple | None) -> None:
+        assert dealing is None, "a package of dynamic assignment for a worker of static shards"
+
+    # -- recovery and growth (runner/rank/resilience/) -----------------------------------------------------
+    def rejoin(self, before: list[int], lost: list[int]) -> None:
+        """Workers were lost: this epoch each survivor finishes its own shard (the next is dealt anew)."""
+
+    def welcome(self, joined: bool, mid_epoch: bool) -> None:
+        """Collective once the job grew: a new worker takes a lost worker's shard of the epoch."""
+        w, sampler = self.loop.workers, self.loop.train_loader.sampler
+        plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
+        if joined and mid_epoch:
+            self.shard_plan = lost_shard(plans, w.rank)
+
+
+class Dynamic:
+    """Dynamic assignment: this worker trains the chunks its dealer draws from the counter all workers
+    share, until the epoch's are spent; the workers meet at fixed positions of the epoch (agreement points,
+    validations, its end), which each passes as its next chunk comes after them."""
+
+    ahead = False  # drawing the next batch ahead would hold a chunk of the shared counter's
+
+    def __init__(self, loop: Trainer, dealer: Dealer):
+        self.loop, self.dealer = loop, dealer
+        per_epoch = dealer.chunks.per_epoch
+        val = val_chunks(loop.cfg.val_every, per_epoch)
+        self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * loop.workers.size, val)
+        self.passed = 0  # meetings of this epoch passed
+        self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
+
+    def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
+        """The dealer deals epoch ``pos.epoch``; it ends the run when the tickets are spent."""
+        self.dealer.set_epoch(pos.epoch)
+        return sys.maxsize
+
+    def before_step(self, pos: Position) -> bool:
+        """Pass the meetings before the chunk this worker is about to train; True when the workers agreed
+        to stop there."""
+        return self.loop.tolerant(self.meet, pos, self.dealer.take())
+
+    def start_step(self) -> None:
+        """The step starts now: a meeting or a growth before it is not the step's time."""
+        self.loop.meter.restart_step()
+
+    def schedule_step(self, pos: Position) -> int:
+        """The step whose learning rate the schedule sets: the run's, at this chunk."""
+        return self.dealer.step_of(self.dealer.current)
+
+    def after_step(self) -> int | None:
+        """The run's progress, in steps of all workers' chunks."""
+        shown = self.dealer.step_of(self.dealer.current) + 1
+        self.dealer.trained()
+        return shown
+
+    def at_step_end(self, pos: Position, max_steps: int) -> bool:
+        return False
+
+    def end_of_span(self, pos: Position) -> bool:
+        """At the epoch's end (where a loss may be noticed): pass its last meetings; True when chunks were
+        dealt anew after this worker's draws were spent (a lost worker's), to be trained now."""
+        if self.loop.preempted:
+            return False
+        self.loop.tolerant(self.meet, pos, None)
+        return self.dealer.reopen()
+
+    def meet(self, pos: Position, ticket: int | None) -> bool:
+        """Pass the meetings of this epoch that come before ``ticket``, the one this worker is about to train
+        (None: the epoch has ended, pass them all); at each, validate when due, and checkpoint or stop as
+        the workers agreed. True when they agreed to stop."""
+        loop, meetings, chunks = self.loop, self.meetings, self.dealer.chunks
+        alone, validator = loop.rule.solo_validation, loop.validator
+        if loop.workers.rank == 0 and alone:
+            validator.collect()
+        if ticket is not None and loop.cfg.val_every_s is not None and alone:
+            validator.claim(pos)
+        if ticket is None:
+            upto = meetings.count
+        else:
+            upto = meetings.passed_by(ticket) if chunks.epoch_of(ticket) == pos.epoch else self.passed
+        while self.passed < upto:
+            k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
+            position = pos.epoch * chunks.per_epoch + meetings.position(k)
+            if meetings.validates(k) and not alone:
+                validator.validate(pos.epoch, pos.step)
+                loop.model.train()
+            elif meetings.validates(k) and ticket == position:
+                validator.validate_alone(pos)  # this worker drew the validation's chunk: the free one
+            if self.agree(pos, position - meetings.gap(k), position):
+                return True
+        return False
+
+    def agree(self, pos: Position, before: int, position: int) -> bool:
+        """At a meeting at ticket ``position`` (the previous one at ``before``): validate by time, note a
+        growth, checkpoint or stop as the workers agreed; True when they agreed to stop."""
+        loop, steps = self.loop, self.dealer.steps_at
+        decision = loop.control.poll(self.meetings_done)
+        if decision.validate:
+            loop.validator.by_time(pos)
+        loop.growth.note(decision)
+        due = loop.control.checkpointer.due_between(steps(before), steps(position))
+        if decision.stop or decision.checkpoint or due:
+            loop.preempted = decision.stop
+            loop.save(pos, False)
+        return loop.preempted
+
+    def end_of_epoch(self, epoch: int) -> None:
+        """Every worker is past the epoch's end (its records were reduced over all): the progress reached."""
+        ends = min((epoch + 1) * self.dealer.chunks.per_epoch, self.dealer.total)
+        self.loop.meter.reach(self.dealer.steps_at(ends), epoch)
+        self.passed = 0
+
+    def checkpoint_step(self, pos: Position) -> int:
+        """The step a checkpoint is named by: rank 0's (each worker is at its own)."""
+        return int(self.loop.workers.broadcast_object(pos.step))
+
+    def agreement_after(self, step: int) -> int:
+        """The next agreement: the workers agree at meetings, counted."""
+        return self.meetings_done + 1
+
+    # -- the training state (runner/rank/trainer_state.py) ---------------------------------------------------
+    def shard(self) -> list[int] | None:
+        return None
+
+    def take_shard(self, shard: list[int] | None, pos: Position) -> None:
+        pass
+
+    def left_to_deal(self) -> dict[str, Any] | None:
+        """Collective over the workers: what is left to deal, and the meetings passed."""
+        deal = dealing_state(self.dealer, self.loop.workers)
+        return {**deal, "meetings": self.meetings_done, "passed": self.passed}
+
+    def deal_rest(self, deal: dict[str, Any] | None, pos: Position) -> None:
+        """Deal what the checkpoint's workers had not trained: its ``pending`` tickets, then from ``base``."""
+        if deal is None:
+            raise ValueError(
+                f"the checkpoint after step {pos.step} was written with data.assignment=static: resume it "
+                "with data.assignment=static"
+            )
+        self.dealer.base, self.dealer.pending = deal["base"], list(deal["pending"])
+        self.meetings_done, self.passed = deal["meetings"], deal["passed"]
+
+    def dealing(self) -> tuple | None:
+        return (self.dealer.total, self.dealer.steps, self.meetings, self.meetings_done, self.passed)
+
+    def take_dealing(self, dealing: tuple | None) -> None:
+        total, steps, self.meetings, self.meetings_done, self.passed = dealing
+        self.dealer.total, self.dealer.steps = total, steps
+
+    # -- recovery and growth (runner/rank/resilience/) -----------------------------------------------------
+    def rejoin(self, before: list[int], lost: list[int]) -> None:
+        """Collective over the survivors: the lost workers' chunks go back to the pool."""
+        loop = self.loop
+        note = redeal(self.dealer, loop.workers, before, lost)
+        if note and loop.workers.rank == 0:
+            loop.meter.echo(f"warning: {note}")
+
+    def welcome(self, joined: bool, mid_epoch: bool) -> None:
+        """Collective once the job grew: the dealing starts over among all workers."""
+        regrow(self.dealer, self.loop.workers, joined)
