@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 class Survivor(Protocol):
-    """What recovery asks of the training loop (:class:`runner.rank.resilience.survivor.Survivors` gives it)."""
+    """What recovery asks of the training loop (:class:`~runner.rank.resilience.survivor.Survivors`)."""
 
     @property
     def synchronous(self) -> bool:
