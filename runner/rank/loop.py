@@ -16,6 +16,7 @@ from runner.rank.agreement import Control
 from runner.rank.assignment import (
     Dealer,
 )
+from runner.rank.face import Pace
 from runner.rank.guard import Diverged, Guard, fell_to_chance
 from runner.rank.pace import Dynamic, Static
 from runner.rank.prefetch import Batch, Prefetch
@@ -149,7 +150,9 @@ class Trainer:
         # dynamic assignment (data.assignment): the dealer of this worker's chunks; the pace, chosen once
         sampler = getattr(self.train_loader, "batch_sampler", None)
         self.dealer: Dealer | None = sampler if isinstance(sampler, Dealer) else None
-        self.pace: Static | Dynamic = Static(self) if self.dealer is None else Dynamic(self, self.dealer)
+        self.pace: Pace = (
+            Static(self, recovery is not None) if self.dealer is None else Dynamic(self, self.dealer)
+        )
         kept = (self.log, self.meter, self.guard)
         parts_ = (self.model, self.rule, self.task)
         self.validator = Validator(cfg, parts_, self.workers, self.device, kept, val_loader, self.dealer)
@@ -159,7 +162,7 @@ class Trainer:
             self.control.validation_due = self.validator.due_by_time if timed else None
         self.state = TrainerState(self)  # its three uses: checkpoint, a joining worker's package, a share
         self.survivors = Survivors(self)  # what recovery asks of the loop (fault tolerance)
-        self.growth = Growth(self, self.survivors)  # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
+        self.growth = Growth(self, recovery)  # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the

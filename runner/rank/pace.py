@@ -30,17 +30,18 @@ from runner.rank.assignment import (
 from runner.rank.state import Position, run_length
 
 if TYPE_CHECKING:
-    from runner.rank.loop import Trainer
+    from runner.rank.face import Loop
 
 
 class Static:
     """Static shards: this worker's shard of each epoch (``DistributedSampler``), the same number of steps
-    on every worker; the workers agree after every step (an interval of them, asynchronous rules)."""
+    on every worker; the workers agree after every step (an interval of them, asynchronous rules). With
+    ``replan`` (fault tolerance) the run's steps are planned anew at each epoch's start."""
 
     ahead = True  # on a GPU the next step's batch is copied while this one computes
 
-    def __init__(self, loop: Trainer):
-        self.loop = loop
+    def __init__(self, loop: Loop, replan: bool = False):
+        self.loop, self.replan = loop, replan
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         self.val_steps: int | None = None  # steps between validations within the epoch
 
@@ -51,7 +52,7 @@ class Static:
         sampler = loop.train_loader.sampler
         plan = self.shard_plan if pos.epoch == start.epoch and self.shard_plan else None
         sampler.reshard(*(plan or (loop.workers.rank, loop.workers.size)))
-        if loop.recovery is not None:  # survivors: longer epochs
+        if self.replan:  # fault tolerance: survivors have longer epochs
             steps_per_epoch = len(loop.train_loader) // cfg.accumulate
             done = pos.step - pos.batch
             _, max_steps = run_length(epochs, cfg.max_steps, steps_per_epoch, pos.epoch, done)
@@ -156,7 +157,7 @@ class Dynamic:
 
     ahead = False  # drawing the next batch ahead would hold a chunk of the shared counter's
 
-    def __init__(self, loop: Trainer, dealer: Dealer):
+    def __init__(self, loop: Loop, dealer: Dealer):
         self.loop, self.dealer = loop, dealer
         per_epoch = dealer.chunks.per_epoch
         val = val_chunks(loop.cfg.val_every, per_epoch)

@@ -24,7 +24,7 @@ from runner.rank.state import Position, broadcast_state
 
 if TYPE_CHECKING:
     from runner.comm import Comm
-    from runner.rank.loop import Trainer
+    from runner.rank.face import Loop
 
 
 @dataclass
@@ -41,38 +41,38 @@ class Field:
     """One part of the training state: ``take(loop, at)`` its value, ``give(loop, value, at)`` back."""
 
     name: str
-    take: Callable[[Trainer, At], Any]
-    give: Callable[[Trainer, Any, At], None]
+    take: Callable[[Loop, At], Any]
+    give: Callable[[Loop, Any, At], None]
 
 
-def _set_pos(name: str) -> Callable[[Trainer, Any, At], None]:
+def _set_pos(name: str) -> Callable[[Loop, Any, At], None]:
     return lambda loop, value, at: setattr(at.pos, name, value)
 
 
-def _give_scaler(loop: Trainer, value: Any, at: At) -> None:
+def _give_scaler(loop: Loop, value: Any, at: At) -> None:
     if value and loop.scaler is not None:  # fp16: every worker scales its loss alike again
         loop.scaler.load_state_dict(value)
 
 
-def _give_history(loop: Trainer, value: Any, at: At) -> None:
+def _give_history(loop: Loop, value: Any, at: At) -> None:
     loop.validator.history = list(value)
 
 
-def _set_guard(name: str) -> Callable[[Trainer, Any, At], None]:
+def _set_guard(name: str) -> Callable[[Loop, Any, At], None]:
     return lambda loop, value, at: setattr(loop.guard, name, value)
 
 
-def _give_checkpoints(loop: Trainer, value: Any, at: At) -> None:
+def _give_checkpoints(loop: Loop, value: Any, at: At) -> None:
     loop.control.checkpointer.count, loop.control.checkpointer.latest = value
 
 
-def _give_schedule(loop: Trainer, value: Any, at: At) -> None:
+def _give_schedule(loop: Loop, value: Any, at: At) -> None:
     if value != loop.schedule.total_steps:
         loop.schedule.replan(value)
         loop.meter.replan(value)
 
 
-def _set_validator(name: str) -> Callable[[Trainer, Any, At], None]:
+def _set_validator(name: str) -> Callable[[Loop, Any, At], None]:
     return lambda loop, value, at: setattr(loop.validator, name, value)
 
 
@@ -171,9 +171,9 @@ _BY_NAME = {f.name: f for f in FIELDS}
 
 
 class TrainerState:
-    """The three uses of one worker's training state (``loop``: its :class:`~runner.rank.loop.Trainer`)."""
+    """The three uses of one worker's training state (``loop``: its :class:`~runner.rank.loop.Loop`)."""
 
-    def __init__(self, loop: Trainer):
+    def __init__(self, loop: Loop):
         self.loop = loop
 
     def take(self, use: str, at: At) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The loop's side of growing the job (:mod:`runner.rank.resilience.elastic`): when to grow, and welcoming
-the new workers into a :class:`~runner.rank.loop.Trainer`'s training."""
+the new workers into a :class:`~runner.rank.loop.Loop`'s training."""
 
 from __future__ import annotations
 
@@ -10,22 +10,23 @@ from runner.rank.state import Position, broadcast_state
 
 if TYPE_CHECKING:
     from runner.rank.agreement import Decision
-    from runner.rank.loop import Trainer
-    from runner.rank.resilience.survivor import Survivors
+    from runner.rank.face import Loop
+    from runner.rank.resilience.recovery import Recovery
 
 
 class Growth:
-    """Growing one worker's loop (``loop``): the workers agree to grow at an agreement (:meth:`note`),
+    """Growing one worker's loop (``loop``; ``recovery``: its fault tolerance, which grows the job): the
+    workers agree to grow at an agreement (:meth:`note`),
     grow at the next step's or epoch's start (:meth:`if_due`), and welcome the new workers."""
 
-    def __init__(self, loop: Trainer, survivors: Survivors):
-        self.loop, self.survivors = loop, survivors
+    def __init__(self, loop: Loop, recovery: Recovery | None):
+        self.loop, self.recovery = loop, recovery
         self.due = 0  # workers to add at the next step's start
 
     def note(self, decision: Decision) -> None:
         """At an agreement: the workers to add at the next step's start (lost ones to replace, and those
         ``RUN_DIR/JOIN`` asks for); the same on every worker."""
-        recovery = self.loop.recovery
+        recovery = self.recovery
         if decision.polled and recovery is not None and recovery.elastic is not None:
             self.due = decision.join + recovery.heal_pending
 
@@ -37,7 +38,7 @@ class Growth:
     def grow(self, pos: Position, mid_epoch: bool) -> None:
         """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
         loop, start = self.loop, time.time()
-        recovery = loop.recovery
+        recovery = self.recovery
         loop.control.close()  # the agreement in flight (every worker started it)
         loop.rule.before_grow()
         ids = recovery.elastic.grow(self.due)
@@ -73,6 +74,6 @@ class Growth:
         loop.rule.grow(joined)
         loop.validator.regrow()
         loop.meter.world = w.size
-        after = self.survivors.agreement_after(pos.step)
+        after = loop.pace.agreement_after(pos.step)
         loop.control.reset(int(w.allreduce_values([after], "max")[0]))
         return pos, mid_epoch

@@ -1,6 +1,6 @@
 """The loop's side of surviving lost workers: what :class:`~runner.rank.resilience.recovery.Recovery` asks of
 the training loop (its :class:`~runner.rank.resilience.recovery.Survivor` protocol), for a
-:class:`~runner.rank.loop.Trainer`."""
+:class:`~runner.rank.loop.Loop`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from runner.comm import Comm
-    from runner.rank.loop import Trainer
+    from runner.rank.face import Loop
     from runner.rank.state import Position
 
 
@@ -16,7 +16,7 @@ class Survivors:
     """The survivor protocol of one worker's loop (``loop``): recovery calls these, collectively over the
     surviving workers, wherever they were when the loss surfaced."""
 
-    def __init__(self, loop: Trainer):
+    def __init__(self, loop: Loop):
         self.loop = loop
 
     @property
