@@ -9,8 +9,8 @@ The folders are the sides of a job, by the process their code runs in:
 ``rank/``              one process per rank under mpirun (``python -m runner.rank.worker RUN_DIR``):
                        placement, the model, data and rule, the training loop, checkpoints, records,
                        fault tolerance; and ``eval=RUN_DIR`` (``runner.rank.evaluate``, no MPI).
-``comm/``              the communication layer the ranks and rules talk through (``comm/mpi.py`` is
-                       the only importer of mpi4py); room for a second transport beside MPI.
+``comm/``              the communication layer the ranks and rules talk through (``comm/binding.py``
+                       is the only importer of mpi4py); a transport is a route (``comm/routes/``).
 ``report/``            the sweep report (``python -m runner.report DIR``; the launcher after a sweep).
 ``schema/``            the typed config both sides read (dataclasses with defaults and checks).
 ``rules/ optim/ schedule/ tasks/ hardware/``
