@@ -13,9 +13,7 @@ from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
 from runner.rank.agreement import Control
-from runner.rank.assignment import (
-    Dealer,
-)
+from runner.rank.assignment import Dealer
 from runner.rank.face import Pace
 from runner.rank.guard import Diverged, Guard, fell_to_chance
 from runner.rank.pace import Dynamic, Static
@@ -107,10 +105,14 @@ class Trainer:
     the last micro-batch's backward). The schedule sets the learning rate before every optimizer step.
     With ``cfg.precision`` bf16 or fp16 the forward passes run under autocast; fp16 scales the loss with a
     gradient scaler (a step whose gradients overflow is skipped and the scale halved). ``records.control``
-    says, at the same step on every worker, when to checkpoint or stop. With ``recovery`` (fault
-    tolerance) a lost worker is survived: recovery works through the loop's :class:`Survivors
-    <runner.rank.resilience.survivor.Survivors>`, and the job grows through its :class:`Growth
-    <runner.rank.resilience.growth.Growth>`.
+    says, at the same step on every worker, when to checkpoint or stop.
+
+    The loop holds its components: the pace of its steps, chosen once (:mod:`runner.rank.pace`: static
+    shards or dynamic assignment), the validator (:class:`~runner.rank.validator.Validator`) and the
+    training state's three uses (:class:`~runner.rank.trainer_state.TrainerState`); they see the loop
+    through :class:`runner.rank.face.Loop`. With ``recovery`` (fault tolerance) a lost worker is survived:
+    recovery works through the loop's :class:`Survivors <runner.rank.resilience.survivor.Survivors>`, and
+    the job grows through its :class:`Growth <runner.rank.resilience.growth.Growth>`.
 
     A GPU step waits for no host synchronisation: its loss stays on the device (``last_loss``, summed by the
     meter), the guard's deferred checks are read every ``cfg.log_every`` steps (every worker of a
@@ -154,8 +156,8 @@ class Trainer:
             Static(self, recovery is not None) if self.dealer is None else Dynamic(self, self.dealer)
         )
         kept = (self.log, self.meter, self.guard)
-        parts_ = (self.model, self.rule, self.task)
-        self.validator = Validator(cfg, parts_, self.workers, self.device, kept, val_loader, self.dealer)
+        trained = (self.model, self.rule, self.task)
+        self.validator = Validator(cfg, trained, self.workers, self.device, kept, val_loader, self.dealer)
         by_claim = self.validator.alone  # the free worker claims a validation by time
         timed = self.cfg.val_every_s is not None and not by_claim
         if self.control is not None:
