@@ -81,7 +81,7 @@ wide, narrow = torch.ones(3, dtype=torch.float64), torch.ones(3)
 c.allreduce(wide)
 c.allreduce(narrow)
 c.allreduce_background(wide).wait()  # the background thread's route, whose all-reduce takes it again
-print("routes:", wide.tolist(), narrow.tolist(), type(c.route("allreduce", (wide,))).__name__)
+print("routes:", wide.tolist(), narrow.tolist(), type(c.route_for("allreduce", (wide,))).__name__)
 """
 
 

@@ -116,14 +116,14 @@ class Comm(Membership):
         takes it; ``accounting``: ``wire`` (bytes counted by the 16-bit exchange's own steps) and ``root``."""
         wire = accounting.get("wire")
         factor = 0.0 if wire is not None else share(op, self.size, accounting.get("root") == self.rank)
-        route = self.route(op, tensors, wire)
+        route = self.route_for(op, tensors, wire)
         with Call(self, op):
             result = getattr(route, op)(self, *tensors, *args)
         if factor:
             self.stats.sent(tensors[0], factor)
         return result
 
-    def route(self, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None = None) -> Any:
+    def route_for(self, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None = None) -> Any:
         """The route that performs ``op`` of ``tensors`` (:mod:`runner.comm.routes`)."""
         return choose_route(self.routes_tried, self, op, tensors, wire)
 
@@ -194,7 +194,7 @@ class Comm(Membership):
     def _reduce_queued(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
         """A queued all-reduce, on the background thread: by the first route that performs a blocking one."""
         with faults(self, "allreduce"):
-            self.route("allreduce", (t,), wire).allreduce(self, t, op, wire)
+            self.route_for("allreduce", (t,), wire).allreduce(self, t, op, wire)
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
