@@ -32,7 +32,10 @@ class Decision:
     stop: bool = False
     join: int = 0  # workers to add (``RUN_DIR/JOIN``)
     polled: bool = False  # the workers agreed at this step (False: a step between agreements)
-    validate: bool = False  # ``train.val_every_s`` passed on worker 0's clock: all validate here
+    #: ``train.val_every_s`` passed on worker 0's clock: all validate here, as the ``validate``-th validation
+    #: by time (0: none). Its number travels with the decision: worker 0 may see the next one due before the
+    #: workers act on this one (agreements further apart than ``val_every_s``).
+    validate: int = 0
 
 
 class Control:
@@ -58,8 +61,9 @@ class Control:
         self.checkpointer, self.interval = checkpointer, interval
         self.join_file, self.join_unreadable = run_dir / JOIN, False
         self.flags = torch.zeros(4, dtype=torch.float64)
-        #: Worker 0, at each agreement: whether a validation is due (``train.val_every_s``; None: never).
-        self.validation_due: Callable[[], bool] | None = None
+        #: Worker 0, at each agreement: the validation by time now due (``train.val_every_s``), 0 when none
+        #: (None: never).
+        self.validation_due: Callable[[], int] | None = None
         self.comm: Comm | None = None
         self.next_poll, self.forced, self.request = (start // interval + 1) * interval, False, None
         if split:  # (not: a worker spawned into the job; it splits with the others when welcomed)
@@ -86,13 +90,13 @@ class Control:
         if self.request is not None:
             self.request.wait()
             checkpoint = bool(self.flags[0] > 0) or decision.checkpoint
-            stop, join, validate = bool(self.flags[1] > 0), int(self.flags[2]), bool(self.flags[3] > 0)
+            stop, join, validate = bool(self.flags[1] > 0), int(self.flags[2]), int(self.flags[3])
             decision = Decision(checkpoint, stop, join, polled=True, validate=validate)
         if self.workers.rank == 0:
             self.flags[0] = float(self.checkpointer.time_due())
             self.flags[1] = float(self.stop_file.exists())
             self.flags[2] = float(self.join_granted())
-            self.flags[3] = float(self.validation_due is not None and self.validation_due())
+            self.flags[3] = float(self.validation_due() if self.validation_due is not None else 0)
         else:
             self.flags.zero_()
         self.request = self.comm.iallreduce(self.flags, op="max")

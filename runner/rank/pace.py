@@ -91,7 +91,7 @@ class Static:
             loop.model.train()
         decision = loop.control.poll(pos.step)
         if decision.validate:
-            loop.validator.by_time(pos)
+            loop.validator.by_time(pos, decision.validate)
         loop.growth.note(decision)
         loop.preempted = decision.stop
         if decision.stop or decision.checkpoint or loop.control.checkpointer.due(pos.step):
@@ -232,7 +232,7 @@ class Dynamic:
         loop, steps = self.loop, self.dealer.steps_at
         decision = loop.control.poll(self.meetings_done)
         if decision.validate:
-            loop.validator.by_time(pos)
+            loop.validator.by_time(pos, decision.validate)
         loop.growth.note(decision)
         due = loop.control.checkpointer.due_between(steps(before), steps(position))
         if decision.stop or decision.checkpoint or due:

@@ -117,18 +117,19 @@ class Validator:
         due = int(self.log.elapsed() // self.cfg.val_every_s)
         return due if due > self.val_asked else None
 
-    def due_by_time(self) -> bool:
-        """Worker 0, at an agreement: whether ``train.val_every_s`` more seconds of training passed since
-        the last validation it asked for (the workers then validate together where they agree)."""
+    def due_by_time(self) -> int:
+        """Worker 0, at an agreement: the validation by time due if ``train.val_every_s`` more seconds of
+        training passed since the last one it asked for, else 0 (the workers then validate together where
+        they agree)."""
         due = self.newly_due()
         if due is None:
-            return False
+            return 0
         self.val_asked = due
-        return True
+        return due
 
-    def by_time(self, pos: Position) -> None:
-        """Every worker, where they agreed that ``train.val_every_s`` passed on worker 0's clock."""
-        self.validate(pos.epoch, pos.step, due=self.val_asked)  # (recorded by worker 0, which asked)
+    def by_time(self, pos: Position, due: int) -> None:
+        """Every worker, where they agreed that validation by time ``due`` is due on worker 0's clock."""
+        self.validate(pos.epoch, pos.step, due=due)  # (recorded by worker 0, which asked)
         self.model.train()
 
     def claim(self, pos: Position) -> None:
