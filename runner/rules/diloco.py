@@ -96,6 +96,21 @@ class DiLoCoConfig(RuleConfig):
         return DiLoCo(self, ctx)
 
 
+@no_grad
+def outer_sgd(
+    cfg: DiLoCoConfig, start: list[torch.Tensor], momentum: list[torch.Tensor], deltas: list[torch.Tensor]
+) -> None:
+    """The outer step in place: each x_start of ``start`` takes Δ of ``deltas`` as its gradient, with its
+    buffer of ``momentum`` (empty when μ = 0), as torch.optim.SGD does (the module's docstring)."""
+    mu = cfg.outer_momentum
+    for i, (x0, delta) in enumerate(zip(start, deltas, strict=True)):
+        step = delta
+        if mu > 0:
+            buf = momentum[i].mul_(mu).add_(delta)
+            step = delta.add(buf, alpha=mu) if cfg.nesterov else buf
+        x0.add_(step, alpha=-cfg.outer_lr)
+
+
 class DiLoCo(Rule):
     """H local steps per round, then one outer SGD (Nesterov) step on the mean pseudo-gradient."""
 
@@ -145,13 +160,7 @@ class DiLoCo(Rule):
         means = self._mean_of_workers(self.flat.buffers, self.wire) + self._mean_of_workers(stats)
         k = len(self.flat.buffers)
         deltas = [x0 - m for x0, m in zip(self.start, means[:k], strict=True)]
-        mu = self.cfg.outer_momentum
-        for i, (x0, delta) in enumerate(zip(self.start, deltas, strict=True)):
-            step = delta
-            if mu > 0:
-                buf = self.momentum[i].mul_(mu).add_(delta)
-                step = delta.add(buf, alpha=mu) if self.cfg.nesterov else buf
-            x0.add_(step, alpha=-self.cfg.outer_lr)
+        outer_sgd(self.cfg, self.start, self.momentum, deltas)
         for x, x0 in zip(self.flat.buffers, self.start, strict=True):
             x.copy_(x0)
         for b, m in zip(stats, means[k:], strict=True):
