@@ -2,7 +2,7 @@
 
 A tag names what a message is, on the communicator it travels on. Tags of different users may share a
 communicator (a server's probe sees the rule's tags and ``GROW``; the workers' communicator carries
-``VALIDATED`` beside GoSGD's), so no two tags here are equal: ``tests/test_tags.py`` checks it. A rule
+``VALIDATED`` beside GoSGD's), so no two tags here are equal: ``tests/comm/test_tags.py`` checks it. A rule
 with messages of its own adds its tags here, in a block of its own.
 """
 

@@ -9,7 +9,7 @@ and given back, serving the three uses that move it.
   (:meth:`TrainerState.share` / :meth:`TrainerState.adopt`).
 
 Each use carries the subset of :data:`FIELDS` that :data:`USES` names, and every field a use leaves out is
-named in :data:`LEFT_OUT` with the reason (tests/test_trainer_state.py holds the three to it and
+named in :data:`LEFT_OUT` with the reason (tests/rank/test_trainer_state.py holds the three to it and
 round-trips each use), so a field cannot be added to one use and forgotten in another without saying why.
 """
 

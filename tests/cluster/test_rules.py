@@ -94,7 +94,7 @@ def test_dynamic_assignment_deals_each_sample_once_across_nodes_with_a_straggler
     )
     assert run.returncode == 0, run.output
     assert hosts_of(run.dir) == {0: n1, 1: n2}
-    from tests.test_assignment import traced_batches
+    from tests.rank.test_assignment import traced_batches
 
     chunks = Chunks(300, 10, 1, seed=0)
     trained = traced_batches(trace, chunks, 2)

@@ -1,4 +1,4 @@
-"""A route of the tests' own (tests/test_routes.py): it takes the all-reduces of float64 tensors and doubles
+"""A route of the tests' own (tests/comm/test_routes.py): it takes the all-reduces of float64 tensors and doubles
 them, so a test sees that a route registered with one line is used."""
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class FakeWorld:
 
 class FakeComm:
     """One rank's view of a communicator: it satisfies :class:`runner.comm.face.CommLike`, as ``Comm`` does
-    (tests/test_comm_face.py compares their signatures)."""
+    (tests/comm/test_comm_face.py compares their signatures)."""
 
     cuda_aware = False
 

@@ -1,5 +1,5 @@
 """Plain torch data sets as a user's project writes them (no base class of the runner, no schema), for
-``data=dataset`` in tests/test_dataset_option.py."""
+``data=dataset`` in tests/schema/test_dataset_option.py."""
 
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ from runner.hardware.mpirun import build_argv, find_mpirun
 from runner.launcher.launch import prepare
 from tests.conftest import checked_config, compose_config
 
-HELPERS = Path(__file__).parent / "helpers"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 SAMPLE = (HELPERS / "ompi_info_5.0.11.txt").read_text()
-#: A job step's allocation (tests/test_slurm.py's STEP): the launcher picks srun.
+#: A job step's allocation (tests/launcher/test_slurm.py's STEP): the launcher picks srun.
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_JOB_CPUS_PER_NODE": "8", "SLURM_STEP_ID": "0"}
 
 

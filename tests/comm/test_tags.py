@@ -5,7 +5,7 @@ import pathlib
 
 from runner.comm import tags
 
-RUNNER = pathlib.Path(__file__).resolve().parents[1] / "runner"
+RUNNER = pathlib.Path(__file__).resolve().parents[2] / "runner"
 
 
 def test_no_two_tags_coincide():

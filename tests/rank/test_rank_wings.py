@@ -71,7 +71,7 @@ def test_the_loop_and_its_components_have_the_faces_they_are_seen_through(tmp_pa
     from runner.rank import face
     from runner.rank.pace import Dynamic
     from tests.helpers.fakecomm import FakeWorld
-    from tests.test_trainer_state import trainer
+    from tests.rank.test_trainer_state import trainer
 
     def rank(comm) -> list[str]:
         static, dynamic = trainer(comm, tmp_path / "s", False), trainer(comm, tmp_path / "d", True)

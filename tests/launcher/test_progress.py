@@ -23,7 +23,7 @@ from runner.launcher.progress import ERASE, Bar, ProgressTap
 from runner.rank.records.meter import Display, Meter, display, progress_record
 from runner.run_folder import PROGRESS_RECORD, TTY_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: A carriage return that rewrites the line (not a \r\n), after which the line is erased.
 BAR_UPDATE = re.compile(rb"\r(?!\n)(?:\x1b\[K)?([^\r\n]*)")
 
