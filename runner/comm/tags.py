@@ -27,8 +27,8 @@ ASGD_DONE = 35  # a worker has finished training
 ASGD_CHECKPOINT = 36  # a worker asks the servers to save (header: the step)
 
 # -- the loop and the job (runner/rank/)
-VALIDATED = 98  # a validation a worker took alone, to worker 0 to record (runner/rank/loop.py)
-GROW = 99  # worker 0 tells each server that the job grows (runner/rank/elastic.py)
+VALIDATED = 98  # a validation a worker took alone, to worker 0 to record (runner/rank/validator.py)
+GROW = 99  # worker 0 tells each server that the job grows (runner/rank/resilience/elastic.py)
 
 # -- the communication layer (runner/comm/)
 WATCH = 32001  # never sent: Comm.check_peers probes for it only to ask ULFM whether a peer died
