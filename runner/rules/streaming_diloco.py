@@ -1,0 +1,374 @@
+"""Streaming DiLoCo: DiLoCo with overlapping communication (Douillard et al. 2025, arXiv 2501.18512).
+
+DiLoCo (:mod:`runner.rules.diloco`) with its one exchange per round cut in three ways:
+
+* **Fragments.** Each flat parameter buffer is split into ``fragments`` = F contiguous ranges of equal size
+  (by parameter order; a range may cut a tensor, so that every exchange is 1/F of the model to one element).
+  Fragment p is synchronized every ``inner_steps`` = H steps, after c steps where c ≡ o_p (mod H), c > 0, at
+  the staggered offset o_p = ⌊p·H/F⌋ (``stagger: false``: o_p = 0, all fragments at DiLoCo's round ends).
+* **Overlap and delay.** At its sync each worker starts the fragment's all-reduce in the background and
+  trains on; ``delay`` = τ steps later (0 ≤ τ < H) it waits for it and applies the outer step to the
+  fragment's x_start_p, DiLoCo's outer SGD (Nesterov) with the fragment's share of the momentum buffer,
+  imported from DiLoCo (:func:`runner.rules.diloco.outer_sgd`):
+
+      Δ_p = x_start_p − (1/N) Σ_i x_i,p(sync);   x_start_p ← outer_sgd(x_start_p, Δ_p)
+
+  and merges it with the τ steps taken meanwhile, ``fragment_alpha`` = α:
+
+      x_i,p ← α·x_i,p(now) + (1 − α)·x_start_p      (α = 0: x_i,p ← x_start_p, as DiLoCo does)
+
+* **Quantized outer gradients** (``quantize: int8``). Each worker sends Δ_i,p = x_start_p − x_i,p in 8 bits:
+  blocks of :data:`BLOCK` values share one float32 scale (the block's largest |value| / 127), rounded to
+  the nearest step. As the 16-bit exchange does (:mod:`runner.comm.wire`), an all-to-all gives rank r the
+  r-th chunk of every worker's Δ, rank r sums them in float32 (in rank order), quantizes the sum once
+  more, and an all-gather gives every worker the same bits: each worker sends 2(N−1)/N·(1 + 4/BLOCK) bytes
+  per value, against 2(N−1)/N·4 for DiLoCo's float32. The paper goes as low as 4-bit floats; int8 with
+  per-block scales is chosen here because it needs no float8 type on the wire (numpy and MPI have none),
+  its rounding error is at most half a step (|Δ|max/254 per block) and unbiased in sign, and blocks keep
+  one large value from flattening a whole fragment. ``quantize: none`` sends the parameters themselves,
+  exactly as DiLoCo (and in ``comm_dtype``), so that it equals DiLoCo bit for bit where the schedules match.
+
+BatchNorm statistics travel with fragment 0's exchange and are set to the workers' mean when it is applied.
+The exchanges run on a communicator of their own (split from the workers') and one background thread, in
+the order they were started, so that the loop's own collectives never meet them. ``final_metrics`` reports
+``sync_bytes_peak``: the most bytes one worker sent in one fragment's exchange (statistics included).
+
+Checkpoints (and growth, and the end of training) complete the exchanges in flight and keep their results
+to be applied at their step, so a resumed run is bit for bit the uninterrupted one and new workers take the
+pending results with worker 0's state. A lost worker: the survivors take worker 0's x_start, momentum and
+counts, forget the exchanges in flight, and every fragment restarts from x_start (statistics averaged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from runner.comm.flat import float_buffers
+from runner.comm.stats import CommStats
+from runner.lazy import lazy_import
+from runner.rules.base import RuleContext, no_grad
+from runner.rules.diloco import DiLoCo, DiLoCoConfig, outer_sgd
+from runner.schema import one_of, require
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.comm.background import Background
+    from runner.comm.face import CommLike, RequestLike
+else:
+    torch = lazy_import("torch")
+
+#: Values per float32 scale in the 8-bit exchange (4/128: 3% more bytes than the 8-bit values alone).
+BLOCK = 128
+
+
+@dataclass
+class StreamingDiLoCoConfig(DiLoCoConfig):
+    fragments: int = 4
+    delay: int = 1
+    fragment_alpha: float = 0.0
+    quantize: str = "none"
+    stagger: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            1 <= self.fragments <= self.inner_steps,
+            "fragments",
+            self.fragments,
+            f"parts of the model synchronized in turn, 1 to inner_steps={self.inner_steps} (1: DiLoCo's one "
+            "exchange per round)",
+        )
+        require(
+            0 <= self.delay < self.inner_steps,
+            "delay",
+            self.delay,
+            f"steps an exchange overlaps before it is applied, 0 to inner_steps-1={self.inner_steps - 1} "
+            "(one exchange per fragment in flight)",
+        )
+        require(
+            0 <= self.fragment_alpha < 1,
+            "fragment_alpha",
+            self.fragment_alpha,
+            "the share of the local parameters kept at a merge, in [0, 1) (0: take the outer result)",
+        )
+        one_of("quantize", self.quantize, ("none", "int8"))
+        require(
+            self.quantize == "none" or self.comm_dtype == "fp32",
+            "quantize",
+            self.quantize,
+            f"8-bit outer gradients are not also sent in comm_dtype={self.comm_dtype}: set "
+            "rule.comm_dtype=fp32, or rule.quantize=none to send the parameters in 16 bits as DiLoCo does",
+        )
+
+    def build(self, ctx: RuleContext) -> StreamingDiLoCo:
+        return StreamingDiLoCo(self, ctx)
+
+
+@dataclass
+class Exchange:
+    """One fragment's exchange, from its start to its apply: the tensors being summed over ``size``
+    workers (the fragment's parameters, or Δ with ``int8``; then the statistics), their requests (empty
+    once complete), the step count it is applied at, and the bytes this worker sent for it."""
+
+    fragment: int
+    due: int
+    size: int
+    sums: list[torch.Tensor]
+    requests: list[RequestLike] = field(default_factory=list)
+    sent: int = 0
+
+
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo's outer step, fragment by fragment in a staggered schedule, overlapped and applied late."""
+
+    def __init__(self, cfg: StreamingDiLoCoConfig, ctx: RuleContext):
+        super().__init__(cfg, ctx)
+        self.cfg: StreamingDiLoCoConfig = cfg
+        self.bounds = [[(len(b) * k) // cfg.fragments for k in range(cfg.fragments + 1)] for b in self.start]
+        self.offsets = [
+            (p * cfg.inner_steps) // cfg.fragments if cfg.stagger else 0 for p in range(cfg.fragments)
+        ]
+        self.steps = 0  # optimizer steps taken (the schedule's clock)
+        self.pending: list[Exchange] = []  # started, not yet applied, in the order started
+        self.sync_bytes_peak = 0
+        self.link: CommLike | None = None  # the exchanges' communicator (joined: made in grow)
+        self.thread: Background | None = None
+        self._forwarded = 0.0  # the link's seconds already added to the workers'
+        self._sent: dict[int, int] = {}  # bytes of each summed tensor (by id), from the thread
+        if not self.joined:
+            self._new_link()
+
+    def _new_link(self) -> None:
+        """Collective over the workers: the exchanges' own communicator and thread. Its bytes and seconds
+        are counted apart (so that each exchange's bytes are known) and added to the workers' counts as
+        exchanges complete."""
+        from runner.comm.background import Background  # (it imports MPI: not when the launcher reads this)
+
+        self.link = self.workers.split(0)
+        self.link.stats = CommStats()
+        self.thread = Background(self.link, self._reduce)
+        self._forwarded = 0.0
+
+    def _reduce(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
+        """The background thread: sum ``t`` over the link, in 8 bits (op ``int8``) or as it is (``sum``);
+        the bytes it sent are kept by ``t``'s id (only this thread sends on the link)."""
+        before = self.link.stats.bytes_sent
+        if op == "int8":
+            int8_allreduce(self.link, t)
+        else:
+            self.link.allreduce(t, wire=wire)
+        self._sent[id(t)] = self.link.stats.bytes_sent - before
+
+    def _views(self, tensors: list[torch.Tensor], p: int) -> list[torch.Tensor]:
+        """Fragment ``p``'s range of each flat buffer of ``tensors`` (parameters, x_start or momentum)."""
+        return [t[b[p] : b[p + 1]] for t, b in zip(tensors, self.bounds, strict=True)]
+
+    def after_step(self, step: int) -> None:
+        """Start the exchanges of the fragments due now, then apply those whose delay is over."""
+        self.steps += 1
+        H = self.cfg.inner_steps
+        for p, offset in enumerate(self.offsets):
+            if (self.steps - offset) % H == 0:
+                self._start(p)
+        while self.pending and self.pending[0].due == self.steps:
+            self._apply(self.pending.pop(0))
+        self.round_step = self.steps % H
+
+    @no_grad
+    def _start(self, p: int) -> None:
+        """Fragment ``p``'s exchange: its parameters (``int8``: Δ_i,p) and, for fragment 0, the BatchNorm
+        statistics, summed in the background."""
+        x = self._views(self.flat.buffers, p)
+        if self.cfg.quantize == "int8":
+            sums = [x0 - xi for x0, xi in zip(self._views(self.start, p), x, strict=True)]
+        else:
+            sums = [xi.clone() for xi in x]
+        stats = [b.clone() for b in float_buffers(self.model)] if p == 0 else []
+        exchange = Exchange(p, self.steps + self.cfg.delay, self.link.size, sums + stats)
+        for i, t in enumerate(exchange.sums):
+            ops = ("int8", None) if self.cfg.quantize == "int8" else ("sum", self.wire)
+            op, wire = ops if i < len(sums) else ("sum", None)  # statistics: float32 sums, as DiLoCo's
+            exchange.requests.append(self.thread.submit(t, op, wire))
+        self.pending.append(exchange)
+        self.pending.sort(key=lambda e: e.due)  # stable: started first, applied first at the same step
+
+    def _complete(self, exchange: Exchange) -> None:
+        """Wait for ``exchange``'s sums (a lost worker raises here); count its bytes and seconds in the
+        workers' counts (the run's summary reads those)."""
+        if not exchange.requests:
+            return
+        for request in exchange.requests:
+            request.wait()
+        exchange.requests = []
+        exchange.sent = sum(self._sent.pop(id(t)) for t in exchange.sums)
+        self.sync_bytes_peak = max(self.sync_bytes_peak, exchange.sent)
+        stats, link = self.workers.stats, self.link.stats
+        stats.bytes_sent += exchange.sent
+        stats.seconds += link.seconds - self._forwarded
+        self._forwarded = link.seconds
+
+    @no_grad
+    def _apply(self, exchange: Exchange) -> None:
+        """The outer step of ``exchange``'s fragment on x_start_p, then the merge into the parameters."""
+        self._complete(exchange)
+        p, k = exchange.fragment, len(self.start)
+        means = [t.div_(exchange.size) for t in exchange.sums]
+        start = self._views(self.start, p)
+        if self.cfg.quantize == "int8":
+            deltas = means[:k]
+        else:
+            deltas = [x0 - m for x0, m in zip(start, means[:k], strict=True)]
+        outer_sgd(self.cfg, start, self._views(self.momentum, p) if self.momentum else [], deltas)
+        alpha = self.cfg.fragment_alpha
+        for x, x0 in zip(self._views(self.flat.buffers, p), start, strict=True):
+            if alpha == 0:
+                x.copy_(x0)
+            else:
+                x.mul_(alpha).add_(x0, alpha=1 - alpha)
+        for b, m in zip(float_buffers(self.model) if p == 0 else [], means[k:], strict=True):
+            b.copy_(m)
+        self.outer_steps += 1
+        self.delta_norm = (
+            sum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in deltas) ** 0.5
+        )
+
+    def _complete_all(self) -> None:
+        """Complete every exchange in flight; their results wait for their step."""
+        for exchange in self.pending:
+            self._complete(exchange)
+
+    def before_checkpoint(self, step: int) -> None:
+        self._complete_all()
+
+    def before_grow(self) -> None:
+        self._complete_all()
+
+    def finish(self) -> None:
+        self._complete_all()
+
+    @no_grad
+    def eval_models(self) -> dict[str, torch.nn.Module]:
+        """The workers' model where every fragment equals x_start on all of them (before the first step;
+        DiLoCo's round ends when the fragments synchronize together); else a copy set to their mean."""
+        together = not self.cfg.stagger or self.cfg.fragments == 1
+        boundary = self.steps == 0 or (together and self.round_step == 0 and self.cfg.fragment_alpha == 0)
+        if self.workers.size == 1 or (boundary and not self.pending):
+            return {"": self.model}
+        return {"": self._workers_mean(self.flat, 1.0 / self.workers.size)[0]}
+
+    def metrics(self) -> dict[str, float]:
+        """DiLoCo's (outer steps: one per fragment synchronized) and the peak bytes of one exchange."""
+        return {**super().metrics(), "sync_bytes_peak": self.sync_bytes_peak}
+
+    def final_metrics(self) -> dict[str, object]:
+        return {**super().final_metrics(), "sync_bytes_peak": self.sync_bytes_peak}
+
+    def state_dict(self) -> dict[str, Any]:
+        """DiLoCo's, the step count, the peak and the pending exchanges' results (complete: see
+        :meth:`before_checkpoint`)."""
+        assert all(not e.requests for e in self.pending), "an exchange in flight at a checkpoint"
+        pending = [
+            {
+                "fragment": e.fragment,
+                "due": e.due,
+                "size": e.size,
+                "sums": [t.clone() for t in e.sums],
+                "sent": e.sent,
+            }
+            for e in self.pending
+        ]
+        return {**super().state_dict(), "steps": self.steps, "peak": self.sync_bytes_peak, "pending": pending}
+
+    @no_grad
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps, self.sync_bytes_peak = state["steps"], state["peak"]
+        self.pending = [Exchange(**{**e, "sums": [t.clone() for t in e["sums"]]}) for e in state["pending"]]
+
+    @property
+    def ready_to_grow(self) -> bool:
+        """Workers may join at any step: the exchanges in flight complete first and the new workers take
+        their results with worker 0's state."""
+        return True
+
+    def grow(self, joined: bool) -> None:
+        """Collective over all workers once new ones joined: the exchanges' communicator anew."""
+        super().grow(joined)
+        self._new_link()
+
+    def abandon(self) -> None:
+        """A worker was lost: wait for the exchanges in flight to fail or end; recover forgets them."""
+        for exchange in self.pending:
+            for request in exchange.requests:
+                try:
+                    request.wait()
+                except Exception:  # noqa: BLE001 (PeerLost, or the revoked communicator's own error)
+                    pass
+            exchange.requests = []
+
+    @no_grad
+    def recover(self) -> None:
+        """The survivors take worker 0's x_start, momentum buffer and counts, forget the exchanges in flight
+        (their results may have reached some survivors only), and every fragment restarts from x_start,
+        BatchNorm statistics averaged. The inner optimizers' states stay their own."""
+        for t in [*self.start, *self.momentum]:
+            self.workers.broadcast(t, root=0)
+        self.steps, self.outer_steps, self.delta_norm = self.workers.broadcast_object(
+            (self.steps, self.outer_steps, self.delta_norm), root=0
+        )
+        self.pending, self._sent = [], {}
+        stats = float_buffers(self.model)
+        for b, m in zip(stats, self._mean_of_workers(stats), strict=True):
+            b.copy_(m)
+        for x, x0 in zip(self.flat.buffers, self.start, strict=True):
+            x.copy_(x0)
+        self.round_step = self.steps % self.cfg.inner_steps
+        self._new_link()
+
+
+@no_grad
+def int8_allreduce(comm: CommLike, t: torch.Tensor) -> torch.Tensor:
+    """In-place sum of the flat floating-point tensor ``t`` over ``comm`` with 8-bit traffic (the module's
+    docstring): all-to-all of 8-bit chunks with their scales, sums in float32 (float64 for a float64 ``t``)
+    in rank order, the sums quantized again, all-gather. Every rank ends with the same bits."""
+    n = comm.size
+    if n == 1:
+        return t
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    device = t.device if comm.routes(t) else torch.device("cpu")
+    numel = t.numel()
+    chunk = -(-numel // (n * BLOCK)) * BLOCK
+    padded = torch.zeros(n * chunk, dtype=acc, device=device)
+    padded[:numel].copy_(t.view(-1))
+    send = _pack(padded, n)
+    recv = torch.empty_like(send)
+    comm.alltoall(send, recv)
+    total = torch.zeros(chunk, dtype=acc, device=device)
+    for row in recv.view(n, -1):
+        total.add_(_unpack(row, chunk, acc))
+    gathered = torch.empty_like(send)
+    comm.allgather(_pack(total, 1), gathered)
+    out = torch.cat([_unpack(row, chunk, acc) for row in gathered.view(n, -1)])
+    t.view(-1).copy_(out[:numel])
+    return t
+
+
+def _pack(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` (a multiple of ``rows``·BLOCK long) in 8 bits as bytes: per row its values' int8 then their
+    blocks' float32 scales (the largest |value| / 127)."""
+    blocks = x.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1).div_(127).to(torch.float32)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).to(x.dtype)
+    q = blocks.div(safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat(
+        [q.view(rows, -1).view(torch.uint8), scales.view(rows, -1).view(torch.uint8)], dim=1
+    ).view(-1)
+
+
+def _unpack(row: torch.Tensor, chunk: int, acc: torch.dtype) -> torch.Tensor:
+    """One row of :func:`_pack`'s bytes back to ``chunk`` values in ``acc``."""
+    q = row[:chunk].view(torch.int8).to(acc).view(-1, BLOCK)
+    scales = row[chunk:].view(torch.float32).to(acc)
+    return q.mul_(scales[:, None]).view(-1)
