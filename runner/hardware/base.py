@@ -8,6 +8,7 @@ class plans for this machine, and the groups that run elsewhere override the par
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ class Launch:
     placements: list[Placement] | None = None
     lease: CoreLease | None = None
     warning: str | None = None
+    #: ``hardware.env``: set in the launcher's environment for the job, never on its command line (secrets).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,7 +55,8 @@ class HardwareConfig:
     threads_per_rank: int | None = None
     report_bindings: bool = True
     mca: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MCA))  # runner/hardware/mca.py
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # secrets: never written (runner/schema/secrets.py)
+    folder_mode: str = "0700"  # the run folder's permissions: the user's alone ("0750": and the group's)
     extra_args: list[str] = field(default_factory=list)
     gpus_per_node: int | None = None
     ranks_per_gpu: int = 1
@@ -66,6 +70,12 @@ class HardwareConfig:
     def __post_init__(self) -> None:
         one_of("device", self.device, ("cpu", "cuda"))
         one_of("flavor", self.flavor, ("auto", "openmpi", "mpich"))
+        require(
+            re.fullmatch(r"0?[0-7]{3}", str(self.folder_mode)) is not None,
+            "folder_mode",
+            self.folder_mode,
+            'an octal mode as a string: "0700" (the user only), "0750" (and the group), "0755" (all read)',
+        )
         one_of("bind", self.bind, ("core", "socket", "numa", "none"))
         require(
             self.threads_per_rank is None or self.threads_per_rank >= 1,
@@ -213,4 +223,4 @@ class HardwareConfig:
             pe_list=pe_list,
         )
         threads, bind = threads_per_rank(self, ranks, cores), effective_bind(self, ranks, cores)
-        return Launch(argv, threads, bind, "mpirun", placements)
+        return Launch(argv, threads, bind, "mpirun", placements, env=dict(self.env))

@@ -119,7 +119,8 @@ def effective_bind(hw: Settings, ranks: int, cores: int) -> str:
 def rank_env(hw: Settings, threads: int, gpus: bool = False) -> dict[str, str]:
     """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
     output is a terminal (``MPITRAIN_TTY``: the ranks' own pseudo-terminals say 0×0 either way; rank 0 then
-    sends progress records for the launcher's bar, :mod:`runner.rank.records.meter`), ``hardware.env``."""
+    sends progress records for the launcher's bar, :mod:`runner.rank.records.meter`), ``hardware.env`` (whose
+    values the command line names only: the launcher sets them in mpirun's environment, ``Launch.env``)."""
     tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get(TTY_ENV) != "0"
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", TTY_ENV: str(int(tty))}
     env.update(hw.env)
@@ -189,12 +190,15 @@ def build_argv(
         argv += hw.host_args(flavor)
         for key, value in (one_node(hw.mca, hw.grows) if hw.one_machine else hw.mca).items():
             argv += ["--mca", str(key), render(value)]  # true/false, lists comma-joined (mca.py)
-        for key, value in env.items():
-            argv += ["-x", f"{key}={value}"]
+        for key, value in env.items():  # hardware.env by name: its value from mpirun's environment
+            argv += ["-x", key if key in hw.env else f"{key}={value}"]
     else:
         argv += _mpich_binding(threads, bind, placements, pe_list)
         for key, value in env.items():
-            argv += ["-genv", str(key), str(value)]
+            if key not in hw.env:
+                argv += ["-genv", str(key), str(value)]
+        if hw.env:
+            argv += ["-genvlist", ",".join(hw.env)]
         argv += hw.host_args(flavor)
     return argv + list(hw.extra_args) + worker_argv(run_dir, python)
 

@@ -92,8 +92,9 @@ class SlurmConfig(HardwareConfig):
         if launcher == "srun":
             env = rank_env(hw, threads)
             env.update((k, v) for k, v in srun_mca_env(hw).items() if k not in env)  # hardware.env wins
-            argv = srun_argv(hw, ranks, threads, bind, env, alloc, worker_argv(run_dir))
-            return Launch(argv, threads, bind, "srun")
+            shown = {k: v for k, v in env.items() if k not in hw.env}  # hardware.env: srun exports it
+            argv = srun_argv(hw, ranks, threads, bind, shown, alloc, worker_argv(run_dir))
+            return Launch(argv, threads, bind, "srun", env=dict(hw.env))
         placements = hw.gpu_plan(ranks, threads) if alloc.nodes == 1 else None
         return hw.mpirun_launch(ranks, run_dir, alloc.cpus, placements)
 

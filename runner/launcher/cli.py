@@ -29,8 +29,18 @@ from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
 from runner.launcher.outcomes import invalid_input, os_error
 from runner.launcher.register import check_folders, register
-from runner.run_folder import CONFIG, EVAL, EXIT, MODEL, TTY_ENV
+from runner.run_folder import (
+    CONFIG,
+    EVAL,
+    EXIT,
+    HYDRA_CONFIG,
+    HYDRA_OVERRIDES,
+    MODEL,
+    SWEEP_CONFIG,
+    TTY_ENV,
+)
 from runner.schema.identity import command_line_overrides, concurrent_points, identity, sweep_overrides
+from runner.schema.secrets import hide_file
 
 log = logging.getLogger("runner")
 register()
@@ -48,6 +58,7 @@ def main(cfg: DictConfig) -> float:
     sweepers (e.g. Optuna) can optimise it."""
     hydra_cfg = HydraConfig.get()
     single = hydra_cfg.mode == RunMode.RUN
+    hide_hydra_records(hydra_cfg, single)
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep = None if single else sweep_overrides(Path(hydra_cfg.sweep.dir))
     if sweep is None and not single and in_process(hydra_cfg.launcher):  # Optuna writes no multirun.yaml
@@ -85,6 +96,17 @@ def main(cfg: DictConfig) -> float:
             raise  # the sweep's own process hears of it only so
         return not_ok(single, ident, err.status, err.code)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
+
+
+def hide_hydra_records(hydra_cfg: DictConfig, single: bool) -> None:
+    """Hydra's records of this job (``.hydra/``) and of its sweep (``multirun.yaml``), written before this
+    function runs, with ``hardware.env``'s values hidden (:mod:`runner.schema.secrets`)."""
+    if hydra_cfg.output_subdir:
+        records = Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir
+        for name in (CONFIG, HYDRA_CONFIG, HYDRA_OVERRIDES):  # (Hydra's config.yaml: named as the run's)
+            hide_file(records / name)
+    if not single:
+        hide_file(Path(hydra_cfg.sweep.dir) / SWEEP_CONFIG)
 
 
 def tag(single: bool, ident: dict[str, Any] | None) -> str:

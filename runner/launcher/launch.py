@@ -62,6 +62,7 @@ from runner.run_folder import (
 )
 from runner.schema import option_name
 from runner.schema.config import Config, schema_paths, validate
+from runner.schema.secrets import hidden
 
 log = logging.getLogger("runner")
 
@@ -127,6 +128,7 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
     resolved["_schemas_"] = schema_paths(cfg)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, int(cfg.hardware.folder_mode, 8))  # private to the user by default
         (run_dir / STOP).unlink(missing_ok=True)  # a previous job's stop request
         (run_dir / JOIN).unlink(missing_ok=True)  # and its join request
         (run_dir / LOGS / LOST).unlink(missing_ok=True)  # and the ranks it lost
@@ -134,9 +136,9 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
             claimed.unlink(missing_ok=True)
     except OSError as err:
         raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
-    write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(resolved))
+    write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(hidden(resolved)))  # hardware.env's values: secrets
     if ident is not None:
-        write_atomic(run_dir / IDENTITY, json.dumps(ident, indent=1))
+        write_atomic(run_dir / IDENTITY, json.dumps(hidden(ident), indent=1))
     if launch.placements:
         write_atomic(run_dir / PLAN, json.dumps([asdict(p) for p in launch.placements], indent=1))
     write_atomic(run_dir / COMMAND, shlex.join(launch.argv) + "\n")
@@ -321,7 +323,9 @@ def launch(
         log.warning(planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
     start, load_start = time.time(), load_average()
-    supervisor = Supervisor(argv, run_dir, checked.world_size, checked.train.stall_timeout, label)
+    supervisor = Supervisor(
+        argv, run_dir, checked.world_size, checked.train.stall_timeout, label, env=planned.env
+    )
     try:
         outcome = supervisor.run()
     except BaseException as err:

@@ -38,9 +38,11 @@ from runner.run_folder import (
 )
 from runner.schema.config import load_structured
 from runner.schema.identity import override_key
+from runner.schema.secrets import fill_hidden
 from runner.schema.trust import check_paths, targets
 
 log = logging.getLogger("runner")
+ENV = "hardware.env."
 
 #: Keys (or key prefixes, ending in ".") that a resumed run may change.
 SAFE_TO_CHANGE = (
@@ -98,6 +100,7 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     done = finished(run_dir, trained, (resumed.train.epochs, resumed.train.max_steps))
     if done is not None:
         raise Finished(f"resume={cfg.resume}: {done}")
+    restore_env(resumed, overrides, run_dir / CONFIG)
     latest = resume_checkpoint(run_dir, cfg.resume)
     ranks = resumed.devices + OmegaConf.to_object(resumed.rule).extra_ranks()
     if latest["world_size"] != ranks:  # workers were lost (fault tolerance), or joined (elastic)
@@ -114,6 +117,16 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     for error in (run_dir / LOGS).glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir
+
+
+def restore_env(resumed: DictConfig, overrides: list[str], config: Path) -> None:
+    """Give the run's ``hardware.env`` its values back (``config.yaml`` keeps none, they are secrets): from
+    the command line's ``hardware.env`` overrides, else the launcher's environment (:func:`fill_hidden`)."""
+    keys = [override_key(o) for o in overrides]
+    env = OmegaConf.to_container(resumed.hardware.env)
+    given = set(env) if "hardware.env" in keys else {k.split(".", 2)[2] for k in keys if k.startswith(ENV)}
+    fill_hidden(env, given, config)
+    resumed.hardware.env = env
 
 
 class Finished(Exception):

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -92,8 +93,10 @@ class Supervisor:
         ranks: int,
         stall_timeout: float | None,
         label: str | None = None,
+        env: Mapping[str, str] | None = None,
     ):
         self.argv, self.run_dir, self.ranks, self.stall_timeout = argv, run_dir, ranks, stall_timeout
+        self.env = {**os.environ, **env} if env else None  # hardware.env: mpirun's -x KEY reads them here
         self.prefix = f"[{label}] ".encode() if label else b""
         self.line_start = True
         self.signals: list[str] = []
@@ -125,6 +128,7 @@ class Supervisor:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=self.env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.run_folder import SWEEP_CONFIG
+from runner.schema.secrets import hidden
 
 #: Overrides that say where or how a run is shown, not what it is.
 IGNORED = ("hydra.", "hydra/", "train.progress", "resume", "logger")
@@ -61,7 +62,7 @@ def identity(task: list[str], sweep: list[str] | None = None) -> dict[str, Any]:
         k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v) for k, (v, _) in chosen.items()
     }
     name = ",".join(f"{k}={short(value, text)}" for k, (value, text) in chosen.items())
-    return {"overrides": mine, "swept": swept, "name": name or "defaults"}
+    return hidden({"overrides": mine, "swept": swept, "name": name or "defaults"})  # hardware.env: secrets
 
 
 def short(value: Any, text: str) -> str:
