@@ -338,7 +338,7 @@ def test_the_launcher_records_the_machine_load_in_every_summary(tmp_path, monkey
     monkeypatch.setattr(launcher, "load_average", lambda: next(averages))
 
     class Supervisor:  # the job: the ranks write their summary.json and exit 0
-        def __init__(self, argv, run_dir, *args):
+        def __init__(self, argv, run_dir, *args, **kwargs):
             self.run_dir = run_dir
 
         def run(self):
@@ -346,7 +346,7 @@ def test_the_launcher_records_the_machine_load_in_every_summary(tmp_path, monkey
             (self.run_dir / "summary.json").write_text('{"status": "ok", "monitor": "val_acc"}')
             return Outcome(0)
 
-    planned = types.SimpleNamespace(argv=["mpirun"], warning=None, lease=None)
+    planned = types.SimpleNamespace(argv=["mpirun"], warning=None, lease=None, env={})
     checked = types.SimpleNamespace(world_size=2, train=types.SimpleNamespace(stall_timeout=60.0))
     monkeypatch.setattr(launcher, "_prepare", lambda *args, **kwargs: (planned, checked))
     monkeypatch.setattr(launcher, "Supervisor", Supervisor)

@@ -200,7 +200,7 @@ class Trainer:
             raise Diverged(f"step {pos.step}: {why}; {self.guard.kept_checkpoint()}")
         self.tolerant(self.end, pos, epochs, start)
         fp16 = self.scaler is not None
-        outcome = Outcome(v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16)
+        outcome = Outcome(v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count)
         return reported, summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
 
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:

@@ -64,6 +64,7 @@ class Validator:
         self.history: list[dict[str, float]] = []
         self.first_val_loss: float | None = None  # the reference of train.diverge_at
         self.reported_prefix = ""  # the record prefix of the model the run reports ("" or e.g. "center_")
+        self.val_count: float | None = None  # the items the last validation counted (samples; tokens: LM)
         self.val_share: Callable[[int, int], DataLoader] | None = None  # (r, n) -> loader of share r of n
         self.whole_val: DataLoader | None = None  # the loader of the whole validation set (alone)
         self.alone = dealer is not None and self.rule.solo_validation  # validations within an epoch: alone
@@ -92,8 +93,11 @@ class Validator:
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """The task's metrics of ``model`` over the whole validation set (all ranks' shares)."""
-        sums = validation_sums(model, self.val_loader, self.task, self.device, self.cfg.precision)
-        return self.task.results(self.workers.allreduce_values(sums))
+        sums = self.workers.allreduce_values(
+            validation_sums(model, self.val_loader, self.task, self.device, self.cfg.precision)
+        )
+        self.val_count = sums[-1]  # (the task's sums end with the count)
+        return self.task.results(sums)
 
     def check_collapse(self, loss: float | None, step: int) -> None:
         """End the run as diverged when the reported model's validation ``loss`` (None: the task has none)

@@ -17,13 +17,15 @@ if TYPE_CHECKING:
 class Outcome:
     """What the loop ends with: the validations (``history``, the reported model's under ``prefix``), the
     metric the run reports (``monitor``), the epoch after which early stopping ended training (None: it
-    did not), and whether the loss was scaled (fp16: overflowed steps are counted)."""
+    did not), whether the loss was scaled (fp16: overflowed steps are counted), and the items a validation
+    counts (``val_count``: samples, tokens for a language model; None before the first validation)."""
 
     history: list[dict[str, float]]
     prefix: str
     monitor: str
     stopped_early: int | None
     fp16: bool
+    val_count: float | None = None
 
 
 def summary(
@@ -49,4 +51,5 @@ def summary(
         "steps_per_worker": workers.allgather_object(steps),  # dynamic assignment: unequal
         "skipped_steps": guard.skipped,
         "validations": outcome.history,
+        "val_count": outcome.val_count,  # one validation sample is 1/val_count of an accuracy (the report)
     }
