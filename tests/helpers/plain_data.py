@@ -58,3 +58,16 @@ class Points(Blobs):
 def nothing() -> int:
     """Returns no data set at all."""
     return 42
+
+
+class BadRecord(Blobs):
+    """:class:`Blobs` whose record ``bad`` cannot be read: indexing it raises, as a damaged file would."""
+
+    def __init__(self, bad: int = 37, **kwargs):
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if i == self.bad:
+            raise ValueError(f"record {i} is damaged (bad checksum in blobs.bin)")
+        return super().__getitem__(i)

@@ -6,6 +6,7 @@ to their log files. :func:`root_cause` is the line the launcher shows for a fail
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -59,5 +60,26 @@ def root_cause(err: BaseException) -> str:
         err = inner
     frames = traceback.extract_tb(err.__traceback__)
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    message = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+    text = str(err).strip()
+    if ORIGINAL in text:  # raised again from a loader process: its own cause is in the message's traceback
+        return from_loader_process(text)
+    message = text.splitlines()[0] if text else "(no message)"
     return f"{type(err).__name__}: {message}{where}"
+
+
+#: How torch re-raises a DataLoader worker process's exception: "Caught ValueError in DataLoader worker
+#: process 0.", then this line and the process's own traceback, ending with its ``Type: message``.
+ORIGINAL = "Original Traceback (most recent call last):"
+FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
+
+
+def from_loader_process(text: str) -> str:
+    """``Type: message (file:line, in DataLoader worker process N)`` of the exception a loader process
+    raised, from the message torch re-raised it with in the training process."""
+    head, _, trace = text.partition(ORIGINAL)
+    lines = [line for line in trace.splitlines() if line.strip()]
+    frames = [m for line in lines if (m := FRAME.match(line))]
+    where = f"{frames[-1].group(1)}:{frames[-1].group(2)}, " if frames else ""
+    process = head.strip().removeprefix("Caught ").split(" in ", 1)[-1].rstrip(".")
+    last = lines[-1].strip() if lines else head.strip()
+    return f"{last} ({where}in {process})"

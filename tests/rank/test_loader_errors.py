@@ -1,0 +1,30 @@
+"""A loader process's exception is named by its own type, message and place, not by torch's wrapper line
+("Caught ValueError in DataLoader worker process 0.")."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import DataLoader
+
+from runner.rank.records.output import root_cause
+from tests.helpers.plain_data import BadRecord
+
+
+def test_a_loader_process_error_is_named_by_its_own_message():
+    loader = DataLoader(BadRecord(bad=3, size=8), batch_size=2, num_workers=1)
+    with pytest.raises(ValueError) as raised:
+        list(loader)
+    cause = root_cause(raised.value)
+    assert cause.startswith("ValueError: record 3 is damaged (bad checksum in blobs.bin) ("), cause
+    assert "plain_data.py:" in cause and cause.endswith(", in DataLoader worker process 0)"), cause
+
+
+def test_an_error_of_the_training_process_is_named_as_before():
+    loader = DataLoader(BadRecord(bad=3, size=8), batch_size=2, num_workers=0)
+    with pytest.raises(ValueError) as raised:
+        list(loader)
+    cause = root_cause(raised.value)
+    assert (
+        cause.startswith("ValueError: record 3 is damaged (bad checksum in blobs.bin) (")
+        and "worker" not in cause
+    )
