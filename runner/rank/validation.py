@@ -34,3 +34,24 @@ def validation_sums(
         total += torch.stack([s.double() for s in task.sums(out.float(), y)])
     model.train(was_training)
     return total.tolist()
+
+
+def nonfinite_batch(loader: Any) -> tuple[int, int] | None:
+    """The first batch of ``loader`` whose inputs or targets hold NaN or inf, and how many such values it
+    holds; None when every batch is finite (read only when a validation loss is not finite)."""
+    for index, batch in enumerate(loader):
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in _float_tensors(batch))
+        if bad:
+            return index, bad
+    return None
+
+
+def _float_tensors(node: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a batch (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(node, torch.Tensor):
+        return [node] if node.is_floating_point() else []
+    if isinstance(node, dict):
+        node = list(node.values())
+    if isinstance(node, (list, tuple)):
+        return [t for item in node for t in _float_tensors(item)]
+    return []

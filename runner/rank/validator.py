@@ -10,6 +10,7 @@ chunk validate the whole validation set while the others train on; it sends the 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from torch import nn
 from runner.comm.tags import VALIDATED
 from runner.rank.assignment import claim_slot
 from runner.rank.guard import Diverged, collapse
-from runner.rank.validation import validation_sums
+from runner.rank.validation import nonfinite_batch, validation_sums
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from runner.schema.sections import TrainConfig
     from runner.tasks import Task
 
+#: Seconds a worker whose validation share is finite waits before it, too, ends the job on non-finite
+#: validation data found by another worker, which names where (its error then comes first).
+DATA_ERROR_GRACE_S = 2.0
 #: The most validation sums such a message carries (a task's results come from a few).
 SUMS_SENT = 60
 
@@ -88,7 +92,7 @@ class Validator:
         self.history.append(record)
         self.log.write("val", step, epoch=epoch, **extra, **record)
         self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
-        self.check_collapse(record.get(f"{self.reported_prefix}val_loss"), step)
+        self.check_collapse(record.get(f"{self.reported_prefix}val_loss"), step, together=True)
         return next(iter(models.values()))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
@@ -99,11 +103,14 @@ class Validator:
         self.val_count = sums[-1]  # (the task's sums end with the count)
         return self.task.results(sums)
 
-    def check_collapse(self, loss: float | None, step: int) -> None:
+    def check_collapse(self, loss: float | None, step: int, together: bool) -> None:
         """End the run as diverged when the reported model's validation ``loss`` (None: the task has none)
-        is not finite or exploded against the run's first (``train.diverge_at``)."""
+        is not finite or exploded against the run's first (``train.diverge_at``), unless the validation data
+        is what is not finite (:meth:`check_data`; ``together``: every worker validated, on its share)."""
         if loss is None:
             return
+        if not math.isfinite(loss):
+            self.check_data(together)
         if self.first_val_loss is None:
             first = self.history[0].get(f"{self.reported_prefix}val_loss") if self.history else None
             self.first_val_loss = loss if first is None else first
@@ -113,6 +120,31 @@ class Validator:
                 f"step {step}: {why}: the run collapsed; lower optim.lr or change the rule's settings, or "
                 f"train.diverge_at=null to train on; {self.guard.kept_checkpoint()}"
             )
+
+    def check_data(self, together: bool) -> None:
+        """A validation loss that is not finite: raise ValueError when the validation data holds NaN or inf
+        (this worker's share; with ``together``, any worker's: all raise alike), naming where."""
+        found = nonfinite_batch(self.val_loader if together else self.whole_val)
+        bad = [self.workers.rank] if found else []
+        if together:
+            bad = [
+                r
+                for r in self.workers.allgather_object(self.workers.rank if found else None)
+                if r is not None
+            ]
+        if not bad:
+            return
+        if found:
+            where = (
+                f"batch {found[0]} of worker {self.workers.rank}'s share holds {found[1]} NaN or inf values"
+            )
+        else:  # the worker that found them ends the job with their place first (its error is the cause)
+            time.sleep(DATA_ERROR_GRACE_S)
+            where = f"worker {bad[0]}'s share holds NaN or inf values"
+        raise ValueError(
+            f"the validation data is not finite ({where}): the validation loss cannot be computed; fix the "
+            "data set (or its transform) that yields them (the model is not at fault)"
+        )
 
     # -- validation by time (train.val_every_s) ----------------------------------------------------------
     def newly_due(self) -> int | None:
@@ -170,7 +202,7 @@ class Validator:
             message = torch.tensor([*head, *sums], dtype=torch.float64)
             self.workers.send(message, 0, VALIDATED)
             self.solo_sent.append((self.workers.rank, message.tolist()))
-        self.check_collapse(results.get("loss"), pos.step)
+        self.check_collapse(results.get("loss"), pos.step, together=False)
 
     def record_alone(
         self, step: int, epoch: int, at: float, results: dict[str, float], by: int, due: int | None = None

@@ -71,3 +71,15 @@ class BadRecord(Blobs):
         if i == self.bad:
             raise ValueError(f"record {i} is damaged (bad checksum in blobs.bin)")
         return super().__getitem__(i)
+
+
+class NaNRecord(Blobs):
+    """:class:`Blobs` whose record ``bad`` has NaN features, as a damaged or badly converted file would."""
+
+    def __init__(self, bad: int = 5, **kwargs):
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = super().__getitem__(i)
+        return (torch.full_like(x, float("nan")) if i == self.bad else x), y

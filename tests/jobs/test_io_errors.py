@@ -89,3 +89,20 @@ def test_a_model_that_does_not_take_the_data_fails_at_the_first_step_naming_the_
     cause = run.summary["cause"]
     assert "MLP does not take this data: inputs [32, 1, 8, 8]" in cause
     assert "(32x64 and 100x128)" in cause and "model.input_shape" in cause
+
+
+def test_nan_in_the_validation_data_is_named_as_the_data_not_as_a_collapse(tmp_path):
+    """One validation record of worker 1's share is NaN (tests/helpers/plain_data.py NaNRecord): the job
+    fails naming the data and where, not "the run collapsed; lower optim.lr"."""
+    data = (
+        "data=dataset",
+        "data.train._target_=tests.helpers.plain_data.Blobs",
+        "+data.val._target_=tests.helpers.plain_data.NaNRecord",
+        "data.shape=[4]",
+        "data.num_classes=3",
+    )
+    run = run_cli(tmp_path / "run", *data, "model=mlp", "train.epochs=1", "hardware.bind=none")
+    assert run.returncode == 1, run.output
+    s = run.summary
+    assert s["status"] == "failed" and "collapsed" not in run.output, run.output
+    assert "the validation data is not finite (batch 0 of worker 1's share holds 4 NaN" in s["cause"], s

@@ -1,5 +1,6 @@
-"""A loader process's exception is named by its own type, message and place, not by torch's wrapper line
-("Caught ValueError in DataLoader worker process 0.")."""
+"""Errors of the data, named as such: a loader process's exception by its own type, message and place, not
+by torch's wrapper line ("Caught ValueError in DataLoader worker process 0."); non-finite validation data
+found where it is."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def test_an_error_of_the_training_process_is_named_as_before():
         cause.startswith("ValueError: record 3 is damaged (bad checksum in blobs.bin) (")
         and "worker" not in cause
     )
+
+
+def test_the_first_batch_holding_nan_or_inf_is_found_in_any_batch_structure():
+    import torch
+
+    from runner.rank.validation import nonfinite_batch
+
+    clean = [(torch.ones(2, 3), torch.tensor([0, 1]))] * 3
+    assert nonfinite_batch(clean) is None
+    bad = torch.ones(2, 3)
+    bad[1, 2] = float("inf")
+    assert nonfinite_batch([*clean, ({"x": bad, "ids": torch.tensor([1, 2])}, torch.zeros(2))]) == (3, 1)
+    assert nonfinite_batch([(torch.ones(1), torch.tensor([float("nan")] * 2))]) == (0, 2), "targets too"
