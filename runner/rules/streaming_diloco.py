@@ -191,8 +191,7 @@ class StreamingDiLoCo(DiLoCo):
             ops = ("int8", None) if self.cfg.quantize == "int8" else ("sum", self.wire)
             op, wire = ops if i < len(sums) else ("sum", None)  # statistics: float32 sums, as DiLoCo's
             exchange.requests.append(self.thread.submit(t, op, wire))
-        self.pending.append(exchange)
-        self.pending.sort(key=lambda e: e.due)  # stable: started first, applied first at the same step
+        self.pending.append(exchange)  # every exchange waits the same delay: pending is in order of due
 
     def _complete(self, exchange: Exchange) -> None:
         """Wait for ``exchange``'s sums (a lost worker raises here); count its bytes and seconds in the
