@@ -48,6 +48,7 @@ class SweepReport(Callback):
         """Write the report of ``sweep_dir``; log (never raise) why it could not be written."""
         self.done = True
         try:
+            from runner.report.verdict import verdict
             from runner.report.write import NoRuns, write_report
 
             try:
@@ -56,14 +57,13 @@ class SweepReport(Callback):
                 if quiet_if_empty:
                     return
                 raise
-            best = report.best
             if quiet_if_empty:
                 log.info("the sweep did not complete: reporting the runs it has")
             log.info(
                 "sweep report: %s (%d runs; best: %s)",
                 sweep_dir / "report.html",
                 len(report.runs),
-                f"{best.name}, {report.metric} {best.best:.4f}" if best else "none",
+                verdict(report.standing),
             )
         except Exception as err:  # a report is a convenience: it must not fail the sweep
             log.warning(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from runner.report.runs import NoRuns
+from runner.report.verdict import verdict
 from runner.report.write import write_report
 
 RAW = argparse.RawDescriptionHelpFormatter
@@ -37,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     except (NoRuns, ValueError) as err:
         print(f"report: {err}", file=sys.stderr)
         return 2
-    best = report.best
-    print(f"{len(report.runs)} runs; best: {best.name if best else 'none'}; target: {report.target_text()}")
+    best = verdict(report.standing)
+    print(f"{len(report.runs)} runs; best: {best}; target: {report.target_text()}")
     print(f"wrote {report.out / 'report.html'} (and report.md, report.csv and the PNGs beside it)")
     return 0
 

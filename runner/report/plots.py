@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.report import verdict
+from runner.report.confidence import REPEAT_KEYS
 from runner.report.runs import finite_or_none
 from runner.report.table import Report, explanation, table
 
@@ -66,20 +68,23 @@ def _order(value: Any) -> tuple:
 
 
 def heatmap_grid(report: Report) -> Grid | None:
-    """The grid of a report over exactly two swept keys (None otherwise); a cell with several runs keeps the
-    best of them."""
-    if len(report.keys) != 2:
+    """The grid of a report over exactly two swept keys besides the seed (None otherwise): a cell is a
+    point, its mean best over its seeds (a point without an ok run: its first run's best and status); a
+    cell with several points keeps the best of them."""
+    keys = [k for k in report.keys if k not in REPEAT_KEYS]
+    if len(keys) != 2:
         return None
-    rk, ck = report.keys
-    runs = [r for r in report.runs if rk in r.swept and ck in r.swept]
-    rows = sorted({r.swept[rk] for r in runs}, key=_order)
-    cols = sorted({r.swept[ck] for r in runs}, key=_order)
+    rk, ck = keys
+    cells = [(p, p.runs[0]) for p in report.points if rk in p.runs[0].swept and ck in p.runs[0].swept]
+    rows = sorted({run.swept[rk] for _, run in cells}, key=_order)
+    cols = sorted({run.swept[ck] for _, run in cells}, key=_order)
     values: list[list[float | None]] = [[None] * len(cols) for _ in rows]
     status: list[list[str | None]] = [[None] * len(cols) for _ in rows]
-    for run in runs:  # best first: the first run of a cell is its best
+    for point, run in cells:  # best first: the first point of a cell is its best
         i, j = rows.index(run.swept[rk]), cols.index(run.swept[ck])
         if status[i][j] is None:
-            values[i][j], status[i][j] = run.best, run.status
+            best = run.best if point.best is None else point.best.mean
+            values[i][j], status[i][j] = best, "ok" if point.ok else run.status
     return Grid(rk, ck, rows, cols, values, status)
 
 
@@ -184,7 +189,8 @@ def _heatmap(report: Report) -> tuple[str, Figure] | None:
         axes.set_yticks(range(len(grid.rows)), [_tick(r) for r in grid.rows])
     axes.set(xlabel=grid.col_key, ylabel=grid.row_key)
     fig.colorbar(image, ax=axes, label=f"best {report.metric}" + (" (log scale)" if norm == "log" else ""))
-    axes.set_title(f"Best {report.metric} over {grid.row_key} × {grid.col_key}")
+    seeds = " (mean over seeds)" * report.repeated
+    axes.set_title(f"Best {report.metric}{seeds} over {grid.row_key} × {grid.col_key}")
     return ("scatter" if sparse else "heatmap"), fig
 
 
@@ -375,6 +381,16 @@ def write_plots(report: Report) -> list[Path]:
     return written
 
 
+def _html_table(header: list[str], cells: list[list[str]], classes: list[str], text_columns: int) -> str:
+    """An HTML table, a row's class each (``bad``: red); its first ``text_columns`` aligned left."""
+    e = html.escape
+    rows = ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    for row, kind in zip(cells, classes, strict=True):
+        tds = "".join(f"<td{'' if i < text_columns else ' class=n'}>{e(c)}</td>" for i, c in enumerate(row))
+        rows.append(f"<tr class='{kind}'>{tds}</tr>")
+    return "\n".join([*rows, "</table>"])
+
+
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:4px 8px}td.n{text-align:right}th{background:#eee}
 tr.bad td{color:#a00}p.warn{color:#a60}img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
@@ -384,21 +400,20 @@ def page(report: Report, plots: list[Path]) -> str:
     """report.html: the table, the runs that did not end ok and the plots (relative paths); static."""
     e = html.escape
     header, cells = table(report)
-    best = report.best
+    bold, numbers = verdict.headline(report.standing)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Report: {e(report.title)}</title>"]
     parts.append(f"<style>{STYLE}</style></head><body><h1>Report: {e(report.title)}</h1>")
-    if best is not None:
-        where = f"{e(report.metric)} {best.best:.4f}, {e(str(best.dir))}"
-        parts.append(f"<p><b>Best run: {e(best.name)}</b> ({where})</p>")
+    parts.append(f"<p><b>{e(bold)}</b> {e(numbers)}</p>")
+    parts += [f"<p>{e(text)}</p>" for text in verdict.paragraphs(report.standing)]
+    if report.repeated:
+        parts.append("<h2>Points (mean over seeds)</h2>")
+        kinds = ["ok" if p.ok else "bad" for p in report.points]
+        parts.append(_html_table(*verdict.points_table(report.standing), kinds, 1))
+        parts.append("<h2>Runs</h2>")
     parts.append(f"<p>{e(explanation(report))}</p>")
     if report.load_note:
         parts.append(f"<p class=warn><b>{e(report.load_note)}</b></p>")
-    parts.append("<table>")
-    parts.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
-    for run, row in zip(report.runs, cells, strict=True):
-        tds = "".join(f"<td{'' if i < 2 else ' class=n'}>{e(c)}</td>" for i, c in enumerate(row))
-        parts.append(f"<tr class='{'ok' if run.ok else 'bad'}'>{tds}</tr>")
-    parts.append("</table>")
+    parts.append(_html_table(header, cells, ["ok" if run.ok else "bad" for run in report.runs], 2))
     if report.failed:
         parts.append("<h2>Runs that did not end ok</h2><ul>")
         for r in report.failed:

@@ -79,7 +79,9 @@ def _fmt_load(value: float | None) -> str:
 class Run:
     """One run folder: what it recorded, its swept values and name, and (once scored) its results. Rates
     come from summary.json, else (a run that failed) from the mean of its epoch records. Bytes per step:
-    per worker and optimizer step; samples per step: the global batch, devices × batch_size × accumulate."""
+    per worker and optimizer step; samples per step: the global batch, devices × batch_size × accumulate.
+    ``others``: once scored, the best metric of the rule's other validated models by record prefix
+    (EASGD's ``worker_mean``)."""
 
     dir: Path
     summary: dict[str, Any]
@@ -92,6 +94,7 @@ class Run:
     target_time_s: float | None = None
     target_step: int | None = None
     target_samples: float | None = None
+    others: dict[str, float] = field(default_factory=dict)
     status: str = field(init=False)
     cause: str | None = field(init=False)
     wall_time_s: float | None = field(init=False)
@@ -199,7 +202,8 @@ def load_run(path: Path) -> Run:
     return run
 
 
-def _short(value: Any, text: str) -> str:
+def short_value(value: Any, text: str) -> str:
+    """A swept value as a name shows it: a long float to 4 significant digits, else its text."""
     return f"{value:.4g}" if isinstance(value, float) and len(text) > 8 else text
 
 
@@ -215,8 +219,9 @@ def label(runs: list[Run], declared: list[str]) -> list[str]:
         values = {k: v for k in keys if (v := run.lookup(k)) is not None}
         run.swept = {k: v[0] for k, v in values.items()}
         if values and (not run.name or set(run.summary.get("swept") or ()) != set(keys)):
-            run.name = ",".join(f"{k}={_short(*v)}" for k, v in values.items())
-        run.name = run.name or ",".join(f"{k}={_short(*v)}" for k, v in run.given.items()) or run.dir.name
+            run.name = ",".join(f"{k}={short_value(*v)}" for k, v in values.items())
+        given = ",".join(f"{k}={short_value(*v)}" for k, v in run.given.items())
+        run.name = run.name or given or run.dir.name
     names = [run.name for run in runs]
     for run in runs:
         if names.count(run.name) > 1:

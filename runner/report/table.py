@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.report import verdict
+from runner.report.confidence import Point, Standing, other_name
 from runner.report.runs import Run, finite_or_none
 from runner.tasks import maximized
 
@@ -17,7 +19,8 @@ LOAD_SPREAD = 1.0
 
 @dataclass
 class Report:
-    """The runs, best first (those that did not end ok last), and what they were compared on."""
+    """The runs, best first (those that did not end ok last), what they were compared on, and their
+    standing: the points they make (runs that differ only in their seed) ranked in groups of ties."""
 
     runs: list[Run]
     keys: list[str]
@@ -27,6 +30,20 @@ class Report:
     target_default: bool
     out: Path
     title: str
+    standing: Standing
+
+    @property
+    def points(self) -> list[Point]:
+        return self.standing.points
+
+    @property
+    def repeated(self) -> bool:
+        return self.standing.repeated
+
+    @property
+    def others(self) -> list[str]:
+        """The record prefixes of the rules' other validated models some run recorded (``worker_mean``)."""
+        return list(dict.fromkeys(k for r in self.runs for k in r.others))
 
     @property
     def best(self) -> Run | None:
@@ -87,6 +104,7 @@ def score(
         else:
             run.final = finite_or_none(run.summary.get(f"final_{metric}"))
             run.best = finite_or_none(run.summary.get(f"best_{metric}"))
+        run.others = _others(run, metric, maximize)
     default = target is None
     if default:
         scored = [r for r in runs if r.best is not None]
@@ -100,7 +118,21 @@ def score(
         runs,
         key=lambda r: (not r.ok, r.best is None, sign * (r.best or 0), *_steps_key(r), sign * (r.final or 0)),
     )
-    return Report(runs, keys, metric, maximize, target, default, out, "")
+    standing = Standing.of(runs, metric, maximize)
+    return Report(runs, keys, metric, maximize, target, default, out, "", standing)
+
+
+def _others(run: Run, metric: str, maximize: bool) -> dict[str, float]:
+    """The best ``metric`` of each other model ``run`` validated (``<prefix>_<metric>`` in its records)."""
+    best: dict[str, float] = {}
+    for record in run.vals:
+        for key, value in record.items():
+            number = finite_or_none(value)
+            if key.endswith(f"_{metric}") and number is not None:
+                prefix = key.removesuffix(f"_{metric}")
+                held = best.get(prefix, number)
+                best[prefix] = max(held, number) if maximize else min(held, number)
+    return best
 
 
 def _time_to_target(run: Run, metric: str, maximize: bool, target: float | None) -> None:
@@ -136,8 +168,9 @@ def _samples_shown(report: Report) -> bool:
 def table(report: Report) -> tuple[list[str], list[list[str]]]:
     """The header (units in it) and the cells, as text, of report.md's and report.html's table; samples to
     target only where a run recorded its batch size."""
-    m, samples = report.metric, _samples_shown(report)
-    header = ["run", "status", f"final {m}", f"best {m}", "time to target (s)", "steps to target"]
+    m, samples, others = report.metric, _samples_shown(report), report.others
+    header = ["run", "status", f"final {m}", f"best {m}", *(f"best {m}: {other_name(k)}" for k in others)]
+    header += ["time to target (s)", "steps to target"]
     header += ["samples to target"] * samples + ["wall time (s)", "load (start→end)", "samples/s"]
     header += ["comm (% of step)", "sent per worker per step (MB)"]
     cells = []
@@ -150,6 +183,7 @@ def table(report: Report) -> tuple[list[str], list[list[str]]]:
             r.status,
             _fmt(r.final, ".4f"),
             _fmt(r.best, ".4f"),
+            *(_fmt(r.others.get(k), ".4f") for k in others),
             hit,
             _fmt(finite_or_none(r.target_step), ",.0f"),
         ]
@@ -178,21 +212,21 @@ def explanation(report: Report) -> str:
 
 
 def markdown(report: Report, plots: list[Path]) -> str:
+    """report.md: the verdict and how sure it is, the points (when seeds were repeated), the runs' table,
+    the runs that did not end ok, the plots."""
     header, cells = table(report)
-    best = report.best
-    lines = [f"# Report: {report.title}", ""]
-    if best is not None:
-        lines.append(f"**Best run: {best.name}** ({report.metric} {best.best:.4f}, `{best.dir}`)")
-    else:
-        lines.append("**No run ended ok with a recorded metric.**")
+    bold, numbers = verdict.headline(report.standing)
+    lines = [f"# Report: {report.title}", "", f"**{_md(bold)}** {_md(numbers)}".rstrip(), ""]
+    lines += [line for text in verdict.paragraphs(report.standing) for line in (_md(text), "")]
+    if report.repeated:
+        points_header, points_cells = verdict.points_table(report.standing)
+        lines += ["## Points (mean over seeds)", "", *_md_table(points_header, points_cells, 1), ""]
+        lines += ["## Runs", ""]
     lines += [
-        "",
         explanation(report),
         "",
         *([f"**{report.load_note}**", ""] if report.load_note else []),
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join("---" if i < 2 else "---:" for i in range(len(header))) + " |",
-        *("| " + " | ".join(_md(c) for c in row) + " |" for row in cells),
+        *_md_table(header, cells, 2),
     ]
     if report.failed:
         lines += ["", "## Runs that did not end ok", ""]
@@ -202,16 +236,29 @@ def markdown(report: Report, plots: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _md_table(header: list[str], cells: list[list[str]], text_columns: int) -> list[str]:
+    """A Markdown table: its first ``text_columns`` aligned left, the numbers right."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" if i < text_columns else "---:" for i in range(len(header))) + " |",
+        *("| " + " | ".join(_md(c) for c in row) + " |" for row in cells),
+    ]
+
+
 def csv_table(report: Report) -> tuple[list[str], list[list[Any]]]:
-    """report.csv: raw numbers (seconds, fractions, bytes; units in the header), a column per swept key."""
-    m = report.metric
-    header = ["run", "status", *report.keys, f"final_{m}", f"best_{m}", "time_to_target_s", "step_at_target"]
+    """report.csv: raw numbers (seconds, fractions, bytes; units in the header), a column per swept key;
+    ``point``: the run's point (its name without the seed); ``val_count``: the items a validation counts."""
+    m, others = report.metric, report.others
+    point = {id(r): p.name for p in report.points for r in p.runs}
+    header = ["run", "point", "status", *report.keys, f"final_{m}", f"best_{m}"]
+    header += [*(f"best_{k}_{m}" for k in others), "val_count", "time_to_target_s", "step_at_target"]
     header += ["samples_at_target", "wall_time_s", "load_start", "load_end", "cpus", "samples_per_s"]
     header += ["comm_fraction", "bytes_sent_per_worker", "bytes_sent_per_worker_step", "cause", "dir"]
     rows = []
     for r in report.runs:
         load = [r.load.start, r.load.end, r.load.cpus] if r.load else [None] * 3
-        row = [r.name, r.status, *(r.swept.get(k) for k in report.keys), r.final, r.best, r.target_time_s]
+        row = [r.name, point[id(r)], r.status, *(r.swept.get(k) for k in report.keys), r.final, r.best]
+        row += [*(r.others.get(k) for k in others), r.summary.get("val_count"), r.target_time_s]
         row += [r.target_step, r.target_samples, r.wall_time_s, *load, r.samples_per_s, r.comm_fraction]
         rows.append(row + [r.bytes_per_worker, r.bytes_per_step, r.cause, r.dir])
     return header, [["" if v is None else v for v in row] for row in rows]
