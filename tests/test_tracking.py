@@ -19,20 +19,28 @@ SHORT = ["model=mlp", "train.epochs=1", "train.max_steps=4", "train.log_every=2"
 
 
 # -- reading the records back --------------------------------------------------------------------------------
-def hparams_table(logdir: Path) -> tuple[list[str], dict[str, dict]]:
-    """What ``tensorboard --logdir LOGDIR`` shows in its HParams table: the columns (hparams) and each run's
-    values, by run name, as TensorBoard's hparams backend computes them from the event files."""
+def hparams_backend(logdir: Path):
+    """TensorBoard's hparams backend over ``logdir``, as ``tensorboard --logdir LOGDIR`` serves it: its
+    context and the request context to call its handlers with."""
     from tensorboard import context
     from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
     from tensorboard.plugins import base_plugin
-    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment, metadata
+    from tensorboard.plugins.hparams import backend_context
 
     mux = plugin_event_multiplexer.EventMultiplexer()
     mux.AddRunsFromDirectory(str(logdir))
     mux.Reload()
     provider = data_provider.MultiplexerDataProvider(mux, str(logdir))
     backend = backend_context.Context(base_plugin.TBContext(data_provider=provider, logdir=str(logdir)))
-    ctx = context.RequestContext()
+    return backend, context.RequestContext()
+
+
+def hparams_table(logdir: Path) -> tuple[list[str], dict[str, dict]]:
+    """What ``tensorboard --logdir LOGDIR`` shows in its HParams table: the columns (hparams) and each run's
+    values, by run name, as TensorBoard's hparams backend computes them from the event files."""
+    from tensorboard.plugins.hparams import api_pb2, get_experiment, metadata
+
+    backend, ctx = hparams_backend(logdir)
     experiment = get_experiment.Handler(ctx, backend, "", api_pb2.GetExperimentRequest()).run()
     runs = {}
     for run, tags in backend.hparams_metadata(ctx, "").items():
@@ -40,6 +48,36 @@ def hparams_table(logdir: Path) -> tuple[list[str], dict[str, dict]]:
             info = metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG])
             runs[run] = {k: getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
     return [h.name for h in experiment.hparam_infos], runs
+
+
+def hparams_trials(logdir: Path) -> tuple[list[str], list[str], dict[str, dict]]:
+    """The HParams table as TensorBoard's page first shows it: the metric columns ticked (the first five
+    of the experiment's, as its query pane ticks them), every hparam column, and each trial's (session
+    group's, by its name) hparams and metric values, from the plugin's own ``session_groups`` request."""
+    from tensorboard.plugins.hparams import api_pb2, get_experiment, list_session_groups
+
+    backend, ctx = hparams_backend(logdir)
+    experiment = get_experiment.Handler(ctx, backend, "", api_pb2.GetExperimentRequest()).run()
+    ticked = [m.name.tag for m in experiment.metric_infos][:5]
+    request = api_pb2.ListSessionGroupsRequest(
+        col_params=[api_pb2.ColParams(hparam=h.name) for h in experiment.hparam_infos]
+        + [api_pb2.ColParams(metric=m.name) for m in experiment.metric_infos],
+        start_index=0,
+        slice_size=1000,
+        allowed_statuses=[
+            api_pb2.STATUS_UNKNOWN,
+            api_pb2.STATUS_SUCCESS,
+            api_pb2.STATUS_FAILURE,
+            api_pb2.STATUS_RUNNING,
+        ],
+    )
+    groups = list_session_groups.Handler(ctx, backend, "", request).run().session_groups
+    trials = {}
+    for group in groups:
+        values = {k: getattr(v, v.WhichOneof("kind")) for k, v in group.hparams.items()}
+        values.update({m.name.tag: m.value for m in group.metric_values})
+        trials[group.name] = {**values, "status": api_pb2.Status.Name(group.sessions[0].status)}
+    return ticked, [h.name for h in experiment.hparam_infos], trials
 
 
 def mlflow_runs(uri: str, experiment: str = "mpitrain") -> dict[str, object]:
@@ -84,6 +122,7 @@ def fake_run(run_dir: Path, swept: dict, overrides: list[str] | None = None, swe
     """A run folder as the launcher leaves it (config.yaml, run.json; multirun.yaml above for a sweep)."""
     from omegaconf import OmegaConf
 
+    from runner.schema.config import schema_paths
     from runner.schema.identity import identity
 
     run_dir.mkdir(parents=True)
@@ -92,8 +131,10 @@ def fake_run(run_dir: Path, swept: dict, overrides: list[str] | None = None, swe
     if sweep:
         (run_dir.parent / "multirun.yaml").write_text("hydra: {overrides: {task: []}}\n")
     (run_dir / "run.json").write_text(json.dumps(ident))
-    cfg = OmegaConf.to_container(compose_config(texts), resolve=False)
-    OmegaConf.save({k: cfg[k] for k in ("devices", "train", "optim", "rule")}, run_dir / "config.yaml")
+    composed = compose_config(texts)
+    cfg = OmegaConf.to_container(composed, resolve=True)
+    cfg["_schemas_"] = schema_paths(composed)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
     return run_dir
 
 
@@ -106,12 +147,32 @@ def record_run(run_dir: Path, loggers: dict | None, acc: float = 0.5, **kwargs):
     for step in (2, 4):
         log.write("step", step, epoch=0, loss=1.0 / step, lr=0.1)
     log.write("val", 4, epoch=0, val_loss=0.7, val_acc=acc)
+    log.write("epoch", 4, epoch=0, train_loss=0.6, epoch_time_s=1.0)
+    log.write("final", 4, center_distance=0.1)  # sorts before the outcome but for its capital O
     log.hparams(read_json(run_dir / "run.json")["swept"], {"hparam/final_val_acc": acc})
     log.close()
-    (run_dir / "summary.json").write_text(json.dumps({"status": "ok", "final_val_acc": acc, "steps": 4}))
+    summary = {"status": "ok", "final_val_acc": acc, "best_val_acc": acc, "final_val_loss": 0.7, "steps": 4}
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "wall_time_s": 1.5}))
     (run_dir / "model.pt").write_bytes(b"weights")
     log.finish()
     return log
+
+
+def sweep(folder: Path, fixed: list[str], points: list[dict], loggers: dict | None = None) -> list[Path]:
+    """A sweep's run folders as its points record them: ``fixed`` overrides and each point's values."""
+    runs = []
+    for n, swept in enumerate(points):
+        texts = [*fixed, *[f"{k}={v}" for k, v in swept.items()]]
+        runs.append(fake_run(folder / str(n), swept, texts))
+        record_run(runs[-1], loggers, acc=0.5 + n / 10)
+    return runs
+
+
+#: The keys every run's hparams, params and config hold, varied or not (runner.rank.records.tracking).
+EVERY_RUN = [
+    *("rule", "model", "data", "optim", "optim.lr", "devices", "hardware.transport"),
+    *("train.batch_size", "train.seed", "simulate.straggler_ms", "simulate.jitter_ms"),
+]
 
 
 def test_tensorboard_hparams_show_every_swept_key_of_every_run_named_by_its_point(tmp_path):
@@ -121,20 +182,59 @@ def test_tensorboard_hparams_show_every_swept_key_of_every_run_named_by_its_poin
     and the runs are named by their points, not ``0/tb``."""
     outputs = tmp_path / "outputs"
     record_run(fake_run(outputs / "2026-01-01" / "10-00-00", {"train.epochs": 3}, sweep=False), None)
-    sweep = outputs / "multirun" / "2026-01-01" / "11-00-00"
+    folder = outputs / "multirun" / "2026-01-01" / "11-00-00"
     points = [{"rule.alpha": 0.1, "optim.lr": 0.05}, {"rule.alpha": 0.5, "optim.lr": 0.1}]
-    for n, swept in enumerate(points):
-        record_run(
-            fake_run(sweep / str(n), swept, ["rule=easgd", *[f"{k}={v}" for k, v in swept.items()]]), None
-        )
+    sweep(folder, ["rule=easgd"], points)
     columns, runs = hparams_table(outputs)
     assert {"train.epochs", "rule.alpha", "optim.lr"} <= set(columns), columns
     for n, swept in enumerate(points):
         name = f"rule.alpha={swept['rule.alpha']},optim.lr={swept['optim.lr']}"
-        run = f"multirun/2026-01-01/11-00-00/{n}/tb/{name}"
-        assert runs[run] == pytest.approx(swept), runs
-    _, in_sweep = hparams_table(sweep)
+        run = runs[f"multirun/2026-01-01/11-00-00/{n}/tb/{name}"]
+        assert {k: run[k] for k in swept} == pytest.approx(swept), runs
+    _, in_sweep = hparams_table(folder)
     assert sorted(in_sweep) == ["0/tb/rule.alpha=0.1,optim.lr=0.05", "1/tb/rule.alpha=0.5,optim.lr=0.1"]
+
+
+def test_the_hparams_table_ticks_the_outcome_and_names_each_trial_by_what_it_is(tmp_path):
+    """A 4-point sweep of ``rule.alpha`` (``rule=easgd`` fixed): the five metric columns TensorBoard's
+    HParams table ticks before any click are the outcome's, final accuracy among them, with each trial's
+    value; trials are named by what they are (``rule=easgd,rule.alpha=0.1``), their place after; the
+    sweep's runs ended SUCCESS."""
+    folder = tmp_path / "multirun" / "2026-01-01" / "11-00-00"
+    sweep(folder, ["rule=easgd"], [{"rule.alpha": a} for a in (0.1, 0.25, 0.5, 0.75)])
+    ticked, columns, trials = hparams_trials(folder)
+    assert ticked == [
+        "Outcome/best_val_acc",
+        "Outcome/final_val_acc",
+        "Outcome/final_val_loss",
+        "Outcome/steps",
+        "Outcome/wall_time_s",
+    ], ticked
+    assert set(EVERY_RUN) | {"rule.alpha", "rule.tau"} <= set(columns), columns
+    names = sorted(trials)
+    assert names == [
+        f"rule=easgd,rule.alpha={a} (2026-01-01/11-00-00/{n})" for n, a in enumerate((0.1, 0.25, 0.5, 0.75))
+    ]
+    for n, name in enumerate(names):
+        assert trials[name]["Outcome/final_val_acc"] == pytest.approx(0.5 + n / 10)
+        assert trials[name]["rule"] == "easgd" and trials[name]["model"] == "cnn", trials[name]
+        assert trials[name]["status"] == "STATUS_SUCCESS"
+
+
+def test_the_hparams_table_over_two_sweeps_has_no_blank_compared_key(tmp_path):
+    """``--logdir outputs`` over a sweep of EASGD's alpha and a sweep of the learning rate of a DiLoCo MLP:
+    every trial of both has every compared key (rule, model, data, optimizer, lr, devices, transport,
+    simulate.*), though neither sweep varied the rule or the model."""
+    outputs = tmp_path / "outputs" / "multirun" / "2026-01-01"
+    sweep(outputs / "10-00-00", ["rule=easgd"], [{"rule.alpha": 0.1}, {"rule.alpha": 0.5}])
+    sweep(outputs / "11-00-00", ["rule=diloco", "model=mlp"], [{"optim.lr": 0.05}, {"optim.lr": 0.1}])
+    ticked, columns, trials = hparams_trials(tmp_path / "outputs")
+    assert set(EVERY_RUN) <= set(columns) and "Outcome/final_val_acc" in ticked
+    assert len(trials) == 4
+    for name, values in trials.items():
+        assert [k for k in EVERY_RUN if values.get(k) in (None, "")] == [], (name, values)
+    rules = {name.split(",")[0]: values["model"] for name, values in trials.items()}
+    assert rules == {"rule=easgd": "cnn", "rule=diloco": "mlp"}, rules
 
 
 def test_a_run_name_becomes_one_folder_name():
@@ -269,6 +369,60 @@ def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_
     )
 
 
+def test_mlflow_finds_every_run_of_a_sweep_by_rule_and_model_tags_varied_or_not(tmp_path, monkeypatch):
+    """Two sweeps into one store (``MLFLOW_TRACKING_URI``): EASGD's alpha (rule and model not varied) and
+    the rule itself. ``mlflow.search_runs`` by the ``rule`` tag finds each EASGD run of both, by ``model``
+    every run; every run has every compared key as a param."""
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'mpitrain[mlflow]'")
+    from runner.schema.logger.mlflow import MLflowConfig
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")  # faster to make than SQLite's
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    loggers = {"mlflow": MLflowConfig()}
+    fixed = sweep(tmp_path / "a", ["rule=easgd"], [{"rule.alpha": 0.1}, {"rule.alpha": 0.5}], loggers)
+    varied = sweep(tmp_path / "b", ["model=mlp"], [{"rule": "easgd"}, {"rule": "bsp"}], loggers)
+    found = mlflow.search_runs(experiment_names=["mpitrain"], filter_string="tags.rule = 'easgd'")
+    dirs = sorted(found["tags.mpitrain.run_dir"])
+    assert dirs == sorted(str(d.resolve()) for d in (*fixed, varied[0])), dirs
+    mlp = mlflow.search_runs(experiment_names=["mpitrain"], filter_string="tags.model = 'mlp'")
+    assert sorted(mlp["tags.rule"]) == ["bsp", "easgd"]
+    every = mlflow.search_runs(experiment_names=["mpitrain"])
+    assert len(every) == 4
+    for key in EVERY_RUN:
+        assert every[f"params.{key}"].notna().all(), key
+    assert sorted(every["params.rule"]) == ["bsp", "easgd", "easgd", "easgd"]
+    assert not (tmp_path / "a" / "mlflow.db").exists(), "a tracking URI given: no store of its own"
+
+
+@pytest.mark.slow  # two SQLite stores: seconds each to make
+def test_mlflow_without_a_tracking_uri_keeps_its_store_in_the_sweep_folder_not_the_working_folder(
+    tmp_path, monkeypatch
+):
+    """No ``tracking_uri`` and no ``MLFLOW_TRACKING_URI``: a sweep's runs go to one store in the sweep
+    folder (``mlflow.db``, artifacts in ``mlartifacts/``), a single run's to its run folder, and the
+    working folder stays empty (MLflow's own default is ``./mlflow.db`` and ``./mlruns``)."""
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'mpitrain[mlflow]'")
+    from runner.schema.logger.mlflow import MLflowConfig
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    folder = tmp_path / "multirun" / "11-00-00"
+    runs = sweep(
+        folder, ["rule=easgd"], [{"rule.alpha": 0.1}, {"rule.alpha": 0.5}], {"mlflow": MLflowConfig()}
+    )
+    single = fake_run(tmp_path / "single", {"optim.lr": 0.1}, sweep=False)
+    record_run(single, {"mlflow": MLflowConfig()})
+    assert sorted(p.name for p in cwd.iterdir()) == []
+    found = mlflow_runs(f"sqlite:///{folder / 'mlflow.db'}")
+    assert sorted(found) == ["rule.alpha=0.1", "rule.alpha=0.5"]
+    assert all(r.info.artifact_uri.startswith((folder / "mlartifacts").as_uri()) for r in found.values())
+    assert sorted(p.name for p in (folder / "mlartifacts").rglob("*") if p.is_file())[:1] == ["config.yaml"]
+    assert not any((run / "mlflow.db").exists() for run in runs)
+    assert list(mlflow_runs(f"sqlite:///{single / 'mlflow.db'}")) == ["optim.lr=0.1"]
+
+
 def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp_path, capsys, monkeypatch):
     """MLflow's store cannot be written (its folder is a file): the start fails, one line names the logger
     and the cause, and the other records are all written; a failure later on does the same."""
@@ -288,7 +442,7 @@ def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp
     assert len(lines) == 1 and "logger=mlflow: start failed" in lines[0] and "training goes on" in lines[0], (
         lines
     )
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
 
     def broken(self, *args):
         raise ConnectionError("tracking server unreachable")
@@ -306,21 +460,25 @@ def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp
 # -- real jobs -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_a_sweep_to_tensorboard_and_mlflow_reads_back_in_both(cli, tmp_path):
-    uri = f"file:{tmp_path / 'mlruns'}"
-    run = cli(
-        *SHORT,
-        "optim.lr=0.05,0.1",
-        "logger=[tensorboard,mlflow]",
-        f"logger.mlflow.tracking_uri={uri}",
-        multirun=True,
-        timeout=300,
-    )
+def test_a_sweep_to_tensorboard_and_mlflow_reads_back_in_both(cli):
+    """A real 2-point sweep, MLflow without a tracking URI: TensorBoard's table and MLflow's store (in the
+    sweep folder, none in the working folder) hold both runs with every compared key and the outcome."""
+    before = {p for p in ("mlflow.db", "mlruns", "mlartifacts") if (ROOT / p).exists()}
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    run = cli(*SHORT, "optim.lr=0.05,0.1", "logger=[tensorboard,mlflow]", multirun=True, timeout=300, env=env)
     assert run.returncode == 0, run.output
-    columns, runs = hparams_table(run.dir)
-    assert "optim.lr" in columns
-    assert runs == {"0/tb/optim.lr=0.05": {"optim.lr": 0.05}, "1/tb/optim.lr=0.1": {"optim.lr": 0.1}}
-    found = mlflow_runs(uri)
+    assert {p for p in ("mlflow.db", "mlruns", "mlartifacts") if (ROOT / p).exists()} == before
+    ticked, columns, trials = hparams_trials(run.dir)
+    assert set(EVERY_RUN) <= set(columns) and "Outcome/final_val_acc" in ticked, (ticked, columns)
+    names = {f"rule=bsp,optim.lr={lr}": f"/{run.dir.name}/{n})" for n, lr in enumerate((0.05, 0.1))}
+    trial = {
+        name: t
+        for t in trials
+        for name, end in names.items()
+        if t.startswith(f"{name} (") and t.endswith(end)
+    }
+    assert sorted(trial) == sorted(names), sorted(trials)
+    found = mlflow_runs(f"sqlite:///{run.dir / 'mlflow.db'}")
     assert sorted(found) == ["optim.lr=0.05", "optim.lr=0.1"]
     for name, lr in (("optim.lr=0.05", 0.05), ("optim.lr=0.1", 0.1)):
         data, summary = (
@@ -329,8 +487,11 @@ def test_a_sweep_to_tensorboard_and_mlflow_reads_back_in_both(cli, tmp_path):
         )
         assert found[name].info.status == "FINISHED" and data.params["optim.lr"] == str(lr)
         assert data.params["train.max_steps"] == "4" and data.params["devices"] == "2"
+        assert data.tags["rule"] == "bsp" and data.tags["model"] == "mlp" and data.tags["data"] == "digits"
         assert data.metrics["final_val_acc"] == pytest.approx(summary["final_val_acc"])
         assert {"step/loss", "val/val_acc", "epoch/train_loss"} <= data.metrics.keys(), sorted(data.metrics)
+        outcome = trials[trial[f"rule=bsp,{name}"]]["Outcome/final_val_acc"]
+        assert outcome == pytest.approx(summary["final_val_acc"])
 
 
 @pytest.mark.slow
@@ -353,6 +514,8 @@ def test_wandb_offline_records_config_metrics_summary_and_model(cli, tmp_path):
     assert start.display_name == run.summary["name"] and "optim.lr=0.07" in start.display_name
     assert start.project == "tests"
     assert config["optim"]["lr"] == 0.07 and config["swept"] == run.summary["swept"]
+    assert config["compared"]["rule"] == "bsp" and config["compared"]["model"] == "mlp"
+    assert set(EVERY_RUN) <= set(config["compared"]), config["compared"]
     history = [items(r.item) for r in records["history"]]
     assert any("step/loss" in h for h in history) and any("val/val_acc" in h for h in history)
     summary = {}

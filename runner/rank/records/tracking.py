@@ -2,17 +2,27 @@
 
 Each logger of ``runner/schema/logger/`` has its tracker here (:data:`TRACKERS`), built on the writing rank
 (rank 0, or the lowest survivor that takes the records over) by :class:`Trackers`. Every tracker gets the
-same records under the same names, ``<kind>/<key>`` (``step/loss``, ``val/val_acc``), and names the run
-as ``run.json`` does (the sweep point, ``rule.alpha=0.5,optim.lr=0.1``):
+same records under the same names, ``<kind>/<key>`` (``step/loss``, ``val/val_acc``), names the run as
+``run.json`` does (the sweep point, ``rule.alpha=0.5,optim.lr=0.1``), and records the same compared keys
+(:func:`compared`: the rule and its keys, model, data, optimizer and lr, devices, transport, batch size,
+seed, ``simulate.*``, and every swept key), varied or not, so that a table over several sweeps has none
+blank:
 
-- TensorBoard: event files in ``RUN_DIR/tb/<run name>/``, so ``tensorboard --logdir`` shows the point's name
-  as the run's; the swept values as each run's hparams (session start info, written when the run starts)
-  and no per-run experiment summary, so that TensorBoard's HParams table takes its columns from every run
-  it finds (it takes them from one arbitrary run's experiment summary when there is one).
-- MLflow: the config (flattened, ``optim.lr``) and the swept values as params, the records as metrics,
-  the summary's numbers as metrics, config.yaml, summary.json and model.pt as artifacts.
-- W&B: the config and the swept values (``swept``) as the run's config, the records, the summary's
-  numbers as its summary, model.pt as a model artifact; a sweep's runs grouped by the sweep folder.
+- TensorBoard: event files in ``RUN_DIR/tb/<run name>/``; the compared keys as the run's hparams (session
+  start info, its trial named by :func:`trial_name`), and at the end the outcome (:data:`OUTCOME`:
+  ``Outcome/final_val_acc``, ``Outcome/best_val_acc``, final loss, steps, time) as scalars whose tags sort
+  before every record's, since TensorBoard's HParams table lists its metrics by tag and ticks the first
+  five. No experiment summary: TensorBoard then takes the table's columns from every run it finds and
+  marks those that differ (from an experiment summary it takes one arbitrary run's, and its types and
+  values filter the others' rows).
+- MLflow: the config (flattened, ``optim.lr``), the compared keys and the swept values as params, tags
+  ``rule``, ``model``, ``data``, ``optim``; the records as metrics, the summary's numbers as metrics,
+  config.yaml, summary.json and model.pt as artifacts. Without a tracking URI (the key or
+  ``MLFLOW_TRACKING_URI``), the store is ``mlflow.db`` in the sweep folder (a single run: its run folder)
+  with the artifacts beside it (:func:`default_store`), never the working folder.
+- W&B: the config, the compared keys (``compared``) and the swept values (``swept``) as the run's config,
+  the records, the summary's numbers as its summary, model.pt as a model artifact; a sweep's runs grouped
+  by the sweep folder.
 
 A resumed run, or a survivor taking the records over, continues the same MLflow run (found by its tag
 ``mpitrain.run_dir``) and W&B run (its id is made from the run folder's path). TensorBoard writes into the
@@ -29,13 +39,15 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.rank.records.output import root_cause
 from runner.run_folder import CONFIG, EXIT, IDENTITY, SUMMARY, SWEEP_CONFIG, TENSORBOARD, read_json
+from runner.schema.config import TARGET_NODE
 from runner.schema.logger import LoggerConfig, as_loggers
 from runner.schema.logger.mlflow import MLflowConfig
 from runner.schema.logger.tensorboard import TensorBoardConfig
@@ -47,6 +59,21 @@ NAME_BYTES = 200
 RUN_DIR_TAG = "mpitrain.run_dir"
 #: The longest param value MLflow takes everywhere (newer servers take 6000 characters).
 PARAM_CHARS = 500
+#: The groups a run is compared by, as the option chosen (``rule=easgd``): hparams, params and MLflow tags.
+NAMED = ("rule", "model", "data", "optim")
+#: The keys every run records for comparison, varied or not, after the named groups and the rule's own keys
+#: (``rule.alpha``); a group's keys (``simulate``) all of them.
+COMPARED = ("optim.lr", "devices", "hardware.transport", "train.batch_size", "train.seed", "simulate")
+#: The prefix of the outcome's TensorBoard tags: upper case sorts before every record's (``center/``,
+#: ``epoch/``), so TensorBoard's HParams table, which lists metrics by tag and ticks the first five,
+#: shows these.
+OUTCOME = "Outcome/"
+#: The summary's numbers that make the outcome, beside ``final_`` and ``best_`` of the monitored metric.
+OUTCOME_KEYS = ("final_val_loss", "steps", "steps_to_target", "time_to_target_s", "wall_time_s")
+#: The MLflow store, in the sweep folder (a single run: its run folder), when no tracking URI is given.
+STORE = "mlflow.db"
+#: The MLflow artifacts' folder beside :data:`STORE`.
+ARTIFACTS = "mlartifacts"
 
 
 @dataclass
@@ -54,7 +81,8 @@ class RunInfo:
     """What every tracker knows of the run: its folder, name and swept values (``run.json``), its config
     (``config.yaml``, resolved), its sweep folder (None for a single run), and ``resume_step``: the
     checkpoint's step a resumed run continues after (None when it starts); ``continued``: earlier records
-    of this run exist (a resume, or a survivor taking the records over)."""
+    of this run exist (a resume, or a survivor taking the records over); ``schemas``: the config's
+    ``_schemas_`` (``group -> module.Class``), which name the options chosen."""
 
     dir: Path
     name: str
@@ -63,6 +91,7 @@ class RunInfo:
     sweep: Path | None
     resume_step: int | None
     continued: bool
+    schemas: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def read(cls, run_dir: Path, resume_step: int | None = None, continued: bool = False) -> RunInfo:
@@ -73,16 +102,67 @@ class RunInfo:
         config = {}
         if (run_dir / CONFIG).is_file():
             config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG))
-            config.pop("_schemas_", None)
+        schemas = config.pop("_schemas_", None) or {}
         sweep = run_dir.parent if (run_dir.parent / SWEEP_CONFIG).is_file() else None
         name = str(ident.get("name") or run_dir.name)
         swept = dict(ident.get("swept") or {})
-        return cls(run_dir, name, swept, config, sweep, resume_step, continued or resume_step is not None)
+        continued = continued or resume_step is not None
+        return cls(run_dir, name, swept, config, sweep, resume_step, continued, dict(schemas))
 
     @property
     def key(self) -> str:
         """The run folder's absolute path: what identifies the run to MLflow and W&B across jobs."""
         return str(self.dir.resolve())
+
+
+def option(run: RunInfo, group: str) -> str:
+    """The option ``group`` is set to, as users select it (``easgd``; a class of the user's: its
+    ``_target_``); from the swept value, else ``_schemas_``; ``?`` when neither says."""
+    path = run.schemas.get(group)
+    if path == TARGET_NODE:
+        return str((run.config.get(group) or {}).get("_target_", "?"))
+    if group in run.swept:
+        return str(run.swept[group])
+    return path.rsplit(".", 2)[-2] if path and path.count(".") >= 2 else "?"
+
+
+def leaves(node: Any, prefix: str) -> dict[str, Any]:
+    """``dotted.key -> value`` of a config node's leaves (a value that is no mapping: ``{prefix: node}``)."""
+    if not isinstance(node, dict) or not node:
+        return {prefix: node}
+    out = {}
+    for key, value in node.items():
+        out.update(leaves(value, f"{prefix}.{key}"))
+    return out
+
+
+def compared(run: RunInfo) -> dict[str, Any]:
+    """The keys every run records for comparison, varied or not, in order: the named groups' options
+    (:data:`NAMED`), the rule's keys, :data:`COMPARED`, then every other swept key. A key the config
+    lacks is None."""
+    out: dict[str, Any] = {group: option(run, group) for group in NAMED}
+    rule = run.config.get("rule")
+    if isinstance(rule, dict):
+        out.update({k: v for k, v in leaves(rule, "rule").items() if k != "rule._target_"})
+    for key in COMPARED:
+        head, _, rest = key.partition(".")
+        node = run.config.get(head)
+        if rest:
+            node = node.get(rest) if isinstance(node, dict) else None
+        out.update(leaves(node, key))
+    out.update({k: v for k, v in run.swept.items() if k not in out})
+    return out
+
+
+def trial_name(run: RunInfo) -> str:
+    """The run as TensorBoard's HParams table names its trial: what it is first (its name, after the
+    rule when the sweep did not vary it: ``rule=easgd,rule.alpha=0.5``), then where it is (the sweep
+    folder's date, time and point: ``2026-01-01/11-00-00/0``), so runs of two sweeps never merge."""
+    label = [] if run.name == "defaults" else [run.name]
+    if "rule" not in run.swept:
+        label.insert(0, f"rule={option(run, 'rule')}")
+    where = "/".join(run.dir.resolve().parts[-3 if run.sweep is not None else -2 :])
+    return f"{','.join(label)} ({where})"
 
 
 def folder_name(name: str) -> str:
@@ -177,14 +257,16 @@ class EventFile:
         if time.time() - self.flushed > self.flush_secs:
             self.flush()
 
-    def hparams(self, values: dict[str, Any], end: bool) -> None:
-        """The HParams dashboard's session start (the run's ``values``) or, with ``end``, its end. No
-        experiment summary: TensorBoard then takes the table's columns from every run's session start."""
-        from tensorboardX.summary import hparams
+    def session(self, info: Any) -> None:
+        """One of the HParams plugin's records (``HParamsPluginData``: a session's start or end)."""
+        from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+        from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 
-        shown = {k: v if isinstance(v, (bool, int, float, str)) else text(v) for k, v in values.items()}
-        _, start, stop = hparams(shown, {})
-        self.writer.write_event(self.event(wall_time=time.time(), summary=stop if end else start))
+        which = "session_start_info" if type(info).__name__ == "SessionStartInfo" else "session_end_info"
+        data = HParamsPluginData(version=0, **{which: info})
+        plugin = SummaryMetadata.PluginData(plugin_name="hparams", content=data.SerializeToString())
+        value = Summary.Value(tag=f"_hparams_/{which}", metadata=SummaryMetadata(plugin_data=plugin))
+        self.writer.write_event(self.event(wall_time=time.time(), summary=Summary(value=[value])))
         self.flush()
 
     def flush(self) -> None:
@@ -204,53 +286,144 @@ def tensorboard_dir(run_dir: Path, name: str) -> Path:
     return tb / folder_name(name)
 
 
+def session_start(values: dict[str, Any], group: str) -> Any:
+    """The HParams plugin's session start: ``values`` as its hparams (a value neither bool, number nor
+    string as JSON text: ``null``, ``[1]``), ``group`` as its trial's name."""
+    from tensorboardX.proto.plugin_hparams_pb2 import SessionStartInfo
+
+    info = SessionStartInfo(group_name=group, start_time_secs=time.time())
+    for key, value in values.items():
+        if isinstance(value, bool):
+            info.hparams[key].bool_value = value
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            info.hparams[key].number_value = float(value)
+        else:
+            info.hparams[key].string_value = value if isinstance(value, str) else text(value)
+    return info
+
+
+def session_end(status: str) -> Any:
+    """The HParams plugin's session end, for ``summary.json``'s status."""
+    from tensorboardX.proto.api_pb2 import Status
+    from tensorboardX.proto.plugin_hparams_pb2 import SessionEndInfo
+
+    ended = {"ok": "STATUS_SUCCESS", "preempted": "STATUS_RUNNING", "interrupted": "STATUS_RUNNING"}
+    return SessionEndInfo(status=Status.Value(ended.get(status, "STATUS_FAILURE")), end_time_secs=time.time())
+
+
+def outcome(summary: dict[str, Any], monitor: str | None) -> dict[str, float]:
+    """The run's outcome from ``summary.json`` as :data:`OUTCOME` tags: final and best of the monitored
+    metric (``monitor``; None: val_acc when recorded, else val_loss), then :data:`OUTCOME_KEYS` recorded."""
+    if monitor is None:
+        monitor = "val_acc" if summary.get("final_val_acc") is not None else "val_loss"
+    keys = (f"final_{monitor}", f"best_{monitor}", *OUTCOME_KEYS)
+    numbers = summary_numbers(summary)
+    return {f"{OUTCOME}{k}": numbers[k] for k in dict.fromkeys(keys) if k in numbers}
+
+
 class TensorBoardTracker(Tracker):
-    """Every record's numbers as scalars (tag ``<kind>/<key>``) and the swept values for HParams."""
+    """Every record's numbers as scalars (tag ``<kind>/<key>``), the compared keys as the run's hparams,
+    and the outcome (:func:`outcome`) with the session's end when the run ends."""
 
     optional = False
 
     def __init__(self, cfg: TensorBoardConfig, run: RunInfo):
         purge = None if run.resume_step is None else run.resume_step + 1
         self.events = EventFile(tensorboard_dir(run.dir, run.name), purge, cfg.flush_secs)
-        if run.swept:
-            self.events.hparams(run.swept, end=False)
+        self.monitor = (run.config.get("train") or {}).get("monitor")
+        self.events.session(session_start(compared(run), trial_name(run)))
 
     def write(self, kind: str, step: int, values: list[tuple[str, float]]) -> None:
         for key, value in values:
             self.events.scalar(f"{kind}/{key}", value, step)
 
     def hparams(self, values: dict[str, Any], metrics: dict[str, float]) -> None:
-        finite = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        for key, value in finite.items():
-            self.events.scalar(key, value, 0)
-        if values:
-            self.events.hparams(values, end=True)
+        """Learn the monitored metric (``hparam/final_<monitor>``); the outcome comes with the summary."""
+        for key in metrics:
+            if key.startswith("hparam/final_"):
+                self.monitor = key.removeprefix("hparam/final_")
 
     def flush(self) -> None:
         self.events.flush()
 
     def close(self) -> None:
+        """Flushed: the outcome and the session's end follow with :meth:`finish` or :meth:`fail`."""
+        self.events.flush()
+
+    def finish(self, summary: dict[str, Any], model: Path | None) -> None:
+        step = int(summary.get("steps") or 0)
+        for tag, value in outcome(summary, self.monitor).items():
+            self.events.scalar(tag, value, step)
+        self.events.session(session_end(str(summary.get("status", "ok"))))
         self.events.close()
+
+    def fail(self, cause: str) -> None:
+        self.events.session(session_end("failed"))
+        self.events.close()
+
+
+def default_store(run: RunInfo) -> str:
+    """MLflow's store when no tracking URI is given: :data:`STORE` in the sweep folder, so that one
+    ``mlflow ui`` shows a sweep's runs together, or in a single run's folder; never the working folder
+    (MLflow's own default), which a run does not own."""
+    return f"sqlite:///{(run.sweep if run.sweep is not None else run.dir).resolve() / STORE}"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The file of a local SQLite store's URI (``sqlite:///path``), else None. A new experiment there
+    keeps its artifacts beside it (:data:`ARTIFACTS`), not in MLflow's default ``./mlruns``."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:///:memory:"):
+        return None
+    return Path(uri.removeprefix("sqlite:///").split("?", 1)[0]).resolve()
+
+
+@contextmanager
+def store_lock(store: Path | None) -> Iterator[None]:
+    """Hold a lock beside the SQLite file ``store`` (None: no lock): sweep points starting at once would
+    each make its tables, and all but one fail (``duplicate column name``)."""
+    if store is None:
+        yield
+        return
+    import fcntl
+
+    with open(f"{store}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class MLflowTracker(Tracker):
     """An MLflow run, through ``MlflowClient`` (no global state): params, metrics, artifacts."""
 
     def __init__(self, cfg: MLflowConfig, run: RunInfo):
-        if (cfg.tracking_uri or "").startswith("file:"):  # chosen: MLflow 3 asks for it to be allowed
+        uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_store(run)
+        if uri.startswith("file:"):  # chosen: MLflow 3 asks for it to be allowed
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.tracking import MlflowClient
 
-        self.cfg, self.run, self.client = cfg, run, MlflowClient(tracking_uri=cfg.tracking_uri)
-        experiment = self._experiment()
+        self.cfg, self.run = cfg, run
+        self.compared = {k: text(v) for k, v in compared(run).items()}
+        store = sqlite_file(uri)
+        self.artifacts = None if store is None else (store.parent / ARTIFACTS).as_uri()
+        with store_lock(store):
+            self.client = MlflowClient(tracking_uri=uri)  # makes a new store's tables
+            experiment = self._experiment()
         found = self._earlier_run(experiment) if run.continued else None
+        tags = {
+            **{k: self.compared[k] for k in NAMED},
+            **cfg.tags,
+            RUN_DIR_TAG: run.key,
+            "mpitrain.name": run.name,
+        }
+        if run.sweep is not None:
+            tags["mpitrain.sweep"] = str(run.sweep.resolve())
         if found is not None:
             self.run_id = found.info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
+            self._tags({k: v for k, v in tags.items() if k not in found.data.tags})
         else:
-            tags = {**cfg.tags, RUN_DIR_TAG: run.key, "mpitrain.name": run.name}
-            if run.sweep is not None:
-                tags["mpitrain.sweep"] = str(run.sweep.resolve())
             made = self.client.create_run(experiment, run_name=cfg.run_name or run.name, tags=tags)
             self.run_id = made.info.run_id
         self._params(set() if found is None else set(found.data.params))
@@ -264,7 +437,7 @@ class MLflowTracker(Tracker):
             if found is not None:
                 return found.experiment_id
             try:
-                return self.client.create_experiment(self.cfg.experiment)
+                return self.client.create_experiment(self.cfg.experiment, self.artifacts)
             except Exception:  # made meanwhile by a concurrent run: look it up again
                 time.sleep(0.2)
         raise RuntimeError(f"cannot find or create the MLflow experiment {self.cfg.experiment!r}")
@@ -275,12 +448,21 @@ class MLflowTracker(Tracker):
         runs = self.client.search_runs([experiment], filter_string=query, max_results=1)
         return runs[0] if runs else None
 
+    def _tags(self, tags: dict[str, str]) -> None:
+        """Set ``tags`` on the run (a continued run: those it lacks, from a version before them)."""
+        from mlflow.entities import RunTag
+
+        if tags:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v[:PARAM_CHARS]) for k, v in tags.items()])
+
     def _params(self, logged: set[str]) -> None:
-        """The config flattened and the swept values (a group's option too: ``rule=easgd``) as params; a
-        continued run logs only those it lacks (MLflow refuses to change a param)."""
+        """The config flattened, the compared keys and the swept values (a group's option too:
+        ``rule=easgd``) as params; a continued run logs only those it lacks (MLflow refuses to change a
+        param)."""
         from mlflow.entities import Param
 
-        params = {**flat(self.run.config), **{k: text(v) for k, v in self.run.swept.items()}}
+        swept = {k: text(v) for k, v in self.run.swept.items()}
+        params = {**flat(self.run.config), **self.compared, **swept}
         batch = [Param(k, v[:PARAM_CHARS]) for k, v in params.items() if k not in logged]
         for start in range(0, len(batch), 100):  # MLflow takes at most 100 params a call
             self.client.log_batch(self.run_id, params=batch[start : start + 100])
@@ -328,7 +510,7 @@ class WandbTracker(Tracker):
             tags=list(cfg.tags) or None,
             id=hashlib.sha1(run.key.encode()).hexdigest()[:16],
             resume="allow",
-            config={**run.config, "swept": run.swept},
+            config={**run.config, "compared": compared(run), "swept": run.swept},
             settings=wandb.Settings(console="off", silent=True),
         )
 
