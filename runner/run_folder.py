@@ -65,6 +65,10 @@ SWEEP_CONFIG = "multirun.yaml"
 #: ranks' own pseudo-terminals under mpirun are 0x0); a launcher started with it set to ``0`` gives ``0``:
 #: concurrent sweep points must not draw over each other.
 TTY_ENV = "MPITRAIN_TTY"
+#: Set by the launcher for every rank: the SHA-256 of the ``config.yaml`` it wrote for this job, which it
+#: vouches for (the user's own command line, or a run folder's config it checked for ``resume=``): a rank
+#: whose file has that hash does not check again what it names (:func:`runner.schema.config.load`).
+CONFIG_SHA_ENV = "MPITRAIN_CONFIG_SHA256"
 #: Starts a line of rank 0's progress for the launcher's bar (given ``MPITRAIN_TTY=1``), JSON after it:
 #: ``{"n": step, "total": steps, "text": "epoch 0, loss ...", "final": false}``; the launcher draws the bar
 #: from these lines (:mod:`runner.launcher.progress`) and keeps them out of the terminal and ``mpirun.log``.

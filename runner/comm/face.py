@@ -1,9 +1,9 @@
 """The communicator's declared face: what the loop and the rules may use of one, as ``typing.Protocol``\\ s.
 
 :class:`runner.comm.mpi.Comm` (MPI) and the tests' in-process ``FakeComm`` both satisfy :class:`CommLike`;
-``tests/comm/test_comm_face.py`` compares their methods' signatures with the ones declared here, so a signature
-changed in one and not in the other fails there. :class:`MembershipLike` adds what only a real job has (ULFM's
-recovery, growth). Importing it starts no MPI and imports no torch.
+``tests/comm/test_comm_face.py`` compares their methods' signatures with the ones declared here, so a
+signature changed in one and not in the other fails there. :class:`MembershipLike` adds what only a real
+job has (ULFM's recovery, growth). Importing it starts no MPI and imports no torch.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from runner.hardware.mca import check_mca, mca_env, one_node, render
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
-from runner.run_folder import TTY_ENV
+from runner.run_folder import CONFIG_SHA_ENV, TTY_ENV
 
 
 class Settings(Protocol):
@@ -192,13 +192,13 @@ def build_argv(
             argv += ["--mca", str(key), render(value)]  # true/false, lists comma-joined (mca.py)
         for key, value in env.items():  # hardware.env by name: its value from mpirun's environment
             argv += ["-x", key if key in hw.env else f"{key}={value}"]
+        argv += ["-x", CONFIG_SHA_ENV]  # set by the launcher once it wrote config.yaml
     else:
         argv += _mpich_binding(threads, bind, placements, pe_list)
         for key, value in env.items():
             if key not in hw.env:
                 argv += ["-genv", str(key), str(value)]
-        if hw.env:
-            argv += ["-genvlist", ",".join(hw.env)]
+        argv += ["-genvlist", ",".join([*hw.env, CONFIG_SHA_ENV])]
         argv += hw.host_args(flavor)
     return argv + list(hw.extra_args) + worker_argv(run_dir, python)
 

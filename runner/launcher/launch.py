@@ -26,6 +26,7 @@ exit  status       meaning
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from runner.results import final_and_best
 from runner.run_folder import (
     COMMAND,
     CONFIG,
+    CONFIG_SHA_ENV,
     EXIT,
     GENERATION,
     IDENTITY,
@@ -136,7 +138,9 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
             claimed.unlink(missing_ok=True)
     except OSError as err:
         raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
-    write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(hidden(resolved)))  # hardware.env's values: secrets
+    text = OmegaConf.to_yaml(hidden(resolved))  # hardware.env's values: secrets
+    write_atomic(run_dir / CONFIG, text)
+    launch.env[CONFIG_SHA_ENV] = hashlib.sha256(text.encode()).hexdigest()  # the ranks' config, vouched for
     if ident is not None:
         write_atomic(run_dir / IDENTITY, json.dumps(hidden(ident), indent=1))
     if launch.placements:

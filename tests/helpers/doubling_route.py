@@ -1,5 +1,5 @@
-"""A route of the tests' own (tests/comm/test_routes.py): it takes the all-reduces of float64 tensors and doubles
-them, so a test sees that a route registered with one line is used."""
+"""A route of the tests' own (tests/comm/test_routes.py): it takes the all-reduces of float64 tensors and
+doubles them, so a test sees that a route registered with one line is used."""
 
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def test_mpirun_names_the_variables_and_takes_their_values_from_its_environment(
     assert ["-x", "TOKEN"] == argv[argv.index("TOKEN") - 1 : argv.index("TOKEN") + 1]
     assert "-x" in argv and "OMP_NUM_THREADS=1" in argv, "the launcher's own settings stay on the line"
     mpich = build_argv(hw, 2, Path("/run"), mpirun="mpiexec", flavor="mpich", cores=2, as_root=False)
-    assert SECRET not in " ".join(mpich) and mpich[mpich.index("-genvlist") + 1] == "TOKEN,NCCL_DEBUG"
+    assert SECRET not in " ".join(mpich)
+    assert mpich[mpich.index("-genvlist") + 1].startswith("TOKEN,NCCL_DEBUG,")
 
 
 def test_the_planned_launch_carries_them_for_the_launchers_environment(tmp_path):

@@ -364,3 +364,46 @@ def test_eval_of_a_run_whose_model_has_one_flipped_byte_fails_naming_it(tmp_path
     run = run_cli(tmp_path / "other", f"eval={run_dir}", timeout=120)
     assert run.returncode != 0, run.output
     assert f"{run_dir / 'model.pt'} is damaged (checksum mismatch" in run.output, run.output
+
+
+INSTALLED = (  # a function of an installed package (returns the data set it is given): refused from elsewhere
+    "data=dataset",
+    "data.train._target_=torch.utils.data.default_convert",
+    "+data.train.data._target_=tests.helpers.plain_data.Blobs",
+    "data.shape=[4]",
+    "data.num_classes=3",
+    "model=mlp",
+)
+
+
+def test_the_ranks_take_the_config_their_launcher_vouched_for_and_check_any_other(tmp_path, monkeypatch):
+    """A rank whose config.yaml has the hash the launcher set (MPITRAIN_CONFIG_SHA256: the user's own
+    command line) loads what it names without MPITRAIN_TRUSTED_PACKAGES; without the hash, or with a file
+    changed since, it checks it as a folder from elsewhere."""
+    import hashlib
+
+    from runner.launcher.launch import prepare
+    from runner.run_folder import CONFIG_SHA_ENV
+    from runner.schema.config import load
+
+    monkeypatch.delenv("MPITRAIN_TRUSTED_PACKAGES", raising=False)
+    prepare(compose_config(list(INSTALLED)), tmp_path / "run")
+    config = tmp_path / "run" / "config.yaml"
+    monkeypatch.delenv(CONFIG_SHA_ENV, raising=False)
+    refused = r"data\.train\._target_=torch\.utils\.data\.default_convert is refused"
+    with pytest.raises(ValueError, match=refused):
+        load(config)
+    monkeypatch.setenv(CONFIG_SHA_ENV, hashlib.sha256(config.read_bytes()).hexdigest())
+    assert load(config).data.train["_target_"] == "torch.utils.data.default_convert"
+    config.write_text(config.read_text() + "# changed after the launcher wrote it\n")
+    with pytest.raises(ValueError, match="is refused"):
+        load(config)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_run_of_an_installed_packages_data_function_needs_no_trusted_packages(tmp_path, monkeypatch):
+    """The user's own command line names a function of an installed package: the job trains."""
+    monkeypatch.delenv("MPITRAIN_TRUSTED_PACKAGES", raising=False)
+    run = run_cli(tmp_path / "run", *INSTALLED, "train.max_steps=3", "hardware.bind=none", timeout=120)
+    assert run.returncode == 0, run.output

@@ -35,13 +35,21 @@ import torch
 from runner.comm.mpi import SERVER_KEY
 from runner.comm.tags import GROW
 from runner.rules.base import split_roles
+from runner.run_folder import CONFIG_SHA_ENV, TTY_ENV
 
 if TYPE_CHECKING:
     from runner.comm import Comm
 
 #: Environment variables a spawned worker gets from the rank that spawns it (mpirun's ``-x`` reach only
 #: the ranks it started).
-PASSED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MPITRAIN_TTY", "CUDA_DEVICE_ORDER", "PYTHONPATH")
+PASSED_ENV = (
+    "OMP_NUM_THREADS",
+    "PYTHONUNBUFFERED",
+    TTY_ENV,
+    "CUDA_DEVICE_ORDER",
+    "PYTHONPATH",
+    CONFIG_SHA_ENV,
+)
 
 
 def spawn_argv(run_dir: Path, first_id: int, env: dict[str, str]) -> list[str]:
