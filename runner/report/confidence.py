@@ -101,11 +101,6 @@ class Point:
     def ok(self) -> bool:
         return self.best is not None
 
-    @property
-    def count(self) -> int | None:
-        """The validation items of one sample's worth, 1/resolution (None: unknown)."""
-        return round(1 / self.resolution) if self.resolution else None
-
     def steps(self) -> float:
         """The mean steps to target of its ok runs (infinite: none reached it), which breaks equal means."""
         steps = [s for r in self.runs if r.ok and (s := finite_or_none(r.target_step)) is not None]
@@ -137,7 +132,8 @@ def points(runs: list[Run], metric: str, maximize: bool) -> list[Point]:
 
 def _point(runs: list[Run], metric: str) -> Point:
     ok = [r for r in runs if r.ok]
-    others = {k: s for k in dict.fromkeys(k for r in ok for k in r.others) if (s := _others(ok, k))}
+    prefixes = dict.fromkeys(k for r in ok for k in r.others)
+    others = {k: s for k in prefixes if (s := Spread.of([r.others.get(k) for r in ok])) is not None}
     counts = [c for r in ok if (c := finite_or_none(r.summary.get("val_count"))) and c > 0]
     rule = next((str(v[0]) for r in runs if (v := r.lookup("rule")) is not None), None)
     return Point(
@@ -149,10 +145,6 @@ def _point(runs: list[Run], metric: str) -> Point:
         rule,
         1 / min(counts) if counts and counted(metric) else 0.0,
     )
-
-
-def _others(runs: list[Run], prefix: str) -> Spread | None:
-    return Spread.of([r.others.get(prefix) for r in runs])
 
 
 def tie(a: Point, b: Point) -> bool:

@@ -15,6 +15,7 @@ from runner.report.confidence import (
     other_name,
     scored_model,
 )
+from runner.report.runs import Run
 
 #: How to repeat a point with seeds, as the report suggests it.
 REPEAT_HINT = f"-m ... {REPEAT_KEYS[0]}=1,2,3"
@@ -51,15 +52,20 @@ def headline(standing: Standing) -> tuple[str, str]:
         return f"No clear best: {_and([p.name for p in top])} tie", f"(best {m} {values}: {why_tied(top)})"
     point = top[0]
     assert point.best is not None, "ranked points are ok"
-    if point.best.n == 1:
-        run = next(r for r in point.runs if r.ok and r.best is not None)
-        return f"Best run: {run.name}", f"({m} {run.best:.4f}, {run.dir})"
+    run = _single(point)
+    if run is not None:
+        return f"Best run: {run.name}", f"({m} {point.best.text()}, {run.dir})"
     return f"Best point: {point.name}", f"(best {m}, mean over its seeds: {point.best.text()})"
+
+
+def _single(point: Point) -> Run | None:
+    """The one run of ``point`` that scored, if it has one (it is then named as a run, not a point)."""
+    scored = [r for r in point.runs if r.ok and r.best is not None]
+    return scored[0] if len(scored) == 1 else None
 
 
 def verdict(standing: Standing) -> str:
     """One line for the terminal: the best run or point and its metric, or the points that tie."""
-    bold, _ = headline(standing)
     groups = standing.groups
     if not groups:
         return "none"
@@ -67,7 +73,8 @@ def verdict(standing: Standing) -> str:
         return f"a tie: {_and([p.name for p in groups[0]])} ({standing.metric} within noise)"
     point = groups[0][0]
     assert point.best is not None, "ranked points are ok"
-    return f"{bold.split(': ', 1)[1]}, {standing.metric} {point.best.text()}"
+    run = _single(point)
+    return f"{point.name if run is None else run.name}, {standing.metric} {point.best.text()}"
 
 
 def ranking(standing: Standing) -> str | None:
@@ -86,9 +93,9 @@ def ranking(standing: Standing) -> str | None:
 
 
 def noise(standing: Standing) -> str | None:
-    """How the report judged noise: the spread it shows and when two points tie."""
+    """How the report judged noise: the spread it shows and when two points tie (None: nothing compared)."""
     ok = [p for g in standing.groups for p in g]
-    if not ok:
+    if len(ok) < 2 and not standing.repeated:
         return None
     resolution = max(p.resolution for p in ok)
     sample = f" or lie within {_sample(resolution)} of each other" if resolution else ""
@@ -129,10 +136,11 @@ def others_ahead(standing: Standing) -> list[str]:
     more than noise."""
     lines = []
     for p in standing.points:
-        for prefix, spread in p.others.items() if p.best is not None else ():
-            assert p.best is not None
-            gap = spread.low - p.best.high if standing.maximize else p.best.low - spread.high
-            if gap > p.resolution + EPSILON:
+        if p.best is None:
+            continue
+        for prefix, spread in p.others.items():
+            margin = spread.low - p.best.high if standing.maximize else p.best.low - spread.high
+            if margin > p.resolution + EPSILON:
                 lines.append(
                     f"{p.name}: its {other_name(prefix)} reached best {standing.metric} {spread.text()}, "
                     f"its scored {scored_model(p.rule).removeprefix('the ')} {p.best.text()}; model.pt "
