@@ -8,21 +8,19 @@ with a straggler, against BSP measured in the same run.
     python benchmarks/time_to_accuracy.py --rules bsp gosgd --repeats 1   # a quick look
     python benchmarks/time_to_accuracy.py --smoke                  # one job of 4 steps: does it run?
 
-Each rule (bsp, easgd, easgd-async = ``rule=easgd rule.variant=async``, gosgd, asgd, and diloco where
-``conf/rule/diloco.yaml`` exists) runs as a real job through ``python -m runner``, validating four times an
-epoch (``train.val_every=0.25``), under each condition: each straggler delay of ``--sweep`` (worker
-``--straggler-rank`` sleeps that many ms at the start of every step, ``simulate.straggler_ms``; 0 is no
-straggler) and, with ``--jitter-ms``, workers of random speeds (each sleeps its own delay, drawn once in
-[0, jitter], ``simulate.jitter_ms``). The asynchronous rules (easgd-async, gosgd, asgd) run with
-``data.assignment=static`` and ``dynamic``. ``--repeats`` rounds run every job once each, in the same order,
-so drift of the machine falls on all of them; the table gives medians: the wall time from the start of
-training to the first validation at or above the target, and that time against BSP's under the same
-condition (``vs bsp``), against the same rule with static shards (``vs static``) and against the rule's own
-without a straggler (``vs own``); the final accuracy, the bytes each worker sent (summary.json's
-``bytes_sent`` over ``devices``) and the samples per second. A job that fails is reported on stderr and left
-out, and the script then exits with status 1. ``--smoke`` checks that it all runs, in seconds: one job,
-GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps.
-"""
+Each rule (every option of ``conf/rule/``, discovered, and easgd-async = ``rule=easgd rule.variant=async``)
+runs as a real job through ``python -m runner``, validating four times an epoch (``train.val_every=0.25``),
+under each condition: each straggler delay of ``--sweep`` (worker ``--straggler-rank`` sleeps that many ms at
+the start of every step, ``simulate.straggler_ms``; 0 is no straggler) and, with ``--jitter-ms``, workers of
+random speeds (each sleeps its own delay, drawn once in [0, jitter], ``simulate.jitter_ms``). The asynchronous
+rules (as their schemas say: easgd-async, gosgd, asgd...) run with ``data.assignment=static`` and ``dynamic``.
+``--repeats`` rounds run every job once each, in the same order, so drift of the machine falls on all of them;
+the table gives medians: the wall time from the start of training to the first validation at or above the
+target, and that time against BSP's under the same condition (``vs bsp``), against the same rule with static
+shards (``vs static``) and against the rule's own without a straggler (``vs own``); the final accuracy, the
+bytes each worker sent (summary.json's ``bytes_sent`` over ``devices``) and the samples per second. A job that
+fails is reported on stderr and left out, and the script then exits with status 1. ``--smoke`` checks that it
+all runs, in seconds: one job, GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps. """
 
 from __future__ import annotations
 
@@ -38,10 +36,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RULES = ["bsp", "easgd", "easgd-async", "gosgd", "asgd"]
-RULES += ["diloco"] if (ROOT / "conf/rule/diloco.yaml").exists() else []
-ASYNCHRONOUS = {"easgd-async", "gosgd", "asgd"}
 RULE_ARGS = {"easgd-async": ["rule=easgd", "rule.variant=async"]}
+
+
+def discovered() -> tuple[list[str], set[str]]:
+    """Every rule a user can select (``conf/rule/*.yaml``), EASGD's asynchronous variant beside EASGD, and
+    those whose workers do not step together (run under each assignment too)."""
+    from runner.schema import schema_of
+
+    names = sorted(p.stem for p in (ROOT / "conf" / "rule").glob("*.yaml"))
+    rules = [v for name in names for v in ([name, "easgd-async"] if name == "easgd" else [name])]
+    asynchronous = {name for name in names if schema_of("rule", name)().asynchronous()}
+    return rules, asynchronous | ({"easgd-async"} if "easgd" in names else set())
+
+
+RULES, ASYNCHRONOUS = discovered()
 SMOKE = ["train.epochs=1", "train.max_steps=4"]
 
 
