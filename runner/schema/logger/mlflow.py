@@ -1,5 +1,6 @@
-"""MLflow tracking: the config as params, the records as metrics, the model file as an artifact
-(runner/rank/records/tracking.py writes them; ``pip install "mpitrain[mlflow]"``)."""
+"""MLflow tracking: the config and the compared keys as params, the rule, model, data and optimizer as
+tags, the records as metrics, the model file as an artifact (runner/rank/records/tracking.py writes them;
+``pip install "mpitrain[mlflow]"``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from runner.schema.logger import LoggerConfig
 class MLflowConfig(LoggerConfig):
     """Where and how a run is recorded in MLflow.
 
-    ``tracking_uri``: where runs go (``file:/path/mlruns``, ``sqlite:///mlflow.db``, ``http://host:5000``;
-    null: MLflow's own choice, ``MLFLOW_TRACKING_URI`` when set). ``experiment``: the experiment's name.
+    ``tracking_uri``: where runs go (``sqlite:////abs/mlflow.db``, ``http://host:5000``, ``file:/abs/mlruns``;
+    null: ``MLFLOW_TRACKING_URI`` when set, else ``mlflow.db`` in the sweep folder, or in a single run's
+    folder; never the working folder). ``experiment``: the experiment's name.
     ``run_name``: null names the run as the sweep point (``rule.alpha=0.5,optim.lr=0.1``). ``tags``: added
     to every run. ``log_model``: upload ``model.pt`` as an artifact (the config and summary always are).
     """

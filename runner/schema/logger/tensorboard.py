@@ -9,7 +9,7 @@ from runner.schema.logger import LoggerConfig
 
 @dataclass
 class TensorBoardConfig(LoggerConfig):
-    """Scalars of every record and the run's swept values for the HParams dashboard, in
+    """Scalars of every record, the run's compared keys and its outcome for the HParams dashboard, in
     ``RUN_DIR/tb/<run name>/``; ``flush_secs``: the longest time a record waits in memory."""
 
     flush_secs: float = 10.0
