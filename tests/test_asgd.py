@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.rules.asgd import ASGDConfig
+from runner.rules.asgd import ASGDConfig, corrected_momentum
 from tests.conftest import COMMON, params_of, reference_params
 from tests.conftest import assert_close as assert_params_close
 from tests.helpers.fakecomm import FakeWorld
@@ -105,6 +105,51 @@ def test_asgd_staleness_policies_by_hand(policy, bound, expected, dropped):
     final = ranks[0][1]
     assert final["staleness_histogram"] == {"0": 1, "1": 1, "2": 1}
     assert final["dropped_pushes"] == dropped and final["server_versions"] == [3 - dropped]
+
+
+def test_momentum_correction_at_staleness_0_is_plain_asgd_bit_for_bit():
+    """One worker fetching after each push: every push has staleness 0, so the corrected momentum is the
+    configured one and the trajectory is plain ASGD's, bit for bit (worker and servers). (With n_push <
+    n_fetch its own pushes would count as staleness, as they do for staleness=scale.)"""
+
+    def train(comm, rule, model):
+        optimizer = sgd(model, momentum=0.9)
+        rule.optimizer, rule.momenta = optimizer, [0.9]  # the rule is built with the loop's optimizer
+        fit(rule, model, optimizer, BATCHES)
+        return params(model), optimizer.param_groups[0]["momentum"]
+
+    cfg = {"servers": 2}
+    (plain_run, plain_served, _), *_ = asgd(3, ASGDConfig(**cfg), train)
+    (fixed_run, fixed_served, final), *_ = asgd(3, ASGDConfig(momentum_correction=True, **cfg), train)
+    assert torch.equal(fixed_run[0], plain_run[0]) and torch.equal(fixed_served, plain_served)
+    assert fixed_run[1] == 0.9 and set(final["staleness_histogram"]) == {"0"}
+
+
+def test_momentum_correction_follows_the_servers_mean_staleness():
+    """Pushes of staleness 0, 1, 2 (mean 1, as in the test above); worker 0's next fetch sets its momentum
+    to 0.9 − 1/(1 + 1) = 0.4 (Mitliagkas et al.: implicit momentum 1 − 1/M with M = 2)."""
+    pushes = [(0, (1.0, 0.0)), (1, (0.0, 1.0)), (0, (10.0, 10.0))]
+
+    def main(comm):
+        model = vector(0.0, 0.0)
+        optimizer = sgd(model, momentum=0.9)
+        rule = build(comm, ASGDConfig(momentum_correction=True, n_fetch=10**6), model, optimizer)
+        if rule.is_server:
+            rule.serve()
+            return None
+        for who, delta in pushes:
+            if who == rule.workers.rank:
+                rule.x.add_(torch.tensor(delta, dtype=DT))
+                rule.push()
+            rule.workers.barrier()
+        if rule.workers.rank == 0:
+            rule.fetch()
+        rule.finish()
+        return optimizer.param_groups[0]["momentum"]
+
+    first, second, _ = FakeWorld(3).run(main)
+    assert first == pytest.approx(0.4) and second == 0.9
+    assert corrected_momentum(0.9, 0) == 0.9 and corrected_momentum(0.9, 9) == 0.0
 
 
 # -- mpirun jobs ------------------------------------------------------------------------------------------

@@ -16,6 +16,18 @@ last fetched), ``accept`` adds Δ, ``scale`` adds Δ / (1 + τ), ``drop`` discar
 each applied push increments the version. With one worker, n_push = n_fetch = 1 and plain SGD this is plain
 SGD. The reported model is the servers' parameters (BatchNorm statistics: the workers' mean), fetched in
 float32. ``comm_dtype: bf16|fp16`` sends Δ and the fetched parameters in 16 bits; servers add in float32.
+
+``momentum_correction``: asynchrony is itself a momentum (Mitliagkas, Zhang, Hadjis, Ré 2016, "Asynchrony
+begets momentum, with an application to deep learning", arXiv 1605.09774): with M workers updating a
+shared model, the expected update follows momentum SGD with implicit momentum 1 − 1/M on top of the
+workers' explicit one, so a momentum tuned for one process (0.9) overshoots. With the correction each
+server returns, with every fetch, the mean staleness τ̄ of the pushes it has applied (M ≈ 1 + τ̄ pushes in
+flight), and the worker sets its optimizer's momentum (SGD's ``momentum``, Adam's β1) to
+:func:`corrected_momentum` of the configured μ. With staleness 0 (one worker) μ is kept, and the update is
+plain ASGD's bit for bit. Off by default: it lost where it was measured (digits, the default recipe: 4
+workers, SGD lr 0.05 momentum 0.9, 10 epochs, seeds 0-4; final accuracy median 0.9944 and final validation
+loss median 0.057 with it, 0.9944 and 0.016 without, one process 0.9972 and 0.013): the explicit momentum
+it leaves (about 0.9 − 2/3 at the measured τ̄ ≈ 2) slows training more than the staleness hurt it.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ class ASGDConfig(RuleConfig):
     servers: int = 1
     staleness: str = "accept"
     max_staleness: int | None = None
+    momentum_correction: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +99,36 @@ class ASGDConfig(RuleConfig):
         return ASGD(self, ctx)
 
 
+def corrected_momentum(mu: float, staleness: float) -> float:
+    """The explicit momentum that, with the implicit momentum of asynchrony at mean staleness ``staleness``
+    (1 − 1/M, M = 1 + τ̄ updates in flight; Mitliagkas et al. 2016), makes up ``mu``: μ − τ̄/(1 + τ̄), at least
+    0; ``mu`` itself at staleness 0."""
+    if staleness <= 0:
+        return mu
+    return max(0.0, mu - staleness / (1.0 + staleness))
+
+
+def mean_of(histogram: Counter) -> float:
+    """The mean of a histogram {value: count} (0 when empty)."""
+    count = sum(histogram.values())
+    return sum(k * v for k, v in histogram.items()) / count if count else 0.0
+
+
+def group_momentum(group: dict) -> float | None:
+    """An optimizer parameter group's momentum: SGD's ``momentum``, Adam's β1; None if it has neither."""
+    if "momentum" in group:
+        return group["momentum"]
+    return group["betas"][0] if "betas" in group else None
+
+
+def set_group_momentum(group: dict, mu: float) -> None:
+    """Set what :func:`group_momentum` reads."""
+    if "momentum" in group:
+        group["momentum"] = mu
+    else:
+        group["betas"] = (mu, *group["betas"][1:])
+
+
 class ASGD(Rule):
     """Workers push accumulated updates to sharded parameter servers and fetch fresh parameters."""
 
@@ -105,7 +148,12 @@ class ASGD(Rule):
         bounds = [round(i * flat.numel / self.num_servers) for i in range(self.num_servers + 1)]
         self.slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.header = torch.zeros(1, dtype=torch.float64)
+        # a fetch's answer: the version, and with momentum_correction the mean staleness
+        self.correct = cfg.momentum_correction
+        self.reply = torch.zeros(2 if self.correct else 1, dtype=torch.float64)
         # workers
+        self.momenta = [group_momentum(g) for g in self.optimizer.param_groups] if self.optimizer else []
+        self.mean_staleness = 0.0
         self.ref = self.x.clone()
         self.fetched = torch.empty_like(self.x)
         self.versions = [0] * self.num_servers
@@ -140,13 +188,15 @@ class ASGD(Rule):
     def _fetch_into(self, target: torch.Tensor, exact: bool = False) -> list[int]:
         """The servers' parameters into ``target`` (``exact``: in float32 even with a 16-bit
         ``comm_dtype``, asked for by a negative header); returns the shards' versions."""
-        versions = []
+        versions, staleness = [], 0.0
         for server, part in zip(self.server_ranks, self.slices, strict=True):
             self.header.fill_(-1.0 if exact else 0.0)
             self.comm.send(self.header, server, FETCH)
-            self.comm.recv(self.header, server, REPLY)
-            versions.append(int(self.header))
+            self.comm.recv(self.reply, server, REPLY)
+            versions.append(int(self.reply[0]))
+            staleness += float(self.reply[-1]) / self.num_servers if self.correct else 0.0
             self.comm.recv(target[part], server, REPLY, wire=None if exact else self.wire)
+        self.mean_staleness = staleness
         return versions
 
     @no_grad
@@ -155,6 +205,10 @@ class ASGD(Rule):
         self.x.sub_(self.ref).add_(self.fetched)
         self.ref.copy_(self.fetched)
         self.fetches += 1
+        if self.correct:
+            for group, mu in zip(self.optimizer.param_groups, self.momenta, strict=True):
+                if mu is not None:
+                    set_group_momentum(group, corrected_momentum(mu, self.mean_staleness))
 
     @no_grad
     def solo_model(self) -> torch.nn.Module:
@@ -251,8 +305,10 @@ class ASGD(Rule):
             self.comm.recv(self.header, source, tag)
             if tag == FETCH:
                 wire = None if float(self.header) < 0 else self.wire
-                self.header.fill_(self.version)
-                self.comm.send(self.header, source, REPLY)
+                self.reply[0] = self.version
+                if self.correct:
+                    self.reply[1] = mean_of(self.histogram)
+                self.comm.send(self.reply, source, REPLY)
                 self.comm.send(self.shard, source, REPLY, wire=wire)
                 return
             assert tag == PUSH, f"unexpected message tag {tag} from rank {source}"
