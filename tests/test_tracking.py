@@ -152,7 +152,7 @@ def record_run(run_dir: Path, loggers: dict | None, acc: float = 0.5, **kwargs):
     log.hparams(read_json(run_dir / "run.json")["swept"], {"hparam/final_val_acc": acc})
     log.close()
     summary = {"status": "ok", "final_val_acc": acc, "best_val_acc": acc, "final_val_loss": 0.7, "steps": 4}
-    (run_dir / "summary.json").write_text(json.dumps({**summary, "wall_time_s": 1.5}))
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "worker_wall_time_s": 1.5}))
     (run_dir / "model.pt").write_bytes(b"weights")
     log.finish()
     return log
@@ -208,7 +208,7 @@ def test_the_hparams_table_ticks_the_outcome_and_names_each_trial_by_what_it_is(
         "Outcome/final_val_acc",
         "Outcome/final_val_loss",
         "Outcome/steps",
-        "Outcome/wall_time_s",
+        "Outcome/worker_wall_time_s",
     ], ticked
     assert set(EVERY_RUN) | {"rule.alpha", "rule.tau"} <= set(columns), columns
     names = sorted(trials)

@@ -10,11 +10,11 @@ blank:
 
 - TensorBoard: event files in ``RUN_DIR/tb/<run name>/``; the compared keys as the run's hparams (session
   start info, its trial named by :func:`trial_name`), and at the end the outcome (:data:`OUTCOME`:
-  ``Outcome/final_val_acc``, ``Outcome/best_val_acc``, final loss, steps, time) as scalars whose tags sort
-  before every record's, since TensorBoard's HParams table lists its metrics by tag and ticks the first
-  five. No experiment summary: TensorBoard then takes the table's columns from every run it finds and
-  marks those that differ (from an experiment summary it takes one arbitrary run's, and its types and
-  values filter the others' rows).
+  ``Outcome/final_val_acc``, ``Outcome/best_val_acc``, final loss, steps, training time) as scalars whose tags
+  sort before every record's, since TensorBoard's HParams table lists its metrics by tag and ticks the first
+  five. No experiment summary: TensorBoard then takes the table's columns from every run it finds and marks
+  those that differ (from an experiment summary it takes one arbitrary run's, and its types and values filter
+  the others' rows).
 - MLflow: the config (flattened, ``optim.lr``), the compared keys and the swept values as params, tags
   ``rule``, ``model``, ``data``, ``optim``; the records as metrics, the summary's numbers as metrics,
   config.yaml, summary.json and model.pt as artifacts. Without a tracking URI (the key or
@@ -68,8 +68,9 @@ COMPARED = ("optim.lr", "devices", "hardware.transport", "train.batch_size", "tr
 #: ``epoch/``), so TensorBoard's HParams table, which lists metrics by tag and ticks the first five,
 #: shows these.
 OUTCOME = "Outcome/"
-#: The summary's numbers that make the outcome, beside ``final_`` and ``best_`` of the monitored metric.
-OUTCOME_KEYS = ("final_val_loss", "steps", "steps_to_target", "time_to_target_s", "wall_time_s")
+#: The summary's numbers that make the outcome, beside ``final_`` and ``best_`` of the monitored metric, as
+#: the writing rank has them (the launcher adds ``wall_time_s``, start-up included, after the ranks end).
+OUTCOME_KEYS = ("final_val_loss", "steps", "steps_to_target", "time_to_target_s", "worker_wall_time_s")
 #: The MLflow store, in the sweep folder (a single run: its run folder), when no tracking URI is given.
 STORE = "mlflow.db"
 #: The MLflow artifacts' folder beside :data:`STORE`.
@@ -187,7 +188,7 @@ def scalars(values: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]
 
 
 def summary_numbers(summary: dict[str, Any]) -> dict[str, float]:
-    """The top-level finite numbers of ``summary.json`` (``final_val_acc``, ``steps``, ``wall_time_s``)."""
+    """The top-level finite numbers of ``summary.json`` (``final_val_acc``, ``steps``)."""
     return dict(scalars({k: v for k, v in summary.items() if not isinstance(v, dict)}))
 
 
@@ -313,8 +314,10 @@ def session_end(status: str) -> Any:
 
 def outcome(summary: dict[str, Any], monitor: str | None) -> dict[str, float]:
     """The run's outcome from ``summary.json`` as :data:`OUTCOME` tags: final and best of the monitored
-    metric (``monitor``; None: val_acc when recorded, else val_loss), then :data:`OUTCOME_KEYS` recorded."""
-    if monitor is None:
+    metric (``monitor``; None: the summary's, else val_acc when recorded, else val_loss), then
+    :data:`OUTCOME_KEYS` recorded."""
+    monitor = monitor or summary.get("monitor")
+    if not monitor:
         monitor = "val_acc" if summary.get("final_val_acc") is not None else "val_loss"
     keys = (f"final_{monitor}", f"best_{monitor}", *OUTCOME_KEYS)
     numbers = summary_numbers(summary)
