@@ -148,8 +148,10 @@ class ASGD(Rule):
         bounds = [round(i * flat.numel / self.num_servers) for i in range(self.num_servers + 1)]
         self.slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.header = torch.zeros(1, dtype=torch.float64)
-        # a fetch's answer: the version, and with momentum_correction the mean staleness
+        # a push's header: the version fetched (and a subclass's numbers, _push_header); a fetch's answer: the
+        # version, and with momentum_correction the mean staleness (_reply_header)
         self.correct = cfg.momentum_correction
+        self.push_header = torch.zeros(1, dtype=torch.float64)
         self.reply = torch.zeros(2 if self.correct else 1, dtype=torch.float64)
         # workers
         self.momenta = [group_momentum(g) for g in self.optimizer.param_groups] if self.optimizer else []
@@ -179,8 +181,8 @@ class ASGD(Rule):
     def push(self) -> None:
         delta = self.x - self.ref
         for s, (server, part) in enumerate(zip(self.server_ranks, self.slices, strict=True)):
-            self.header.fill_(self.versions[s])
-            self.comm.send(self.header, server, PUSH)
+            self._push_header(self.versions[s])
+            self.comm.send(self.push_header, server, PUSH)
             self.comm.send(delta[part], server, PUSH_DATA, wire=self.wire)
         self.ref.copy_(self.x)
         self.pushes += 1
@@ -188,16 +190,28 @@ class ASGD(Rule):
     def _fetch_into(self, target: torch.Tensor, exact: bool = False) -> list[int]:
         """The servers' parameters into ``target`` (``exact``: in float32 even with a 16-bit
         ``comm_dtype``, asked for by a negative header); returns the shards' versions."""
-        versions, staleness = [], 0.0
+        versions = []
         for server, part in zip(self.server_ranks, self.slices, strict=True):
             self.header.fill_(-1.0 if exact else 0.0)
             self.comm.send(self.header, server, FETCH)
             self.comm.recv(self.reply, server, REPLY)
             versions.append(int(self.reply[0]))
-            staleness += float(self.reply[-1]) / self.num_servers if self.correct else 0.0
+            self._read_reply(server)
             self.comm.recv(target[part], server, REPLY, wire=None if exact else self.wire)
-        self.mean_staleness = staleness
         return versions
+
+    def _push_header(self, version: int) -> None:
+        """Worker: fill the header of a push to a server (the version last fetched from it)."""
+        self.push_header.fill_(version)
+
+    def _read_reply(self, server: int) -> None:
+        """Worker: read a server's answer to a fetch beyond its version (momentum_correction: the servers'
+        mean staleness, averaged over them)."""
+        if self.correct:
+            first = server == self.server_ranks[0]
+            self.mean_staleness = (0.0 if first else self.mean_staleness) + float(
+                self.reply[1]
+            ) / self.num_servers
 
     @no_grad
     def fetch(self) -> None:
@@ -302,26 +316,35 @@ class ASGD(Rule):
         incoming = torch.empty_like(self.shard)
 
         def handle(source: int, tag: int) -> None:
-            self.comm.recv(self.header, source, tag)
+            self.comm.recv(self.header if tag == FETCH else self.push_header, source, tag)
             if tag == FETCH:
                 wire = None if float(self.header) < 0 else self.wire
-                self.reply[0] = self.version
-                if self.correct:
-                    self.reply[1] = mean_of(self.histogram)
+                self._reply_header()
                 self.comm.send(self.reply, source, REPLY)
                 self.comm.send(self.shard, source, REPLY, wire=wire)
                 return
             assert tag == PUSH, f"unexpected message tag {tag} from rank {source}"
             self.comm.recv(incoming, source, PUSH_DATA, wire=self.wire)
-            staleness = self.version - int(self.header)
+            staleness = self.version - int(self.push_header[0])
             self.histogram[staleness] += 1
             if self.policy == "drop" and staleness > self.max_staleness:
                 self.dropped += 1
                 return
-            self.shard.add_(incoming, alpha=1.0 / (1 + staleness) if self.policy == "scale" else 1.0)
+            self._apply_push(incoming, staleness, source)
             self.version += 1
 
         self._serve_workers(handle, DONE, CHECKPOINT)
+
+    def _apply_push(self, delta: torch.Tensor, staleness: int, source: int) -> None:
+        """Server: apply a worker's Δ to the shard (``staleness=scale``: Δ / (1 + τ)); ``self.push_header``
+        holds the push's header."""
+        self.shard.add_(delta, alpha=1.0 / (1 + staleness) if self.policy == "scale" else 1.0)
+
+    def _reply_header(self) -> None:
+        """Server: fill the answer to a fetch (the version; with momentum_correction the mean staleness)."""
+        self.reply[0] = self.version
+        if self.correct:
+            self.reply[1] = mean_of(self.histogram)
 
     def final_metrics(self) -> dict[str, object]:
         """Collective: the servers' staleness histogram and drops (counted per shard push) and versions."""
