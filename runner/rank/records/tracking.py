@@ -258,13 +258,14 @@ class EventFile:
         if time.time() - self.flushed > self.flush_secs:
             self.flush()
 
-    def session(self, info: Any) -> None:
-        """One of the HParams plugin's records (``HParamsPluginData``: a session's start or end)."""
+    def session(self, **info: Any) -> None:
+        """One of the HParams plugin's records (``HParamsPluginData``), given as its one field:
+        ``session_start_info=`` or ``session_end_info=``."""
         from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
         from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 
-        which = "session_start_info" if type(info).__name__ == "SessionStartInfo" else "session_end_info"
-        data = HParamsPluginData(version=0, **{which: info})
+        (which,) = info
+        data = HParamsPluginData(version=0, **info)
         plugin = SummaryMetadata.PluginData(plugin_name="hparams", content=data.SerializeToString())
         value = Summary.Value(tag=f"_hparams_/{which}", metadata=SummaryMetadata(plugin_data=plugin))
         self.writer.write_event(self.event(wall_time=time.time(), summary=Summary(value=[value])))
@@ -334,7 +335,7 @@ class TensorBoardTracker(Tracker):
         purge = None if run.resume_step is None else run.resume_step + 1
         self.events = EventFile(tensorboard_dir(run.dir, run.name), purge, cfg.flush_secs)
         self.monitor = (run.config.get("train") or {}).get("monitor")
-        self.events.session(session_start(compared(run), trial_name(run)))
+        self.events.session(session_start_info=session_start(compared(run), trial_name(run)))
 
     def write(self, kind: str, step: int, values: list[tuple[str, float]]) -> None:
         for key, value in values:
@@ -357,11 +358,11 @@ class TensorBoardTracker(Tracker):
         step = int(summary.get("steps") or 0)
         for tag, value in outcome(summary, self.monitor).items():
             self.events.scalar(tag, value, step)
-        self.events.session(session_end(str(summary.get("status", "ok"))))
+        self.events.session(session_end_info=session_end(str(summary.get("status", "ok"))))
         self.events.close()
 
     def fail(self, cause: str) -> None:
-        self.events.session(session_end("failed"))
+        self.events.session(session_end_info=session_end("failed"))
         self.events.close()
 
 
