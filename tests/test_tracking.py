@@ -423,6 +423,50 @@ def test_mlflow_without_a_tracking_uri_keeps_its_store_in_the_sweep_folder_not_t
     assert list(mlflow_runs(f"sqlite:///{single / 'mlflow.db'}")) == ["optim.lr=0.1"]
 
 
+@pytest.mark.slow  # three processes, each importing mlflow
+def test_sweep_points_starting_at_once_share_one_new_mlflow_store(tmp_path):
+    """Three points of one sweep start at once (joblib's launcher) with no tracking URI: each makes or
+    finds the sweep folder's store and records its run (unlocked, all but one failed making the tables:
+    ``duplicate column name``), and a store the user names keeps its artifacts beside it, not in the
+    working folder."""
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'mpitrain[mlflow]'")
+    folder = tmp_path / "sweep"
+    runs = [
+        fake_run(folder / str(n), {"rule.alpha": a}, ["rule=easgd", f"rule.alpha={a}"])
+        for n, a in enumerate((0.1, 0.5, 0.9))
+    ]
+    given = f"sqlite:///{tmp_path / 'given' / 'store.db'}"
+    (tmp_path / "given").mkdir()
+    code = (
+        "import sys; from pathlib import Path; from tests.test_tracking import record_run\n"
+        "from runner.schema.logger.mlflow import MLflowConfig\n"
+        "record_run(Path(sys.argv[1]), {'mlflow': MLflowConfig(tracking_uri=sys.argv[2] or None)})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(ROOT)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    single = fake_run(tmp_path / "single", {"optim.lr": 0.1}, sweep=False)
+    argvs = [[str(run), ""] for run in runs] + [[str(single), given]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *argv], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+        )
+        for argv in argvs
+    ]
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], errors
+    assert not [e for e in errors if "logger=mlflow" in e], errors
+    assert sorted(mlflow_runs(f"sqlite:///{folder / 'mlflow.db'}")) == [
+        "rule.alpha=0.1",
+        "rule.alpha=0.5",
+        "rule.alpha=0.9",
+    ]
+    (run,) = mlflow_runs(given).values()
+    assert run.info.artifact_uri.startswith((tmp_path / "given" / "mlartifacts").as_uri())
+    assert list(cwd.iterdir()) == []
+
+
 def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp_path, capsys, monkeypatch):
     """MLflow's store cannot be written (its folder is a file): the start fails, one line names the logger
     and the cause, and the other records are all written; a failure later on does the same."""
