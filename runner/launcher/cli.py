@@ -29,6 +29,13 @@ from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
 from runner.launcher.outcomes import invalid_input, os_error
 from runner.launcher.register import check_folders, register
+from runner.launcher.sweep_resume import (
+    changed_overrides,
+    end_point,
+    register_sweeper,
+    resumed_argv,
+    start_point,
+)
 from runner.run_folder import (
     CONFIG,
     EVAL,
@@ -44,6 +51,7 @@ from runner.schema.secrets import hide_file
 
 log = logging.getLogger("runner")
 register()
+register_sweeper()
 register_help()
 # A log file that cannot be written (full disk) must not print a traceback per message: the console
 # handler still shows them, and the launcher reports the run folder's I/O errors itself.
@@ -67,6 +75,10 @@ def main(cfg: DictConfig) -> float:
     share = 1 if single else concurrent_points(hydra_cfg.launcher, sweep)
     if share > 1:  # sweep points that run at once must not draw their progress bars over each other
         os.environ[TTY_ENV] = "0"
+    point = None if single or cfg.eval else (Path(hydra_cfg.sweep.dir), hydra_cfg.job.num)
+    if point is not None and not start_point(*point, ident, fail_fast=cfg.sweep.fail_fast):
+        return float("nan")  # sweep.fail_fast: another point failed
+    status = "failed"
     try:
         if cfg.eval:
             return evaluate(cfg)
@@ -76,25 +88,34 @@ def main(cfg: DictConfig) -> float:
             if cfg.resume:  # the run's own folder, config and identity; the command line may change safe keys
                 from runner.launcher.resume import Finished, resume_config
 
+                given = list(hydra_cfg.overrides.task)  # a sweep point's: less its own (and sweep.*)
                 try:
-                    cfg, run_dir = resume_config(cfg, list(hydra_cfg.overrides.task))
+                    cfg, run_dir = resume_config(cfg, given if single else changed_overrides(run_dir, given))
                 except Finished as done:
                     log.info("%s", done)
+                    status = "ok"
                     return None
-                ident = None
+                if single:  # (a resumed sweep point keeps its name: resume= is not part of it)
+                    ident = None
             summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
+            status = "ok"
     except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix
+        status = "invalid"
         log.error("%sinvalid input, nothing was started: %s", tag(single, ident), err)
         if not single and not in_process(hydra_cfg.launcher):
             raise
         return not_ok(single, ident, "invalid", EXIT["invalid"])
     except JobEnded as err:
+        status = err.status
         (log.warning if err.status == "preempted" else log.error)(
             "%sjob %s: %s", tag(single, ident), err.status, err
         )
         if not single and not in_process(hydra_cfg.launcher):
             raise  # the sweep's own process hears of it only so
         return not_ok(single, ident, err.status, err.code)
+    finally:
+        if point is not None:
+            end_point(*point, status)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
 
 
@@ -164,6 +185,9 @@ def run() -> None:
     traceback_wanted = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors here instead of printing its advice
     try:
+        resumed = resumed_argv(sys.argv[1:])  # resume=SWEEP_DIR: the sweep's own command line
+        if resumed is not None:
+            sys.argv[1:] = resumed
         check_folders(sys.argv[1:])
         main()
     except BrokenPipeError:  # `mpitrain --help | head`: the reader has gone, no traceback

@@ -21,7 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.run_folder import CONFIG_SHA_ENV
 from runner.schema import GROUPS, option_name, require
 from runner.schema.logger import DEFAULT_LOGGERS, as_loggers
-from runner.schema.sections import CheckpointConfig, SimulateConfig, TrainConfig
+from runner.schema.sections import CheckpointConfig, SimulateConfig, SweepConfig, TrainConfig
 from runner.schema.target import of_node
 from runner.schema.trust import check_kinds, check_schema_class, check_schemas, targets
 
@@ -45,6 +45,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     resume: str | None = None
     eval: str | None = None
     hardware: Any = MISSING
@@ -121,7 +122,7 @@ def validate(cfg: DictConfig) -> Config:
     if missing:
         keys = ", ".join(sorted(missing))
         raise ValueError(f"{keys}: no value given; set it on the command line, e.g. {sorted(missing)[0]}=...")
-    for key in ("train", "checkpoint", "simulate", *GROUPS):
+    for key in ("train", "checkpoint", "simulate", "sweep", *GROUPS):
         try:
             OmegaConf.to_object(cfg[key])
         except ValueError as err:

@@ -1,4 +1,5 @@
-"""The schemas of the top-level sections of ``conf/config.yaml``: ``train``, ``checkpoint``, ``simulate``.
+"""The schemas of the top-level sections of ``conf/config.yaml``: ``train``, ``checkpoint``, ``simulate``,
+``sweep``.
 
 Like the groups' schemas, each holds its keys' defaults and checks; :mod:`runner.schema.config` puts them
 together.
@@ -142,6 +143,21 @@ class CheckpointConfig:
             "minutes between checkpoints, > 0 (e.g. 30), or null",
         )
         require(self.keep >= 1, "keep", self.keep, "keep at least the latest checkpoint (checkpoint.keep=2)")
+
+
+@dataclass
+class SweepConfig:
+    """How a sweep (``-m``) treats its points: ``fail_fast`` starts no further point once one failed;
+    ``retry``: ``resume=SWEEP_DIR`` runs the points that failed again (false: keeps them as they ended).
+    Read by the sweep (:mod:`runner.launcher.sweep_resume`), not by the ranks."""
+
+    retry: bool = True
+    fail_fast: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("retry", "fail_fast"):
+            value = getattr(self, key)
+            require(isinstance(value, bool), key, value, f"true or false (e.g. sweep.{key}=true)")
 
 
 @dataclass

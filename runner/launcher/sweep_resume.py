@@ -1,0 +1,314 @@
+"""A sweep's points and their states (the manifest ``sweep.json``), and ``resume=SWEEP_DIR``, which finishes
+a sweep point by point.
+
+**The manifest.** ``SWEEP_DIR/sweep.json`` lists the sweep's points by number: overrides, name, folder and
+state (``running``, then how the point ended: ``ok``, ``failed``, ``invalid``, ``preempted``; ``pending``
+for a point a resumed sweep has yet to run). Each point writes its own entry as it starts and as it ends,
+read-modify-write under a lock (``.sweep.json.lock``), since the points of a parallel launcher end at once.
+It is a record for people and tools: what a point *is* is read from its folder (:func:`point_state`),
+which also tells a point whose launcher was killed (a ``config.yaml`` and no summary of that job).
+
+**Resuming.** ``resume=SWEEP_DIR`` (a folder with Hydra's ``multirun.yaml``) is turned into the sweep's own
+command line (:func:`resumed_argv`: its overrides, its launcher, ``hydra.sweep.dir=SWEEP_DIR``) with
+:class:`ResumingSweeper`, Hydra's basic sweeper which expands the same grid in the same order (so point
+``N`` is folder ``N`` again) and gives each point a decision (:func:`decide`): an ``ok`` point is kept (no
+job, not a file touched), an interrupted one (preempted, or its launcher killed) with a checkpoint is
+resumed in its folder (``resume=SWEEP_DIR/N``), a failed one is run again (its folder set aside as
+``.attempts/N.K``) or, with ``sweep.retry=false``, kept as it ended, and a point never started is run. The
+report is then written over every point, as at the end of any sweep.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import OmegaConf
+
+from runner.launcher import outcomes
+from runner.run_folder import (
+    CHECKPOINTS,
+    CONFIG,
+    EXIT,
+    IDENTITY,
+    SUMMARY,
+    SWEEP_CONFIG,
+    DamagedIndex,
+    dumps,
+    read_checkpoint_index,
+    read_json,
+    rebuild_checkpoint_index,
+    write_atomic,
+)
+from runner.schema.identity import identity, override_key
+
+log = logging.getLogger("runner")
+
+MANIFEST = "sweep.json"
+#: Where a failed point's folder is set aside before it runs again: ``SWEEP_DIR/.attempts/N.K``.
+ATTEMPTS = ".attempts"
+#: ``hydra/sweeper=mpitrain_resume``, and the name Hydra knows its class by (plugins only from hydra_plugins).
+SWEEPER = "mpitrain_resume"
+SWEEPER_CLASS = "hydra_plugins.mpitrain_resume.ResumingSweeper"
+#: A point's decision on resuming, by its state (and whether it has a checkpoint, and ``sweep.retry``).
+DECISIONS = ("keep", "resume", "run", "skip")
+
+
+def is_sweep_folder(path: Path) -> bool:
+    """Whether ``path`` is a sweep's folder (Hydra's ``multirun.yaml``), not a run's (``config.yaml``)."""
+    return (path / SWEEP_CONFIG).is_file() and not (path / CONFIG).is_file()
+
+
+def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
+    """``(state, status, checkpointed)`` of a sweep point's folder: ``pending`` (no job wrote its config),
+    ``running`` (its last job has no summary: running, or its launcher was killed), ``ok``, ``invalid``,
+    ``preempted`` (summary ``preempted`` or ``interrupted``) or ``failed`` (any other status); ``status``
+    is its summary's, and ``checkpointed`` whether a checkpoint was indexed or can be found."""
+    config = point_dir / CONFIG
+    if not config.is_file():
+        return "pending", None, False
+    summary = point_dir / SUMMARY
+    try:
+        current = summary.stat().st_mtime >= config.stat().st_mtime  # not an earlier job's
+    except OSError:
+        current = False
+    status = read_json(summary).get("status") if current else None
+    if status is None:
+        state = "running"
+    elif status in ("preempted", "interrupted"):
+        state = "preempted"
+    elif status in ("ok", "invalid"):
+        state = status
+    else:
+        state = "failed"
+    return state, status, checkpointed(point_dir)
+
+
+def checkpointed(run_dir: Path) -> bool:
+    """Whether ``run_dir`` has a checkpoint to resume from (indexed, or in a folder the index missed)."""
+    if not (run_dir / CHECKPOINTS).is_dir():
+        return False
+    try:
+        if read_checkpoint_index(run_dir):
+            return True
+    except DamagedIndex:
+        pass
+    return bool(rebuild_checkpoint_index(run_dir)[0])
+
+
+def decide(state: str, has_checkpoint: bool, retry: bool) -> str:
+    """What resuming does with a point in ``state`` (:func:`point_state`): ``keep`` an ok one, ``resume``
+    an interrupted one from its checkpoint (without one: ``run`` it again), ``run`` a failed one again
+    (``skip``: keep it as it ended, with ``sweep.retry=false``) and one never started."""
+    if state == "ok":
+        return "keep"
+    if state in ("preempted", "running"):
+        return "resume" if has_checkpoint else "run"
+    if state in ("failed", "invalid"):
+        return "run" if retry else "skip"
+    assert state == "pending", state
+    return "run"
+
+
+def record_point(sweep_dir: Path, num: int, **fields: Any) -> None:
+    """Update point ``num``'s entry of ``SWEEP_DIR/sweep.json`` with ``fields`` (under the manifest's lock,
+    written atomically). A manifest that cannot be written is logged: it is a record, not the sweep."""
+    try:
+        with open(sweep_dir / f".{MANIFEST}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            manifest = read_json(sweep_dir / MANIFEST)
+            points = manifest.setdefault("points", {})
+            if not isinstance(points, dict):
+                manifest["points"] = points = {}
+            points[str(num)] = {**points.get(str(num), {}), "dir": str(num), **fields, "time": time.time()}
+            ordered = dict(sorted(points.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
+            write_atomic(sweep_dir / MANIFEST, dumps({**manifest, "points": ordered}, indent=1))
+    except OSError as err:
+        log.warning("%s: cannot record point %s: %s", sweep_dir / MANIFEST, num, err.strerror or err)
+
+
+def read_manifest(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    """The points of ``SWEEP_DIR/sweep.json`` by number ({} when there is none)."""
+    points = read_json(sweep_dir / MANIFEST).get("points")
+    return points if isinstance(points, dict) else {}
+
+
+def failed_point(sweep_dir: Path, me: int) -> str | None:
+    """A point of the sweep other than ``me`` that ended not ok, named (``point 1 (optim.lr=10) failed``),
+    as ``sweep.fail_fast`` asks; None when there is none."""
+    for num, point in read_manifest(sweep_dir).items():
+        state = point.get("state")
+        if num != str(me) and state not in ("ok", "running", "pending", None):
+            return f"point {num} ({point.get('name', '?')}) {point.get('status') or state}"
+    for name, status, _ in outcomes.NOT_OK:  # this process's points (a manifest may be unwritable)
+        return f"{name} {status}"
+    return None
+
+
+def start_point(sweep_dir: Path, num: int, ident: dict[str, Any], fail_fast: bool = False) -> bool:
+    """Record sweep point ``num`` as running, and say whether it should run: not with ``fail_fast`` once
+    another point ended not ok (it is then said in one line and left ``pending``, for a resume to run)."""
+    if fail_fast and (why := failed_point(sweep_dir, num)) is not None:
+        log.warning("[%s] not started: sweep.fail_fast, and %s", ident["name"], why)
+        record_point(sweep_dir, num, overrides=ident["overrides"], name=ident["name"], state="pending")
+        return False
+    record_point(
+        sweep_dir, num, overrides=ident["overrides"], name=ident["name"], state="running", status=None
+    )
+    return True
+
+
+def end_point(sweep_dir: Path, num: int, status: str) -> None:
+    """Record how sweep point ``num`` ended (its status: ``ok``, ``failed``, ``preempted``, ...)."""
+    state = {"ok": "ok", "invalid": "invalid", "preempted": "preempted", "interrupted": "preempted"}
+    record_point(sweep_dir, num, state=state.get(status, "failed"), status=status)
+
+
+def changed_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
+    """A resumed sweep point's overrides less those it was started with (its ``run.json``) and the sweep's
+    own keys: what resuming would change, for :func:`runner.launcher.resume.resume_config` to check."""
+    started = set(read_json(run_dir / IDENTITY).get("overrides") or ())
+    return [o for o in overrides if o not in started and not override_key(o).startswith("sweep.")]
+
+
+#: How each decision is said on the terminal, after the point's name and state.
+SAID = {
+    "keep": "kept as it is",
+    "resume": "resumed from its checkpoint",
+    "run": "run",
+    "skip": "kept as it ended (sweep.retry=false)",
+}
+
+
+def plan(
+    sweep_dir: Path, grid: list[list[str]], sweep: list[str], retry: bool
+) -> list[tuple[int, list[str]]]:
+    """The points of ``grid`` (each point's overrides, in the sweep's order) to launch, as ``(number,
+    overrides)``; each point's decision is said in one line and recorded in the manifest. A failed point
+    to run again has its folder set aside; one kept as it failed counts as not ok for the exit status."""
+    jobs = []
+    for num, overrides in enumerate(grid):
+        point_dir = sweep_dir / str(num)
+        state, status, has_checkpoint = point_state(point_dir)
+        decision = decide(state, has_checkpoint, retry)
+        ident = identity(list(overrides), sweep)
+        log.info("[%s] point %d %s: %s", ident["name"], num, state, SAID[decision])
+        entry = {"overrides": ident["overrides"], "name": ident["name"], "status": status}
+        if decision == "resume":
+            jobs.append((num, [*overrides, f"resume='{point_dir}'"]))
+        elif decision == "run":
+            if state != "pending":
+                set_aside(point_dir)
+            state, entry["status"] = "pending", None
+            jobs.append((num, list(overrides)))
+        elif decision == "skip":
+            outcomes.NOT_OK.append(
+                (ident["name"], status or state, EXIT.get(status or state, EXIT["failed"]))
+            )
+        record_point(sweep_dir, num, **entry, state=state)
+    return jobs
+
+
+def set_aside(point_dir: Path) -> Path:
+    """Move a point's folder to ``SWEEP_DIR/.attempts/N.K`` (K: its first free attempt number)."""
+    attempts = point_dir.parent / ATTEMPTS
+    attempts.mkdir(exist_ok=True)
+    k = 1
+    while (attempts / f"{point_dir.name}.{k}").exists():
+        k += 1
+    aside = attempts / f"{point_dir.name}.{k}"
+    point_dir.rename(aside)
+    log.info("%s: the failed attempt is kept as %s", point_dir, aside)
+    return aside
+
+
+def batches(jobs: list[tuple[int, list[str]]], size: int | None) -> list[tuple[int, list[list[str]]]]:
+    """``jobs`` as launches of consecutive point numbers (a launcher numbers its jobs from the first), each
+    of at most ``size`` points (None: no limit): ``(first number, overrides of each)``."""
+    out: list[tuple[int, list[list[str]]]] = []
+    for num, overrides in jobs:
+        if out and out[-1][0] + len(out[-1][1]) == num and (size is None or len(out[-1][1]) < size):
+            out[-1][1].append(overrides)
+        else:
+            out.append((num, [overrides]))
+    return out
+
+
+class ResumingSweeper(BasicSweeper):
+    """Hydra's basic sweeper over a sweep folder that has run before (``hydra/sweeper=mpitrain_resume``,
+    set by :func:`resumed_argv`): the same grid in the same order, launching only the points
+    :func:`plan` gives it, each under its own number; with ``sweep.fail_fast``, none after a launch that
+    had a point not ok. The sweep's ``multirun.yaml`` is kept as the first run wrote it."""
+
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None):
+        # (not BasicSweeper.__init__: Hydra's plugin scan loads its module again, and its super() call
+        # names the class of that second load, of which this one is no subclass)
+        Sweeper.__init__(self)
+        self.overrides, self.batch_index, self.max_batch_size = None, 0, max_batch_size
+        self.params = params or {}
+        self.hydra_context, self.config, self.launcher = None, None, None
+
+    def sweep(self, arguments: list[str]) -> Any:
+        """Launch the points left to run; Hydra's list of each launch's job returns."""
+        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        grid = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)[0]
+        settings = self.config.sweep
+        jobs = plan(sweep_dir, grid, list(arguments), bool(settings.retry))
+        log.info("resuming the sweep %s: %d of %d points to run", sweep_dir, len(jobs), len(grid))
+        returns = []
+        for start, batch in batches(jobs, self.max_batch_size):
+            if settings.fail_fast and (why := failed_point(sweep_dir, -1)) is not None:
+                log.warning("sweep.fail_fast: %s; the sweep starts no further point", why)
+                break
+            self.validate_batch_is_legal(batch)
+            returns.append(self.launcher.launch(batch, initial_job_idx=start))
+        for results in returns:
+            for result in results:
+                _ = result.return_value  # a point that raised (run elsewhere) ends the sweep as Hydra's would
+        return returns
+
+
+def resumed_argv(argv: list[str]) -> list[str] | None:
+    """The command line that finishes the sweep ``argv``'s ``resume=SWEEP_DIR`` names: the sweep's own
+    overrides (its ``multirun.yaml``), its launcher, ``argv``'s other arguments (which win over the sweep's
+    for the same key), ``hydra.sweep.dir=SWEEP_DIR`` and :class:`ResumingSweeper`. None when ``argv`` does
+    not resume a sweep folder. Raises ValueError for a sweep that cannot be resumed so."""
+    given = [a for a in argv if a.startswith("resume=")]
+    if not given:
+        return None
+    path = Path(given[-1].split("=", 1)[1].strip("'\"")).expanduser()
+    if not is_sweep_folder(path):
+        return None
+    recorded = OmegaConf.load(path / SWEEP_CONFIG)
+    sweeper = str(OmegaConf.select(recorded, "hydra.sweeper._target_", default=""))
+    if not sweeper.endswith(("BasicSweeper", "ResumingSweeper")):
+        raise ValueError(
+            f"resume={path}: the sweep was run by {sweeper}, whose points are drawn, not a grid: only a grid "
+            "sweep (Hydra's basic sweeper) can be resumed point by point; resume its runs one by one "
+            "(resume=SWEEP_DIR/N)"
+        )
+    rest = [a for a in argv if a not in given and a not in ("-m", "--multirun")]
+    mine = {override_key(a) for a in rest if "=" in a}
+    own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", *mine)
+    task = [o for o in recorded.hydra.overrides.task if override_key(o) not in own]
+    launcher = [o for o in recorded.hydra.overrides.hydra if override_key(o) not in own]
+    return ["-m", *launcher, *task, *rest, f"hydra.sweep.dir={path}", f"hydra/sweeper={SWEEPER}"]
+
+
+def register_sweeper() -> None:
+    """Make ``hydra/sweeper=mpitrain_resume`` known to Hydra (idempotent), which takes sweepers only from
+    its ``hydra_plugins`` package, by the name their config targets."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().class_name_to_class[SWEEPER_CLASS] = ResumingSweeper
+    node = {"_target_": SWEEPER_CLASS, "max_batch_size": None, "params": None}
+    ConfigStore.instance().store(group="hydra/sweeper", name=SWEEPER, node=node, provider="mpitrain")
