@@ -4,6 +4,7 @@ runs through ``MlflowClient``, an offline W&B run from its transaction log."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -16,6 +17,13 @@ import pytest
 from tests.conftest import ROOT, compose_config
 
 SHORT = ["model=mlp", "train.epochs=1", "train.max_steps=4", "train.log_every=2"]
+
+
+def needs(*packages: str) -> pytest.MarkDecorator:
+    """Skip where a package of an extra of the same name is not installed (each is in ``.[test]``)."""
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    hint = f'{", ".join(missing)} not installed: pip install -e ".[{",".join(missing)}]"'
+    return pytest.mark.skipif(bool(missing), reason=hint)
 
 
 # -- reading the records back --------------------------------------------------------------------------------
@@ -175,6 +183,7 @@ EVERY_RUN = [
 ]
 
 
+@needs("tensorboard")
 def test_tensorboard_hparams_show_every_swept_key_of_every_run_named_by_its_point(tmp_path):
     """``tensorboard --logdir outputs`` over an earlier single run (``train.epochs``) and a 2-point sweep of
     ``rule.alpha`` and ``optim.lr``: the HParams table has all three columns (TensorBoard took them from one
@@ -195,6 +204,7 @@ def test_tensorboard_hparams_show_every_swept_key_of_every_run_named_by_its_poin
     assert sorted(in_sweep) == ["0/tb/rule.alpha=0.1,optim.lr=0.05", "1/tb/rule.alpha=0.5,optim.lr=0.1"]
 
 
+@needs("tensorboard")
 def test_the_hparams_table_ticks_the_outcome_and_names_each_trial_by_what_it_is(tmp_path):
     """A 4-point sweep of ``rule.alpha`` (``rule=easgd`` fixed): the five metric columns TensorBoard's
     HParams table ticks before any click are the outcome's, final accuracy among them, with each trial's
@@ -221,6 +231,7 @@ def test_the_hparams_table_ticks_the_outcome_and_names_each_trial_by_what_it_is(
         assert trials[name]["status"] == "STATUS_SUCCESS"
 
 
+@needs("tensorboard")
 def test_the_hparams_table_over_two_sweeps_has_no_blank_compared_key(tmp_path):
     """``--logdir outputs`` over a sweep of EASGD's alpha and a sweep of the learning rate of a DiLoCo MLP:
     every trial of both has every compared key (rule, model, data, optimizer, lr, devices, transport,
@@ -247,6 +258,7 @@ def test_a_run_name_becomes_one_folder_name():
 
 
 # -- the group: composing, checking, refusing ----------------------------------------------------------------
+@needs("mlflow", "wandb")
 def test_loggers_compose_one_or_several_with_their_typed_keys():
     from runner.schema.config import validate
     from runner.schema.logger.mlflow import MLflowConfig
@@ -316,6 +328,7 @@ def test_a_run_folder_written_before_the_logger_group_keeps_tensorboard(tmp_path
     assert load(tmp_path / "config.yaml").logger == {"tensorboard": TensorBoardConfig()}
 
 
+@needs("mlflow", "wandb")
 def test_the_launcher_and_the_default_logger_import_no_mlflow_or_wandb(tmp_path):
     """Checking ``logger=[tensorboard,mlflow,wandb]`` only looks for the packages, and a run with the
     default logger (TensorBoard) records without them: both are slow to import."""
@@ -334,6 +347,7 @@ def test_the_launcher_and_the_default_logger_import_no_mlflow_or_wandb(tmp_path)
 
 
 # -- MLflow, in-process --------------------------------------------------------------------------------------
+@needs("mlflow")
 def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_the_run(tmp_path):
     from runner.rank.records.metrics import MetricsLog
     from runner.schema.logger.mlflow import MLflowConfig
@@ -467,6 +481,7 @@ def test_sweep_points_starting_at_once_share_one_new_mlflow_store(tmp_path):
     assert list(cwd.iterdir()) == []
 
 
+@needs("mlflow")
 def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp_path, capsys, monkeypatch):
     """MLflow's store cannot be written (its folder is a file): the start fails, one line names the logger
     and the cause, and the other records are all written; a failure later on does the same."""
@@ -504,6 +519,7 @@ def test_a_failing_optional_logger_is_named_in_one_line_and_training_goes_on(tmp
 # -- real jobs -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.mpi
+@needs("tensorboard", "mlflow")
 def test_a_sweep_to_tensorboard_and_mlflow_reads_back_in_both(cli):
     """A real 2-point sweep, MLflow without a tracking URI: TensorBoard's table and MLflow's store (in the
     sweep folder, none in the working folder) hold both runs with every compared key and the outcome."""
@@ -540,6 +556,7 @@ def test_a_sweep_to_tensorboard_and_mlflow_reads_back_in_both(cli):
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@needs("wandb")
 def test_wandb_offline_records_config_metrics_summary_and_model(cli, tmp_path):
     env = {
         **os.environ,
