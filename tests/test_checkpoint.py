@@ -92,6 +92,10 @@ DETERMINISTIC = {
         "1-worker": (2, {"n_push": 2, "n_fetch": 3}),
         "1-worker-2-servers": (3, {"servers": 2, "staleness": "scale"}),
     },
+    "async_diloco": {
+        "1-worker": (2, {"inner_steps": 3}),
+        "1-worker-2-servers": (3, {"inner_steps": 2, "servers": 2, "delay": 2}),
+    },
     "gosgd": {},
     "diloco": {"": (3, {"inner_steps": 5})},
 }

@@ -156,7 +156,7 @@ def test_every_rule_heals_a_killed_worker(tmp_path, rule, setting):
     assert summary["status"] == "ok" and summary["workers_at_end"] == 4, summary
     [failure] = summary["failures"]
     [join] = summary["joins"]
-    servers = 1 if rule == "asgd" or "rule.variant=async" in overrides else 0
+    servers = 1 if rule in ("asgd", "async_diloco") or "rule.variant=async" in overrides else 0
     assert failure["rank"] == die and join["rank"] == 4 + servers, "ids are never reused"
     assert join["step"] >= failure["step"] and join["time"] > failure["time"]
     [event] = run.records("joined")

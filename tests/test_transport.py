@@ -130,6 +130,7 @@ RULES = {
     "diloco": {"": [*SHORT, "rule.inner_steps=3"]},
     "easgd": {"sync": [*SHORT, "rule.tau=3"], "async": [*ASYNC, "rule.variant=async"]},
     "asgd": {"": ASYNC},
+    "async_diloco": {"": ASYNC},
     "gosgd": {"": ASYNC},
 }
 COMMON = ["devices=3", "hardware.oversubscribe=true", "train.val_every=1"]

@@ -63,6 +63,7 @@ SETTINGS = {
     },
     "gosgd": {"": ({"p": 1.0}, 6, False)},
     "asgd": {"": ({"n_push": 1, "n_fetch": 1}, 6, False)},
+    "async_diloco": {"": ({"inner_steps": 1, "dynamic_steps": False}, 16, False)},
     "diloco": {"": ({"inner_steps": 2}, 16, True)},
     "streaming_diloco": {"": ({"inner_steps": 2, "fragments": 2}, 16, False)},  # staggered: never all alike
 }
