@@ -68,7 +68,8 @@ def is_sweep_folder(path: Path) -> bool:
 def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
     """``(state, status, checkpointed)`` of a sweep point's folder: ``pending`` (no job wrote its config),
     ``running`` (its last job has no summary: running, or its launcher was killed), ``ok``, ``invalid``,
-    ``preempted`` (summary ``preempted`` or ``interrupted``) or ``failed`` (any other status); ``status``
+    ``preempted`` (summary ``preempted`` or ``interrupted``, or a point whose Slurm job ended without a
+    result: cancelled, time limit, lost node) or ``failed`` (any other status); ``status``
     is its summary's, and ``checkpointed`` whether a checkpoint was indexed or can be found."""
     config = point_dir / CONFIG
     if not config.is_file():
@@ -78,10 +79,11 @@ def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
         current = summary.stat().st_mtime >= config.stat().st_mtime  # not an earlier job's
     except OSError:
         current = False
-    status = read_json(summary).get("status") if current else None
+    result = read_json(summary) if current else {}
+    status = result.get("status")
     if status is None:
         state = "running"
-    elif status in ("preempted", "interrupted"):
+    elif status in ("preempted", "interrupted") or result.get("slurm_job"):  # (Slurm ended it: lost)
         state = "preempted"
     elif status in ("ok", "invalid"):
         state = status

@@ -40,14 +40,15 @@ def make_point(
     folder: Path, status: str | None = None, checkpoint: bool = False, stale: bool = False
 ) -> Path:
     """A sweep point's folder: its config, a summary of ``status`` (``stale``: older than the config, an
-    earlier job's), and an indexed checkpoint."""
+    earlier job's; ``lost``: the Slurm launcher's for a job Slurm ended), and an indexed checkpoint."""
     folder.mkdir(parents=True)
+    summary = {"status": "failed", "slurm_job": "8_2"} if status == "lost" else {"status": status}
     if status is not None and stale:
-        (folder / SUMMARY).write_text(json.dumps({"status": status}))
+        (folder / SUMMARY).write_text(json.dumps(summary))
         os.utime(folder / SUMMARY, (1, 1))
     (folder / CONFIG).write_text("devices: 1\n")
     if status is not None and not stale:
-        (folder / SUMMARY).write_text(json.dumps({"status": status}))
+        (folder / SUMMARY).write_text(json.dumps(summary))
     if checkpoint:
         (folder / CHECKPOINTS).mkdir()
         entry = {
@@ -72,13 +73,15 @@ def make_point(
         ("interrupted", False, False, "preempted", True, "run"),
         ("diverged", True, False, "failed", True, "run"),
         ("failed", False, False, "failed", False, "skip"),
+        ("lost", True, False, "preempted", False, "resume"),  # Slurm ended its job (time limit, ...)
         ("invalid", False, False, "invalid", True, "run"),
         ("invalid", False, False, "invalid", False, "skip"),
     ],
 )
 def test_each_point_state_has_its_decision(tmp_path, status, checkpoint, stale, state, retry, decision):
     point = make_point(tmp_path / "0", status, checkpoint, stale)
-    assert point_state(point) == (state, None if stale else status, checkpoint)
+    recorded = None if stale or status is None else status.replace("lost", "failed")
+    assert point_state(point) == (state, recorded, checkpoint)
     assert decide(state, checkpoint, retry) == decision
 
 
