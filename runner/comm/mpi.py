@@ -6,9 +6,10 @@ configuration). A tensor collective walks the ordered routes of :mod:`runner.com
 exchange, the ``torch.distributed`` transport, the background thread, MPI directly or staged); every call
 maps MPI's failure errors to :class:`PeerLost` (:mod:`runner.comm.errors`) and accounts the bytes it sent and
 the seconds it spent (:mod:`runner.comm.stats`), so the training loop can split a step into compute and
-communication. The rest of the layer, in modules of its own: the one-sided counter
-(:mod:`runner.comm.counter`), membership and growth under ULFM (:mod:`runner.comm.membership`), pending
-requests (:mod:`runner.comm.requests`); the names below are kept importable from here.
+communication, and spends the seconds of the emulated links it crosses (:mod:`runner.comm.links`). The
+rest of the layer, in modules of its own: the one-sided counter (:mod:`runner.comm.counter`), membership
+and growth under ULFM (:mod:`runner.comm.membership`), pending requests (:mod:`runner.comm.requests`); the
+names below are kept importable from here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from runner.comm.requests import BackgroundRequest, DistRequest, Request, progre
 from runner.comm.routes import choose as choose_route
 from runner.comm.routes import load as load_routes
 from runner.comm.staging import Buffers, cuda_aware_mpi
-from runner.comm.stats import CommStats, clock, share
+from runner.comm.stats import CommStats, clock, outermost, owe, share
 
 __all__ = [
     "ANY_SOURCE",
@@ -110,6 +111,8 @@ class Comm(Membership):
         self.ids: list[int] | None = None  # each rank's id in the job, once processes were spawned into it
         self.grown = False  # processes were spawned into it (then MPI_Finalize is not called at the end)
         self.dist: Any = None  # the torch.distributed transport (runner/comm/dist.py), once attached
+        self._nodes_of: Any = None  # what ``_nodes`` was computed for: (MPI communicator, links)
+        self._node_list: list[int] = []
 
     def _collective(self, op: str, tensors: tuple[torch.Tensor, ...], *args: Any, **accounting: Any) -> Any:
         """Collective ``op`` of ``tensors`` (``args``: the rest of its arguments) by the first route that
@@ -119,9 +122,42 @@ class Comm(Membership):
         route = self.route_for(op, tensors, wire)
         with Call(self, op):
             result = getattr(route, op)(self, *tensors, *args)
+            if self.stats.links is not None and outermost():
+                self._spend(op, tensors[0], wire, result)
         if factor:
             self.stats.sent(tensors[0], factor)
         return result
+
+    def _spend(self, op: str, t: torch.Tensor, wire: torch.dtype | None, result: Any) -> None:
+        """Spend the emulated link seconds of collective ``op`` of ``t`` (in ``wire``'s type): owed by a
+        blocking call, booked on the request of a non-blocking one (:mod:`runner.comm.stats`)."""
+        links, nodes = self.stats.links, self._nodes()
+        assert links is not None
+        if wire is not None:
+            seconds = links.wire_allreduce(nodes, t.numel(), wire.itemsize)
+        else:
+            seconds = links.collective(op, nodes, t.numel() * t.element_size())
+        if seconds and op in ("iallreduce", "allreduce_background"):
+            result.due = self.stats.book(seconds)
+        else:
+            owe(seconds)
+
+    def _message(self, peer: int, t: torch.Tensor) -> float:
+        """Emulated link seconds of a message of ``t`` to or from ``peer`` (0: no links, or the same node)."""
+        links = self.stats.links
+        if links is None:
+            return 0.0
+        nodes = self._nodes()
+        return links.message(nodes[self.rank], nodes[peer], t.numel() * t.element_size())
+
+    def _nodes(self) -> list[int]:
+        """The emulated node of each rank of this communicator, in rank order (by its rank in the job)."""
+        if self._nodes_of != (self._c, self.stats.links):
+            links = self.stats.links
+            assert links is not None
+            self._node_list = [links.node(self.launch_rank(r)) for r in range(self.size)]
+            self._nodes_of = (self._c, links)
+        return self._node_list
 
     def route_for(self, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None = None) -> Any:
         """The route that performs ``op`` of ``tensors`` (:mod:`runner.comm.routes`)."""
@@ -221,6 +257,7 @@ class Comm(Membership):
         t = t if wire is None else t.to(wire)
         self._c.Send(self.buffers.get(t)[0], dest=dest, tag=tag)
         self.stats.sent(t)
+        owe(self._message(dest, t))
 
     @communication
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0, wire: torch.dtype | None = None) -> Request:
@@ -230,6 +267,9 @@ class Comm(Membership):
         buf, _ = self.buffers.get(t)
         request = Request(self, self._c.Isend(buf, dest=dest, tag=tag), None, buf)
         self.stats.sent(t)
+        seconds = self._message(dest, t)
+        if seconds and outermost():
+            request.due = self.stats.book(seconds)
         return request
 
     @communication
@@ -245,6 +285,7 @@ class Comm(Membership):
             staged.finish()
         if narrow is not None:
             t.copy_(narrow)
+        owe(self._message(status.Get_source(), t if narrow is None else narrow))
         return status.Get_source(), status.Get_tag()
 
     @communication

@@ -1,4 +1,9 @@
-"""Pending operations: what a non-blocking call returns, completed by ``wait`` (or ``test``)."""
+"""Pending operations: what a non-blocking call returns, completed by ``wait`` (or ``test``).
+
+Over emulated links (:mod:`runner.comm.links`) a request's ``due`` is when its emulated transfer is through,
+counted from its start: ``wait`` pays what is left of it once the real operation is complete, and ``test``
+is true only after it. A request waited for after ``due`` pays nothing more: its transfer overlapped.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.errors import faulted
-from runner.comm.stats import clock
+from runner.comm.stats import clock, passed
 
 if TYPE_CHECKING:
     from runner.comm.face import RequestLike
@@ -21,6 +26,8 @@ class Request:
     the communicator it runs on (its ``stats`` count the seconds, its ``tolerant`` maps the errors).
     """
 
+    due: float | None = None  # when its emulated transfer is through (runner/comm/links.py); None: none
+
     def __init__(self, comm: Any, req: Any, staged: Staged | None, buffer: Any):
         self._comm, self._req, self._staged, self._buffer = comm, req, staged, buffer
 
@@ -31,7 +38,7 @@ class Request:
             done = self._req.Test()
         if done:
             self._complete()
-        return done
+        return done and passed(self.due)
 
     def _complete(self) -> None:
         if self._staged is not None:
@@ -41,7 +48,7 @@ class Request:
     @faulted
     def wait(self) -> None:
         """Block until the operation is complete."""
-        with clock(self._comm.stats):
+        with clock(self._comm.stats, self.due):
             self._req.Wait()
             self._complete()
 
@@ -49,16 +56,18 @@ class Request:
 class BackgroundRequest:
     """An all-reduce run by the communicator's background thread; ``wait`` blocks until it is done."""
 
+    due: float | None = None  # when its emulated transfer is through (runner/comm/links.py); None: none
+
     def __init__(self, comm: Any):
         self._comm, self._done, self.error = comm, threading.Event(), None
 
     def test(self) -> bool:
         """Whether the all-reduce is done."""
-        return self._done.is_set()
+        return self._done.is_set() and passed(self.due)
 
     def wait(self) -> None:
         """Block until the all-reduce is done; raise its error, if it failed."""
-        with clock(self._comm.stats):
+        with clock(self._comm.stats, self.due):
             self._done.wait()
         if self.error is not None:
             raise self.error
@@ -74,18 +83,22 @@ class DistRequest:
     the current stream wait for it, without blocking the host). ``comm``: its communicator, which waits
     (:meth:`runner.comm.mpi.Comm.await_work`); ``work`` None: nothing is pending."""
 
+    due: float | None = None  # when its emulated transfer is through (runner/comm/links.py); None: none
+
     def __init__(self, comm: Any, work: Any):
         self._comm, self._work = comm, work
 
     def test(self) -> bool:
         """Whether the collective is complete."""
-        return self._work is None or self._work.is_completed()
+        return (self._work is None or self._work.is_completed()) and passed(self.due)
 
     def wait(self) -> None:
         """Complete the collective."""
-        if self._work is not None:
-            self._comm.await_work(self._work)
-            self._work = None
+        with clock(self._comm.stats, self.due):
+            if self._work is not None:
+                self._comm.await_work(self._work)
+                self._work = None
+        self.due = None
 
 
 def wait_all(requests: Sequence[RequestLike]) -> None:

@@ -4,56 +4,127 @@ The seconds of a call are counted once, by the outermost timed call of a thread 
 all-to-all inside its all-reduce, a wait on the ``torch.distributed`` transport inside a broadcast add nothing
 more), and none on the background thread, whose all-reduces count the time their requests are waited for.
 The bytes are what a bandwidth-optimal algorithm sends per rank, as a share of the tensor (:func:`share`).
+
+Emulated links (:mod:`runner.comm.links`) are spent here too, once per outermost call: a blocking call
+owes (:func:`owe`) its link's seconds and pays them when it ends, after the real operation; a non-blocking
+one is booked (:meth:`CommStats.book`) when it starts and its request pays, when waited for, what is left
+of them. One rank's operations share its link in the order they started (a transfer starts when the one
+before it is through). The seconds paid are counted both in ``seconds`` and apart, in ``emulated_seconds``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-_local = threading.local()  # busy: a timed call of this thread is running (or the thread is not counted)
+    from runner.comm.links import Links
+
+#: Per thread: ``depth`` (timed calls open), ``uncounted`` (the background thread), ``owed`` (link seconds the
+#: outermost call owes) and ``due`` (the latest end of a request's emulated transfer that it waits for).
+_local = threading.local()
 
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent and seconds it spent in communication, over all of its communicators."""
+    """Bytes this rank sent and seconds it spent in communication, over all of its communicators; ``links``:
+    the emulated links its messages and collectives cross (None: none are emulated), whose waits are counted
+    in ``emulated_seconds`` as well."""
 
     bytes_sent: int = 0
     seconds: float = 0.0
+    emulated_seconds: float = 0.0
+    links: Links | None = None
+    link_free: float = field(default=0.0, repr=False)  # when this rank's link is through with its transfers
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def sent(self, t: torch.Tensor, factor: float = 1.0) -> None:
         """Count ``factor`` times ``t``'s bytes as sent."""
         self.bytes_sent += int(t.numel() * t.element_size() * factor)
 
+    def book(self, seconds: float, start: float | None = None) -> float:
+        """Book ``seconds`` of this rank's link for a transfer that starts at ``start`` (default now), after
+        the transfers booked before it; when it is through (``time.perf_counter``'s clock)."""
+        start = time.perf_counter() if start is None else start
+        with self._lock:
+            self.link_free = max(start, self.link_free) + seconds
+            return self.link_free
+
+    def pay(self, due: float) -> None:
+        """Wait until ``due`` (sleeping, or busy with the links' ``spin``); counted as emulated seconds."""
+        left = due - time.perf_counter()
+        if left <= 0:
+            return
+        if self.links is not None and self.links.spin:
+            while time.perf_counter() < due:
+                pass
+        else:
+            time.sleep(left)
+        self.emulated_seconds += left
+
 
 class clock:  # noqa: N801 (used as a function: ``with clock(stats):``)
-    """Add the block's seconds to ``stats.seconds``, unless a timed block of this thread encloses it."""
+    """Add the block's seconds to ``stats.seconds``, unless a timed block of this thread encloses it. The
+    outermost block ends by paying its emulated link seconds: those it owes (:func:`owe`), and until ``due``
+    (a request's emulated transfer, :meth:`CommStats.book`; a nested block hands its ``due`` outwards)."""
 
-    __slots__ = ("stats", "t0")
+    __slots__ = ("due", "stats", "t0")
 
-    def __init__(self, stats: CommStats):
-        self.stats, self.t0 = stats, None
+    def __init__(self, stats: CommStats, due: float | None = None):
+        self.stats, self.due, self.t0 = stats, due, None
 
     def __enter__(self) -> None:
-        if not getattr(_local, "busy", False):
-            _local.busy = True
+        depth = getattr(_local, "depth", 0)
+        _local.depth = depth + 1
+        if depth == 0 and not getattr(_local, "uncounted", False):
+            _local.owed, _local.due = 0.0, 0.0
             self.t0 = time.perf_counter()
+        if self.due is not None and counted():
+            _local.due = max(_local.due, self.due)
 
     def __exit__(self, *exc: object) -> bool:
+        _local.depth -= 1
         if self.t0 is not None:
-            _local.busy = False
-            self.stats.seconds += time.perf_counter() - self.t0
+            try:
+                if _local.owed and exc[0] is None:
+                    _local.due = max(_local.due, self.stats.book(_local.owed))
+                if _local.due and exc[0] is None:
+                    self.stats.pay(_local.due)
+            finally:
+                self.stats.seconds += time.perf_counter() - self.t0
         return False
+
+
+def counted() -> bool:
+    """Whether a timed call of this thread is open, and its seconds are counted."""
+    return getattr(_local, "depth", 0) > 0 and not getattr(_local, "uncounted", False)
+
+
+def outermost() -> bool:
+    """Whether the call running is the outermost timed call of a counted thread: the one that spends the
+    emulated link seconds of what it does (the calls inside it spend none)."""
+    return getattr(_local, "depth", 0) == 1 and not getattr(_local, "uncounted", False)
+
+
+def owe(seconds: float) -> None:
+    """The outermost call running owes ``seconds`` of its link (paid when it ends); inside another call,
+    or on an uncounted thread, nothing."""
+    if seconds and outermost():
+        _local.owed += seconds
+
+
+def passed(due: float | None) -> bool:
+    """Whether a request's emulated transfer, through at ``due`` (None: none), is over."""
+    return due is None or time.perf_counter() >= due
 
 
 def uncounted_thread() -> None:
     """Count no seconds on the calling thread from now on (the background thread: its requests' waits do)."""
-    _local.busy = True
+    _local.uncounted = True
 
 
 def share(op: str, size: int, root: bool = False) -> float:

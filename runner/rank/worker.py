@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from runner.comm import mpi
+from runner.comm.links import emulated
 from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
 from runner.rank import dynamo
@@ -120,6 +121,7 @@ def run(
     latest checkpoint when the launcher set ``resume``; ``joined``: spawned into the running job, it
     starts from worker 0's state)."""
     start = time.time()
+    comm.stats.links = emulated(cfg.simulate)  # simulate.ranks_per_node, link_gbps: runner/comm/links.py
     rank = (place_joined if joined else place)(cfg, run_dir, comm, streams, beat)
     model = build_model(rank)
     if rank.workers is None:

@@ -169,12 +169,23 @@ class SimulateConfig:
     every worker also sleeps a delay of its own per step, drawn once from [0, jitter_ms] (seeded by its
     rank): workers of random speeds. ``spin``: the delays are spent spinning on the CPU instead of sleeping,
     as a slower machine would spend them computing: on a machine with fewer cores than ranks a sleeping
-    worker gives its core to the others, which then run faster than beside a slow machine."""
+    worker gives its core to the others, which then run faster than beside a slow machine.
+
+    Emulated links (:mod:`runner.comm.links`): the job's ranks, in rank order, make nodes of
+    ``ranks_per_node`` each, whose links carry ``link_gbps`` Gbit/s; every message or collective that
+    crosses a node boundary costs ``link_latency_ms`` plus its bytes over the bandwidth, spent after the
+    real operation (slept, or spun with ``spin``). Either one unset leaves the links free, with a warning
+    when the other is set (a sweep may include the point without links). The latency's default, 0.05 ms,
+    is a one-way TCP message between hosts on one Ethernet switch (tens of microseconds), the transport
+    Open MPI takes between nodes without InfiniBand."""
 
     straggler_ranks: list[int] = field(default_factory=list)
     straggler_ms: float = 0.0
     jitter_ms: float = 0.0
     spin: bool = False
+    ranks_per_node: int | None = None
+    link_gbps: float | None = None
+    link_latency_ms: float = 0.05
 
     def __post_init__(self) -> None:
         require(
@@ -195,6 +206,32 @@ class SimulateConfig:
             self.straggler_ranks,
             "name each rank once (e.g. simulate.straggler_ranks=[1,3])",
         )
+        self.check_links()
+
+    def check_links(self) -> None:
+        """The emulated links' keys: ranks per node >= 0, a bandwidth > 0, a latency >= 0."""
+        require(
+            self.ranks_per_node is None or self.ranks_per_node >= 0,
+            "ranks_per_node",
+            self.ranks_per_node,
+            "ranks per emulated node, >= 1 (e.g. simulate.ranks_per_node=1: a node per rank), or null: none",
+        )
+        require(
+            self.link_gbps is None or (math.isfinite(self.link_gbps) and self.link_gbps > 0),
+            "link_gbps",
+            self.link_gbps,
+            "each emulated node's link in Gbit/s, > 0 (e.g. simulate.link_gbps=0.1, 100 Mbit/s), or null",
+        )
+        require(
+            math.isfinite(self.link_latency_ms) and self.link_latency_ms >= 0,
+            "link_latency_ms",
+            self.link_latency_ms,
+            "milliseconds per operation that crosses a node boundary, >= 0 (e.g. 0.05)",
+        )
+
+    def links(self) -> bool:
+        """Whether links between emulated nodes are emulated (both ``ranks_per_node`` and ``link_gbps``)."""
+        return bool(self.ranks_per_node) and self.link_gbps is not None
 
     def delay_s(self, rank: int) -> float:
         """Seconds that worker ``rank`` sleeps per training step."""
@@ -224,6 +261,14 @@ class SimulateConfig:
             self.straggler_ranks,
             f"only workers may straggle: name ranks in 0..{devices - 1} (devices={devices}){served}",
         )
+        ranks = devices + servers
+        require(
+            not self.links() or (self.ranks_per_node or 0) < ranks,
+            "ranks_per_node",
+            self.ranks_per_node,
+            f"it puts all {ranks} ranks on one emulated node, so no link is crossed: give a node fewer "
+            "ranks (e.g. simulate.ranks_per_node=1, a node per rank), or simulate.link_gbps=null: no links",
+        )
 
     def warning(self) -> str | None:
         """What to tell about a setting that slows no rank although half of it is given."""
@@ -236,5 +281,15 @@ class SimulateConfig:
             return (
                 f"simulate.straggler_ms={self.straggler_ms:g} with no simulate.straggler_ranks: no rank is "
                 "slowed down (set e.g. simulate.straggler_ranks=[1])"
+            )
+        if self.ranks_per_node and self.link_gbps is None:
+            return (
+                f"simulate.ranks_per_node={self.ranks_per_node} with no simulate.link_gbps: no link is "
+                "emulated (set e.g. simulate.link_gbps=0.1)"
+            )
+        if self.link_gbps is not None and not self.ranks_per_node:
+            return (
+                f"simulate.link_gbps={self.link_gbps:g} with no simulate.ranks_per_node: the ranks are on no "
+                "emulated nodes, no link is emulated (set e.g. simulate.ranks_per_node=1)"
             )
         return None

@@ -105,7 +105,8 @@ class Peek:
 class Timing:
     """Seconds of a span of steps, split into data wait, compute and (exposed) communication, and the sum of
     its steps' losses (a float64 tensor on the training device while steps are added: ``float()`` it
-    where it is read)."""
+    where it is read); ``emulated``: the part of ``comm`` spent waiting on emulated links
+    (``simulate.link_gbps``, :mod:`runner.comm.links`)."""
 
     data: float = 0.0
     compute: float = 0.0
@@ -113,6 +114,7 @@ class Timing:
     samples: int = 0
     steps: int = 0
     loss: float | torch.Tensor = 0.0
+    emulated: float = 0.0
 
     @property
     def total(self) -> float:
@@ -125,6 +127,7 @@ class Timing:
         self.samples += other.samples
         self.steps += other.steps
         self.loss = self.loss + other.loss  # (a new tensor: a span's sum is never another's)
+        self.emulated += other.emulated
 
     def rates(self, world: int) -> dict[str, float]:
         """Throughput (samples/s of all ``world`` workers) and the split of the step time."""
@@ -133,6 +136,7 @@ class Timing:
             "samples_per_s": self.samples * world / total,
             "compute_frac": self.compute / total,
             "comm_frac": self.comm / total,
+            "emulated_comm_frac": self.emulated / total,  # the part of comm_frac spent on emulated links
             "data_frac": self.data / total,
             "step_ms": 1e3 * total / max(1, self.steps),
         }
@@ -166,7 +170,7 @@ class Meter:
         self.total, self.epoch, self.window = Timing(), Timing(), Timing()
         self._resumed = False
         self._ready = self._arrived = 0.0
-        self._comm0 = 0.0
+        self._comm0 = self._emulated0 = 0.0
         self._start, self._first_step = time.monotonic(), 0
         self._last_line = self._start if self.display.mode == "lines" else 0.0  # a bar: at the first step
         self._pending: tuple[int, int, float | torch.Tensor, float, float | None] | None = None
@@ -197,7 +201,7 @@ class Meter:
         self._ready = time.perf_counter()
         for batch in loader:
             self._arrived = time.perf_counter()
-            self._comm0 = self.stats.seconds
+            self._comm0, self._emulated0 = self.stats.seconds, self.stats.emulated_seconds
             yield batch
             self._ready = time.perf_counter()
 
@@ -205,6 +209,7 @@ class Meter:
         """The step starts now: what came since its batch arrived (a meeting of the workers, a validation)
         is not the step's time."""
         self._arrived, self._comm0 = time.perf_counter(), self.stats.seconds
+        self._emulated0 = self.stats.emulated_seconds
 
     def step_done(
         self,
@@ -223,6 +228,7 @@ class Meter:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().double()
         t = Timing(self._arrived - self._ready, now - self._arrived - comm, comm, samples, 1, loss)
+        t.emulated = self.stats.emulated_seconds - self._emulated0
         self.epoch.add(t)
         self.window.add(t)
         if step % self.log_every == 0:

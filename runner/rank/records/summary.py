@@ -45,6 +45,7 @@ def summary(
         "fp16_overflow_steps": guard.overflows if outcome.fp16 else None,
         "samples_per_s": rates["samples_per_s"],
         "comm_fraction": rates["comm_frac"],
+        "emulated_comm_s": meter.total.emulated,  # of the steps' communication, waits on emulated links
         "data_wait_fraction": rates["data_frac"],
         "compute_fraction": rates["compute_frac"],
         "bytes_sent": workers.allreduce_values([workers.stats.bytes_sent])[0],

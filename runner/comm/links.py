@@ -1,0 +1,99 @@
+"""Emulated links between nodes (``simulate.ranks_per_node``, ``simulate.link_gbps``, ``link_latency_ms``).
+
+The job's ranks are grouped into emulated nodes by rank order (ranks ``0 .. r-1`` on node 0, ``r .. 2r-1``
+on node 1...), each node with one link of ``gbps``. A collective or message that crosses a node boundary
+costs ``latency + bytes / bandwidth``, where ``bytes`` is what its algorithm moves over the busiest node
+link it crosses (the slowest, as every link is as fast):
+
+- all-reduce (a ring in rank order): 2(N-1)/N of the buffer on each ring edge that leaves a node;
+- broadcast: the buffer once per receiving node, all of it out of the root's node;
+- all-to-all (pairwise): a node of m ranks sends m(N-m)/N of each rank's buffer out;
+- all-gather (a ring): N-1 times each rank's buffer on each ring edge that leaves a node;
+- the 16-bit exchange's all-reduce (:mod:`runner.comm.wire`): its all-to-all and its all-gather, as they move;
+- a point-to-point message: the message, if sender and receiver are on different nodes.
+
+Nothing crosses when every rank of the communicator is on one node. The communicator spends the seconds
+after the real operation (:mod:`runner.comm.stats`), where the real one on this machine is nearly free.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.schema.sections import SimulateConfig
+
+#: The all-reduces of ``Comm``, blocking and not.
+ALLREDUCES = ("allreduce", "iallreduce", "allreduce_background")
+
+
+@dataclass(frozen=True)
+class Links:
+    """Nodes of ``ranks_per_node`` ranks each, with links of ``gbps`` Gbit/s and ``latency_s`` per crossing
+    operation; ``spin``: the wait is spent busy on the CPU instead of sleeping (``simulate.spin``)."""
+
+    ranks_per_node: int
+    gbps: float
+    latency_s: float
+    spin: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.ranks_per_node >= 1 and self.gbps > 0 and self.latency_s >= 0, self
+
+    def node(self, rank: int) -> int:
+        """The emulated node of the job's ``rank``."""
+        return rank // self.ranks_per_node
+
+    def seconds(self, nbytes: float) -> float:
+        """What moving ``nbytes`` over one link costs: latency plus transfer; nothing for no bytes."""
+        return self.latency_s + 8 * nbytes / (self.gbps * 1e9) if nbytes > 0 else 0.0
+
+    def collective(self, op: str, nodes: Sequence[int], nbytes: int) -> float:
+        """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes`` (each
+        rank's node, in the communicator's rank order)."""
+        return self.seconds(crossing(op, nodes, nbytes))
+
+    def wire_allreduce(self, nodes: Sequence[int], numel: int, itemsize: int) -> float:
+        """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes: an
+        all-to-all of the padded buffer, then an all-gather of one chunk (:mod:`runner.comm.wire`)."""
+        n = len(nodes)
+        chunk = -(-numel // n) * itemsize
+        return self.collective("alltoall", nodes, n * chunk) + self.collective("allgather", nodes, chunk)
+
+    def message(self, node: int, peer: int, nbytes: int) -> float:
+        """Seconds of a point-to-point message of ``nbytes`` between ranks on nodes ``node`` and ``peer``."""
+        return self.seconds(nbytes) if node != peer else 0.0
+
+
+def crossing(op: str, nodes: Sequence[int], nbytes: int) -> float:
+    """Bytes collective ``op`` of ``nbytes`` per rank moves over the busiest node link (0: none crossed)."""
+    n, per_node = len(nodes), collections.Counter(nodes)
+    if len(per_node) < 2:
+        return 0.0
+    if op in ALLREDUCES:
+        return ring_edges(nodes) * 2 * (n - 1) / n * nbytes
+    if op == "broadcast":
+        return (len(per_node) - 1) * nbytes
+    if op == "alltoall":
+        return max(m * (n - m) for m in per_node.values()) / n * nbytes
+    assert op == "allgather", op
+    return ring_edges(nodes) * (n - 1) * nbytes
+
+
+def ring_edges(nodes: Sequence[int]) -> int:
+    """The most edges of the ring over ranks in order (rank i to i+1, the last to the first) that leave
+    one node: 1 where each node's ranks are consecutive."""
+    n = len(nodes)
+    leaving = collections.Counter(nodes[i] for i in range(n) if nodes[i] != nodes[(i + 1) % n])
+    return max(leaving.values(), default=0)
+
+
+def emulated(simulate: SimulateConfig) -> Links | None:
+    """The links ``simulate`` asks to emulate (``simulate.ranks_per_node`` and ``link_gbps``), or None."""
+    if not simulate.links():
+        return None
+    assert simulate.ranks_per_node and simulate.link_gbps
+    return Links(simulate.ranks_per_node, simulate.link_gbps, simulate.link_latency_ms / 1e3, simulate.spin)

@@ -1,0 +1,216 @@
+"""Emulated links (runner/comm/links.py): the cost of each collective kind against hand-computed numbers,
+the delay spent once per outermost call, a non-blocking request that pays only what is left when waited
+for, the settings' checks, and (slow) BSP's step time growing by the computed cost in a real job."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from runner.comm.links import Links, crossing, emulated, ring_edges
+from runner.comm.mpi import Comm
+from runner.comm.requests import DistRequest
+from runner.comm.routes.base import Route
+from runner.comm.routes.wire import Wire16
+from runner.comm.staging import Buffers
+from runner.comm.stats import CommStats, clock, owe
+from runner.schema.sections import SimulateConfig
+from tests.conftest import checked_config
+
+MB = 10**6
+#: 1 ms latency and 8 Mbit/s: a crossing of n bytes costs 1e-3 + n / 1e6 seconds.
+SLOW = Links(ranks_per_node=1, gbps=0.008, latency_s=1e-3)
+
+
+@pytest.mark.parametrize(
+    "op, nodes, expected",
+    [
+        ("allreduce", [0, 1, 2, 3], 2 * 3 / 4 * MB),  # ring: 2(N-1)/N of the buffer on each node's link
+        ("iallreduce", [0, 0, 1, 1], 2 * 3 / 4 * MB),  # 2 nodes of 2: one ring edge leaves each
+        ("allreduce_background", [0, 1, 0, 1], 2 * 2 * 3 / 4 * MB),  # two ring edges leave each node
+        ("allreduce", [0, 0, 0, 0], 0.0),  # one node: nothing crosses
+        ("broadcast", [0, 1, 2, 3], 3 * MB),  # once per receiving node
+        ("broadcast", [0, 0, 1, 1], 1 * MB),
+        ("alltoall", [0, 1, 2, 3], 1 * 3 / 4 * MB),  # a node of m ranks sends m(N-m)/N of each buffer
+        ("alltoall", [0, 0, 1, 1], 2 * 2 / 4 * MB),
+        ("allgather", [0, 1, 2, 3], 3 * MB),  # ring: N-1 buffers on each edge that leaves a node
+        ("allgather", [0, 0, 1, 1], 3 * MB),
+        ("allgather", [5], 0.0),
+    ],
+)
+def test_bytes_over_the_busiest_link_per_collective(op, nodes, expected):
+    assert crossing(op, nodes, MB) == pytest.approx(expected)
+    cost = 1e-3 + expected / 1e6 if expected else 0.0
+    assert SLOW.collective(op, nodes, MB) == pytest.approx(cost)
+
+
+def test_ring_edges_and_nodes_by_rank_order():
+    assert ring_edges([0, 1]) == 1 and ring_edges([0, 0, 1, 1, 2, 2]) == 1 and ring_edges([0, 0]) == 0
+    links = Links(ranks_per_node=3, gbps=1.0, latency_s=0.0)
+    assert [links.node(r) for r in range(7)] == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_messages_cross_only_between_nodes_and_the_16_bit_exchange_moves_half():
+    assert SLOW.message(0, 0, MB) == 0.0
+    assert SLOW.message(0, 1, MB) == pytest.approx(1e-3 + 1.0)
+    assert SLOW.message(0, 1, 0) == 0.0
+    # 1000 bf16 values over 4 nodes: chunks of 250; the all-to-all sends 3/4 of 2000 bytes, the all-gather
+    # 3 chunks of 500 bytes: 3000 bytes, half of the float32 ring's 6000, and two latencies
+    assert SLOW.wire_allreduce([0, 1, 2, 3], 1000, 2) == pytest.approx(2e-3 + 3000 / 1e6)
+    assert SLOW.collective("allreduce", [0, 1, 2, 3], 4000) == pytest.approx(1e-3 + 6000 / 1e6)
+    # 1001 values: the padded buffer (4 chunks of 251) travels
+    assert SLOW.wire_allreduce([0, 1, 2, 3], 1001, 2) == pytest.approx(2e-3 + (0.75 * 2008 + 3 * 502) / 1e6)
+
+
+class Instant(Route):
+    """A route that moves nothing and takes no time: what is left of a call is its emulated cost."""
+
+    def allreduce(self, comm, t, op, wire):
+        pass
+
+    def iallreduce(self, comm, t, op):
+        return DistRequest(comm, None)
+
+    def allreduce_background(self, comm, t, op, wire):
+        return DistRequest(comm, None)
+
+    def broadcast(self, comm, t, root):
+        pass
+
+    def alltoall(self, comm, send, recv):
+        pass
+
+    def allgather(self, comm, send, recv):
+        pass
+
+
+class FakeMpi:
+    """What ``Comm``'s point-to-point calls use of an MPI communicator."""
+
+    def Send(self, buf, dest, tag):  # noqa: N802 (MPI's name)
+        pass
+
+    def Recv(self, buf, source, tag, status):  # noqa: N802
+        pass
+
+
+def bare_comm(nodes: list[int], links: Links, rank: int = 0) -> Comm:
+    """A ``Comm`` without MPI: rank ``rank`` of ranks on ``nodes``, over :class:`Instant`."""
+    comm = Comm.__new__(Comm)
+    comm._c, comm.rank, comm.size = FakeMpi(), rank, len(nodes)
+    comm.stats, comm.routes_tried = CommStats(links=links), [Wire16(), Instant()]
+    comm.tolerant, comm.scratch, comm.dist, comm.buffers = False, {}, None, Buffers(False)
+    comm._nodes_of, comm._node_list = (comm._c, links), list(nodes)
+    return comm
+
+
+#: 0.5 ms latency, 80 Mbit/s: a 100 kB float32 all-reduce over 2 nodes costs 0.5 + 10 ms.
+FAST = Links(ranks_per_node=1, gbps=0.08, latency_s=5e-4)
+COST = 5e-4 + 4e5 * 8 / 0.08e9 / 4  # 100,000 bytes: 2(N-1)/N = 1 of it crosses
+
+
+def test_a_blocking_call_spends_its_cost_after_the_operation_once():
+    comm = bare_comm([0, 1], FAST)
+    t = torch.zeros(25_000)  # 100 kB
+    start = time.perf_counter()
+    comm.allreduce(t)
+    elapsed = time.perf_counter() - start
+    assert comm.stats.emulated_seconds == pytest.approx(COST, rel=0.05)
+    assert COST <= comm.stats.seconds <= elapsed and elapsed < COST + 0.01
+    comm.stats = CommStats(links=FAST)
+    comm.allreduce(t, wire=torch.bfloat16)  # an all-to-all and an all-gather inside: paid once, by the outer
+    expected = FAST.wire_allreduce([0, 1], 25_000, 2)
+    assert comm.stats.emulated_seconds == pytest.approx(expected, rel=0.05)
+    assert expected == pytest.approx(2 * 5e-4 + 50_000 * 8 / 0.08e9)  # half the bytes, two latencies
+
+
+def test_nested_timed_blocks_pay_only_the_outermost_call_s_cost():
+    stats = CommStats(links=FAST)
+    with clock(stats):
+        owe(0.02)
+        with clock(stats):
+            owe(0.5)  # a call inside the outer one: its cost is in the outer's
+    assert stats.emulated_seconds == pytest.approx(0.02, abs=0.005)
+
+
+def test_point_to_point_pays_across_nodes_only():
+    comm = bare_comm([0, 0, 1], FAST)
+    t = torch.zeros(25_000)
+    comm.send(t, dest=1)
+    assert comm.stats.emulated_seconds == 0.0
+    comm.send(t, dest=2)
+    assert comm.stats.emulated_seconds == pytest.approx(5e-4 + 1e5 * 8 / 0.08e9, rel=0.05)
+
+
+def test_a_request_waited_for_late_pays_nothing_more():
+    comm = bare_comm([0, 1], FAST)
+    t = torch.zeros(25_000)
+    early = comm.iallreduce(t)
+    assert not early.test(), "the emulated transfer is not through yet"
+    early.wait()
+    assert comm.stats.emulated_seconds == pytest.approx(COST, rel=0.2)
+    paid = comm.stats.emulated_seconds
+    late = comm.allreduce_background(t)
+    time.sleep(COST + 0.005)  # computing while the transfer runs: it overlaps
+    assert late.test()
+    start = time.perf_counter()
+    late.wait()
+    assert time.perf_counter() - start < 2e-3 and comm.stats.emulated_seconds == paid
+
+
+def test_requests_started_together_share_the_link():
+    comm = bare_comm([0, 1], FAST)
+    t = torch.zeros(25_000)
+    start = time.perf_counter()
+    first, second = comm.iallreduce(t), comm.iallreduce(t)
+    second.wait()
+    first.wait()
+    assert time.perf_counter() - start == pytest.approx(2 * COST, rel=0.2)
+
+
+def test_the_settings_make_links_or_none():
+    assert emulated(SimulateConfig()) is None
+    assert emulated(SimulateConfig(ranks_per_node=2)) is None
+    assert emulated(SimulateConfig(ranks_per_node=2, link_gbps=0.1, spin=True)) == Links(2, 0.1, 5e-5, True)
+    assert "no link is emulated" in SimulateConfig(link_gbps=0.1).warning()
+    assert "no link is emulated" in SimulateConfig(ranks_per_node=1).warning()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("simulate.link_gbps=0", "simulate.link_gbps=0.0 is invalid"),
+        ("simulate.ranks_per_node=-1", "simulate.ranks_per_node=-1 is invalid"),
+        ("simulate.link_latency_ms=-1", "simulate.link_latency_ms=-1.0 is invalid"),
+        ("simulate.ranks_per_node=2", "puts all 2 ranks on one emulated node"),
+    ],
+)
+def test_bad_link_settings_name_the_key_before_launch(override, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        checked_config(["devices=2", "simulate.link_gbps=0.1", override])
+
+
+def fastest_step_s(run) -> float:
+    """A run's fastest step, in seconds (the first steps left out: start-up): other work on the machine
+    only adds to a step, and a sleeping rank woken late adds more (the median grew 0.9-1.5x under load)."""
+    return min(r["step_ms"] for r in run.records("step")[3:]) / 1e3
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_bsp_steps_grow_by_the_emulated_cost(cli):
+    """2 nodes of 1 rank at 10 Mbit/s: each BSP step all-reduces the MLP's gradients, 2(N-1)/N = 1 of them
+    over the link, so a step grows by latency + bytes / bandwidth (about 60 ms here)."""
+    common = ("model=mlp", "train.max_steps=25", "train.log_every=1", "train.epochs=1")
+    free = cli(*common)
+    slow = cli(*common, "simulate.ranks_per_node=1", "simulate.link_gbps=0.01")
+    assert free.returncode == 0 and slow.returncode == 0, free.output + slow.output
+    s = slow.summary
+    per_step = s["bytes_sent"] / 2 / s["steps"]  # each worker's share of the all-reduce: the buffer once
+    expected = 5e-5 + per_step * 8 / 0.01e9
+    grown = fastest_step_s(slow) - fastest_step_s(free)
+    assert 0.8 < grown / expected < 1.25, (grown, expected)
+    assert s["emulated_comm_s"] == pytest.approx(expected * s["steps"], rel=0.3)
+    assert free.summary["emulated_comm_s"] == 0.0
