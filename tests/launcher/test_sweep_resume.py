@@ -285,3 +285,42 @@ def test_a_sweep_killed_after_two_points_resumes_to_four(tmp_path):
     report = (sweep / "report.csv").read_text().splitlines()
     assert len(report) == 1 + 4, report
     assert MANIFEST in os.listdir(sweep) and sweep_resume.is_sweep_folder(sweep)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_joblib_sweep_resumes_its_points_in_parallel(tmp_path):
+    """Points run by Hydra's joblib launcher (2 at a time, in other processes): a point cut off after its
+    first checkpoint resumes from it, a failed one runs again, an ok one is kept."""
+    pytest.importorskip(
+        "hydra_plugins.hydra_joblib_launcher", reason="hydra-joblib-launcher is not installed"
+    )
+    sweep = tmp_path / "sweep"
+    grid = [
+        "optim.lr=0.01,0.02,0.03",
+        "train.epochs=1",
+        "train.max_steps=10",
+        "checkpoint.every=5",
+        "checkpoint.keep=5",
+    ]
+    joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=mlp", "devices=1"]
+    run = cli("-m", f"hydra.sweep.dir={sweep}", "train.progress=false", *joblib, *grid)
+    assert run.returncode == 0, run.stdout + run.stderr
+    kept = files(sweep / "0")
+    (sweep / "1" / SUMMARY).unlink()  # its launcher killed after the checkpoint of step 5
+    index = sweep / "1" / CHECKPOINTS / CHECKPOINT_INDEX
+    first = json.loads(index.read_text())["checkpoints"][0]
+    assert first["step"] == 5
+    index.write_text(json.dumps({"checkpoints": [first]}))
+    (sweep / "2" / SUMMARY).write_text(json.dumps({"status": "stalled", "exit_status": 4}))
+
+    run = cli(f"resume={sweep}")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "point 1 running: resumed from its checkpoint" in out and "point 2 failed: run" in out
+    assert files(sweep / "0") == kept
+    assert json.loads((sweep / "1" / SUMMARY).read_text())["resumed_from_step"] == 5
+    assert json.loads((sweep / ATTEMPTS / "2.1" / SUMMARY).read_text())["status"] == "stalled"
+    for point in ("0", "1", "2"):
+        assert json.loads((sweep / point / SUMMARY).read_text())["status"] == "ok", point
+    assert len((sweep / "report.csv").read_text().splitlines()) == 1 + 3
