@@ -17,6 +17,10 @@ from tests.cluster.nodes import SACCT_BIN
 from tests.conftest import cli_argv
 
 pytestmark = pytest.mark.cluster
+pytest.importorskip(
+    "hydra_plugins.hydra_submitit_launcher",
+    reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"',
+)
 
 #: 4 ranks on the nodes' 2 shared cores: ranks waiting in MPI yield instead of busy-polling.
 YIELD = "+hardware.mca.mpi_yield_when_idle=1"

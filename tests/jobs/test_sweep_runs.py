@@ -113,6 +113,10 @@ def test_points_run_at_once_bind_to_different_cores(cli, launcher):
     (the machine has 2)."""
     import json
 
+    plugin, needs = ("joblib", "joblib") if "joblib" in launcher else ("submitit", "slurm")
+    hint = f'hydra-{plugin}-launcher is not installed: pip install -e ".[{needs}]"'
+    pytest.importorskip(f"hydra_plugins.hydra_{plugin}_launcher", reason=hint)
+
     extra = ["hydra.launcher.n_jobs=2"] if "joblib" in launcher else []
     run = cli(
         launcher,

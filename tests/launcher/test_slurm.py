@@ -229,6 +229,10 @@ def stand_in_slurm(folder: Path) -> dict[str, str]:
 def test_a_sweep_sent_to_slurm_is_one_allocation_per_point(tmp_path):
     """The README's Slurm sweep: the batch script asks for the nodes and a task per rank, and runs the
     sweep point's Python directly (no srun step around it, so its mpirun can use the allocation)."""
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher",
+        reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"',
+    )
     env = stand_in_slurm(tmp_path / "bin")
     argv = [sys.executable, "-m", "runner", "-m", "hydra/launcher=mpitrain_slurm"]
     argv += [f"hydra.sweep.dir={tmp_path / 'sweep'}", "hardware=slurm", "devices=8", "rule=easgd"]
@@ -249,6 +253,10 @@ def test_a_sweep_sent_to_slurm_is_one_allocation_per_point(tmp_path):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_sweep_runs_through_submitits_local_executor(tmp_path):
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher",
+        reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"',
+    )
     sweep = tmp_path / "sweep"
     argv = [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}"]
     argv += ["rule=easgd", "rule.alpha=0.1,0.5", "train.epochs=1", "train.max_steps=4"]

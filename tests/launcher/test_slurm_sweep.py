@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+pytest.importorskip(
+    "hydra_plugins.hydra_submitit_launcher",
+    reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"',
+)
 
 from hydra.core.utils import JobReturn, JobStatus  # noqa: E402
 from submitit.core import core  # noqa: E402
