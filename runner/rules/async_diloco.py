@@ -17,10 +17,11 @@ so the momentum moves once per N pushes, on their mean, and stale pushes in betw
 With N = 1 it is Nesterov, ``torch.optim.SGD(nesterov=True)``'s update as DiLoCo takes it (b ← μ·b + Δ;
 x ← x − η·(Δ + μ·b)), bit for bit (tested); with one worker (N = 1 by default) it is DiLoCo with one worker.
 
-**Dynamic Local Updates**: each worker measures its speed s_i (steps per second of its last round, training
-only) and sends it with its pushes; the first server keeps every worker's latest and answers each fetch
-with the fastest, s_max; the worker's next round has H_i = max(1, round(H·s_i/s_max)) steps (at most H), so
-that all workers push at about the same rate (``dynamic_steps: false``: H for all).
+**Dynamic Local Updates**: each worker measures its speed s_i (steps per second of training, over its recent
+rounds: the mean of the last round's and the previous estimate) and sends it with its pushes; the first
+server keeps every worker's latest and answers each fetch with the fastest, s_max; the worker's next round
+has H_i = max(1, round(H·s_i/s_max)) steps (at most H), so that all workers push at about the same rate
+(``dynamic_steps: false``: H for all).
 
 Data: the workers do not step together (``asynchronous``), so they take batches by dynamic assignment
 (``data.assignment=auto``). The reported model is the servers' x (BatchNorm statistics: the workers' mean);
@@ -143,7 +144,8 @@ class AsyncDiLoCo(ASGD):
     def after_step(self, step: int) -> None:
         self.round_step += 1
         if self.round_step >= self.local_steps:
-            self.speed = self.round_step / max(time.perf_counter() - self.round_start, 1e-9)
+            rate = self.round_step / max(time.perf_counter() - self.round_start, 1e-9)
+            self.speed = rate if self.speed == 0 else (self.speed + rate) / 2  # recent rounds, halved weights
             self.push()
             self.fetch()
             self.round_step = 0
