@@ -44,9 +44,9 @@ def train(rule, model, optimizer, batches=BATCHES):
 
 
 def test_one_worker_equals_diloco_with_one_worker_bit_for_bit():
-    """Two rounds of 3 steps and one step of a third: the same parameters after every step's hooks, bit for
-    bit (pushes of g = −Δ, Delayed Nesterov with N = 1 at the server against DiLoCo's outer Nesterov step);
-    the evaluated model after the last step pushed matches DiLoCo's after a further round end."""
+    """Two rounds of 3 steps and one step of a third: the same parameters at the end, bit for bit (pushes of
+    g = −Δ, Delayed Nesterov with N = 1 at the server, against DiLoCo's outer Nesterov step); the evaluation
+    then pushes the third round's step, the third version."""
     (mine, _, final), _ = run(2, AsyncDiLoCoConfig(**OUTER), train)
     (theirs,) = FakeWorld(1).run(lambda comm: run_diloco(comm))
     assert torch.equal(mine, theirs)
