@@ -387,7 +387,7 @@ def test_mlflow_finds_every_run_of_a_sweep_by_rule_and_model_tags_varied_or_not(
     """Two sweeps into one store (``MLFLOW_TRACKING_URI``): EASGD's alpha (rule and model not varied) and
     the rule itself. ``mlflow.search_runs`` by the ``rule`` tag finds each EASGD run of both, by ``model``
     every run; every run has every compared key as a param."""
-    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'mpitrain[mlflow]'")
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install -e '.[mlflow]'")
     from runner.schema.logger.mlflow import MLflowConfig
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")  # faster to make than SQLite's
@@ -415,7 +415,7 @@ def test_mlflow_without_a_tracking_uri_keeps_its_store_in_the_sweep_folder_not_t
     """No ``tracking_uri`` and no ``MLFLOW_TRACKING_URI``: a sweep's runs go to one store in the sweep
     folder (``mlflow.db``, artifacts in ``mlartifacts/``), a single run's to its run folder, and the
     working folder stays empty (MLflow's own default is ``./mlflow.db`` and ``./mlruns``)."""
-    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'mpitrain[mlflow]'")
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install -e '.[mlflow]'")
     from runner.schema.logger.mlflow import MLflowConfig
 
     cwd = tmp_path / "cwd"
@@ -443,7 +443,7 @@ def test_sweep_points_starting_at_once_share_one_new_mlflow_store(tmp_path):
     finds the sweep folder's store and records its run (unlocked, all but one failed making the tables:
     ``duplicate column name``), and a store the user names keeps its artifacts beside it, not in the
     working folder."""
-    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'mpitrain[mlflow]'")
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install -e '.[mlflow]'")
     folder = tmp_path / "sweep"
     runs = [
         fake_run(folder / str(n), {"rule.alpha": a}, ["rule=easgd", f"rule.alpha={a}"])

@@ -41,7 +41,8 @@ class LoggerConfig:
         name = option_name(type(self))
         raise ValueError(
             f"logger={name} needs the {self.package} package, which is not installed: "
-            f'pip install "mpitrain[{name}]" (or leave {name} out of logger=[...])'
+            f'pip install -e ".[{name}]" in a checkout of mpitrain, or pip install "mpitrain[{name}]" where '
+            f"it was installed as a package (or leave {name} out of logger=[...])"
         )
 
 
