@@ -4,7 +4,8 @@ sweep point).
 This process composes, checks, starts and supervises; it imports neither torch nor MPI. Its exit status
 says how a single run ended (the table is :mod:`runner.launcher.launch`'s): 0 ok, 1 failed, 2 invalid input
 (Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted. A sweep runs
-every point whatever the others did, and exits with the status of its first point that did not end ok.
+every point whatever the others did (``sweep.fail_fast``: none after one not ok), and exits with the status
+of its first point not ok; ``resume=SWEEP_DIR`` finishes a sweep (:mod:`runner.launcher.sweep_resume`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from runner.launcher.register import check_folders, register
 from runner.launcher.sweep_resume import (
     changed_overrides,
     end_point,
-    register_sweeper,
     resumed_argv,
     start_point,
 )
+from runner.launcher.sweeper import register_sweeper
 from runner.run_folder import (
     CONFIG,
     EVAL,

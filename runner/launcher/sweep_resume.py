@@ -9,13 +9,13 @@ It is a record for people and tools: what a point *is* is read from its folder (
 which also tells a point whose launcher was killed (a ``config.yaml`` and no summary of that job).
 
 **Resuming.** ``resume=SWEEP_DIR`` (a folder with Hydra's ``multirun.yaml``) is turned into the sweep's own
-command line (:func:`resumed_argv`: its overrides, its launcher, ``hydra.sweep.dir=SWEEP_DIR``) with
-:class:`ResumingSweeper`, Hydra's basic sweeper which expands the same grid in the same order (so point
-``N`` is folder ``N`` again) and gives each point a decision (:func:`decide`): an ``ok`` point is kept (no
-job, not a file touched), an interrupted one (preempted, or its launcher killed) with a checkpoint is
-resumed in its folder (``resume=SWEEP_DIR/N``), a failed one is run again (its folder set aside as
-``.attempts/N.K``) or, with ``sweep.retry=false``, kept as it ended, and a point never started is run. The
-report is then written over every point, as at the end of any sweep.
+command line (:func:`resumed_argv`: its overrides, its launcher, ``hydra.sweep.dir=SWEEP_DIR``), whose
+sweeper (:class:`runner.launcher.sweeper.MpitrainSweeper`) expands the same grid in the same order (so
+point ``N`` is folder ``N`` again) and launches what :func:`plan` decides for each point (:func:`decide`):
+an ``ok`` point is kept (no job, not a file touched), an interrupted one (preempted, or its launcher
+killed) with a checkpoint is resumed in its folder (``resume=SWEEP_DIR/N``), a failed one is run again
+(its folder set aside as ``.attempts/N.K``) or, with ``sweep.retry=false``, kept as it ended, and a point
+never started is run. The report is then written over every point, as at the end of any sweep.
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.plugins.sweeper import Sweeper
 from omegaconf import OmegaConf
 
 from runner.launcher import outcomes
@@ -53,9 +50,6 @@ log = logging.getLogger("runner")
 MANIFEST = "sweep.json"
 #: Where a failed point's folder is set aside before it runs again: ``SWEEP_DIR/.attempts/N.K``.
 ATTEMPTS = ".attempts"
-#: ``hydra/sweeper=mpitrain_resume``, and the name Hydra knows its class by (plugins only from hydra_plugins).
-SWEEPER = "mpitrain_resume"
-SWEEPER_CLASS = "hydra_plugins.mpitrain_resume.ResumingSweeper"
 #: A point's decision on resuming, by its state (and whether it has a checkpoint, and ``sweep.retry``).
 DECISIONS = ("keep", "resume", "run", "skip")
 
@@ -242,46 +236,11 @@ def batches(jobs: list[tuple[int, list[str]]], size: int | None) -> list[tuple[i
     return out
 
 
-class ResumingSweeper(BasicSweeper):
-    """Hydra's basic sweeper over a sweep folder that has run before (``hydra/sweeper=mpitrain_resume``,
-    set by :func:`resumed_argv`): the same grid in the same order, launching only the points
-    :func:`plan` gives it, each under its own number; with ``sweep.fail_fast``, none after a launch that
-    had a point not ok. The sweep's ``multirun.yaml`` is kept as the first run wrote it."""
-
-    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None):
-        # (not BasicSweeper.__init__: Hydra's plugin scan loads its module again, and its super() call
-        # names the class of that second load, of which this one is no subclass)
-        Sweeper.__init__(self)
-        self.overrides, self.batch_index, self.max_batch_size = None, 0, max_batch_size
-        self.params = params or {}
-        self.hydra_context, self.config, self.launcher = None, None, None
-
-    def sweep(self, arguments: list[str]) -> Any:
-        """Launch the points left to run; Hydra's list of each launch's job returns."""
-        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
-        sweep_dir = Path(self.config.hydra.sweep.dir)
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        grid = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)[0]
-        settings = self.config.sweep
-        jobs = plan(sweep_dir, grid, list(arguments), bool(settings.retry))
-        log.info("resuming the sweep %s: %d of %d points to run", sweep_dir, len(jobs), len(grid))
-        returns = []
-        for start, batch in batches(jobs, self.max_batch_size):
-            if settings.fail_fast and (why := failed_point(sweep_dir, -1)) is not None:
-                log.warning("sweep.fail_fast: %s; the sweep starts no further point", why)
-                break
-            self.validate_batch_is_legal(batch)
-            returns.append(self.launcher.launch(batch, initial_job_idx=start))
-        for results in returns:
-            for result in results:
-                _ = result.return_value  # a point that raised (run elsewhere) ends the sweep as Hydra's would
-        return returns
-
-
 def resumed_argv(argv: list[str]) -> list[str] | None:
     """The command line that finishes the sweep ``argv``'s ``resume=SWEEP_DIR`` names: the sweep's own
     overrides (its ``multirun.yaml``), its launcher, ``argv``'s other arguments (which win over the sweep's
-    for the same key), ``hydra.sweep.dir=SWEEP_DIR`` and :class:`ResumingSweeper`. None when ``argv`` does
+    for the same key), ``hydra.sweep.dir=SWEEP_DIR`` and ``hydra.sweeper.resume=true``
+    (:class:`runner.launcher.sweeper.MpitrainSweeper`). None when ``argv`` does
     not resume a sweep folder. Raises ValueError for a sweep that cannot be resumed so."""
     given = [a for a in argv if a.startswith("resume=")]
     if not given:
@@ -291,26 +250,21 @@ def resumed_argv(argv: list[str]) -> list[str] | None:
         return None
     recorded = OmegaConf.load(path / SWEEP_CONFIG)
     sweeper = str(OmegaConf.select(recorded, "hydra.sweeper._target_", default=""))
-    if not sweeper.endswith(("BasicSweeper", "ResumingSweeper")):
+    if not sweeper.endswith(("BasicSweeper", "MpitrainSweeper")):
         raise ValueError(
             f"resume={path}: the sweep was run by {sweeper}, whose points are drawn, not a grid: only a grid "
             "sweep (Hydra's basic sweeper) can be resumed point by point; resume its runs one by one "
             "(resume=SWEEP_DIR/N)"
         )
+    subdir = OmegaConf.to_container(recorded.hydra.sweep, resolve=False).get("subdir")
+    if subdir != "${hydra.job.num}":
+        raise ValueError(
+            f"resume={path}: its points' folders are named hydra.sweep.subdir={subdir}, not by their number "
+            "(${hydra.job.num}, the default): resume its runs one by one (resume=SWEEP_DIR/POINT)"
+        )
     rest = [a for a in argv if a not in given and a not in ("-m", "--multirun")]
     mine = {override_key(a) for a in rest if "=" in a}
-    own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", *mine)
+    own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", "hydra.sweeper.resume", *mine)
     task = [o for o in recorded.hydra.overrides.task if override_key(o) not in own]
     launcher = [o for o in recorded.hydra.overrides.hydra if override_key(o) not in own]
-    return ["-m", *launcher, *task, *rest, f"hydra.sweep.dir={path}", f"hydra/sweeper={SWEEPER}"]
-
-
-def register_sweeper() -> None:
-    """Make ``hydra/sweeper=mpitrain_resume`` known to Hydra (idempotent), which takes sweepers only from
-    its ``hydra_plugins`` package, by the name their config targets."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.plugins import Plugins
-
-    Plugins.instance().class_name_to_class[SWEEPER_CLASS] = ResumingSweeper
-    node = {"_target_": SWEEPER_CLASS, "max_batch_size": None, "params": None}
-    ConfigStore.instance().store(group="hydra/sweeper", name=SWEEPER, node=node, provider="mpitrain")
+    return ["-m", *launcher, *task, *rest, f"hydra.sweep.dir={path}", "hydra.sweeper.resume=true"]

@@ -148,16 +148,25 @@ class CheckpointConfig:
 @dataclass
 class SweepConfig:
     """How a sweep (``-m``) treats its points: ``fail_fast`` starts no further point once one failed;
-    ``retry``: ``resume=SWEEP_DIR`` runs the points that failed again (false: keeps them as they ended).
-    Read by the sweep (:mod:`runner.launcher.sweep_resume`), not by the ranks."""
+    ``retry``: ``resume=SWEEP_DIR`` runs the points that failed again (false: keeps them as they ended);
+    ``zip``: keys whose values vary together, the i-th of each in one point. Read by the sweep
+    (:mod:`runner.launcher.sweeper`), not by the ranks."""
 
     retry: bool = True
     fail_fast: bool = False
+    zip: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for key in ("retry", "fail_fast"):
             value = getattr(self, key)
             require(isinstance(value, bool), key, value, f"true or false (e.g. sweep.{key}=true)")
+        require(
+            len(set(self.zip)) == len(self.zip) and len(self.zip) != 1,
+            "zip",
+            self.zip,
+            "two or more different keys whose values vary together "
+            "(sweep.zip=[optim.lr,schedule.warmup_steps]), or [] to cross every key's values",
+        )
 
 
 @dataclass

@@ -20,7 +20,6 @@ from runner.launcher import outcomes, sweep_resume
 from runner.launcher.sweep_resume import (
     ATTEMPTS,
     MANIFEST,
-    SWEEPER,
     batches,
     changed_overrides,
     decide,
@@ -32,6 +31,7 @@ from runner.launcher.sweep_resume import (
     resumed_argv,
     start_point,
 )
+from runner.launcher.sweeper import zipped_grid
 from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, CONFIG, IDENTITY, SUMMARY, SWEEP_CONFIG
 from tests.conftest import ROOT, checked_config
 
@@ -159,6 +159,7 @@ def test_resume_of_a_sweep_folder_is_its_own_command_line(tmp_path):
     recorded = {
         "hydra": {
             "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"},
+            "sweep": {"dir": "old", "subdir": "${hydra.job.num}"},
             "overrides": {
                 "hydra": ["hydra.sweep.dir=old", "hydra.mode=MULTIRUN", "hydra/launcher=joblib"],
                 "task": ["optim.lr=0.1,0.2", "train.max_steps=9", "train.progress=false"],
@@ -175,7 +176,7 @@ def test_resume_of_a_sweep_folder_is_its_own_command_line(tmp_path):
         "train.max_steps=20",
         "sweep.retry=false",
         f"hydra.sweep.dir={sweep}",
-        f"hydra/sweeper={SWEEPER}",
+        "hydra.sweeper.resume=true",
     ]
     assert resumed_argv(["train.max_steps=20"]) is None
     (tmp_path / "run").mkdir()
@@ -185,6 +186,11 @@ def test_resume_of_a_sweep_folder_is_its_own_command_line(tmp_path):
     )
     OmegaConf.save(OmegaConf.create(recorded), sweep / SWEEP_CONFIG)
     with pytest.raises(ValueError, match="only a grid sweep"):
+        resumed_argv([f"resume={sweep}"])
+    recorded["hydra"]["sweeper"]["_target_"] = "hydra_plugins.mpitrain.MpitrainSweeper"
+    recorded["hydra"]["sweep"]["subdir"] = "${hydra.job.override_dirname}"
+    OmegaConf.save(OmegaConf.create(recorded), sweep / SWEEP_CONFIG)
+    with pytest.raises(ValueError, match=r"named hydra.sweep.subdir=\$\{hydra.job.override_dirname\}"):
         resumed_argv([f"resume={sweep}"])
 
 
@@ -196,9 +202,37 @@ def test_a_resumed_point_changes_only_what_it_was_not_started_with(tmp_path):
 
 def test_the_sweep_section_has_defaults_and_checks():
     cfg = checked_config(["sweep.fail_fast=true"])
-    assert (cfg.sweep.fail_fast, cfg.sweep.retry) == (True, True)
+    assert (cfg.sweep.fail_fast, cfg.sweep.retry, cfg.sweep.zip) == (True, True, [])
     with pytest.raises(Exception, match="sweep.retry"):
         checked_config(["sweep.retry=maybe"])
+    with pytest.raises(ValueError, match=r"sweep.zip.*two or more different keys"):
+        checked_config(["sweep.zip=[optim.lr]"])
+
+
+def parsed(args: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(args)
+
+
+def test_zipped_keys_vary_together_and_cross_the_others():
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    plain = ["rule=bsp,easgd", "optim.lr=0.1,0.2", "model=mlp", "schedule.warmup_steps=10,20"]
+    assert zipped_grid(parsed(plain), []) == BasicSweeper.split_arguments(parsed(plain), None)[0]  # 8 points
+    grid = zipped_grid(parsed(plain), ["optim.lr", "schedule.warmup_steps"])
+    assert grid == [
+        ["rule=bsp", "optim.lr=0.1", "schedule.warmup_steps=10", "model=mlp"],
+        ["rule=bsp", "optim.lr=0.2", "schedule.warmup_steps=20", "model=mlp"],
+        ["rule=easgd", "optim.lr=0.1", "schedule.warmup_steps=10", "model=mlp"],
+        ["rule=easgd", "optim.lr=0.2", "schedule.warmup_steps=20", "model=mlp"],
+    ]
+    with pytest.raises(ValueError, match=r"as many values each \(optim.lr: 2, schedule.warmup_steps: 3\)"):
+        zipped_grid(
+            parsed(["optim.lr=0.1,0.2", "schedule.warmup_steps=1,2,3"]), ["optim.lr", "schedule.warmup_steps"]
+        )
+    with pytest.raises(ValueError, match="sweep.zip names model, which this sweep does not vary"):
+        zipped_grid(parsed(plain), ["optim.lr", "model"])
 
 
 def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
