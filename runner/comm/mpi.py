@@ -32,7 +32,7 @@ from runner.comm.requests import BackgroundRequest, DistRequest, Request, progre
 from runner.comm.routes import choose as choose_route
 from runner.comm.routes import load as load_routes
 from runner.comm.staging import Buffers, cuda_aware_mpi
-from runner.comm.stats import CommStats, clock, outermost, owe, share
+from runner.comm.stats import CommStats, Transfer, clock, outermost, owe, share
 
 __all__ = [
     "ANY_SOURCE",
@@ -130,7 +130,7 @@ class Comm(Membership):
 
     def _spend(self, op: str, t: torch.Tensor, wire: torch.dtype | None, result: Any) -> None:
         """Spend the emulated link seconds of collective ``op`` of ``t`` (in ``wire``'s type): owed by a
-        blocking call, booked on the request of a non-blocking one (:mod:`runner.comm.stats`)."""
+        blocking call, a transfer of the request of a non-blocking one (:mod:`runner.comm.stats`)."""
         links, nodes = self.stats.links, self._nodes()
         assert links is not None
         if wire is not None:
@@ -138,7 +138,7 @@ class Comm(Membership):
         else:
             seconds = links.collective(op, nodes, t.numel() * t.element_size())
         if seconds and op in ("iallreduce", "allreduce_background"):
-            result.due = self.stats.book(seconds)
+            result.transfer = Transfer(self.stats, seconds)
         else:
             owe(seconds)
 
@@ -269,7 +269,7 @@ class Comm(Membership):
         self.stats.sent(t)
         seconds = self._message(dest, t)
         if seconds and outermost():
-            request.due = self.stats.book(seconds)
+            request.transfer = Transfer(self.stats, seconds)
         return request
 
     @communication

@@ -1,18 +1,20 @@
 """Pending operations: what a non-blocking call returns, completed by ``wait`` (or ``test``).
 
-Over emulated links (:mod:`runner.comm.links`) a request's ``due`` is when its emulated transfer is through,
-counted from its start: ``wait`` pays what is left of it once the real operation is complete, and ``test``
-is true only after it. A request waited for after ``due`` pays nothing more: its transfer overlapped.
+Over emulated links (:mod:`runner.comm.links`) a request holds its emulated ``transfer``
+(:class:`~runner.comm.stats.Transfer`), which starts once the real operation is complete: ``wait`` pays
+what is left of it, and ``test`` is true only once it is through. A request waited for after its transfer
+is through pays nothing more: the transfer overlapped with what the rank did meanwhile.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.errors import faulted
-from runner.comm.stats import clock, passed
+from runner.comm.stats import Transfer, clock
 
 if TYPE_CHECKING:
     from runner.comm.face import RequestLike
@@ -26,7 +28,7 @@ class Request:
     the communicator it runs on (its ``stats`` count the seconds, its ``tolerant`` maps the errors).
     """
 
-    due: float | None = None  # when its emulated transfer is through (runner/comm/links.py); None: none
+    transfer: Transfer | None = None  # its emulated link's (runner/comm/links.py); None: none
 
     def __init__(self, comm: Any, req: Any, staged: Staged | None, buffer: Any):
         self._comm, self._req, self._staged, self._buffer = comm, req, staged, buffer
@@ -38,7 +40,7 @@ class Request:
             done = self._req.Test()
         if done:
             self._complete()
-        return done and passed(self.due)
+        return done and (self.transfer is None or self.transfer.through())
 
     def _complete(self) -> None:
         if self._staged is not None:
@@ -48,33 +50,39 @@ class Request:
     @faulted
     def wait(self) -> None:
         """Block until the operation is complete."""
-        with clock(self._comm.stats, self.due):
+        with clock(self._comm.stats):
             self._req.Wait()
             self._complete()
+            if self.transfer is not None:
+                self.transfer.wait()
 
 
 class BackgroundRequest:
     """An all-reduce run by the communicator's background thread; ``wait`` blocks until it is done."""
 
-    due: float | None = None  # when its emulated transfer is through (runner/comm/links.py); None: none
+    transfer: Transfer | None = None  # its emulated link's (runner/comm/links.py); None: none
 
     def __init__(self, comm: Any):
         self._comm, self._done, self.error = comm, threading.Event(), None
+        self._finished = 0.0  # when the thread was done with it
 
     def test(self) -> bool:
         """Whether the all-reduce is done."""
-        return self._done.is_set() and passed(self.due)
+        done = self._done.is_set()
+        return done and (self.transfer is None or self.transfer.through(self._finished))
 
     def wait(self) -> None:
         """Block until the all-reduce is done; raise its error, if it failed."""
-        with clock(self._comm.stats, self.due):
+        with clock(self._comm.stats):
             self._done.wait()
+            if self.transfer is not None and self.error is None:
+                self.transfer.wait(self._finished)
         if self.error is not None:
             raise self.error
 
     def finish(self, error: BaseException | None = None) -> None:
         """The background thread: the all-reduce is done (``error``: it failed so)."""
-        self.error = error
+        self.error, self._finished = error, time.perf_counter()
         self._done.set()
 
 
@@ -83,22 +91,24 @@ class DistRequest:
     the current stream wait for it, without blocking the host). ``comm``: its communicator, which waits
     (:meth:`runner.comm.mpi.Comm.await_work`); ``work`` None: nothing is pending."""
 
-    due: float | None = None  # when its emulated transfer is through (runner/comm/links.py); None: none
+    transfer: Transfer | None = None  # its emulated link's (runner/comm/links.py); None: none
 
     def __init__(self, comm: Any, work: Any):
         self._comm, self._work = comm, work
 
     def test(self) -> bool:
         """Whether the collective is complete."""
-        return (self._work is None or self._work.is_completed()) and passed(self.due)
+        done = self._work is None or self._work.is_completed()
+        return done and (self.transfer is None or self.transfer.through())
 
     def wait(self) -> None:
         """Complete the collective."""
-        with clock(self._comm.stats, self.due):
+        with clock(self._comm.stats):
             if self._work is not None:
                 self._comm.await_work(self._work)
                 self._work = None
-        self.due = None
+            if self.transfer is not None:
+                self.transfer.wait()
 
 
 def wait_all(requests: Sequence[RequestLike]) -> None:

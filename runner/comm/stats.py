@@ -7,9 +7,11 @@ The bytes are what a bandwidth-optimal algorithm sends per rank, as a share of t
 
 Emulated links (:mod:`runner.comm.links`) are spent here too, once per outermost call: a blocking call
 owes (:func:`owe`) its link's seconds and pays them when it ends, after the real operation; a non-blocking
-one is booked (:meth:`CommStats.book`) when it starts and its request pays, when waited for, what is left
-of them. One rank's operations share its link in the order they started (a transfer starts when the one
-before it is through). The seconds paid are counted both in ``seconds`` and apart, in ``emulated_seconds``.
+one's request holds a :class:`Transfer`, which starts when the real operation is complete (as the thread
+that ran it, or the first ``test`` or ``wait`` that finds it so, sees it) and whose end the request's wait
+pays what is left of. One rank's transfers share its link in the order they are booked
+(:meth:`CommStats.book`: a transfer starts when the one before it is through). The seconds paid are
+counted both in ``seconds`` and apart, in ``emulated_seconds``.
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ class CommStats:
 
 class clock:  # noqa: N801 (used as a function: ``with clock(stats):``)
     """Add the block's seconds to ``stats.seconds``, unless a timed block of this thread encloses it. The
-    outermost block ends by paying its emulated link seconds: those it owes (:func:`owe`), and until ``due``
-    (a request's emulated transfer, :meth:`CommStats.book`; a nested block hands its ``due`` outwards)."""
+    outermost block ends by paying its emulated link seconds: those it owes (:func:`owe`), and until the end
+    of the transfers waited for inside it (:meth:`Transfer.wait`)."""
 
-    __slots__ = ("due", "stats", "t0")
+    __slots__ = ("stats", "t0")
 
-    def __init__(self, stats: CommStats, due: float | None = None):
-        self.stats, self.due, self.t0 = stats, due, None
+    def __init__(self, stats: CommStats):
+        self.stats, self.t0 = stats, None
 
     def __enter__(self) -> None:
         depth = getattr(_local, "depth", 0)
@@ -83,8 +85,6 @@ class clock:  # noqa: N801 (used as a function: ``with clock(stats):``)
         if depth == 0 and not getattr(_local, "uncounted", False):
             _local.owed, _local.due = 0.0, 0.0
             self.t0 = time.perf_counter()
-        if self.due is not None and counted():
-            _local.due = max(_local.due, self.due)
 
     def __exit__(self, *exc: object) -> bool:
         _local.depth -= 1
@@ -117,9 +117,31 @@ def owe(seconds: float) -> None:
         _local.owed += seconds
 
 
-def passed(due: float | None) -> bool:
-    """Whether a request's emulated transfer, through at ``due`` (None: none), is over."""
-    return due is None or time.perf_counter() >= due
+class Transfer:
+    """A non-blocking operation's emulated transfer: ``seconds`` of its rank's link, from when the real
+    operation is complete (the link's earlier transfers permitting) until ``due``."""
+
+    __slots__ = ("due", "seconds", "stats")
+
+    def __init__(self, stats: CommStats, seconds: float):
+        self.stats, self.seconds, self.due = stats, seconds, None
+
+    def complete(self, at: float | None = None) -> float:
+        """The real operation is complete (since ``at``, default now): when the transfer is through."""
+        if self.due is None:
+            self.due = self.stats.book(self.seconds, at)
+        return self.due
+
+    def through(self, at: float | None = None) -> bool:
+        """Whether the transfer of a complete operation (since ``at``) is through."""
+        return time.perf_counter() >= self.complete(at)
+
+    def wait(self, at: float | None = None) -> None:
+        """Inside a request's wait, once its operation is complete (since ``at``): the outermost timed call
+        ends when the transfer is through (on an uncounted thread, nothing)."""
+        due = self.complete(at)
+        if counted():
+            _local.due = max(_local.due, due)
 
 
 def uncounted_thread() -> None:
