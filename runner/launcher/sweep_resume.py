@@ -50,8 +50,6 @@ log = logging.getLogger("runner")
 MANIFEST = "sweep.json"
 #: Where a failed point's folder is set aside before it runs again: ``SWEEP_DIR/.attempts/N.K``.
 ATTEMPTS = ".attempts"
-#: A point's decision on resuming, by its state (and whether it has a checkpoint, and ``sweep.retry``).
-DECISIONS = ("keep", "resume", "run", "skip")
 
 
 def is_sweep_folder(path: Path) -> bool:
@@ -264,7 +262,25 @@ def resumed_argv(argv: list[str]) -> list[str] | None:
         )
     rest = [a for a in argv if a not in given and a not in ("-m", "--multirun")]
     mine = {override_key(a) for a in rest if "=" in a}
+    check_changes(path, mine)
     own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", "hydra.sweeper.resume", *mine)
     task = [o for o in recorded.hydra.overrides.task if override_key(o) not in own]
     launcher = [o for o in recorded.hydra.overrides.hydra if override_key(o) not in own]
     return ["-m", *launcher, *task, *rest, f"hydra.sweep.dir={path}", "hydra.sweeper.resume=true"]
+
+
+def check_changes(path: Path, keys: set[str]) -> None:
+    """Refuse overrides given with ``resume=SWEEP_DIR`` that would make its points differ: only the sweep's
+    own keys (``sweep.*``), Hydra's (the launcher's) and those a resumed run may change are taken."""
+    from runner.launcher.resume import SAFE_TO_CHANGE
+
+    for key in sorted(keys):
+        safe = key.startswith(("hydra.", "hydra/", "sweep.")) or any(
+            key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE
+        )
+        if not safe:
+            raise ValueError(
+                f"{key}: cannot change when resuming the sweep {path} (its points would differ); drop it, "
+                "or start a new sweep. Safe to change: sweep.*, hydra.*, "
+                + ", ".join(s.rstrip(".") + ("*" if s.endswith(".") else "") for s in SAFE_TO_CHANGE)
+            )

@@ -179,6 +179,8 @@ def test_resume_of_a_sweep_folder_is_its_own_command_line(tmp_path):
         "hydra.sweeper.resume=true",
     ]
     assert resumed_argv(["train.max_steps=20"]) is None
+    with pytest.raises(ValueError, match="optim.momentum: cannot change when resuming the sweep"):
+        resumed_argv([f"resume={sweep}", "optim.momentum=0.5"])
     (tmp_path / "run").mkdir()
     assert resumed_argv([f"resume={tmp_path / 'run'}"]) is None  # a run's folder: resumed as before
     recorded["hydra"]["sweeper"]["_target_"] = (
