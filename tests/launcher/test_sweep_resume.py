@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -31,7 +32,7 @@ from runner.launcher.sweep_resume import (
     resumed_argv,
     start_point,
 )
-from runner.launcher.sweeper import zipped_grid
+from runner.launcher.sweeper import MpitrainSweeper, zipped_grid
 from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, CONFIG, IDENTITY, SUMMARY, SWEEP_CONFIG
 from tests.conftest import ROOT, checked_config
 
@@ -360,3 +361,58 @@ def test_a_joblib_sweep_resumes_its_points_in_parallel(tmp_path):
     for point in ("0", "1", "2"):
         assert json.loads((sweep / point / SUMMARY).read_text())["status"] == "ok", point
     assert len((sweep / "report.csv").read_text().splitlines()) == 1 + 3
+
+
+class FakeLauncher:
+    """Records each launch (its first job number and overrides); a point of ``fails`` ends failed."""
+
+    def __init__(self, sweep_dir: Path, fails: tuple[int, ...] = ()):
+        self.sweep_dir, self.fails, self.launches = sweep_dir, fails, []
+
+    def launch(self, batch: list[list[str]], initial_job_idx: int) -> list:
+        from hydra.core.utils import JobReturn, JobStatus
+
+        self.launches.append((initial_job_idx, [list(b) for b in batch]))
+        for num in range(initial_job_idx, initial_job_idx + len(batch)):
+            end_point(self.sweep_dir, num, "failed" if num in self.fails else "ok")
+        return [JobReturn(overrides=b, status=JobStatus.COMPLETED, _return_value=0.5) for b in batch]
+
+
+def fake_sweeper(sweep_dir: Path, fails=(), resume=False, batch=None, **sweep) -> MpitrainSweeper:
+    """:class:`MpitrainSweeper` over :class:`FakeLauncher`, as Hydra sets it up (no jobs composed)."""
+    sweeper = MpitrainSweeper(max_batch_size=batch, resume=resume)
+    settings = {"retry": True, "fail_fast": False, "zip": [], **sweep}
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}, "sweep": settings})
+    sweeper.hydra_context = SimpleNamespace(config_loader=None)
+    sweeper.launcher = FakeLauncher(sweep_dir, fails)
+    sweeper.validate_batch_is_legal = lambda batch: None
+    return sweeper
+
+
+def test_the_sweeper_launches_the_points_left_under_their_own_numbers(tmp_path, monkeypatch):
+    """What every launcher (basic, joblib, submitit, Slurm's) is given: runs of consecutive point numbers,
+    which name the points' folders."""
+    monkeypatch.setattr(outcomes, "NOT_OK", [])
+    sweep = ["optim.lr=1,2,3,4,5"]
+    fresh = fake_sweeper(tmp_path / "fresh", batch=2)
+    fresh.sweep(sweep)
+    assert [start for start, _ in fresh.launcher.launches] == [0, 2, 4]
+    assert (tmp_path / "fresh" / SWEEP_CONFIG).is_file()
+
+    make_point(tmp_path / "old" / "0", "ok")
+    make_point(tmp_path / "old" / "2", "ok")
+    (tmp_path / "old" / SWEEP_CONFIG).write_text("kept: as the first run wrote it\n")
+    resumed = fake_sweeper(tmp_path / "old", resume=True)
+    resumed.sweep(sweep)
+    assert resumed.launcher.launches == [(1, [["optim.lr=2"]]), (3, [["optim.lr=4"], ["optim.lr=5"]])]
+    assert (tmp_path / "old" / SWEEP_CONFIG).read_text() == "kept: as the first run wrote it\n"
+
+
+def test_fail_fast_launches_nothing_after_a_launch_with_a_point_not_ok(tmp_path, monkeypatch):
+    monkeypatch.setattr(outcomes, "NOT_OK", [])
+    sweeper = fake_sweeper(tmp_path, fails=(1,), batch=1, fail_fast=True)
+    sweeper.sweep(["optim.lr=1,2,3,4"])
+    assert [start for start, _ in sweeper.launcher.launches] == [0, 1]
+    zipped = fake_sweeper(tmp_path / "zip", zip=["optim.lr", "train.seed"])
+    zipped.sweep(["optim.lr=1,2", "train.seed=3,4"])
+    assert zipped.launcher.launches == [(0, [["optim.lr=1", "train.seed=3"], ["optim.lr=2", "train.seed=4"]])]
