@@ -44,6 +44,7 @@ from runner.run_folder import (
     write_atomic,
 )
 from runner.schema.identity import identity, override_key
+from runner.schema.secrets import restored_override
 
 log = logging.getLogger("runner")
 
@@ -264,7 +265,7 @@ def resumed_argv(argv: list[str]) -> list[str] | None:
     mine = {override_key(a) for a in rest if "=" in a}
     check_changes(path, mine)
     own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", "hydra.sweeper.resume", *mine)
-    task = [o for o in recorded.hydra.overrides.task if override_key(o) not in own]
+    task = [restored_override(o) for o in recorded.hydra.overrides.task if override_key(o) not in own]
     launcher = [o for o in recorded.hydra.overrides.hydra if override_key(o) not in own]
     return ["-m", *launcher, *task, *rest, f"hydra.sweep.dir={path}", "hydra.sweeper.resume=true"]
 

@@ -80,3 +80,21 @@ def fill_hidden(
             f"{'them' if len(missing) > 1 else 'it'} again on the command line "
             f"(hardware.env.{missing[0]}=...) or export {' '.join(missing)} before resume="
         )
+
+
+def restored_override(text: str, environ: Mapping[str, str] = os.environ) -> str:
+    """A recorded override whose ``hardware.env`` value was hidden, given back as an interpolation of the
+    launcher's environment variable of the same name (``+hardware.env.TOKEN=${oc.env:TOKEN}``: the value
+    still appears on no command line); any other override as it is. Raises ValueError naming the key when
+    that variable is not set (or the whole ``hardware.env`` map was given)."""
+    found = OVERRIDE.fullmatch(text)
+    if found is None or found.group(2) != HIDDEN:
+        return text
+    key = found.group(1).rstrip("=").lstrip("+~").removeprefix("hardware.env").lstrip(".")
+    if key and key in environ:
+        return f"{found.group(1)}${{oc.env:{key}}}"
+    name = f"hardware.env.{key}" if key else "hardware.env"
+    raise ValueError(
+        f"{name}: the sweep's records keep no value of hardware.env (its values are secrets); export "
+        f"{key or 'its variables'} before resume=, or give {name}=... again with it"
+    )

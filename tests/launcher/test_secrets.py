@@ -112,3 +112,17 @@ def test_a_job_gets_its_secret_and_no_file_of_its_folder_holds_it(tmp_path):
     assert not holding, holding
     assert stat.S_IMODE(run.dir.stat().st_mode) == 0o700
     assert "-x MPITRAIN_TEST_SECRET " in (run.dir / "mpirun.txt").read_text()
+
+
+def test_a_sweep_resumed_takes_hidden_values_from_the_environment_by_interpolation():
+    from runner.schema.secrets import restored_override
+
+    environ = {"TOKEN": SECRET}
+    assert (
+        restored_override(f"+hardware.env.TOKEN={HIDDEN}", environ) == "+hardware.env.TOKEN=${oc.env:TOKEN}"
+    )
+    assert restored_override("rule.alpha=0.5", environ) == "rule.alpha=0.5"
+    with pytest.raises(ValueError, match=r"hardware\.env\.OTHER: .*export OTHER"):
+        restored_override(f"hardware.env.OTHER={HIDDEN}", environ)
+    with pytest.raises(ValueError, match=r"^hardware\.env: "):
+        restored_override(f"hardware.env={HIDDEN}", environ)
