@@ -23,6 +23,7 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import OmegaConf
 
 from runner.launcher.sweep_resume import batches, failed_point, plan
+from runner.run_folder import SWEEP_CONFIG
 
 log = logging.getLogger("runner")
 
@@ -92,7 +93,7 @@ class MpitrainSweeper(BasicSweeper):
             log.info("resuming the sweep %s: %d of %d points to run", sweep_dir, len(jobs), len(grid))
         else:
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+            OmegaConf.save(self.config, sweep_dir / SWEEP_CONFIG)
             jobs = list(enumerate(grid))
         returns = []
         for start, batch in batches(jobs, self.max_batch_size):
