@@ -82,7 +82,7 @@ def _tensors(state):
 #: Per rule (tests/helpers/rules.py discovers them) and variant: (ranks, the rule's settings); a rule not
 #: named here runs with its defaults on 3 ranks. The asynchronous rules with one worker, whose order of events
 #: is fixed. GoSGD has none: its pushes cross the threads in any order (its own tests below). DiLoCo in rounds
-#: of 5: cut mid-round, an outer step after the resumption (tests/test_diloco.py cuts rounds of 2 too).
+#: of 5: cut mid-round, an outer step after the resumption (tests/rules/test_diloco.py cuts rounds of 2 too).
 DETERMINISTIC = {
     "easgd": {
         "sync": (3, {"alpha": 0.3, "tau": 2}),

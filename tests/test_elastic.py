@@ -232,7 +232,7 @@ def test_the_report_draws_the_workers_over_the_run(tmp_path):
     """A run that lost a worker and healed: the report's workers figure steps 4 -> 3 -> 4."""
     from runner.report.plots import figures, worker_counts
     from runner.report.write import write_report
-    from tests.test_report import make_run, report_of
+    from tests.report.test_report import make_run, report_of
 
     sweep = tmp_path / "sweep"
     make_run(sweep / "0", ["rule=bsp"], [0.5, 0.9, 0.95])

@@ -1,5 +1,6 @@
 """Every rule trains the CNN on digits with 4 workers from the command line (a sweep over EASGD's keys:
-tests/test_report.py). DiLoCo's defaults are held to 97% (its issue's bar; measured 0.98-1.00 over seeds)."""
+tests/report/test_report.py). DiLoCo's defaults are held to 97% (its issue's bar; measured 0.98-1.00 over
+seeds)."""
 
 from __future__ import annotations
 

@@ -452,7 +452,7 @@ def test_sweep_points_starting_at_once_share_one_new_mlflow_store(tmp_path):
     given = f"sqlite:///{tmp_path / 'given' / 'store.db'}"
     (tmp_path / "given").mkdir()
     code = (
-        "import sys; from pathlib import Path; from tests.test_tracking import record_run\n"
+        "import sys; from pathlib import Path; from tests.report.test_tracking import record_run\n"
         "from runner.schema.logger.mlflow import MLflowConfig\n"
         "record_run(Path(sys.argv[1]), {'mlflow': MLflowConfig(tracking_uri=sys.argv[2] or None)})\n"
     )

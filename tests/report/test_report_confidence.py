@@ -19,7 +19,7 @@ from runner.report.plots import heatmap_grid
 from runner.report.write import write_report
 from tests.conftest import run_cli
 from tests.helpers.rules import rules
-from tests.test_report import make_run, report_of
+from tests.report.test_report import make_run, report_of
 
 SAMPLES = 360  # the default job's validation set (digits: 20% of 1797)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tracking import EVERY_RUN, sweep
+from tests.report.test_tracking import EVERY_RUN, sweep
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 #: The texts of the HParams table's header and body cells, through the page's shadow roots.
