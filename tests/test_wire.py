@@ -62,7 +62,7 @@ SETTINGS = {
         "async": ({"alpha": 0.3, "tau": 1, "variant": "async"}, 6, False),
     },
     "gosgd": {"": ({"p": 1.0}, 6, False)},
-    "asgd": {"": ({"n_push": 1, "n_fetch": 1}, 6, False)},
+    "asgd": {"": ({"n_push": 1, "n_fetch": 1}, 16, False)},  # 16: the fetches' headers carry the staleness
     "async_diloco": {"": ({"inner_steps": 1, "dynamic_steps": False}, 16, False)},
     "diloco": {"": ({"inner_steps": 2}, 16, True)},
     "streaming_diloco": {"": ({"inner_steps": 2, "fragments": 2}, 16, False)},  # staggered: never all alike

@@ -23,11 +23,13 @@ shared model, the expected update follows momentum SGD with implicit momentum 1 
 workers' explicit one, so a momentum tuned for one process (0.9) overshoots. With the correction each
 server returns, with every fetch, the mean staleness τ̄ of the pushes it has applied (M ≈ 1 + τ̄ pushes in
 flight), and the worker sets its optimizer's momentum (SGD's ``momentum``, Adam's β1) to
-:func:`corrected_momentum` of the configured μ. With staleness 0 (one worker) μ is kept, and the update is
-plain ASGD's bit for bit. Off by default: it lost where it was measured (digits, the default recipe: 4
-workers, SGD lr 0.05 momentum 0.9, 10 epochs, seeds 0-4; final accuracy median 0.9944 and final validation
-loss median 0.057 with it, 0.9944 and 0.016 without, one process 0.9972 and 0.013): the explicit momentum
-it leaves (about 0.9 − 2/3 at the measured τ̄ ≈ 2) slows training more than the staleness hurt it.
+:func:`corrected_momentum` of the configured μ. With staleness 0 (one worker, n_push = n_fetch) μ is kept,
+and the update is plain ASGD's bit for bit; a worker's own pushes between its fetches (n_push < n_fetch)
+count as staleness, as they do for ``scale``. On by default (``momentum_correction: false``: plain ASGD),
+as measured with 4 workers, SGD momentum 0.9, 10 epochs (final accuracy, medians): on the blobs of
+examples/my_project (seeds 0-4) 0.984 with it, 0.961 without, one process 0.980; on digits (seeds 0-4)
+0.9944 with and without, one process 0.9972 (there its final validation loss was 0.057 against 0.016: the
+explicit momentum it leaves, about 0.9 − 2/3 at the measured τ̄ ≈ 2, trains more slowly).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class ASGDConfig(RuleConfig):
     servers: int = 1
     staleness: str = "accept"
     max_staleness: int | None = None
-    momentum_correction: bool = False
+    momentum_correction: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
