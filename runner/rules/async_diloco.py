@@ -126,7 +126,8 @@ class AsyncDiLoCo(ASGD):
     """H_i local steps, then push the outer gradient to ASGD's servers (Delayed Nesterov there) and fetch."""
 
     def __init__(self, cfg: AsyncDiLoCoConfig, ctx: RuleContext):
-        super().__init__(ASGDConfig(servers=cfg.servers, comm_dtype=cfg.comm_dtype), ctx)
+        plain = ASGDConfig(servers=cfg.servers, comm_dtype=cfg.comm_dtype, momentum_correction=False)
+        super().__init__(plain, ctx)
         self.cfg = cfg
         self.delay = cfg.delay or self.num_workers
         self.push_header = torch.zeros(2, dtype=torch.float64)  # version fetched, this worker's speed
