@@ -20,7 +20,7 @@ target, and that time against BSP's under the same condition (``vs bsp``), again
 shards (``vs static``) and against the rule's own without a straggler (``vs own``); the final accuracy, the
 bytes each worker sent (summary.json's ``bytes_sent`` over ``devices``) and the samples per second. A job that
 fails is reported on stderr and left out, and the script then exits with status 1. ``--smoke`` checks that it
-all runs, in seconds: one job, GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps. """
+all runs, in seconds: one job, GoSGD on 2 workers with dynamic assignment and the straggler, 4 steps."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ EPSILON = 1e-9
 SCORED = {
     "bsp": "the workers' model (the same on every worker)",
     "asgd": "the servers' model",
+    "async_diloco": "the servers' model (the outer parameters x)",
     "easgd": "the center x̃",
     "gosgd": "the consensus Σ a_i·x_i (the workers' weighted mean)",
     "diloco": "the workers' mean",

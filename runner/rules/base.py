@@ -37,7 +37,6 @@ def no_grad(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-
 def split_roles(comm: Comm, servers: int) -> Comm | None:
     """Collective over all ranks: ranks ``0 .. size-servers-1`` train and get their communicator; the last
     ``servers`` ranks serve and get None. Rank 0 is always a worker and writes the run's records."""

@@ -85,7 +85,7 @@ def test_mixed_precision_trains_on_the_gpu_and_its_saved_model_evaluates_alike(c
     assert record["val_acc"] == pytest.approx(s["final_val_acc"], abs=3e-3)
 
 
-# -- the NCCL transport (hardware.transport; tests/test_transport.py runs the same code on gloo) ----------
+# -- the NCCL transport (hardware.transport; tests/comm/test_transport.py runs the same code on gloo) --------
 
 
 def _nccl() -> str:

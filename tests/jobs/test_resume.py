@@ -73,7 +73,7 @@ def same_records(a: Run, b: Run) -> None:
 
 def test_preempted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
     """2 ranks, momentum, BatchNorm (the CNN): SIGTERM after a checkpoint, then resume=, bit for bit. (BSP;
-    every deterministic rule's state resumes exactly in tests/test_checkpoint.py, in-process.)"""
+    every deterministic rule's state resumes exactly in tests/rank/test_checkpoint.py, in-process.)"""
     args = (*COMMON, "devices=2", "rule=bsp")
     whole = run_cli(tmp_path / "whole", *args, timeout=240)
     assert whole.returncode == 0, whole.output

@@ -53,8 +53,8 @@ def test_clipping_applies_to_the_averaged_gradient_identically_on_every_rank(cli
 
 
 # Two rules, not each rule: a test of the optimizer and the schedule, whose rate the loop sets whatever the
-# rule (each rule trains in tests/test_rules_train.py). BSP (gradients averaged before the step) and EASGD
-# (local steps between exchanges) stand for the two kinds of rule; each job is 4 epochs of mpirun.
+# rule (each rule trains in tests/rules/test_rules_train.py). BSP (gradients averaged before the step) and
+# EASGD (local steps between exchanges) stand for the two kinds of rule; each job is 4 epochs of mpirun.
 @pytest.mark.parametrize("rule", ["bsp", "easgd"])
 def test_adamw_with_a_cosine_schedule_and_warmup_trains_at_the_formulas_rate(cli, rule):
     run = cli(

@@ -19,7 +19,7 @@ from tests.conftest import COMMON, CONF, ROOT, checked_config, initial_model, pa
 from tests.conftest import assert_close as assert_params_close
 from tests.helpers.fakecomm import FakeWorld
 from tests.helpers.rule_math import DT, assert_close, batch, build, fit, mlp, params, plain, sgd
-from tests.test_checkpoint import CUT, _tensors, train
+from tests.rank.test_checkpoint import CUT, _tensors, train
 
 N, H, ROUNDS = 3, 3, 3
 LOCAL_SGD = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
@@ -199,7 +199,7 @@ def test_mid_round_validation_reports_the_mean_in_a_copy():
 
 def test_checkpoint_mid_round_resumes_exactly():
     """Saved after step CUT = 3 of rounds of 2 steps (mid-round) and resumed: every rank ends where the
-    uninterrupted run did, x_start and the momentum buffer included (tests/test_checkpoint.py's harness;
+    uninterrupted run did, x_start and the momentum buffer included (tests/rank/test_checkpoint.py's harness;
     its ranks start from different models, which DiLoCo replaces with worker 0's at build)."""
     cfg = DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
     whole = train(FakeWorld(N), cfg, cut=CUT)

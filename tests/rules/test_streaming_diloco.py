@@ -15,8 +15,8 @@ from runner.rules.streaming_diloco import BLOCK, StreamingDiLoCoConfig, int8_all
 from tests.conftest import COMMON, STEPS, checked_config, params_of
 from tests.helpers.fakecomm import FakeWorld
 from tests.helpers.rule_math import DT, assert_close, build, fit, mlp, params, sgd
+from tests.rank.test_checkpoint import CUT, _tensors, train
 from tests.rules.test_diloco import ROUNDS, batches, outer_by_hand
-from tests.test_checkpoint import CUT, _tensors, train
 
 N, H = 3, 4
 OUTER = {"inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9}

@@ -215,7 +215,7 @@ def test_resume_and_eval_of_a_crafted_run_folder_exit_2_and_run_nothing(tmp_path
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_the_users_own_model_and_data_still_resume_and_eval(tmp_path):
-    from tests.test_examples import BLOBS, run_example
+    from tests.jobs.test_examples import BLOBS, run_example
 
     run_dir = tmp_path / "run"
     first = run_example(run_dir, *BLOBS, "checkpoint.every=20", "hardware.bind=none")
