@@ -73,3 +73,18 @@ def test_every_page_is_in_the_nav():
     assert pages, f"no pages in {docs_dir}"
     assert not pages - listed, f"pages missing from mkdocs.yml's nav: {sorted(pages - listed)}"
     assert not listed - pages, f"nav entries without a page: {sorted(listed - pages)}"
+
+
+def test_the_exit_status_table_is_run_folder_exit():
+    """docs/running.md's exit-status table gives every status of ``runner.run_folder.EXIT`` its number, and
+    the sweep's exit status is said as the launcher sets it (the first point not ok's)."""
+    import re
+
+    from runner.run_folder import EXIT
+
+    text = (ROOT / "docs" / "running.md").read_text()
+    table = {}
+    for code, status in re.findall(r"^\| (\d+) \| (`\w+`|—) \|", text, re.MULTILINE):
+        table[status.strip("`") if status != "—" else "invalid"] = int(code)
+    assert table == EXIT, table
+    assert "exits with the status of the first point that did not end ok" in text
