@@ -20,7 +20,8 @@ def explain(err: BaseException, argv: list[str]) -> str:
     """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments)."""
     text = str(err).strip()
     if missing := CANNOT_OVERRIDE.search(text):
-        return _misspelt(missing.group(1), argv) or text.splitlines()[0]
+        key = missing.group(1)
+        return _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
     if missing := NOT_FOUND.search(text):
         group, option = missing.groups()
         known = groups().get(group)
@@ -43,13 +44,10 @@ def _misspelt(key: str, argv: list[str]) -> str | None:
 
     from runner.launcher.register import register
     from runner.schema.config import check_keys
-    from runner.schema.identity import command_line_overrides
 
     register()  # idempotent: the schemas, as the command line had them
 
-    overrides = [a for a in command_line_overrides(argv) if not a.lstrip("+").startswith("hydra.")]
-    firsts = [a.split(",", 1)[0] for a in overrides]  # a sweep's first value: compose takes no sweeps
-    added = ["+" + a if a.split("=", 1)[0] == key else a for a in firsts]
+    added = ["+" + a if a.split("=", 1)[0] == key else a for a in _composable(argv)]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -59,3 +57,48 @@ def _misspelt(key: str, argv: list[str]) -> str | None:
     except Exception:  # another problem of the command line: Hydra's own line says it
         return None
     return None
+
+
+def _composable(argv: list[str]) -> list[str]:
+    """The overrides of ``argv`` that compose takes: each sweep's first value, no Hydra key but the search
+    path (a project's own options are found there)."""
+    from runner.schema.identity import command_line_overrides
+
+    keep = [
+        a
+        for a in command_line_overrides(argv)
+        if not a.lstrip("+").startswith("hydra.") or a.startswith("hydra.searchpath=")
+    ]
+    return [a if a.startswith("hydra.searchpath=") else a.split(",", 1)[0] for a in keep]
+
+
+def _unknown(key: str, argv: list[str]) -> str | None:
+    """For a key no schema declares (a node of an option given by its class, ``_target_``): the keys its
+    node has, the closest of them, and how to give an argument of one's own (``+key=VALUE``); None when the
+    config does not compose without it."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from runner.launcher.register import register
+
+    register()  # idempotent: the schemas, as the command line had them
+    parent, _, name = key.rpartition(".")
+    rest = [a for a in _composable(argv) if a.lstrip("+").split("=", 1)[0] != key]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            node = OmegaConf.select(compose(config_name=PRIMARY, overrides=rest), parent) if parent else None
+    except Exception:
+        return None
+    if not OmegaConf.is_dict(node):
+        return None
+    keys = [k for k in node if k != "_target_"]
+    close = difflib.get_close_matches(name, keys, n=1)
+    hint = f" (did you mean {parent}.{close[0]}?)" if close else ""
+    return (
+        f"{key}: no such key{hint}; the keys of {parent} are: {', '.join(keys)}; an argument of your own "
+        f"that the option does not list yet is added with +{key}=VALUE"
+    )

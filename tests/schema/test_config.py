@@ -219,6 +219,10 @@ def test_the_launcher_imports_no_torch_sklearn_or_mpi():
         (["devices=["], "no viable alternative"),
         (["optim.lr=-0.1"], "optim.lr=-0.1 is invalid"),
         (["+train.epoch=1"], "did you mean train.epochs?"),
+        (  # a project's own model given by its class: its node's keys, and the + for an argument of one's own
+            ["hydra.searchpath=[file://examples/my_project/conf]", "model=blob_mlp", "model.hiden=32"],
+            "model.hiden: no such key (did you mean model.hidden?)",
+        ),
         (["model=alexnet"], "model.input_shape=[1, 8, 8] is invalid: AlexNet needs height and width >= 63"),
         (["devices=1000"], "hardware.oversubscribe=true"),
         pytest.param(
@@ -362,3 +366,12 @@ def test_a_rank_imports_no_hydra():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_misspelt_argument_of_a_model_given_by_its_class_names_the_close_key_and_the_plus():
+    from runner.launcher.explain import _unknown
+
+    argv = ["hydra.searchpath=[file://examples/my_project/conf]", "model=blob_mlp", "model.hiden=32"]
+    line = _unknown("model.hiden", argv)
+    assert line is not None and line.startswith("model.hiden: no such key (did you mean model.hidden?)"), line
+    assert "the keys of model are: inputs, outputs, hidden" in line and "+model.hiden=VALUE" in line
