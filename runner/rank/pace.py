@@ -86,8 +86,9 @@ class Static:
         """Validate within the epoch when due, then checkpoint when the workers agree or the step count asks
         (every worker decides alike); True when the launcher asked to stop."""
         loop, every = self.loop, self.val_steps
-        if every and pos.batch % every == 0 and pos.batch < len(loop.train_loader) // loop.cfg.accumulate:
-            loop.validator.validate(pos.epoch, pos.step)
+        steps = len(loop.train_loader) // loop.cfg.accumulate
+        if every and pos.batch % every == 0 and pos.batch < steps:
+            loop.validator.validate(pos.epoch, pos.step, done=pos.batch / steps)
             loop.model.train()
         decision = loop.control.poll(pos.step)
         if decision.validate:
@@ -218,7 +219,7 @@ class Dynamic:
             k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
             if meetings.validates(k) and not alone:
-                validator.validate(pos.epoch, pos.step)
+                validator.validate(pos.epoch, pos.step, done=meetings.position(k) / chunks.per_epoch)
                 loop.model.train()
             elif meetings.validates(k) and ticket == position:
                 validator.validate_alone(pos)  # this worker drew the validation's chunk: the free one

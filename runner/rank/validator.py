@@ -78,9 +78,9 @@ class Validator:
         self.solo_seen: set[tuple[int, float]] = set()  # worker 0: their (sender's rank, time)
         self.val_asked = 0  # train.val_every_s: the last validation by time asked for (or claimed)
 
-    def validate(self, epoch: int, step: int, **extra: Any) -> nn.Module:
+    def validate(self, epoch: int, step: int, done: float | None = None, **extra: Any) -> nn.Module:
         """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
-        reports (the first)."""
+        reports (the first). ``done``: the part of the epoch trained, for a validation within it."""
         self.guard.check()  # (a model past a non-finite step is not validated: the run ends at that step)
         record: dict[str, float] = {}
         models = self.rule.eval_models()
@@ -91,7 +91,9 @@ class Validator:
             record.update({f"{prefix}val_{k}": v for k, v in self.evaluate(model).items()})
         self.history.append(record)
         self.log.write("val", step, epoch=epoch, **extra, **record)
-        self.meter.echo(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
+        where = f"epoch {epoch}" + (f" ({done:.0%})" if done is not None else "")
+        where += f", by time #{extra['due']}" if "due" in extra else ""
+        self.meter.echo(f"{where}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
         self.check_collapse(record.get(f"{self.reported_prefix}val_loss"), step, together=True)
         return next(iter(models.values()))
 

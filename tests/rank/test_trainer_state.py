@@ -7,6 +7,7 @@ and dynamic assignment."""
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -219,3 +220,20 @@ def test_share_then_adopt_gives_back_the_trainer(tmp_path):
     carried = ("model", *USES["share"])
     assert [n for n in carried if not same(ahead["after"][n], behind["after"][n])] == []
     assert [n for n in carried if same(ahead["after"][n], behind["before"][n])] == []
+
+
+def test_a_validation_within_an_epoch_says_how_far_into_it(tmp_path, capsys):
+    """``train.val_every=0.25`` printed "epoch 0:" four times: a validation within the epoch says how much
+    of it was trained, one by time which it is, and the epoch's own validation stays "epoch 0:"."""
+
+    def rank(comm) -> None:
+        loop = trainer(comm, tmp_path / "run", False)
+        loop.meter.terminal = sys.stdout
+        loop.validator.validate(0, 3, done=0.25)
+        loop.validator.validate(0, 5, done=0.5, due=2)
+        loop.validator.validate(0, 12)
+        loop.close()
+
+    FakeWorld(1).run(rank)
+    lines = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
+    assert lines == ["epoch 0 (25%)", "epoch 0 (50%), by time #2", "epoch 0"], lines
