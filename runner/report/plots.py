@@ -102,8 +102,19 @@ def _colors(n: int) -> list[Any]:
     return [colormaps["viridis"](i / max(1, n - 1)) for i in range(n)]
 
 
+#: The most characters of a run's name a plot shows (legends and bar labels): a longer one (runs of separate
+#: folders, named by every key that differs) keeps its start and end around an ellipsis, so it cannot crush
+#: the plot; the tables and report.csv keep the whole name.
+LABEL_CHARS = 48
+
+
 def _tag(run: Run) -> str:
-    return run.name if run.ok else f"{run.name} ({run.status})"
+    """A run's label in a plot: its name, shortened to :data:`LABEL_CHARS`, and its status if not ok."""
+    name = run.name
+    if len(name) > LABEL_CHARS:
+        keep = (LABEL_CHARS - 1) // 2
+        name = f"{name[:keep]}…{name[-(LABEL_CHARS - 1 - keep):]}"
+    return name if run.ok else f"{name} ({run.status})"
 
 
 def _legend(fig: Figure, axes: Axes, count: int) -> None:

@@ -502,3 +502,20 @@ def figures_of(sweep: Path, **kwargs) -> dict:
     from runner.report.plots import figures
 
     return figures(report_of(sweep, **kwargs))
+
+
+def test_a_long_name_is_shortened_in_the_plots_and_kept_whole_in_the_tables(tmp_path):
+    """Runs of separate folders are named by every key that differs: a plot shows at most LABEL_CHARS of a
+    name (its start and its end), the CSV the whole."""
+    from runner.report.plots import LABEL_CHARS, _tag
+
+    keys = [f"model.layer{i}.width={64 * i}" for i in range(1, 8)]
+    report = report_of(
+        make_run(tmp_path / "a", keys, [0.5, 0.9]), make_run(tmp_path / "b", keys[:3], [0.4, 0.8])
+    )
+    long = max(report.runs, key=lambda r: len(r.name))
+    assert len(long.name) > LABEL_CHARS
+    shown = _tag(long)
+    assert len(shown) == LABEL_CHARS and shown.startswith(long.name[:20]) and shown.endswith(long.name[-20:])
+    long.name = "rule=bsp"
+    assert _tag(long) == "rule=bsp", "a short name is shown whole"
