@@ -27,6 +27,8 @@ YIELD = "+hardware.mca.mpi_yield_when_idle=1"
 SETTINGS = {
     "easgd": {"sync": ["rule.tau=4"], "async": ["rule.variant=async", "rule.tau=4"]},
     "diloco": {"": ["rule.inner_steps=4"]},
+    "async_diloco": {"": ["rule.inner_steps=4"]},
+    "streaming_diloco": {"": ["rule.inner_steps=4", "rule.fragments=2"]},
 }
 
 
@@ -61,7 +63,8 @@ def test_every_rule_trains_across_two_nodes(cluster, tmp_path, rule, overrides):
     assert set(hosts.values()) == {n1, n2}, hosts
     if s["world_size"] > 2:  # the rule's server ranks are the last ones: on the node worker 0 is not on
         assert hosts[s["world_size"] - 1] != hosts[0], hosts
-    assert s["steps"] >= 10 and s["bytes_sent"] > 0, s
+    # the epoch's 24 steps of the two workers (dealt unevenly under dynamic assignment: worker 0 may take 9)
+    assert sum(s["steps_per_worker"]) >= 20 and s["bytes_sent"] > 0, s
     assert s["final_val_acc"] > 0.2, "above chance (0.1) after one epoch"
     if rule == "bsp":
         assert s["versions"]["transport"] == "gloo"
