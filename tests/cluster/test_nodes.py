@@ -319,13 +319,16 @@ with Nodes.up(2) as nodes:
 def test_an_interrupted_or_killed_owner_leaves_nothing(signal_name, cluster):
     """Ctrl-C in the owner tears its nodes down; the nodes of a SIGKILLed owner go at the next bring-up."""
     argv = [sys.executable, "-c", OWNER, str(ROOT)]
-    owner = nodes_mod.subprocess.Popen(argv, stdout=-1, stderr=-1, text=True)
+    # Ctrl-C reaches it as at a terminal, even when this test runs in the background (where SIGINT is ignored,
+    # and the child would inherit that)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    owner = nodes_mod.subprocess.Popen(argv, stdout=-1, stderr=-1, text=True, preexec_fn=default_sigint)
     try:
         tag, *inodes = owner.stdout.readline().split()
         inodes = {int(i) for i in inodes}
         assert processes_in(inodes)
         owner.send_signal(getattr(signal, signal_name))
-        err = owner.communicate(timeout=60)[1]  # teardown: seconds, more on a loaded machine
+        err = owner.communicate(timeout=60)[1]  # teardown: seconds (more on a loaded machine)
         assert signal_name == "SIGKILL" or "KeyboardInterrupt" in err, err
     finally:
         owner.kill()
