@@ -3,8 +3,6 @@ that a route of one new file registered with one line is used by a real ``Comm``
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -13,7 +11,6 @@ import torch
 
 from runner.comm import routes
 from runner.comm.stats import CommStats, clock, share
-from tests.conftest import ROOT
 
 CPU = torch.zeros(4)
 
@@ -99,13 +96,7 @@ def test_a_registered_route_is_tried_first(monkeypatch):
 def test_a_route_of_one_file_and_one_line_is_used():
     """tests/helpers/doubling_route.py, registered by one line, takes a real one-rank ``Comm``'s all-reduces
     of float64 tensors (an all-reduce over one rank changes nothing, so only the route doubles them)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from tests.comm.test_comm import run_job
+
+    proc = run_job([sys.executable, "-c", SCRIPT])
     assert "routes: [4.0, 4.0, 4.0] [1.0, 1.0, 1.0] Doubling" in proc.stdout
