@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any, BinaryIO
 
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
-from runner.launcher.watchdog import Stall, read_beats, stall_check
+from runner.launcher.watchdog import Stall, outliving, read_beats, stall_check
 from runner.run_folder import LOGS, MPIRUN_LOG, STOP, SUMMARY, write_atomic
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
@@ -50,6 +51,10 @@ FAILED_RANK_GRACE_S = 3.0
 #: 0's own model files are written before it, the other ranks' within seconds; mpirun itself can wait forever
 #: for a daemon it lost the link to.
 SUMMARY_GRACE_S = 12.0
+#: Seconds the launcher waits, after mpirun ended, for ranks that outlived it (a rank on a node the runtime
+#: did not lose can go on writing checkpoints) before it reads what the job left; those on this machine
+#: are then killed.
+OUTLIVED_WAIT_S = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -144,6 +149,8 @@ class Supervisor:
             if reader.is_alive():  # processes of the job that outlived mpirun still hold the output
                 self._signal_group(signal.SIGKILL)
                 reader.join(timeout=TERM_TIMEOUT_S)
+            if self.ending_since is None:  # (a job the launcher ended was killed whole)
+                self._await_outliving()
         except BaseException:
             self._signal_group(signal.SIGKILL)
             raise
@@ -159,6 +166,25 @@ class Supervisor:
         return Outcome(
             status, first, self.interrupted, self.stall, log_start, self.stop_time, said, self.after_summary
         )
+
+    def _await_outliving(self) -> None:
+        """Wait up to :data:`OUTLIVED_WAIT_S` for the ranks that outlived mpirun, so that what the job left
+        (its last checkpoint) is read after its last write; kill those on this machine that go on, and
+        name those elsewhere."""
+        host, deadline = socket.gethostname(), time.time() + OUTLIVED_WAIT_S
+        while True:
+            beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+            running = outliving(beats, time.time(), host, _is_rank)
+            if not running or time.time() >= deadline:
+                break
+            time.sleep(0.1)
+        for rank, beat in running.items():
+            where = f"rank {rank} (host {beat.get('host')}, pid {beat.get('pid')})"
+            if beat.get("host") == host:
+                _kill(int(beat["pid"]))
+                self._say(f"{where} outlived mpirun by {OUTLIVED_WAIT_S:.0f} s: killed")
+            else:
+                self._say(f"{where} still runs {OUTLIVED_WAIT_S:.0f} s after mpirun ended: end it there")
 
     def _say(self, text: str) -> None:
         """One of the launcher's own lines, above the progress bar."""
@@ -309,4 +335,19 @@ def _close_quietly(stream: BinaryIO) -> None:
     try:
         stream.close()
     except OSError:
+        pass
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` is a running rank of an mpitrain job (not a process that took its number since)."""
+    try:
+        return b"runner.rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass

@@ -9,7 +9,7 @@ killed rank stops writing; a rank blocked in MPI keeps writing while its ``progr
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ from runner.run_folder import LOST, rank_file_name
 
 #: A rank whose heartbeat thread has not written for this long is stopped or dead, not merely waiting.
 NOT_RESPONDING_S = 10.0
+#: After mpirun ended, a rank elsewhere whose heartbeat (written once a second) is this old has ended too.
+ENDED_SILENCE_S = 2.0
 #: ``logs/lost.json``: ``{"lost": [ranks]}``, workers the survivors went on without (fault tolerance).
 
 
@@ -133,3 +135,21 @@ def read_beats(
         if not beat.get("done"):
             beats[r] = beat
     return beats
+
+
+def outliving(
+    beats: Mapping[int, Mapping[str, Any] | None], now: float, host: str, alive: Callable[[int], bool]
+) -> dict[int, Mapping[str, Any]]:
+    """The ranks still running after mpirun ended (``beats``: :func:`read_beats`'s, done ones left out): on
+    ``host`` (this machine), those whose process is ``alive``; elsewhere, those whose heartbeat is younger
+    than :data:`ENDED_SILENCE_S`. A rank can outlive a runtime that lost a node, and go on writing."""
+    running = {}
+    for rank, beat in beats.items():
+        if beat is None:
+            continue
+        if beat.get("host") == host:
+            if alive(int(beat.get("pid", 0))):
+                running[rank] = beat
+        elif now - beat.get("alive_time", 0.0) < ENDED_SILENCE_S:
+            running[rank] = beat
+    return running

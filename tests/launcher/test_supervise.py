@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ import runner.launcher.supervise
 import runner.launcher.watchdog
 from runner.launcher.echo import EchoFilter
 from runner.launcher.supervise import Supervisor
-from runner.launcher.watchdog import read_beats, stall_check
+from runner.launcher.watchdog import outliving, read_beats, stall_check
 
 ABORT = b"""--------------------------------------------------------------------------
 MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
@@ -177,7 +178,24 @@ def test_read_beats_skips_old_finished_and_torn_beats(tmp_path):
     assert 1 not in read_beats(tmp_path, 2, 100, seen), "a beat file removed after it was seen: finished"
 
 
-STAND_IN = """
+ORPHAN = """
+import json, os, socket, sys, time
+run, lives = sys.argv[1], float(sys.argv[2])
+def beat(**extra):
+    path = os.path.join(run, "logs", "rank0.beat")
+    record = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "role": "worker", "step": 5,
+              "progress_time": time.time(), "alive_time": time.time(), **extra}
+    open(path + ".tmp", "w").write(json.dumps(record)); os.replace(path + ".tmp", path)
+start = time.time()
+while time.time() - start < lives:
+    beat(); time.sleep(0.2)
+open(os.path.join(run, "late_checkpoint"), "w").write(repr(time.time()))
+beat(done=True)
+"""
+
+STAND_IN = (
+    f"ORPHAN = {ORPHAN!r}\n"
+    + """
 import json, os, signal, sys, time
 run, mode = sys.argv[1], sys.argv[2]
 def beat(rank, step, progress):
@@ -191,6 +209,14 @@ if mode == "chatty":
     sys.exit(0)
 if mode == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode.startswith("orphan"):  # a rank that outlives its runtime, out of the job's session (PRRTE's)
+    import subprocess
+    lives = "1.0" if mode == "orphan" else "60"
+    subprocess.Popen([sys.executable, "-c", ORPHAN, run, lives, "runner.rank"], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not os.path.exists(os.path.join(run, "logs", "rank0.beat")):
+        time.sleep(0.01)
+    sys.exit(1)
 print("started", flush=True)
 open(os.path.join(run, "ready"), "w").close()
 start = time.time()
@@ -209,6 +235,7 @@ while time.time() - start < 60:
             beat(1, 5, start)
     time.sleep(0.1)
 """
+)
 
 
 @pytest.fixture
@@ -314,3 +341,51 @@ def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tm
         caplog.text.count(f"cannot write {tmp_path / 'mpirun.log'}: [Errno 28] No space left on device") == 1
     )
     assert capfd.readouterr().out.count("\nline ") == 19999
+
+
+def orphan_beat(pid: int, alive: float, host: str = "here") -> dict:
+    return {"rank": 0, "pid": pid, "host": host, "step": 3, "progress_time": alive, "alive_time": alive}
+
+
+def test_a_rank_outliving_mpirun_is_told_by_its_process_here_and_by_its_heartbeat_elsewhere():
+    beats = {
+        0: orphan_beat(10, 990.0),  # here, alive though its beat is old
+        1: orphan_beat(11, 999.5),  # here, its process gone though its beat is fresh
+        2: orphan_beat(12, 999.0, host="far"),  # elsewhere, beating
+        3: orphan_beat(13, 997.0, host="far"),  # elsewhere, silent for 3 s
+        4: None,
+    }
+    running = outliving(beats, 1000.0, "here", alive=lambda pid: pid == 10)
+    assert sorted(running) == [0, 2]
+
+
+def test_the_launcher_reads_the_job_after_a_rank_that_outlived_mpirun_has_written(job, tmp_path):
+    """A rank goes on 1 s after its runtime ended (a node was lost; the rank writes a checkpoint): the
+    supervisor returns after that write, not before, so the launcher names the checkpoint it left."""
+    outcome = job("orphan").run()
+    returned = time.time()
+    assert outcome.returncode == 1
+    assert (tmp_path / "late_checkpoint").exists(), "returned before the outliving rank's last write"
+    assert returned - float((tmp_path / "late_checkpoint").read_text()) < 1.0
+
+
+def test_a_rank_outliving_mpirun_on_this_machine_is_killed_after_the_wait(job, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(runner.launcher.supervise, "OUTLIVED_WAIT_S", 1.0)
+    start = time.time()
+    outcome = job("orphan_forever").run()
+    assert outcome.returncode == 1 and time.time() - start < 6
+    pid = json.loads((tmp_path / "logs" / "rank0.beat").read_text())["pid"]
+    assert f"rank 0 (host {socket.gethostname()}, pid {pid}) outlived mpirun by 1 s: killed" in caplog.text
+    for _ in range(50):
+        if not Path(f"/proc/{pid}").exists() or b"runner.rank" not in _cmdline(pid):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the outliving rank {pid} still runs")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
