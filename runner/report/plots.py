@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.report import verdict
+from runner.report import network, verdict
 from runner.report.confidence import REPEAT_KEYS
 from runner.report.runs import finite_or_none
 from runner.report.table import Report, explanation, table
@@ -23,7 +23,16 @@ if TYPE_CHECKING:
     from runner.report.runs import Run
 
 #: The report's plots, in the order shown.
-PLOTS = ("curves", "heatmap", "scatter", "time_to_target", "bytes_per_worker", "rule_metrics", "workers")
+PLOTS = (
+    "curves",
+    "crossover",
+    "heatmap",
+    "scatter",
+    "time_to_target",
+    "bytes_per_worker",
+    "rule_metrics",
+    "workers",
+)
 #: A plot's axis is logarithmic when its positive values span more than this factor.
 LOG_SPAN = 100.0
 #: Per-epoch metrics of the rules, plotted over steps when a run recorded them: key -> (title, y label).
@@ -113,7 +122,7 @@ def _tag(run: Run) -> str:
     name = run.name
     if len(name) > LABEL_CHARS:
         keep = (LABEL_CHARS - 1) // 2
-        name = f"{name[:keep]}…{name[-(LABEL_CHARS - 1 - keep):]}"
+        name = f"{name[:keep]}…{name[-(LABEL_CHARS - 1 - keep) :]}"
     return name if run.ok else f"{name} ({run.status})"
 
 
@@ -361,13 +370,82 @@ def _log_y(axes: Axes, values: list[float], ylabel: str) -> None:
     axes.set_ylabel(ylabel + (" (log scale)" if log else ""))
 
 
+def crossover_figure(cross: network.Crossover) -> Figure:
+    """The crossover plot: a line per series through its time to target at each link speed (log x axis;
+    log y where the times span orders of magnitude), a cross at the top where it did not reach the
+    target, and free links apart, in a narrow panel of their own on the right."""
+    speeds = [g for g in cross.speeds if g is not None]
+    free = None in cross.speeds
+    fig = _figure(9.5 if free else 8, 5.6)
+    if free:
+        axes, apart = fig.subplots(1, 2, sharey=True, width_ratios=[5, 1])
+    else:
+        axes, apart = fig.subplots(), None
+    colors = dict(zip(cross.series, _colors(len(cross.series)), strict=True))
+    for series in cross.series:
+        cells = [c for g in speeds if (c := cross.cells.get((series, g))) is not None]
+        _draw_cells(axes, cells, series, colors[series])
+        if apart is not None and (cell := cross.cells.get((series, None))) is not None:
+            _draw_cells(apart, [cell], f"{series}: {network.FREE}", colors[series], x=0.0)
+    times = [c.seconds for c in cross.cells.values() if c.seconds is not None]
+    log = log_scale(times)
+    axes.set_xscale("log")
+    axes.set_xticks(speeds, [f"{g:g}" for g in speeds])
+    axes.set_yscale("log" if log else "linear")
+    if not log:
+        axes.set_ylim(0, max(times, default=1.0) * 1.15)
+    axes.set_xlabel("emulated link bandwidth per node (Gbit/s, log scale)")
+    axes.set_ylabel("time to target from the start of training (s)" + " (log scale)" * log)
+    axes.grid(alpha=0.3, which="both")
+    if any(c.seconds is None for c in cross.cells.values()):
+        axes.plot([], [], "x", color="grey", label="not reached (drawn at the top)")
+    if apart is not None:
+        apart.set_xticks([0], [network.FREE])
+        apart.set_xlim(-1, 1)
+        apart.grid(alpha=0.3)
+        apart.set_title("links free", fontsize=10)
+    axes.legend(fontsize=9)
+    fig.suptitle(f"Time to {cross.target} against link bandwidth, per rule", fontsize=12)
+    return fig
+
+
+def _draw_cells(
+    axes: Axes, cells: list[network.Cell], label: str, color: object, x: float | None = None
+) -> None:
+    """One series' line through the cells that reached the target (gid: ``label``) and a cross at the
+    top of the axes for each that did not (gid: ``label: not reached``); ``x`` for all, else each speed."""
+    from matplotlib.transforms import blended_transform_factory
+
+    def at(cell: network.Cell) -> float:
+        return x if x is not None else cell.gbps or 0.0
+
+    hit = [c for c in cells if c.seconds is not None]
+    if hit or x is None:
+        line = axes.plot([at(c) for c in hit], [c.seconds for c in hit], marker="o", color=color, gid=label)
+        line[0].set_label(label if x is None else "_" + label)
+    missed = [at(c) for c in cells if c.seconds is None]
+    if missed:
+        top = blended_transform_factory(axes.transData, axes.transAxes)
+        axes.plot(
+            missed,
+            [0.97] * len(missed),
+            "x",
+            color=color,
+            markersize=9,
+            transform=top,
+            gid=f"{label}: not reached",
+        )
+
+
 def figures(report: Report) -> dict[str, Figure | None]:
     """The report's figures by name (of :data:`PLOTS`; None: nothing to draw). Bars need two runs (and
     bytes per step two that differ in it); the heatmap a sweep over exactly two keys; rule metrics a run
-    that recorded them."""
+    that recorded them; the crossover a sweep over link speeds (:mod:`runner.report.network`)."""
     runs = report.runs
     colors = dict(zip((r.name for r in runs), _colors(len(runs)), strict=True))
     drawn: dict[str, Figure | None] = {"curves": _curves(report, colors)}
+    cross = network.crossover(report)
+    drawn["crossover"] = None if cross is None else crossover_figure(cross)
     if (grid := _heatmap(report)) is not None:
         drawn[grid[0]] = grid[1]
     drawn["time_to_target"] = _time_to_target(report, colors)
@@ -416,10 +494,17 @@ def page(report: Report, plots: list[Path]) -> str:
     parts.append(f"<style>{STYLE}</style></head><body><h1>Report: {e(report.title)}</h1>")
     parts.append(f"<p><b>{e(bold)}</b> {e(numbers)}</p>")
     parts += [f"<p>{e(text)}</p>" for text in verdict.paragraphs(report.standing)]
+    if (cross := network.crossover(report)) is not None:
+        parts.append(f"<h2>{e(network.HEADING)}</h2>")
+        parts.append("<ul>" + "".join(f"<li>{e(t)}</li>" for t in network.sentences(cross)) + "</ul>")
+        parts.append(f"<p>{e(network.explanation(cross))}</p>")
+        header_cross, cells_cross = network.grid(cross)
+        parts.append(_html_table(header_cross, cells_cross, ["ok"] * len(cells_cross), 1))
     if report.repeated:
         parts.append("<h2>Points (mean over seeds)</h2>")
         kinds = ["ok" if p.ok else "bad" for p in report.points]
         parts.append(_html_table(*verdict.points_table(report.standing), kinds, 1))
+    if report.repeated or cross is not None:
         parts.append("<h2>Runs</h2>")
     parts.append(f"<p>{e(explanation(report))}</p>")
     if report.load_note:

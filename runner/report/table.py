@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.report import verdict
+from runner.report import network, verdict
 from runner.report.confidence import Point, Standing, other_name
 from runner.report.runs import Run, finite_or_none
 from runner.tasks import maximized
@@ -218,9 +218,13 @@ def markdown(report: Report, plots: list[Path]) -> str:
     bold, numbers = verdict.headline(report.standing)
     lines = [f"# Report: {report.title}", "", f"**{_md(bold)}** {_md(numbers)}".rstrip(), ""]
     lines += [line for text in verdict.paragraphs(report.standing) for line in (_md(text), "")]
+    if (cross := network.crossover(report)) is not None:
+        lines += [f"## {network.HEADING}", "", *(f"- {_md(t)}" for t in network.sentences(cross)), ""]
+        lines += [_md(network.explanation(cross)), "", *_md_table(*network.grid(cross), 1), ""]
     if report.repeated:
         points_header, points_cells = verdict.points_table(report.standing)
         lines += ["## Points (mean over seeds)", "", *_md_table(points_header, points_cells, 1), ""]
+    if report.repeated or cross is not None:
         lines += ["## Runs", ""]
     lines += [
         explanation(report),

@@ -1,0 +1,245 @@
+"""The network as an axis: for a sweep over ``simulate.link_gbps``, which rule reached the target first at
+each link speed (a sentence per speed), and the data of the crossover plot (each rule's time to target
+against bandwidth, drawn by :func:`runner.report.plots.crossover_figure`).
+
+A *series* is what the sweep varied besides the link speed and the seed (the rule, named by its value alone
+when it is the only other key); a *cell* is a series at one speed: a point of :mod:`.confidence` (its
+seeds). A cell reached the target when every seed of it that ended ok did; its time is their mean. Two
+times tie by the report's noise rule (:func:`.confidence.tie`): their spreads over seeds overlap or lie
+within one validation interval of each other, the time between the validation that reached the target and
+the one before it (the crossing lies somewhere in it; the larger of the two cells'). Runs whose links are
+free (``simulate.link_gbps`` or ``simulate.ranks_per_node`` unset) are the speed None, "free links", shown
+apart. Nothing of this is written unless the runs differ in ``simulate.link_gbps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from runner.report.confidence import REPEAT_KEYS, Point, Spread, tie
+from runner.report.runs import Run, finite_or_none, short_value
+
+#: The swept key that makes the network an axis, and the one that makes links at all.
+LINK_KEY = "simulate.link_gbps"
+NODES_KEY = "simulate.ranks_per_node"
+#: The rule every other one is measured against.
+BASELINE = "bsp"
+#: How the runs without links are called.
+FREE = "free links"
+#: The report's section on it.
+HEADING = "Which rule reaches the target first at each link speed"
+
+
+class Scored(Protocol):
+    """What of a scored report (:class:`runner.report.table.Report`, which imports this module) is read."""
+
+    keys: list[str]
+    metric: str
+    target: float | None
+
+    @property
+    def points(self) -> list[Point]: ...
+
+    def target_text(self) -> str: ...
+
+
+@dataclass
+class Cell:
+    """A series at one link speed (``gbps`` None: free links): its point, and its time to target as a
+    point of its own (``best``: the spread of its seeds' times; ``resolution``: one validation interval),
+    or None where it did not reach the target."""
+
+    series: str
+    gbps: float | None
+    point: Point
+    time: Point | None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.time is None or self.time.best is None else self.time.best.mean
+
+
+@dataclass
+class Crossover:
+    """The cells of a sweep over link speeds: ``series`` BSP first, then by name, ``speeds`` ascending (free
+    links, None, last), ``cells[(series, speed)]``; ``target``: the report's target as text."""
+
+    metric: str
+    target: str
+    series: list[str]
+    speeds: list[float | None]
+    cells: dict[tuple[str, float | None], Cell]
+
+    def at(self, gbps: float | None) -> list[Cell]:
+        """The cells at link speed ``gbps``, in the series' order."""
+        return [c for s in self.series if (c := self.cells.get((s, gbps))) is not None]
+
+
+def speed_of(run: Run) -> float | None:
+    """``run``'s link speed in Gbit/s, None where its links are free (no bandwidth, or no nodes)."""
+    gbps = finite_or_none((run.lookup(LINK_KEY) or (None, ""))[0])
+    nodes = finite_or_none((run.lookup(NODES_KEY) or (None, ""))[0])
+    return None if gbps is None or not nodes else gbps
+
+
+def series_name(run: Run) -> str:
+    """The series of ``run``: its swept values but the link speed and the seed (``diloco`` when the rule is
+    the only one, ``rule=diloco,rule.inner_steps=20`` otherwise; ``all runs`` when nothing else varied)."""
+    keys = [k for k in run.swept if k not in (LINK_KEY, NODES_KEY, *REPEAT_KEYS)]
+    if keys == ["rule"]:
+        return str(run.swept["rule"])
+    parts = [(k, run.lookup(k)) for k in keys]
+    return ",".join(f"{k}={short_value(*v)}" for k, v in parts if v is not None) or "all runs"
+
+
+def _time(point: Point) -> Point | None:
+    """``point``'s time to target as a point (spread of its ok seeds' times, one validation interval as its
+    resolution), None unless each of its ok seeds reached the target."""
+    ok = [r for r in point.runs if r.ok]
+    times = [r.target_time_s for r in ok]
+    if not ok or any(t is None for t in times):
+        return None
+    return Point(point.name, ok, Spread.of(times), rule=point.rule, resolution=max(map(_interval, ok)))
+
+
+def _interval(run: Run) -> float:
+    """The time between the validation at which ``run`` reached the target and the one before it (since
+    training started, for the first): where in time the crossing lies."""
+    times = [t for r in run.vals if (t := finite_or_none(r.get("time"))) is not None]
+    hit = run.target_time_s
+    before = [t for t in times if hit is not None and t < hit]
+    return 0.0 if hit is None else hit - max(before, default=0.0)
+
+
+def crossover(report: Scored) -> Crossover | None:
+    """The report's cells by series and link speed, None unless its runs differ in ``simulate.link_gbps``
+    (swept, two speeds at least, free links counting as one) and it has a target."""
+    if LINK_KEY not in report.keys or report.target is None:
+        return None
+    cells: dict[tuple[str, float | None], Cell] = {}
+    for point in report.points:
+        first = point.runs[0]
+        key = (series_name(first), speed_of(first))
+        cells.setdefault(key, Cell(*key, point, _time(point)))
+    speeds = sorted({g for _, g in cells}, key=lambda g: (g is None, g or 0.0))
+    if len(speeds) < 2:
+        return None
+    series = sorted({s for s, _ in cells}, key=lambda s: (s != BASELINE, s))
+    return Crossover(report.metric, report.target_text(), series, speeds, cells)
+
+
+def speed_text(gbps: float | None) -> str:
+    """``0.1 Gbit/s``, or ``free links`` for None."""
+    return FREE if gbps is None else f"{gbps:g} Gbit/s"
+
+
+def _s(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds:.3g} s"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _leaders(cells: list[Cell]) -> tuple[list[Cell], Cell | None]:
+    """The cells that reached the target at a speed: the first and those that tie with it (fastest first),
+    and the runner-up, the fastest one outside that group (None: none)."""
+    reached = sorted((c for c in cells if c.time is not None), key=lambda c: c.seconds or 0.0)
+    if not reached:
+        return [], None
+    first = [c for c in reached if c is reached[0] or tie(reached[0].time, c.time)]  # type: ignore[arg-type]
+    rest = [c for c in reached if c not in first]
+    return first, rest[0] if rest else None
+
+
+def _final(cell: Cell) -> str:
+    return "—" if cell.point.final is None else f"{cell.point.final.mean:.4f}"
+
+
+def sentence(cross: Crossover, gbps: float | None) -> str:
+    """The sentence for link speed ``gbps``: the series that reached the target first and by how much (its
+    time over the runner-up's and BSP's), a tie within noise, or that none reached it."""
+    cells, where = cross.at(gbps), f"At {speed_text(gbps)}" if gbps is not None else "With free links"
+    first, runner_up = _leaders(cells)
+    if not first:
+        best = [c for c in cells if c.point.best is not None]
+        top = max(best, key=lambda c: c.point.best.mean) if best else None  # type: ignore[union-attr]
+        near = f" (closest: {top.series}, best {cross.metric} {top.point.best.text()})" if top else ""
+        return f"{where}, no rule reached {cross.target}{near}."
+    lead = first[0]
+    if len(first) > 1:
+        times = _and([f"{c.series} {_s(c.seconds)}" for c in first])
+        text = f"{where}, {_and([c.series for c in first])} tie in reaching {cross.target} first ({times}: "
+        text += f"within one validation interval, {_s(max(c.time.resolution for c in first))}, of each other)"
+    else:
+        text = f"{where}, {lead.series} reached {cross.target} first, in {_s(lead.seconds)}"
+    text += _ratios(cells, first, runner_up)
+    return text + f"; final {cross.metric} {_finals(cells, first)}."
+
+
+def _ratios(cells: list[Cell], first: list[Cell], runner_up: Cell | None) -> str:
+    """``: 0.45× the runner-up gosgd's 2.7 s, 0.15× bsp's 8 s``: the first's time over theirs."""
+    lead, parts = first[0], []
+    if runner_up is not None:
+        ratio = (lead.seconds or 0.0) / (runner_up.seconds or 1.0)
+        parts.append(f"{ratio:.2g}× the runner-up {runner_up.series}'s {_s(runner_up.seconds)}")
+    elif len(cells) > len(first):
+        parts.append("no other rule reached it")
+    base = _baseline(cells)
+    if base is not None and base not in first and base is not runner_up:
+        if base.seconds is None:
+            parts.append(f"{base.series} did not reach it")
+        else:
+            parts.append(f"{(lead.seconds or 0.0) / base.seconds:.2g}× {base.series}'s {_s(base.seconds)}")
+    return (": " + ", ".join(parts)) if parts else ""
+
+
+def _finals(cells: list[Cell], first: list[Cell]) -> str:
+    """The final metric of the first (and those tied with it), and BSP's beside it."""
+    named = [f"{c.series} {_final(c)}" for c in first]
+    base = _baseline(cells)
+    if base is not None and base not in first:
+        named.append(f"{base.series} {_final(base)}")
+    return _and(named)
+
+
+def _baseline(cells: list[Cell]) -> Cell | None:
+    """The BSP cell (named ``bsp``, else the first whose rule is BSP), None where the sweep has none."""
+    ours = [c for c in cells if c.point.rule == BASELINE]
+    return next((c for c in ours if c.series == BASELINE), ours[0] if ours else None)
+
+
+def explanation(cross: Crossover) -> str:
+    """The paragraph under the sentences: what a time is, when two tie, what the ratios are."""
+    return (
+        f"Time to target: from the start of training to the first validation that reached {cross.target}, "
+        "emulated link time included; a rule at a speed is one point (its seeds' mean, reached only if each "
+        "seed that ended ok reached it). Two times tie when their spreads over seeds overlap or lie within "
+        "one validation interval (the time since the validation before the one that reached the target) "
+        f"of each other. Ratios: the first's time over the runner-up's and {BASELINE}'s (0.2×: five times "
+        f"as fast). {FREE.capitalize()}: runs without emulated links ({LINK_KEY} or {NODES_KEY} unset). The "
+        "crossover plot draws each rule's time against the link speed."
+    )
+
+
+def sentences(cross: Crossover) -> list[str]:
+    """A sentence per link speed, slowest first, free links last."""
+    return [sentence(cross, gbps) for gbps in cross.speeds]
+
+
+def grid(cross: Crossover) -> tuple[list[str], list[list[str]]]:
+    """A table: a row per series, a column per speed, each cell its time to target and final metric."""
+    header = ["rule", *(f"{speed_text(g)}: time to target (final {cross.metric})" for g in cross.speeds)]
+    rows = []
+    for series in cross.series:
+        row = [series]
+        for gbps in cross.speeds:
+            cell = cross.cells.get((series, gbps))
+            if cell is None:
+                row.append("no run")
+            else:
+                time = "not reached" if cell.time is None else _s(cell.seconds)
+                row.append(f"{time} ({_final(cell)})")
+        rows.append(row)
+    return header, rows

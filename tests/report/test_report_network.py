@@ -1,0 +1,167 @@
+"""The report over link speeds (runner/report/network.py): a sentence per speed naming the rule that reached
+the target first and by how much, a tie within noise, none reached; the crossover plot. From hand-made run
+folders, in process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runner.report.network import HEADING, crossover, sentences
+from runner.report.plots import crossover_figure
+from runner.report.runs import load_runs
+from runner.report.table import markdown, score
+from runner.report.write import write_report
+from tests.report.test_report import make_sweep
+
+LINK = "simulate.link_gbps"
+#: (rule, link speed or None for free links) -> validations' accuracies and the seconds between them. The
+#: target is 0.95: at 0.01 none reaches it; at 0.1 diloco (2 s) before gosgd (4 s) and bsp (10 s); at 1 bsp
+#: (3 s) and diloco (3.5 s) tie, within bsp's validation interval (1 s); with free links bsp (1 s) before
+#: diloco (3 s), gosgd never.
+LOW, HIGH = 0.9, 0.96
+CELLS = {
+    ("bsp", 0.01): ([LOW] * 4, 5.0),
+    ("diloco", 0.01): ([LOW] * 8, 1.0),
+    ("gosgd", 0.01): ([LOW] * 8, 1.0),
+    ("bsp", 0.1): ([LOW] * 4 + [HIGH, 0.97], 2.0),
+    ("diloco", 0.1): ([LOW, 0.955, 0.96, 0.962], 1.0),
+    ("gosgd", 0.1): ([LOW] * 3 + [HIGH] * 2, 1.0),
+    ("bsp", 1): ([LOW, LOW, 0.97, 0.975], 1.0),
+    ("diloco", 1): ([LOW] * 6 + [HIGH, 0.965], 0.5),
+    ("gosgd", 1): ([LOW] * 5 + [HIGH], 1.0),
+    ("bsp", None): ([0.97, 0.98], 1.0),
+    ("diloco", None): ([LOW] * 5 + [0.96], 0.5),
+    ("gosgd", None): ([LOW] * 4, 1.0),
+}
+
+
+def make_run(path: Path, overrides: list[str], accs: list[float], every: float, val_count: int = 360) -> None:
+    """A run folder whose validations come ``every`` seconds (and 10 steps) apart."""
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    records = [
+        {"kind": "val", "step": 10 * (i + 1), "time": every * (i + 1), "val_acc": acc}
+        for i, acc in enumerate(accs)
+    ]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"status": "ok", "devices": 4, "wall_time_s": 10.0, "steps": 10 * len(accs)}
+    (path / "summary.json").write_text(json.dumps({**summary, "val_count": val_count}))
+
+
+def make_link_sweep(root: Path, cells: dict = CELLS, seeds: tuple[int, ...] = ()) -> Path:
+    """A multirun over rule × simulate.link_gbps (null: free links), one node per rank (and over seeds)."""
+    sweep = root / "sweep"
+    sweep.mkdir(parents=True)
+    rules = ",".join(dict.fromkeys(r for r, _ in cells))
+    speeds = ",".join(dict.fromkeys("null" if g is None else str(g) for _, g in cells))
+    task = [f"rule={rules}", f"{LINK}={speeds}", "simulate.ranks_per_node=1"]
+    task += [f"train.seed={','.join(map(str, seeds))}"] if seeds else []
+    (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": task}}}))
+    n = 0
+    for (rule, gbps), value in cells.items():
+        for seed, (accs, every) in zip(seeds or (None,), value if seeds else [value], strict=True):
+            speed = "null" if gbps is None else gbps
+            extra = [] if seed is None else [f"train.seed={seed}"]
+            overrides = [f"rule={rule}", f"{LINK}={speed}", "simulate.ranks_per_node=1", *extra]
+            make_run(sweep / str(n), overrides, accs, every)
+            n += 1
+    return sweep
+
+
+def report_of(sweep: Path, target: float | None = 0.95):
+    runs, keys = load_runs([sweep])
+    return score(runs, keys, sweep, "val_acc", target)
+
+
+def test_a_sentence_per_speed_names_the_first_its_ratios_a_tie_and_none_reached(tmp_path):
+    cross = crossover(report_of(make_link_sweep(tmp_path)))
+    assert cross.speeds == [0.01, 0.1, 1, None] and cross.series == ["bsp", "diloco", "gosgd"]
+    none, winner, tie, free = sentences(cross)
+    assert none == "At 0.01 Gbit/s, no rule reached val_acc ≥ 0.95 (closest: bsp, best val_acc 0.9000)."
+    assert winner == (
+        "At 0.1 Gbit/s, diloco reached val_acc ≥ 0.95 first, in 2 s: 0.5× the runner-up gosgd's 4 s, "
+        "0.2× bsp's 10 s; final val_acc diloco 0.9620 and bsp 0.9700."
+    )
+    assert tie == (
+        "At 1 Gbit/s, bsp and diloco tie in reaching val_acc ≥ 0.95 first (bsp 3 s and diloco 3.5 s: within "
+        "one validation interval, 1 s, of each other): 0.5× the runner-up gosgd's 6 s; final val_acc bsp "
+        "0.9750 and diloco 0.9650."
+    )
+    assert free == (
+        "With free links, bsp reached val_acc ≥ 0.95 first, in 1 s: 0.33× the runner-up diloco's 3 s; "
+        "final val_acc bsp 0.9800."
+    )
+
+
+def test_times_further_apart_than_a_validation_interval_do_not_tie(tmp_path):
+    cells = dict(CELLS)
+    cells[("diloco", 1)] = ([LOW] * 8 + [HIGH], 0.5)  # 4.5 s: 1.5 s after bsp's 3 s, beyond its 1 s interval
+    sentence = sentences(crossover(report_of(make_link_sweep(tmp_path, cells))))[2]
+    assert sentence.startswith(
+        "At 1 Gbit/s, bsp reached val_acc ≥ 0.95 first, in 3 s: 0.67× the runner-up diloco"
+    )
+
+
+def test_only_one_reached_and_bsp_did_not(tmp_path):
+    cells = {k: v for k, v in CELLS.items() if k[1] in (0.01, 0.1)}
+    cells[("gosgd", 0.1)] = cells[("bsp", 0.1)] = ([LOW] * 3, 1.0)
+    last = sentences(crossover(report_of(make_link_sweep(tmp_path, cells))))[-1]
+    assert last == (
+        "At 0.1 Gbit/s, diloco reached val_acc ≥ 0.95 first, in 2 s: no other rule reached it, bsp did not "
+        "reach it; final val_acc diloco 0.9620 and bsp 0.9000."
+    )
+
+
+def test_seeds_whose_times_overlap_tie_and_a_seed_that_missed_leaves_its_point_unreached(tmp_path):
+    cells = {
+        ("bsp", 0.1): [([LOW, HIGH], 1.0), ([LOW] * 5 + [HIGH], 1.0)],  # 2 s and 6 s
+        ("diloco", 0.1): [([LOW] * 29 + [HIGH], 0.1)] * 2,  # 3 s both: inside bsp's 2-6 s
+        ("gosgd", 0.1): [([HIGH], 0.1), ([LOW], 0.1)],  # one seed missed
+        ("bsp", 1): [([HIGH], 1.0)] * 2,
+        ("diloco", 1): [([LOW, HIGH], 2.0)] * 2,
+        ("gosgd", 1): [([LOW], 1.0)] * 2,
+    }
+    tie, one = sentences(crossover(report_of(make_link_sweep(tmp_path, cells, seeds=(1, 2)))))
+    assert tie.startswith(
+        "At 0.1 Gbit/s, diloco and bsp tie in reaching val_acc ≥ 0.95 first (diloco 3 s and bsp 4 s"
+    )
+    assert "gosgd" not in tie  # its one seed that reached it does not make it first
+    assert one.startswith("At 1 Gbit/s, bsp reached val_acc ≥ 0.95 first, in 1 s: 0.25× the runner-up diloco")
+
+
+def test_the_crossover_plot_has_a_line_per_rule_through_its_times_and_free_links_apart(tmp_path):
+    fig = crossover_figure(crossover(report_of(make_link_sweep(tmp_path))))
+    axes, apart = fig.axes
+    assert axes.get_xscale() == "log"
+    lines = {line.get_gid(): (list(line.get_xdata()), list(line.get_ydata())) for line in axes.lines}
+    assert lines["bsp"] == ([0.1, 1], [10.0, 3.0])
+    assert lines["diloco"] == ([0.1, 1], [2.0, 3.5])
+    assert lines["gosgd"] == ([0.1, 1], [4.0, 6.0])
+    assert lines["bsp: not reached"][0] == [0.01] and lines["gosgd: not reached"][0] == [0.01]
+    assert [text.get_text() for text in axes.get_legend().get_texts()][:3] == ["bsp", "diloco", "gosgd"]
+    free = {line.get_gid(): list(line.get_ydata()) for line in apart.lines}
+    assert free["bsp: free links"] == [1.0] and free["diloco: free links"] == [3.0]
+    assert "gosgd: free links: not reached" in free and "gosgd: free links" not in free
+
+
+def test_the_report_writes_the_section_and_the_plot_only_for_a_sweep_over_link_speeds(tmp_path):
+    sweep = make_link_sweep(tmp_path / "links")
+    report = write_report([sweep], target=0.95)
+    md = (sweep / "report.md").read_text()
+    assert f"## {HEADING}" in md and "- At 0.1 Gbit/s, diloco reached val_acc ≥ 0.95 first" in md
+    assert "| diloco | not reached (0.9000) | 2 s (0.9620) | 3.5 s (0.9650) | 3 s (0.9600) |" in md
+    assert "![crossover](crossover.png)" in md and (sweep / "crossover.png").read_bytes()[:4] == b"\x89PNG"
+    assert "diloco reached val_acc" in (sweep / "report.html").read_text()
+    assert md.count("## Runs") == 1 and report.target == 0.95
+    other = make_sweep(tmp_path)  # rule.alpha × optim.lr: no link speeds
+    assert crossover(report_of(other)) is None and HEADING not in markdown(report_of(other), [])
+
+
+def test_one_link_speed_or_no_target_is_no_crossover(tmp_path):
+    cells = {k: v for k, v in CELLS.items() if k[1] == 0.1}
+    assert crossover(report_of(make_link_sweep(tmp_path, cells))) is None
+    report = report_of(make_link_sweep(tmp_path / "all"))
+    report.target = None
+    assert crossover(report) is None
+    assert HEADING not in markdown(report, [])
