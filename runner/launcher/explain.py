@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from runner.launcher.help import CONF, PRIMARY, groups
+from runner.schema import ConfigErrors
 
 #: Hydra's messages this module rewords.
 CANNOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
@@ -19,6 +20,8 @@ NOT_FOUND = re.compile(r"Could not find '([^'/]+)/([^']+)'")
 def explain(err: BaseException, argv: list[str]) -> str:
     """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments)."""
     text = str(err).strip()
+    if isinstance(err, ConfigErrors):  # several problems of the config, a line each (a point run elsewhere)
+        return text
     if missing := CANNOT_OVERRIDE.search(text):
         key = missing.group(1)
         return _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]

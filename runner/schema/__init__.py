@@ -10,8 +10,9 @@ builds its object: the launcher checks a config without importing torch, scikit-
 ranks, which read the schemas without composing, import no Hydra.
 
 Checks live in ``__post_init__`` and raise ``ValueError`` through :func:`require`, naming the key
-relative to the group (``validate`` adds the group) and the fix. Checks that involve other groups are
-methods of the base classes (``RuleConfig.check_devices``).
+relative to the group (``validate`` adds the group) and the fix; ``validate`` runs them within
+:func:`collected`, so that every independent problem of a config is told at once. Checks that involve
+other groups are methods of the base classes (``RuleConfig.check_devices``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import importlib
 import importlib.util
 import inspect
 import pkgutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +35,70 @@ if TYPE_CHECKING:
 WIRE_NAMES = ("fp32", "bf16", "fp16")
 
 
+#: Within :func:`collected`: the ("key=value", message) of each check failed so far, which :func:`require`
+#: adds to instead of raising.
+_FAILED: ContextVar[list[tuple[str, str]] | None] = ContextVar("mpitrain_failed_checks", default=None)
+
+
 def require(ok: bool, key: str, value: Any, hint: str) -> None:
-    """Raise a ValueError naming ``key`` (relative to its group) unless ``ok``."""
-    if not ok:
-        raise ValueError(f"{key}={value!r} is invalid: {hint}")
+    """Raise a ValueError naming ``key`` (relative to its group) unless ``ok``; within :func:`collected`,
+    record it and go on to the next check."""
+    if ok:
+        return
+    setting = f"{key}={value!r}"
+    failed = _FAILED.get()
+    if failed is None:
+        raise ValueError(f"{setting} is invalid: {hint}")
+    failed.append((setting, f"{setting} is invalid: {hint}"))
+
+
+class ConfigErrors(ValueError):
+    """Several independent problems of one config, a line each (one problem reads as its line alone)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        text = (
+            self.problems[0]
+            if len(self.problems) == 1
+            else f"{len(self.problems)} settings are invalid:\n{lines}"
+        )
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        return type(self), (self.problems,)
+
+
+@contextmanager
+def collected(prefix: str, problems: list[str]) -> Iterator[None]:
+    """Run checks that may each fail without stopping the others: every :func:`require` failed within is
+    added to ``problems`` as ``prefix`` + its message, once per setting (a key's later checks of the same
+    value assume its first passed). A ValueError raised within is added too; but once a check has failed,
+    whatever is raised after it (a check or a computation that needed the failed one to pass) is dropped.
+    Other exceptions are raised."""
+    failed: list[tuple[str, str]] = []
+    token = _FAILED.set(failed)
+    try:
+        yield
+    except ValueError as err:
+        if not failed:
+            failed.append(("", str(err)))
+    except Exception:
+        if not failed:
+            raise
+    finally:
+        _FAILED.reset(token)
+    told: set[str] = set()
+    for setting, message in failed:
+        if not setting or setting not in told:
+            problems.append(prefix + message)
+        told.add(setting)
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise the ``problems`` found (:func:`collected`) as one ValueError, a line each; none: nothing."""
+    if problems:
+        raise ConfigErrors(problems)
 
 
 def option_name(schema: type) -> str:

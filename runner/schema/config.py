@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.run_folder import CONFIG_SHA_ENV
-from runner.schema import GROUPS, option_name, require
+from runner.schema import GROUPS, collected, option_name, raise_problems, require
 from runner.schema.logger import DEFAULT_LOGGERS, as_loggers
 from runner.schema.sections import CheckpointConfig, SimulateConfig, SweepConfig, TrainConfig
 from runner.schema.target import of_node
@@ -61,12 +61,7 @@ class Config:
         self.logger = as_loggers(self.logger)
         for group in TARGET_GROUPS:
             setattr(self, group, of_node(group, getattr(self, group)))
-        require(
-            isinstance(self.devices, int) and self.devices >= 1,
-            "devices",
-            self.devices,
-            "the number of worker ranks must be >= 1 (e.g. devices=2)",
-        )
+        check_devices(self.devices)
 
     @property
     def world_size(self) -> int:
@@ -112,8 +107,11 @@ def check_keys(node: DictConfig, path: str = "") -> None:
 
 
 def validate(cfg: DictConfig) -> Config:
-    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key. A
-    setting that has no effect although half of it is given (:meth:`SimulateConfig.warning`) is logged.
+    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key. Every
+    independent problem is told at once, a line each (:class:`runner.schema.ConfigErrors`): those of each
+    section and group first, then, when there are none, those of the checks across groups, which need
+    them. A setting that has no effect although half of it is given (:meth:`SimulateConfig.warning`) is
+    logged.
 
     Returns the config as schema objects (dataclass instances), interpolations resolved.
     """
@@ -122,43 +120,75 @@ def validate(cfg: DictConfig) -> Config:
     if missing:
         keys = ", ".join(sorted(missing))
         raise ValueError(f"{keys}: no value given; set it on the command line, e.g. {sorted(missing)[0]}=...")
+    problems: list[str] = []
+    with collected("", problems):
+        check_devices(cfg.devices)
     for key in ("train", "checkpoint", "simulate", "sweep", *GROUPS):
-        try:
-            OmegaConf.to_object(cfg[key])
-        except ValueError as err:
-            raise ValueError(f"{key}.{err}") from None
+        known = len(problems)
+        with collected(f"{key}.", problems):
+            section = OmegaConf.to_object(cfg[key])
+        if key == "logger" and len(problems) == known:
+            check_loggers(section, problems)
+    raise_problems(problems)
     checked = OmegaConf.to_object(cfg)
-    for logger in checked.logger.values():
-        logger.check_installed()
-    try:
+    with collected("rule.", problems):
         checked.rule.check_devices(checked.devices)
-    except ValueError as err:
-        raise ValueError(f"rule.{err}") from None
-    try:
+    with collected("simulate.", problems):
         checked.simulate.check_devices(checked.devices, checked.rule.extra_ranks())
-    except ValueError as err:
-        raise ValueError(f"simulate.{err}") from None
-    check_training(checked)
-    try:
+    for check in TRAINING_CHECKS:
+        with collected("", problems):
+            check(checked)
+    with collected("data.", problems):
         checked.data.dynamic(checked.rule.asynchronous())
-    except ValueError as err:
-        raise ValueError(f"data.{err}") from None
+    raise_problems(problems)
     warning = checked.simulate.warning()
     if warning:
         logging.getLogger("runner").warning(warning)
     return checked
 
 
+def check_loggers(section: Mapping[str, Any], problems: list[str]) -> None:
+    """Add to ``problems`` each logger of ``section`` (the ``logger`` node) that is no logger or whose
+    package is not installed."""
+    try:
+        loggers = as_loggers(section)
+    except ValueError as err:
+        problems.append(str(err))
+        return
+    for logger in loggers.values():
+        with collected("", problems):
+            logger.check_installed()
+
+
+def check_devices(devices: Any) -> None:
+    """``devices``: the number of worker ranks, a whole number >= 1."""
+    require(
+        isinstance(devices, int) and devices >= 1,
+        "devices",
+        devices,
+        "the number of worker ranks must be >= 1 (e.g. devices=2)",
+    )
+
+
 def check_training(cfg: Config) -> None:
-    """Checks of ``train`` that involve other groups: the monitored metric is one the task reports, no more
-    surviving workers are asked for than the job has, and fp16 (which needs a GPU's gradient scaler) is not
-    asked of a CPU job."""
+    """Checks of ``train`` that involve other groups (:data:`TRAINING_CHECKS`), the first failed raised."""
+    for check in TRAINING_CHECKS:
+        check(cfg)
+
+
+def check_monitor(cfg: Config) -> None:
+    """The monitored metric is one the task reports."""
     metrics = [f"val_{m}" for m in cfg.task.metrics(getattr(cfg.data, "num_classes", None))]
     if cfg.train.monitor is not None and cfg.train.monitor not in metrics:
         task = option_name(type(cfg.task))
         raise ValueError(
             f"train.monitor={cfg.train.monitor!r} is invalid: task={task} reports {', '.join(metrics)}"
         )
+
+
+def check_workers(cfg: Config) -> None:
+    """No more surviving workers are asked for than the job has, nor fewer to grow to; the rule holds as
+    many workers as the job may grow to."""
     if cfg.hardware.min_workers > cfg.devices:
         raise ValueError(
             f"hardware.min_workers={cfg.hardware.min_workers} is invalid: the job has devices={cfg.devices} "
@@ -172,11 +202,19 @@ def check_training(cfg: Config) -> None:
         )
     if most is not None:
         cfg.rule.check_devices(most)  # the rule must hold as many workers as the job may grow to
+
+
+def check_precision(cfg: Config) -> None:
+    """fp16, which needs a GPU's gradient scaler, is not asked of a CPU job."""
     if cfg.train.precision == "fp16" and getattr(cfg.hardware, "device", None) == "cpu":
         raise ValueError(
             "train.precision='fp16' is invalid: float16 training needs a GPU (a gradient scaler keeps its "
             "small gradients); on CPUs use train.precision=bf16"
         )
+
+
+#: The checks of ``train`` that involve other groups, each independent of the others.
+TRAINING_CHECKS = (check_monitor, check_workers, check_precision)
 
 
 def monitored(cfg: Config) -> str:

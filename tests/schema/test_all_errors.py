@@ -1,0 +1,102 @@
+"""A config with several independent bad keys is refused once, with every one of them (issue 38): each line
+is the message that key alone gets, naming the key, its value and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runner.schema import collected, raise_problems, require
+from runner.schema.config import validate
+from tests.conftest import ROOT, compose_config
+
+#: Independent bad keys, in three sections and at the top.
+BAD = ["train.epochs=0", "train.batch_size=0", "optim.lr=-1", "checkpoint.keep=0", "devices=0"]
+
+
+def alone(override: str) -> str:
+    """The message ``override`` gets when it is the only bad key."""
+    with pytest.raises(ValueError) as refused:
+        validate(compose_config([override]))
+    return str(refused.value)
+
+
+def test_every_independent_bad_key_is_named_at_once():
+    with pytest.raises(ValueError) as refused:
+        validate(compose_config(BAD))
+    lines = str(refused.value).splitlines()
+    assert lines[0] == f"{len(BAD)} settings are invalid:", lines
+    assert sorted(line.removeprefix("  - ") for line in lines[1:]) == sorted(alone(o) for o in BAD)
+    assert all(line.startswith("  - ") for line in lines[1:]), lines
+
+
+def test_one_bad_key_reads_as_before():
+    assert alone("train.epochs=0") == (
+        "train.epochs=0 is invalid: train for at least one epoch (train.epochs=10)"
+    )
+
+
+def test_a_key_is_named_once_though_its_later_checks_fail_too():
+    """``train.val_every_s=-1`` with validations within epochs breaks two checks of one key: the first is
+    the one to fix (the second assumes it)."""
+    with pytest.raises(ValueError) as refused:
+        validate(compose_config(["train.val_every=0.5", "train.val_every_s=-1", "train.log_every=0"]))
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "2 settings are invalid:", lines
+    assert "train.val_every_s=-1.0 is invalid: seconds of training between validations" in lines[1]
+    assert "train.log_every=0 is invalid" in lines[2]
+
+
+def test_a_check_that_needs_a_failed_one_does_not_hide_it():
+    """Code after a failed check that relies on it (here: indexing an empty list) does not replace the
+    check's own message with its crash."""
+
+    def post_init(shape: list[int]) -> None:
+        require(len(shape) == 3, "shape", shape, "[C, H, W]")
+        require(shape[1] >= 8, "shape", shape, "at least 8 pixels high")
+
+    problems: list[str] = []
+    with collected("model.", problems):
+        post_init([])
+    assert problems == ["model.shape=[] is invalid: [C, H, W]"]
+    with pytest.raises(IndexError):  # a crash without a failed check before it is a bug, raised as such
+        with collected("model.", []):
+            [].pop()
+
+
+def test_outside_a_collection_the_first_check_raises():
+    with pytest.raises(ValueError, match=r"^epochs=0 is invalid"):
+        require(False, "epochs", 0, "fix")
+    raise_problems([])  # nothing to raise
+
+
+def test_the_error_is_pickled_whole():
+    """A sweep point run in another process (joblib) hands its error back pickled."""
+    import pickle
+
+    with pytest.raises(ValueError) as refused:
+        raise_problems(["a=1 is invalid: x", "b=2 is invalid: y"])
+    again = pickle.loads(pickle.dumps(refused.value))
+    assert str(again) == str(refused.value) and again.problems == refused.value.problems
+
+
+@pytest.mark.slow  # a launcher process: about 3 s on a loaded machine
+def test_the_command_line_names_them_all_and_starts_nothing(tmp_path):
+    argv = [sys.executable, "-m", "runner", f"hydra.run.dir={tmp_path}", *BAD]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    for override in BAD:
+        assert alone(override) in output, output
+    assert not (tmp_path / "mpirun.txt").exists() and "Traceback" not in output, output
+
+
+def test_a_sweep_point_run_elsewhere_names_them_all_too():
+    """A point run in another process (joblib) raises its error to the sweep, whose line keeps every one."""
+    from runner.launcher.explain import explain
+
+    with pytest.raises(ValueError) as refused:
+        validate(compose_config(BAD))
+    assert explain(refused.value, BAD) == str(refused.value)
