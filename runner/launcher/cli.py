@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +176,31 @@ def evaluate(cfg: DictConfig) -> float:
     return record[record["monitor"]]
 
 
+def completion_query(argv: list[str]) -> bool:
+    """Whether ``argv`` is a shell's tab-completion query (``-sc query=bash``, made by the function that
+    ``-sc install=bash`` installs), which reads the command line typed so far from ``COMP_LINE``."""
+    flags = ("-sc", "--shell-completion")
+    return any(
+        (a in flags and i + 1 < len(argv) and argv[i + 1].startswith("query="))
+        or a.startswith(tuple(f"{f}=query=" for f in flags))
+        for i, a in enumerate(argv)
+    )
+
+
+def unquoted(line: str) -> str:
+    """``COMP_LINE`` as Hydra's completion reads it, a word per space: each word as the shell would give it
+    to the command, without its quotes (the documented ``'hydra.searchpath=[file://conf]'``, quoted for
+    zsh, which would glob the brackets, is otherwise no override to Hydra). A quote still open (the word
+    being typed) is closed; a space at the end (a new word begun) is kept."""
+    for closing in ("", "'", '"'):
+        try:
+            words = shlex.split(line + closing)
+        except ValueError:
+            continue
+        return " ".join(words) + (" " if line.endswith(" ") and not closing else "")
+    return line
+
+
 def run() -> None:
     """:func:`main`, with a config Hydra could not compose named in one line, exit status 2."""
     # The console script's sys.path starts with its own folder, python -m runner's with the working folder,
@@ -185,6 +211,9 @@ def run() -> None:
         sys.argv[0] = "mpitrain"  # python -m runner: named as Hydra's help and completion name it
     traceback_wanted = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors here instead of printing its advice
+    completing = completion_query(sys.argv[1:])
+    if completing:
+        os.environ["COMP_LINE"] = unquoted(os.environ.get("COMP_LINE", ""))
     try:
         resumed = resumed_argv(sys.argv[1:])  # resume=SWEEP_DIR: the sweep's own command line
         if resumed is not None:
@@ -197,6 +226,8 @@ def run() -> None:
     except Exception as err:
         if traceback_wanted:
             raise
+        if completing:  # the shell prints what we print on stderr into the user's prompt: no candidates
+            sys.exit(1)
         if (cause := os_error(err)) is not None:  # not the input's fault: status failed, in one line
             print(f"error: nothing was started: {cause.strerror or cause}", file=sys.stderr)
             sys.exit(EXIT["failed"])
