@@ -30,7 +30,7 @@ from runner.launcher.help import CONF, PRIMARY, register_help
 from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
 from runner.launcher.outcomes import invalid_input, os_error
-from runner.launcher.register import check_folders, register
+from runner.launcher.register import check_folders, check_plugins, register
 from runner.launcher.sweep_resume import (
     changed_overrides,
     end_point,
@@ -219,6 +219,7 @@ def run() -> None:
         if resumed is not None:
             sys.argv[1:] = resumed
         check_folders(sys.argv[1:])
+        check_plugins(sys.argv[1:])  # hydra/launcher=joblib without the joblib extra: say so
         main()
     except BrokenPipeError:  # `mpitrain --help | head`: the reader has gone, no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

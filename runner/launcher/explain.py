@@ -2,7 +2,8 @@
 
 Hydra's advice for a misspelt key is to add it with ``+key=value``, which mpitrain then refuses (its schemas
 declare every key): the line names the closest declared key instead. An option that is not found gets the
-options there are, and how to add a folder of one's own (``hydra.searchpath``, ``-cd``).
+options there are, and how to add a folder of one's own (``hydra.searchpath``, ``-cd``); an option of a Hydra
+plugin that an extra installs (``hydra/launcher=joblib``) and is not installed, the install command.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from runner.schema import ConfigErrors
 
 #: Hydra's messages this module rewords.
 CANNOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
-NOT_FOUND = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+NOT_FOUND = re.compile(r"Could not find '([^']+)/([^'/]+)'")
 
 
 def explain(err: BaseException, argv: list[str]) -> str:
@@ -27,6 +28,12 @@ def explain(err: BaseException, argv: list[str]) -> str:
         return _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
     if missing := NOT_FOUND.search(text):
         group, option = missing.groups()
+        from runner.launcher.register import missing_plugin
+
+        if plugin := missing_plugin(group, option):  # an extra's (hydra/launcher=joblib), not installed
+            return plugin
+        if group.startswith("hydra/"):
+            return f"{group}={option}: no such option of Hydra's (mpitrain --hydra-help lists them)"
         known = groups().get(group)
         there = f"the options of {group} are: {', '.join(known)}" if known else f"{group} is not a group"
         return (

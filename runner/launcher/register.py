@@ -3,6 +3,7 @@ the Slurm launcher's defaults, and the resolvers that name run folders."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from pathlib import Path
 
@@ -60,6 +61,47 @@ def check_folders(argv: list[str]) -> None:
                 f"{key}={value}: cannot make this folder: {err.strerror or err}; give a folder you can "
                 "write, with a shorter name",
             ) from None
+
+
+#: Hydra's options that a plugin of an extra of pyproject.toml provides: group -> option -> (the plugin's
+#: module, its distribution, the extra).
+PLUGINS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "hydra/launcher": {
+        "joblib": ("hydra_plugins.hydra_joblib_launcher", "hydra-joblib-launcher", "joblib"),
+        **{
+            name: ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher", "slurm")
+            for name in ("submitit_local", "submitit_slurm", "mpitrain_slurm")
+        },
+    },
+    "hydra/sweeper": {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper", "optuna")},
+}
+
+
+def missing_plugin(group: str, option: str) -> str | None:
+    """The line for ``group=option`` (``hydra/launcher=joblib``) when an extra's Hydra plugin provides it
+    and is not installed (Hydra says only that it cannot find the option); None otherwise."""
+    if option not in PLUGINS.get(group, {}):
+        return None
+    module, distribution, extra = PLUGINS[group][option]
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except ImportError:  # no plugin at all: no hydra_plugins package
+        pass
+    return (
+        f"{group}={option} needs Hydra's {distribution} plugin, which is not installed: "
+        f'pip install -e ".[{extra}]" in a checkout of mpitrain, or pip install "mpitrain[{extra}]" where it '
+        "was installed as a package"
+    )
+
+
+def check_plugins(argv: list[str]) -> None:
+    """Refuse, before Hydra composes, an option of the command line (``hydra/launcher=joblib``) whose
+    plugin is an extra that is not installed, naming the extra and its install command; raises ValueError."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if sep and (line := missing_plugin(key, value.strip())):
+            raise ValueError(line)
 
 
 def register_sweep_launcher() -> None:
