@@ -21,6 +21,17 @@ mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode
 ``comm_dtype: bf16|fp16`` sends the gradients (or parameters) in 16 bits with float32 sums
 (runner/comm/wire.py): half the bytes; validation's averages stay in float32.
 
+``compress: int8|topk`` (``mode: grads`` only) sends each bucket compressed, with error feedback
+(runner/comm/compress.py): each worker adds its residual e_i to its bucket a_i = g_i/N + e_i, sends c(a_i) and
+keeps e_i ← a_i − c(a_i), and every worker steps with Σ_i c(a_i). ``int8``: blocks of 256 values with one
+float32 scale each, summed by a reduce-scatter with re-quantization (an all-to-all of the int8 chunks, each
+rank sums its chunk and quantizes the sum again, keeping that rounding as its own residual, an all-gather):
+2(N−1)/N·(1 + 4/256) bytes per value, 0.254 of float32's. ``topk``: the k = ⌈``topk_ratio``·numel⌉ largest
+|values| of each bucket (the bucket, not each tensor: one message a bucket, and error feedback gives the
+layers that lose now their turn later), by all-gather of int32 indices and float32 values: N·ratio of
+float32's bytes. ``error_feedback: false`` drops what was not sent. A compressed bucket is exchanged after
+backward (``overlap: none``; ``auto`` resolves to it), with the blocking calls.
+
 ``lr_scaling: linear`` multiplies the learning rate by N (the global batch is N times larger), reached by a
 linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017): :meth:`BSP.lr_factor`,
 which the loop multiplies into the ``schedule``'s rate. With ``train.accumulate: k`` the buckets are
@@ -33,8 +44,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from runner.comm.compress import Compressed, feedback_state, load_feedback
+from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext
@@ -56,9 +69,26 @@ class BSPConfig(RuleConfig):
     avg_freq: int = 1
     lr_scaling: str = "none"
     warmup_epochs: float = 0.0
+    compress: str = "none"
+    topk_ratio: float = 0.01
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_compress(self.compress, self.topk_ratio, self.comm_dtype)
+        require(
+            self.compress == "none" or self.mode == "grads",
+            "compress",
+            self.compress,
+            "compresses mode=grads' gradients: set rule.mode=grads, or rule.compress=none to average "
+            "parameters",
+        )
+        require(
+            self.compress == "none" or self.overlap in ("auto", "none"),
+            "overlap",
+            self.overlap,
+            f"compress={self.compress} exchanges the buckets after backward: set rule.overlap=none (or auto)",
+        )
         one_of("mode", self.mode, ("grads", "params"))
         one_of("lr_scaling", self.lr_scaling, ("none", "linear"))
         one_of("overlap", self.overlap, ("auto", "thread", "nonblocking", "none"))
@@ -104,17 +134,31 @@ class BSP(Rule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         self.overlap = self.auto_overlap(device) if cfg.overlap == "auto" else cfg.overlap
+        if cfg.compress != "none":
+            self.overlap = "none"
         self.flat = FlatTensors(params) if cfg.mode == "params" and not self.alone else None
         grads = cfg.mode == "grads" and not self.alone
         self.buckets = self._make_buckets(params, int(cfg.bucket_mb * 2**20)) if grads else []
         self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for bucket in self.buckets:
             self.comm.keep(bucket.buffer)
+        self.compressed = self._compressors()
         self.next_launch = 0
         self.hold = False  # a micro-batch before the last of an accumulated step: gradients stay local
         if grads and self.overlap != "none":
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _compressors(self) -> list[Compressed]:
+        """One compressed exchange per bucket (``rule.compress``), with fresh error feedback; none for
+        ``compress: none``."""
+        cfg = self.cfg
+        if cfg.compress == "none":
+            return []
+        return [
+            Compressed(cfg.compress, b.buffer, self.comm.size, cfg.topk_ratio, cfg.error_feedback)
+            for b in self.buckets
+        ]
 
     @staticmethod
     def auto_overlap(device: torch.device) -> str:
@@ -202,12 +246,14 @@ class BSP(Rule):
         """
         if not self.buckets:
             return
-        for bucket in self.buckets[self.next_launch :]:
+        for j, bucket in enumerate(self.buckets[self.next_launch :], start=self.next_launch):
             for i, (p, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
                 if p.grad is not view and i not in bucket.packed:
                     self._pack(bucket, i, p.grad)
             if self.overlap == "thread":
                 bucket.request = self.comm.allreduce_background(bucket.buffer, wire=self.wire)
+            elif self.compressed:
+                self.compressed[j].allreduce(self.comm, bucket.buffer)
             else:
                 self.comm.allreduce(bucket.buffer, wire=self.wire)
         for bucket in self.buckets:
@@ -233,6 +279,17 @@ class BSP(Rule):
         self._average(float_buffers(self.model))
         return {"": self.model}
 
+    # -- error feedback in checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``compress`` with error feedback: this worker's residuals (and its chunks' of the sums), with the
+        number of workers they were made for."""
+        return feedback_state(self.compressed, self.comm.size)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the saved residuals where they fit (the same compression and number of workers); else start
+        from none, as after a change of workers."""
+        load_feedback(self.compressed, state, self.comm.size)
+
     # -- lost workers --------------------------------------------------------------------------------------
     def abandon(self) -> None:
         """Let the bucket all-reduces in flight fail (the gradients are recomputed: the step is redone)."""
@@ -254,9 +311,12 @@ class BSP(Rule):
         super().grow(joined)
         if self.alone and self.comm.size > 1:
             raise ValueError("rule=bsp started with devices=1 cannot take joining workers: start with 2")
+        self.compressed = self._compressors()  # each residual was this worker's, its chunks over N before
 
     def recover(self) -> None:
         """``grads``: nothing (from now on the mean is over the survivors, and ``lr_scaling`` scales by their
-        number). ``params``: the survivors average their parameters at once, so all start equal again."""
+        number). ``params``: the survivors average their parameters at once, so all start equal again.
+        ``compress``: the error feedback starts anew (the chunks of the sums have other owners now)."""
+        self.compressed = self._compressors()
         if self.flat is not None:
             self._average(self.flat.buffers)

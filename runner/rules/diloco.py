@@ -31,6 +31,15 @@ statistics), so that validating does not change the training trajectory.
 
 Exchange: every mean of the workers goes through :meth:`DiLoCo._mean_of_workers`; with ``comm_dtype:
 bf16|fp16`` the outer step's parameters travel in 16 bits (float32 sums, the same bits on every worker).
+``compress: int8|topk`` sends each worker's outer gradient Δ_i = x_start − x_i compressed instead, with error
+feedback (runner/comm/compress.py): the worker adds its residual e_i, sends c(Δ_i + e_i), keeps
+e_i ← Δ_i + e_i − c(Δ_i + e_i), and every worker takes Δ = (1/N) Σ_i c(Δ_i + e_i). ``int8``: blocks of 256
+values with one float32 scale each, summed by a reduce-scatter with re-quantization (all-to-all of the int8
+chunks, each rank sums its chunk, quantizes the sum again and keeps that rounding as its own residual,
+all-gather): 2(N−1)/N·(1 + 4/256) bytes per value, 0.254 of float32's. ``topk``: the k =
+⌈``topk_ratio``·numel⌉ largest |values| of each flat buffer (the whole model, one message), by all-gather of
+int32 indices and float32 values: N·ratio of float32's bytes. ``error_feedback: false`` drops what was not
+sent. The BatchNorm statistics and mid-round validation's means still travel in float32.
 The only other parameter traffic is two exact broadcasts from worker 0: at build (all workers start from
 worker 0's model, whatever ``train.same_init``) and on recovery.
 
@@ -46,6 +55,8 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runner.comm.compress import Compressed, feedback_state, load_feedback
+from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
@@ -63,9 +74,13 @@ class DiLoCoConfig(RuleConfig):
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
     nesterov: bool = True
+    compress: str = "none"
+    topk_ratio: float = 0.01
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_compress(self.compress, self.topk_ratio, self.comm_dtype)
         require(
             self.inner_steps >= 1,
             "inner_steps",
@@ -126,6 +141,18 @@ class DiLoCo(Rule):
         self.delta_norm = 0.0
         self.eval_model: torch.nn.Module | None = None
         self.eval_flat: FlatTensors | None = None
+        self.compressed = self._compressors()
+
+    def _compressors(self) -> list[Compressed]:
+        """One compressed exchange per flat buffer (``rule.compress``), with fresh error feedback; none for
+        ``compress: none``."""
+        cfg = self.cfg
+        if cfg.compress == "none":
+            return []
+        return [
+            Compressed(cfg.compress, x, self.workers.size, cfg.topk_ratio, cfg.error_feedback)
+            for x in self.flat.buffers
+        ]
 
     @no_grad
     def _take_worker_0_model(self) -> None:
@@ -157,9 +184,13 @@ class DiLoCo(Rule):
     def outer_step(self) -> None:
         """End the round: all communication first, then the update, so a failed exchange changes nothing."""
         stats = float_buffers(self.model)
-        means = self._mean_of_workers(self.flat.buffers, self.wire) + self._mean_of_workers(stats)
         k = len(self.flat.buffers)
-        deltas = [x0 - m for x0, m in zip(self.start, means[:k], strict=True)]
+        if self.compressed:
+            deltas = self._compressed_deltas()
+            means = deltas + self._mean_of_workers(stats)
+        else:
+            means = self._mean_of_workers(self.flat.buffers, self.wire) + self._mean_of_workers(stats)
+            deltas = [x0 - m for x0, m in zip(self.start, means[:k], strict=True)]
         outer_sgd(self.cfg, self.start, self.momentum, deltas)
         for x, x0 in zip(self.flat.buffers, self.start, strict=True):
             x.copy_(x0)
@@ -170,6 +201,16 @@ class DiLoCo(Rule):
         self.delta_norm = (
             sum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in deltas) ** 0.5
         )
+
+    @no_grad
+    def _compressed_deltas(self) -> list[torch.Tensor]:
+        """Δ = (1/N) Σ_i c(Δ_i + e_i), each worker's outer gradient compressed with its error feedback."""
+        deltas = []
+        for x0, x, c in zip(self.start, self.flat.buffers, self.compressed, strict=True):
+            d = x0 - x
+            c.allreduce(self.workers, d)
+            deltas.append(d.div_(self.workers.size))
+        return deltas
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
@@ -198,13 +239,14 @@ class DiLoCo(Rule):
     def state_dict(self) -> dict[str, Any]:
         """x_start, the outer momentum buffer, the position in the round; the local parameters and the
         inner optimizer are saved with the model and the optimizer."""
-        return {
+        state = {
             "start": [x0.clone() for x0 in self.start],
             "momentum": [b.clone() for b in self.momentum],
             "round_step": self.round_step,
             "outer_steps": self.outer_steps,
             "delta_norm": self.delta_norm,
         }
+        return {**state, **feedback_state(self.compressed, self.workers.size)}  # this worker's residuals
 
     @no_grad
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -214,6 +256,7 @@ class DiLoCo(Rule):
             mine.copy_(saved)
         self.round_step, self.outer_steps = state["round_step"], state["outer_steps"]
         self.delta_norm = state["delta_norm"]
+        load_feedback(self.compressed, state, self.workers.size)
 
     @no_grad
     @property
@@ -221,11 +264,19 @@ class DiLoCo(Rule):
         """New workers join at the start of a round (they take worker 0's x_start and momentum)."""
         return self.round_step == 0
 
+    def grow(self, joined: bool) -> None:
+        """``compress``: the error feedback starts anew on every worker (a residual is one worker's, and the
+        chunks of the sums have other owners now)."""
+        super().grow(joined)
+        self.compressed = self._compressors()
+
     def recover(self) -> None:
         """Make the survivors' round state worker 0's (an outer step may have completed on some of them
         only). If every survivor had finished the round's H steps (its exchange failed), take the outer step
         over them; otherwise restart the round from x_start, BatchNorm statistics averaged. The inner
-        optimizers' states stay their own. From now on the mean is over the survivors."""
+        optimizers' states stay their own. From now on the mean is over the survivors; ``compress``'s
+        error feedback starts anew."""
+        self.compressed = self._compressors()
         for t in [*self.start, *self.momentum]:
             self.workers.broadcast(t, root=0)
         self.outer_steps, self.delta_norm = self.workers.broadcast_object(

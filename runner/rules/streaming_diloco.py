@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from runner.comm.compress import int8_allreduce
 from runner.comm.flat import float_buffers
 from runner.comm.stats import CommStats
 from runner.lazy import lazy_import
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
 else:
     torch = lazy_import("torch")
 
-#: Values per float32 scale in the 8-bit exchange (4/128: 3% more bytes than the 8-bit values alone).
+#: Values per float32 scale in the 8-bit exchange (4/128: 3% more bytes than the 8-bit values alone);
+#: the quantizer is runner/comm/compress.py's, which BSP's and DiLoCo's ``rule.compress=int8`` use too.
 BLOCK = 128
 
 
@@ -94,6 +96,13 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
             "the share of the local parameters kept at a merge, in [0, 1) (0: take the outer result)",
         )
         one_of("quantize", self.quantize, ("none", "int8"))
+        require(
+            self.compress == "none",
+            "compress",
+            self.compress,
+            "Streaming DiLoCo quantizes its fragments' outer gradients with rule.quantize=int8: set "
+            "rule.compress=none (rule=diloco and rule=bsp take rule.compress)",
+        )
         require(
             self.quantize == "none" or self.comm_dtype == "fp32",
             "quantize",
@@ -156,7 +165,7 @@ class StreamingDiLoCo(DiLoCo):
         the bytes it sent are kept by ``t``'s id (only this thread sends on the link)."""
         before = self.link.stats.bytes_sent
         if op == "int8":
-            int8_allreduce(self.link, t)
+            int8_allreduce(self.link, t, BLOCK)
         else:
             self.link.allreduce(t, wire=wire)
         self._sent[id(t)] = self.link.stats.bytes_sent - before
@@ -325,49 +334,3 @@ class StreamingDiLoCo(DiLoCo):
             x.copy_(x0)
         self.round_step = self.steps % self.cfg.inner_steps
         self._new_link()
-
-
-@no_grad
-def int8_allreduce(comm: CommLike, t: torch.Tensor) -> torch.Tensor:
-    """In-place sum of the flat floating-point tensor ``t`` over ``comm`` with 8-bit traffic (the module's
-    docstring): all-to-all of 8-bit chunks with their scales, sums in float32 (float64 for a float64 ``t``)
-    in rank order, the sums quantized again, all-gather. Every rank ends with the same bits."""
-    n = comm.size
-    if n == 1:
-        return t
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    device = t.device if comm.routes(t) else torch.device("cpu")
-    numel = t.numel()
-    chunk = -(-numel // (n * BLOCK)) * BLOCK
-    padded = torch.zeros(n * chunk, dtype=acc, device=device)
-    padded[:numel].copy_(t.view(-1))
-    send = _pack(padded, n)
-    recv = torch.empty_like(send)
-    comm.alltoall(send, recv)
-    total = torch.zeros(chunk, dtype=acc, device=device)
-    for row in recv.view(n, -1):
-        total.add_(_unpack(row, chunk, acc))
-    gathered = torch.empty_like(send)
-    comm.allgather(_pack(total, 1), gathered)
-    out = torch.cat([_unpack(row, chunk, acc) for row in gathered.view(n, -1)])
-    t.view(-1).copy_(out[:numel])
-    return t
-
-
-def _pack(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` (a multiple of ``rows``·BLOCK long) in 8 bits as bytes: per row its values' int8 then their
-    blocks' float32 scales (the largest |value| / 127)."""
-    blocks = x.view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1).div_(127).to(torch.float32)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).to(x.dtype)
-    q = blocks.div(safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    return torch.cat(
-        [q.view(rows, -1).view(torch.uint8), scales.view(rows, -1).view(torch.uint8)], dim=1
-    ).view(-1)
-
-
-def _unpack(row: torch.Tensor, chunk: int, acc: torch.dtype) -> torch.Tensor:
-    """One row of :func:`_pack`'s bytes back to ``chunk`` values in ``acc``."""
-    q = row[:chunk].view(torch.int8).to(acc).view(-1, BLOCK)
-    scales = row[chunk:].view(torch.float32).to(acc)
-    return q.mul_(scales[:, None]).view(-1)

@@ -186,7 +186,7 @@ def test_int8_allreduce_is_close_to_the_sum_and_the_same_on_every_rank():
 
     def main(comm):
         t = data(comm.rank)
-        int8_allreduce(comm, t)
+        int8_allreduce(comm, t, BLOCK)
         return t, comm.stats.bytes_sent
 
     ranks = FakeWorld(4).run(main)
