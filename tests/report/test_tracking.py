@@ -199,7 +199,8 @@ def test_tensorboard_hparams_show_every_swept_key_of_every_run_named_by_its_poin
     for n, swept in enumerate(points):
         name = f"rule.alpha={swept['rule.alpha']},optim.lr={swept['optim.lr']}"
         run = runs[f"multirun/2026-01-01/11-00-00/{n}/tb/{name}"]
-        assert {k: run[k] for k in swept} == pytest.approx(swept), runs
+        assert run["rule.alpha"] == str(swept["rule.alpha"]), run  # EASGD's alone: text in every run
+        assert run["optim.lr"] == pytest.approx(swept["optim.lr"]), run
     _, in_sweep = hparams_table(folder)
     assert sorted(in_sweep) == ["0/tb/rule.alpha=0.1,optim.lr=0.05", "1/tb/rule.alpha=0.5,optim.lr=0.1"]
 
@@ -246,6 +247,48 @@ def test_the_hparams_table_over_two_sweeps_has_no_blank_compared_key(tmp_path):
         assert [k for k in EVERY_RUN if values.get(k) in (None, "")] == [], (name, values)
     rules = {name.split(",")[0]: values["model"] for name, values in trials.items()}
     assert rules == {"rule=easgd": "cnn", "rule=diloco": "mlp"}, rules
+
+
+def hparam_types(logdir: Path) -> dict[str, set[str]]:
+    """``hparam -> the kinds of value (number_value, string_value, bool_value) its runs recorded``."""
+    from tensorboard.plugins.hparams import metadata
+
+    backend, ctx = hparams_backend(logdir)
+    kinds: dict[str, set[str]] = {}
+    for tags in backend.hparams_metadata(ctx, "").values():
+        if metadata.SESSION_START_INFO_TAG in tags:
+            info = metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG])
+            for key, value in info.hparams.items():
+                kinds.setdefault(key, set()).add(value.WhichOneof("kind"))
+    return kinds
+
+
+@needs("tensorboard")
+def test_two_sweeps_of_different_rules_state_every_rule_key_with_one_type(tmp_path):
+    """An EASGD sweep of alpha beside a BSP sweep: every trial has every compared key, every rule's keys
+    included: ``rule.alpha`` reads ``n/a`` on BSP's rows and ``rule.mode`` on EASGD's (was blank), and each
+    key has one type in every run (over two, TensorBoard makes the column text while runs keep numbers,
+    and its filter of that column drops them)."""
+    from tensorboard.plugins.hparams import api_pb2, get_experiment
+
+    outputs = tmp_path / "outputs" / "multirun" / "2026-01-01"
+    sweep(outputs / "10-00-00", ["rule=easgd"], [{"rule.alpha": a} for a in (0.1, 0.25, 0.5, 0.75)])
+    sweep(outputs / "11-00-00", ["rule=bsp"], [{"optim.lr": 0.05}, {"optim.lr": 0.1}])
+    _, columns, trials = hparams_trials(tmp_path / "outputs")
+    assert len(trials) == 6
+    assert {"rule.alpha", "rule.tau", "rule.mode", "rule.avg_freq", "rule.inner_steps"} <= set(columns)
+    for name, values in trials.items():
+        assert [k for k in columns if values.get(k) in (None, "")] == [], (name, values)
+        easgd = name.startswith("rule=easgd")
+        assert (values["rule.mode"] == "n/a") == easgd and (values["rule.alpha"] == "n/a") != easgd, values
+        assert values["rule.inner_steps"] == "n/a", values
+    alphas = sorted(v["rule.alpha"] for v in trials.values() if v["rule"] == "easgd")
+    assert alphas == ["0.1", "0.25", "0.5", "0.75"]
+    assert {k: v for k, v in hparam_types(tmp_path / "outputs").items() if len(v) > 1} == {}
+    backend, ctx = hparams_backend(tmp_path / "outputs")
+    infos = get_experiment.Handler(ctx, backend, "", api_pb2.GetExperimentRequest()).run().hparam_infos
+    types = {h.name: api_pb2.DataType.Name(h.type) for h in infos}
+    assert types["optim.lr"] == "DATA_TYPE_FLOAT64" and types["rule.alpha"] == "DATA_TYPE_STRING", types
 
 
 def test_a_run_name_becomes_one_folder_name():

@@ -19,15 +19,26 @@ import pytest
 from tests.report.test_tracking import EVERY_RUN, sweep
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
-#: The texts of the HParams table's header and body cells, through the page's shadow roots.
+#: The texts of the HParams table's header and body cells, through the page's shadow roots, each with its
+#: place on the page (the grid appends the cells of a column ticked later, so their order is not the table's).
 TABLE = r"""(() => { const out = {headers: [], cells: []};
+  const place = (n) => { const r = n.getBoundingClientRect();
+    return [n.textContent.trim(), Math.round(r.top), Math.round(r.left)]; };
   const walk = (n) => {
     if (n.shadowRoot) walk(n.shadowRoot);
     for (const c of (n.children || [])) walk(c);
-    if (n.classList && n.classList.contains('table-header')) out.headers.push(n.textContent.trim());
-    if (n.classList && n.classList.contains('table-cell')) out.cells.push(n.textContent.trim());
+    if (n.classList && n.classList.contains('table-header')) out.headers.push(place(n));
+    if (n.classList && n.classList.contains('table-cell')) out.cells.push(place(n));
   };
   walk(document); return JSON.stringify(out); })()"""
+#: Tick every hparam column left unticked in the query pane, as a user would click each: how many.
+TICK_ALL = r"""(() => { let n = 0;
+  const walk = (e) => {
+    if (e.shadowRoot) walk(e.shadowRoot);
+    for (const c of (e.children || [])) walk(c);
+    if (e.classList && e.classList.contains('hparam-checkbox') && !e.checked) { e.click(); n++; }
+  };
+  walk(document); return n; })()"""
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +110,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def hparams_page(logdir: Path, timeout: float = 90) -> tuple[list[str], list[list[str]]]:
+def laid_out(headers: list, cells: list) -> tuple[list[str], list[list[str]]]:
+    """The table as the page lays it out: the header texts left to right, and the body's rows top to
+    bottom (cells ``[text, top, left]`` grouped by their top), each as wide as the header; rows with no
+    text, and the header's own row, are left out."""
+    names = [text for text, _, _ in sorted(headers, key=lambda h: h[2])]
+    lines: list[list] = []
+    for cell in sorted(cells, key=lambda c: c[1]):  # a row's texts sit a few pixels apart, rows ~40 apart
+        if not lines or cell[1] - lines[-1][0][1] > 20:
+            lines.append([])
+        lines[-1].append(cell)
+    rows = [[text for text, _, _ in sorted(line, key=lambda c: c[2])] for line in lines]
+    return names, [r for r in rows if len(r) == len(names) and any(r) and r != names]
+
+
+def hparams_page(
+    logdir: Path, timeout: float = 90, every_column: bool = False
+) -> tuple[list[str], list[list[str]]]:
     """The HParams table's column headers and rows as the page first shows them (no click), from a real
-    ``tensorboard --logdir LOGDIR`` (its default loader) in headless Chromium."""
+    ``tensorboard --logdir LOGDIR`` (its default loader) in headless Chromium; ``every_column``: after
+    ticking every hparam column in the query pane."""
     binary = next((b for b in BROWSERS if shutil.which(b)), None)
     if binary is None:
         pytest.skip(f"no headless Chromium ({', '.join(BROWSERS)}): apt-get install chromium-headless-shell")
@@ -126,14 +154,15 @@ def hparams_page(logdir: Path, timeout: float = 90) -> tuple[list[str], list[lis
                 time.sleep(0.5)
         browser = Browser(binary)
         session = browser.open(f"http://127.0.0.1:{port}/#hparams")
-        while True:  # the page's scripts have drawn the table's rows
+        before = None
+        while True:  # the page's scripts have drawn the table's rows (the same twice, once ticked)
             table = json.loads(browser.evaluate(session, TABLE) or '{"headers": [], "cells": []}')
-            headers, cells = table["headers"], table["cells"]
-            width = len(headers)
-            rows = [cells[i : i + width] for i in range(width, len(cells), width)] if width else []
-            rows = [r for r in rows if any(r)]
-            if rows or time.time() > deadline:
+            headers, rows = laid_out(table["headers"], table["cells"])
+            if rows and every_column and browser.evaluate(session, TICK_ALL):
+                before = None  # columns ticked: read the table again once it is redrawn with them
+            elif rows and (not every_column or table == before) or time.time() > deadline:
                 return headers, rows
+            before = table if rows else None
             time.sleep(1)
     finally:
         if browser is not None:
@@ -145,8 +174,8 @@ def hparams_page(logdir: Path, timeout: float = 90) -> tuple[list[str], list[lis
 def test_the_hparams_view_shows_final_accuracy_and_every_compared_key_without_a_click(tmp_path):
     """A 4-point EASGD sweep of alpha, and beside it a DiLoCo sweep of the learning rate on an MLP: the
     table TensorBoard's page draws, before any click, has ``Outcome/final_val_acc`` with each trial's
-    value, trials named by what they are, and no blank in a shown compared key but a rule's own key on
-    another rule's rows (DiLoCo has no alpha)."""
+    value, trials named by what they are, and no blank in any shown column: a rule's own key reads ``n/a``
+    on another rule's rows (DiLoCo has no alpha), and ticking every hparam column leaves none blank."""
     outputs = tmp_path / "outputs" / "multirun" / "2026-01-01"
     sweep(outputs / "10-00-00", ["rule=easgd"], [{"rule.alpha": a} for a in (0.1, 0.25, 0.5, 0.75)])
     headers, rows = hparams_page(outputs / "10-00-00")
@@ -161,10 +190,15 @@ def test_the_hparams_view_shows_final_accuracy_and_every_compared_key_without_a_
     sweep(outputs / "11-00-00", ["rule=diloco", "model=mlp"], [{"optim.lr": 0.05}, {"optim.lr": 0.1}])
     headers, rows = hparams_page(tmp_path / "outputs")
     assert len(rows) == 6 and "Outcome/final_val_acc" in headers, (headers, rows)
-    shown = [k for k in headers if k in EVERY_RUN]
-    assert {"rule", "model", "optim.lr"} <= set(shown), headers
+    shown = [k for k in headers if k in EVERY_RUN or k.startswith("rule.")]
+    assert {"rule", "model", "rule.alpha"} <= set(shown), headers
     for row in rows:
         blank = [k for k in shown if row[headers.index(k)] == ""]
         assert blank == [], (row, headers)
         if row[0].startswith("rule=diloco"):
-            assert row[headers.index("rule.alpha")] == "" and row[headers.index("model")] == "mlp"
+            assert row[headers.index("rule.alpha")] == "n/a" and row[headers.index("model")] == "mlp"
+    headers, rows = hparams_page(tmp_path / "outputs", every_column=True)
+    assert len(rows) == 6 and {"rule.alpha", "rule.inner_steps", *EVERY_RUN} <= set(headers), headers
+    for row in rows:
+        shown = headers[2:]  # after the trial's name and its "Show Metrics" button
+        assert [k for k in shown if row[headers.index(k)] == ""] == [], (row, headers)

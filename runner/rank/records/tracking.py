@@ -4,9 +4,10 @@ Each logger of ``runner/schema/logger/`` has its tracker here (:data:`TRACKERS`)
 (rank 0, or the lowest survivor that takes the records over) by :class:`Trackers`. Every tracker gets the
 same records under the same names, ``<kind>/<key>`` (``step/loss``, ``val/val_acc``), names the run as
 ``run.json`` does (the sweep point, ``rule.alpha=0.5,optim.lr=0.1``), and records the same compared keys
-(:func:`compared`: the rule and its keys, model, data, optimizer and lr, devices, transport, batch size,
-seed, ``simulate.*``, and every swept key), varied or not, so that a table over several sweeps has none
-blank:
+(:func:`compared`: the rule and every rule's keys, model, data, optimizer and lr, devices, transport, batch
+size, seed, ``simulate.*``, and every swept key), varied or not, so that a table over several sweeps has none
+blank: a rule's key that another rule lacks reads :data:`NOT_APPLICABLE` on that rule's runs
+(``rule.alpha`` of a BSP run), and each key is given one type in every run (:func:`hparam_kinds`):
 
 - TensorBoard: event files in ``RUN_DIR/tb/<run name>/``; the compared keys as the run's hparams (session
   start info, its trial named by :func:`trial_name`), and at the end the outcome (:data:`OUTCOME`:
@@ -33,12 +34,15 @@ more, and training goes on.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
 import sys
 import time
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,7 +51,8 @@ from typing import Any
 
 from runner.rank.records.output import root_cause
 from runner.run_folder import CONFIG, EXIT, IDENTITY, SUMMARY, SWEEP_CONFIG, TENSORBOARD, read_json
-from runner.schema.config import TARGET_NODE
+from runner.schema import GROUPS, option_modules, schema_of
+from runner.schema.config import TARGET_NODE, Config
 from runner.schema.logger import LoggerConfig, as_loggers
 from runner.schema.logger.mlflow import MLflowConfig
 from runner.schema.logger.tensorboard import TensorBoardConfig
@@ -64,6 +69,8 @@ NAMED = ("rule", "model", "data", "optim")
 #: The keys every run records for comparison, varied or not, after the named groups and the rule's own keys
 #: (``rule.alpha``); a group's keys (``simulate``) all of them.
 COMPARED = ("optim.lr", "devices", "hardware.transport", "train.batch_size", "train.seed", "simulate")
+#: What a compared key reads on a run it does not apply to: another rule's key (``rule.alpha`` of a BSP run).
+NOT_APPLICABLE = "n/a"
 #: The prefix of the outcome's TensorBoard tags: upper case sorts before every record's (``center/``,
 #: ``epoch/``), so TensorBoard's HParams table, which lists metrics by tag and ticks the first five,
 #: shows these.
@@ -139,7 +146,8 @@ def leaves(node: Any, prefix: str) -> dict[str, Any]:
 
 def compared(run: RunInfo) -> dict[str, Any]:
     """The keys every run records for comparison, varied or not, in order: the named groups' options
-    (:data:`NAMED`), the rule's keys, :data:`COMPARED`, then every other swept key. A key the config
+    (:data:`NAMED`), the rule's keys, :data:`COMPARED`, every other swept key, then every other rule's keys
+    as :data:`NOT_APPLICABLE` (so a table over runs of several rules has no blank). A key the config
     lacks is None."""
     out: dict[str, Any] = {group: option(run, group) for group in NAMED}
     rule = run.config.get("rule")
@@ -152,7 +160,66 @@ def compared(run: RunInfo) -> dict[str, Any]:
             node = node.get(rest) if isinstance(node, dict) else None
         out.update(leaves(node, key))
     out.update({k: v for k, v in run.swept.items() if k not in out})
+    out.update({k: NOT_APPLICABLE for k in hparam_kinds() if k.startswith("rule.") and k not in out})
     return out
+
+
+def kind(hint: Any) -> str:
+    """How a field of this type is recorded as an hparam: ``bool``, ``number`` (int or float), else ``text``
+    (a string, a list, or a type that admits None: one run's None would make the column text anyway)."""
+    return "bool" if hint is bool else "number" if hint in (int, float) else "text"
+
+
+def schema_kinds(classes: list[type], prefix: str) -> dict[str, str]:
+    """``prefix.key -> kind`` over the fields of the schema dataclasses ``classes`` (a group's options): a key
+    that every one declares as a bool, or every one as a number, keeps that kind; any other is text (a
+    key some option lacks reads :data:`NOT_APPLICABLE` there, which is text)."""
+    seen: dict[str, list[str]] = {}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            seen.setdefault(f"{prefix}.{f.name}", []).append(kind(hints[f.name]))
+    whole = len(classes)
+    return {k: v[0] if len(v) == whole and len(set(v)) == 1 else "text" for k, v in seen.items()}
+
+
+@functools.cache
+def option_schemas(group: str) -> tuple[type, ...]:
+    """The schema dataclasses of a group's options (its package's modules that define one)."""
+    found = []
+    for name in option_modules(group):
+        try:
+            cls = schema_of(group, name)
+        except ValueError:  # a helper module of the package (rules/base.py), not an option
+            continue
+        if cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+@functools.cache
+def hparam_kinds() -> dict[str, str]:
+    """``compared key -> kind`` (:func:`kind`) of every compared key a schema declares: the named groups'
+    options (text), every rule's keys, and :data:`COMPARED`. TensorBoard types an hparam from all the runs
+    it finds and, over two types, makes it text while each run keeps its own: a filter of that column then
+    drops the runs whose value is a number, and sorting by it fails. So each key is recorded with one type
+    in every run, whichever rule, hardware or optimizer the run chose: ``rule.alpha`` (``float | None``,
+    EASGD's alone) as text (``0.5``, ``n/a``), ``optim.lr`` as a number."""
+    kinds = {group: "text" for group in NAMED}
+    kinds.update(schema_kinds(list(option_schemas("rule")), "rule"))
+    hints = typing.get_type_hints(Config)
+    for key in COMPARED:
+        head, _, rest = key.partition(".")
+        if head in GROUPS:
+            classes = list(option_schemas(head))
+        elif dataclasses.is_dataclass(hints[head]):
+            classes = [hints[head]]
+        else:
+            kinds[key] = kind(hints[head])
+            continue
+        found = schema_kinds(classes, head)
+        kinds.update({k: v for k, v in found.items() if k == key or k.startswith(f"{key}.")})
+    return kinds
 
 
 def trial_name(run: RunInfo) -> str:
@@ -289,18 +356,23 @@ def tensorboard_dir(run_dir: Path, name: str) -> Path:
 
 
 def session_start(values: dict[str, Any], group: str) -> Any:
-    """The HParams plugin's session start: ``values`` as its hparams (a value neither bool, number nor
-    string as JSON text: ``null``, ``[1]``), ``group`` as its trial's name."""
+    """The HParams plugin's session start: ``values`` as its hparams, each of the kind its key is given in
+    every run (:func:`hparam_kinds`; a text key's value as text: ``0.5``, ``n/a``, ``null``); a key no
+    schema declares (a swept ``+model.width``) as its value is (a value neither bool, number nor string as
+    JSON text: ``null``, ``[1]``); ``group`` as its trial's name."""
     from tensorboardX.proto.plugin_hparams_pb2 import SessionStartInfo
 
     info = SessionStartInfo(group_name=group, start_time_secs=time.time())
+    kinds = hparam_kinds()
     for key, value in values.items():
-        if isinstance(value, bool):
+        if kinds.get(key) == "text":
+            info.hparams[key].string_value = text(value)
+        elif isinstance(value, bool):
             info.hparams[key].bool_value = value
         elif isinstance(value, (int, float)) and math.isfinite(value):
             info.hparams[key].number_value = float(value)
         else:
-            info.hparams[key].string_value = value if isinstance(value, str) else text(value)
+            info.hparams[key].string_value = text(value)
     return info
 
 
