@@ -61,9 +61,10 @@ def is_sweep_folder(path: Path) -> bool:
 def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
     """``(state, status, checkpointed)`` of a sweep point's folder: ``pending`` (no job wrote its config),
     ``running`` (its last job has no summary: running, or its launcher was killed), ``ok``, ``invalid``,
-    ``preempted`` (summary ``preempted`` or ``interrupted``, or a point whose Slurm job ended without a
-    result: cancelled, time limit, lost node) or ``failed`` (any other status); ``status``
-    is its summary's, and ``checkpointed`` whether a checkpoint was indexed or can be found."""
+    ``preempted`` (summary ``preempted`` or ``interrupted``, a point whose Slurm job ended without a
+    result: cancelled, time limit, lost node, or one that failed once stopped: :func:`stopped`) or
+    ``failed`` (any other status); ``status`` is its summary's, and ``checkpointed`` whether a checkpoint
+    was indexed or can be found."""
     config = point_dir / CONFIG
     if not config.is_file():
         return "pending", None, False
@@ -76,13 +77,21 @@ def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
     status = result.get("status")
     if status is None:
         state = "running"
-    elif status in ("preempted", "interrupted") or result.get("slurm_job"):  # (Slurm ended it: lost)
+    elif status in ("preempted", "interrupted") or result.get("slurm_job") or stopped(result):
         state = "preempted"
     elif status in ("ok", "invalid"):
         state = status
     else:
         state = "failed"
     return state, status, checkpointed(point_dir)
+
+
+def stopped(summary: dict[str, Any]) -> bool:
+    """Whether a job that failed had been told to stop first (its launcher got SIGTERM, SIGUSR1 or SIGINT:
+    the summary's ``signal``), so that it was cut off rather than failed on its own. Slurm's ``scancel``,
+    time limit or preemption sends SIGTERM to every process of the job at once: mpirun and the ranks end
+    before they can checkpoint, and the launcher, seeing mpirun exit 1, writes ``failed``."""
+    return summary.get("status") == "failed" and bool(summary.get("signal"))
 
 
 def checkpointed(run_dir: Path) -> bool:

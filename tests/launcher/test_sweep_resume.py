@@ -41,9 +41,14 @@ def make_point(
     folder: Path, status: str | None = None, checkpoint: bool = False, stale: bool = False
 ) -> Path:
     """A sweep point's folder: its config, a summary of ``status`` (``stale``: older than the config, an
-    earlier job's; ``lost``: the Slurm launcher's for a job Slurm ended), and an indexed checkpoint."""
+    earlier job's; ``lost``: the Slurm launcher's for a job Slurm ended; ``stopped``: a job that failed
+    after its launcher was told to stop), and an indexed checkpoint."""
     folder.mkdir(parents=True)
-    summary = {"status": "failed", "slurm_job": "8_2"} if status == "lost" else {"status": status}
+    summary = {"status": status}
+    if status == "lost":
+        summary = {"status": "failed", "slurm_job": "8_2"}
+    elif status == "stopped":  # its launcher got SIGTERM (scancel: mpirun too), then mpirun exited 1
+        summary = {"status": "failed", "signal": "SIGTERM"}
     if status is not None and stale:
         (folder / SUMMARY).write_text(json.dumps(summary))
         os.utime(folder / SUMMARY, (1, 1))
@@ -75,13 +80,17 @@ def make_point(
         ("diverged", True, False, "failed", True, "run"),
         ("failed", False, False, "failed", False, "skip"),
         ("lost", True, False, "preempted", False, "resume"),  # Slurm ended its job (time limit, ...)
+        ("stopped", True, False, "preempted", False, "resume"),  # scancel'd: cut off, not failed
+        ("stopped", False, False, "preempted", False, "run"),
         ("invalid", False, False, "invalid", True, "run"),
         ("invalid", False, False, "invalid", False, "skip"),
     ],
 )
 def test_each_point_state_has_its_decision(tmp_path, status, checkpoint, stale, state, retry, decision):
     point = make_point(tmp_path / "0", status, checkpoint, stale)
-    recorded = None if stale or status is None else status.replace("lost", "failed")
+    recorded = (
+        None if stale or status is None else {"lost": "failed", "stopped": "failed"}.get(status, status)
+    )
     assert point_state(point) == (state, recorded, checkpoint)
     assert decide(state, checkpoint, retry) == decision
 
