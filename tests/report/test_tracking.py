@@ -291,6 +291,30 @@ def test_two_sweeps_of_different_rules_state_every_rule_key_with_one_type(tmp_pa
     assert types["optim.lr"] == "DATA_TYPE_FLOAT64" and types["rule.alpha"] == "DATA_TYPE_STRING", types
 
 
+def test_an_option_that_cannot_be_imported_is_left_out_of_the_compared_keys(monkeypatch):
+    """Every rule's keys are found by importing every rule module; one that cannot be imported here (a
+    package it needs is missing) is left out, not the cause of a run's failure (TensorBoard's tracker must
+    start)."""
+    from runner.rank.records import tracking
+
+    real = tracking.schema_of
+
+    def schema_of(group: str, name: str) -> type:
+        if name == "gosgd":
+            raise ModuleNotFoundError("No module named 'some_extra'")
+        return real(group, name)
+
+    monkeypatch.setattr(tracking, "schema_of", schema_of)
+    for cached in (tracking.option_schemas, tracking.hparam_kinds):
+        cached.cache_clear()
+    try:
+        kinds = tracking.hparam_kinds()
+        assert "rule.alpha" in kinds and "rule.max_inflight" not in kinds, kinds  # gosgd's own key
+    finally:
+        for cached in (tracking.option_schemas, tracking.hparam_kinds):
+            cached.cache_clear()
+
+
 def test_a_run_name_becomes_one_folder_name():
     from runner.rank.records.tracking import NAME_BYTES, folder_name
 

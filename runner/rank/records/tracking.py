@@ -185,12 +185,13 @@ def schema_kinds(classes: list[type], prefix: str) -> dict[str, str]:
 
 @functools.cache
 def option_schemas(group: str) -> tuple[type, ...]:
-    """The schema dataclasses of a group's options (its package's modules that define one)."""
+    """The schema dataclasses of a group's options (its package's modules that define one; one that cannot
+    be imported here, for want of a package it needs, is left out rather than fail the run's records)."""
     found = []
     for name in option_modules(group):
         try:
             cls = schema_of(group, name)
-        except ValueError:  # a helper module of the package (rules/base.py), not an option
+        except (ValueError, ImportError):  # a helper module (rules/base.py), or an option not usable here
             continue
         if cls not in found:
             found.append(cls)
