@@ -167,7 +167,11 @@ def topk_allreduce(
 ) -> torch.Tensor:
     """In-place sum over ``comm`` of every rank's ``k`` largest |values| of the flat tensor ``t`` (plus
     ``residual``, which then keeps what was not sent), by all-gather of (int32 indices, values in ``t``'s
-    type) as bytes; every rank adds them up in rank order into zeros, so all end with the same bits."""
+    type) as bytes; every rank adds them up in rank order into zeros, so all end with the same bits. One rank
+    alone sends nothing and keeps ``t`` as it is (as :func:`int8_allreduce` does)."""
+    n = comm.size
+    if n == 1:
+        return t
     flat = t.view(-1)
     a = flat + residual.view(-1) if residual is not None else flat.clone()
     index = a.abs().topk(k, sorted=False).indices
@@ -175,10 +179,6 @@ def topk_allreduce(
     if residual is not None:
         a[index] = 0
         residual.view(-1).copy_(a)
-    n = comm.size
-    if n == 1:
-        flat.zero_().index_put_((index,), values)
-        return t
     send = torch.cat([index.to(torch.int32).view(torch.uint8), values.contiguous().view(torch.uint8)])
     device = t.device if comm.routes(t) else torch.device("cpu")
     send = send.to(device)
@@ -228,9 +228,8 @@ class Compressed:
 def feedback_state(compressed: list[Compressed], workers: int) -> dict[str, Any]:
     """A rule's error feedback for its checkpoint: every exchange's residuals and the number of ``workers``
     they were made for (empty without error feedback)."""
-    if not any(c.state() for c in compressed):
-        return {}
-    return {"residuals": [c.state() for c in compressed], "workers": workers}
+    states = [c.state() for c in compressed]
+    return {"residuals": states, "workers": workers} if any(states) else {}
 
 
 def load_feedback(compressed: list[Compressed], state: dict[str, Any], workers: int) -> None:
