@@ -238,6 +238,8 @@ def grid(cross: Crossover) -> tuple[list[str], list[list[str]]]:
             cell = cross.cells.get((series, gbps))
             if cell is None:
                 row.append("no run")
+            elif not cell.point.ok:
+                row.append(f"no run ok ({cell.point.runs[0].status})")
             else:
                 time = "not reached" if cell.time is None else _s(cell.seconds)
                 row.append(f"{time} ({_final(cell)})")

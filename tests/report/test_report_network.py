@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.report.network import HEADING, crossover, sentences
+from runner.report.network import HEADING, crossover, grid, sentences
 from runner.report.plots import crossover_figure
 from runner.report.runs import load_runs
 from runner.report.table import markdown, score
@@ -36,7 +36,7 @@ CELLS = {
 }
 
 
-def make_run(path: Path, overrides: list[str], accs: list[float], every: float, val_count: int = 360) -> None:
+def make_run(path: Path, overrides: list[str], accs: list[float], every: float, status: str = "ok") -> None:
     """A run folder whose validations come ``every`` seconds (and 10 steps) apart."""
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
@@ -45,8 +45,8 @@ def make_run(path: Path, overrides: list[str], accs: list[float], every: float, 
         for i, acc in enumerate(accs)
     ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    summary = {"status": "ok", "devices": 4, "wall_time_s": 10.0, "steps": 10 * len(accs)}
-    (path / "summary.json").write_text(json.dumps({**summary, "val_count": val_count}))
+    summary = {"status": status, "devices": 4, "wall_time_s": 10.0, "steps": 10 * len(accs)}
+    (path / "summary.json").write_text(json.dumps({**summary, "val_count": 360}))
 
 
 def make_link_sweep(root: Path, cells: dict = CELLS, seeds: tuple[int, ...] = ()) -> Path:
@@ -165,3 +165,19 @@ def test_one_link_speed_or_no_target_is_no_crossover(tmp_path):
     report.target = None
     assert crossover(report) is None
     assert HEADING not in markdown(report, [])
+
+
+def test_a_rule_whose_run_failed_did_not_reach_the_target_and_its_cell_says_so(tmp_path):
+    sweep = make_link_sweep(tmp_path)
+    failed = next(p for p in sweep.iterdir() if "- rule=diloco\n- simulate.link_gbps=0.1\n" in _overrides(p))
+    body = json.loads((failed / "summary.json").read_text())
+    (failed / "summary.json").write_text(json.dumps({**body, "status": "failed", "error": "rank 1 died"}))
+    cross = crossover(report_of(sweep))
+    assert sentences(cross)[1].startswith("At 0.1 Gbit/s, gosgd reached val_acc ≥ 0.95 first, in 4 s: 0.4× ")
+    header, rows = grid(cross)
+    assert header[2] == "0.1 Gbit/s: time to target (final val_acc)"
+    assert rows[1][:3] == ["diloco", "not reached (0.9000)", "no run ok (failed)"]
+
+
+def _overrides(run: Path) -> str:
+    return (run / ".hydra" / "overrides.yaml").read_text() if run.is_dir() else ""
