@@ -472,6 +472,10 @@ def test_mlflow_finds_every_run_of_a_sweep_by_rule_and_model_tags_varied_or_not(
     for key in EVERY_RUN:
         assert every[f"params.{key}"].notna().all(), key
     assert sorted(every["params.rule"]) == ["bsp", "easgd", "easgd", "easgd"]
+    alpha = every.groupby("params.rule")["params.rule.alpha"]
+    by_rule = {rule: sorted(set(values)) for rule, values in alpha}
+    assert by_rule == {"bsp": ["n/a"], "easgd": ["0.1", "0.5", "null"]}, by_rule  # every rule's keys, stated
+    assert every["params.rule.mode"].notna().all() and every["params.rule.tau"].notna().all()
     assert not (tmp_path / "a" / "mlflow.db").exists(), "a tracking URI given: no store of its own"
 
 
