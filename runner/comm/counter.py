@@ -51,6 +51,15 @@ class Counter:
         return int(out[0])
 
     @faulted
+    def compare_and_swap(self, slot: int, compare: int, value: int) -> int:
+        """Replace ``slot`` by ``value`` if it holds ``compare``, atomically; the value it held before."""
+        self._one[0] = value
+        expected, out = np.array([compare], dtype=np.int64), np.zeros(1, dtype=np.int64)
+        self._win.Compare_and_swap(self._one, expected, out, self.host, slot)
+        self._win.Flush(self.host)
+        return int(out[0])
+
+    @faulted
     def put(self, slot: int, values: Sequence[int]) -> None:
         """Replace ``slot`` and the slots after it by ``values``, each atomically."""
         data = np.asarray(values, dtype=np.int64)

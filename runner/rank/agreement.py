@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.lazy import lazy_import
+from runner.rank.assignment import decision_slot
 from runner.rank.join_request import JOIN_READ, growth_refusal, join_count, stale_join
 from runner.run_folder import JOIN, STOP
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from runner.comm import Comm
+    from runner.comm.face import CounterLike
     from runner.rank.checkpoint import Checkpointer
 else:
     torch = lazy_import("torch")
@@ -102,14 +104,16 @@ class Control:
         self.request = self.comm.iallreduce(self.flags, op="max")
         return decision
 
-    def join_requested(self) -> int:
+    def join_requested(self, take: bool = True) -> int:
         """Worker 0: the workers ``RUN_DIR/JOIN`` asks to add (its text, a number; empty: 1), taken once
-        (the file is removed); 0 without one. A text that is not a small number is named in one warning and
-        ignored (:func:`runner.rank.join_request.join_count`)."""
+        (the file is removed; with ``take`` false it is left, for :meth:`take_join`); 0 without one. A
+        text that is not a small number is named in one warning and ignored
+        (:func:`runner.rank.join_request.join_count`)."""
         try:
             with open(self.join_file, "rb") as f:
                 text = f.read(JOIN_READ).decode(errors="replace")
-            self.join_file.unlink()
+            if take:
+                self.join_file.unlink()
         except FileNotFoundError:
             return 0
         except OSError as err:  # (a folder in its place): said once, not at every agreement
@@ -124,15 +128,24 @@ class Control:
             print(f"warning: {self.join_file} {problem}; ignored (the file is removed)", flush=True)
         return count
 
-    def join_granted(self) -> int:
+    def join_granted(self, take: bool = True) -> int:
         """Worker 0, at an agreement: :meth:`join_requested`, refused in one warning (0) when this job cannot
         grow (:func:`runner.rank.join_request.growth_refusal`: no fault tolerance, or NCCL or gloo)."""
-        count = self.join_requested()
+        count = self.join_requested(take)
         refusal = growth_refusal(self.workers) if count else None
         if refusal is not None:
+            if not take:
+                self.take_join()
             print(f"warning: {self.join_file} refused: {refusal}; the file is removed", flush=True)
             return 0
         return count
+
+    def take_join(self) -> None:
+        """Remove ``RUN_DIR/JOIN``: its request was decided."""
+        try:
+            self.join_file.unlink()
+        except OSError:
+            pass
 
     def drop_stale_join(self) -> None:
         """Worker 0, as the job starts: remove a ``RUN_DIR/JOIN`` an earlier job of the run folder left
@@ -146,3 +159,67 @@ class Control:
         if self.request is not None:
             self.request.wait()
             self.request = None
+
+
+#: A decision on the board: the meetings passed, shifted past its bits (checkpoint, stop, workers to add).
+MEETING_SHIFT = 12
+JOIN_MASK = (1 << (MEETING_SHIFT - 2)) - 1
+
+
+class Board(Control):
+    """The workers' agreement without waiting for one another: dynamic assignment under a rule whose
+    workers never wait on each other (ASGD, asynchronous EASGD: they validate alone).
+
+    :class:`Control`'s all-reduce makes a fast worker wait, at every agreement, for the slowest to have
+    passed the one before; here the first worker past a meeting decides for all, from what it reads
+    itself (``RUN_DIR/STOP``, ``RUN_DIR/JOIN``: the run folder is shared; the checkpoint clock), and
+    posts it in one compare-and-swap on the dealer's counter (its slot
+    :func:`~runner.rank.assignment.decision_slot`: the meetings passed and the decision's bits); the others
+    read it as they pass. A decision that acts (checkpoint, stop, growth) is collective at its meeting,
+    so no worker passes it, nor posts a later one, before every worker has read it: a later meeting's
+    decision on the board means this one's was to go on."""
+
+    def __init__(
+        self, workers: Comm, run_dir: Path, checkpointer: Checkpointer, counter: Callable[[], CounterLike]
+    ):
+        super().__init__(workers, run_dir, checkpointer, 1, split=False)
+        self.counter = counter  # the dealer's, as it is now (a loss deals anew)
+        self.forced_at: int | None = None
+        if workers.rank == 0:
+            self.drop_stale_join()
+
+    def reset(self, next_poll: int, forced: bool = True) -> None:
+        """After workers were lost or joined: with ``forced``, a checkpoint at meeting ``next_poll``."""
+        self.forced_at = next_poll if forced else None
+
+    def poll(self, step: int) -> Decision:
+        """At the ``step``-th meeting of the run (every worker passes each): the decision posted for it, or
+        this worker's own, posted first."""
+        assert self.validation_due is None, "validations by time are claimed on the counter, not agreed"
+        counter, slot = self.counter(), decision_slot(self.workers.size)
+        seen = counter.read(slot)[0]
+        while seen >> MEETING_SHIFT < step:  # not decided yet: decide, unless another worker does first
+            bits = self._bits()
+            mine = (step << MEETING_SHIFT) | bits
+            before = counter.compare_and_swap(slot, seen, mine)
+            if before == seen:
+                if bits >> 2:
+                    self.take_join()
+                seen = mine
+            else:
+                seen = before
+        bits = seen & ((1 << MEETING_SHIFT) - 1) if seen >> MEETING_SHIFT == step else 0
+        forced, self.forced_at = self.forced_at == step, None if self.forced_at == step else self.forced_at
+        # agreed alike on every worker, with what each holds (a lost worker to replace): a posted action,
+        # or the meeting the survivors of a loss agreed on; one decided to go on, each passes in its time
+        agreed = bool(bits) or forced
+        return Decision(bool(bits & 1) or forced, bool(bits & 2), bits >> 2, polled=agreed)
+
+    def _bits(self) -> int:
+        """This worker's decision for a meeting: checkpoint by time, stop, workers to add (the JOIN file is
+        left until the decision is posted)."""
+        join = min(self.join_granted(take=False), JOIN_MASK)
+        return int(self.checkpointer.time_due()) | int(self.stop_file.exists()) << 1 | join << 2
+
+    def close(self) -> None:
+        """Nothing is in flight."""

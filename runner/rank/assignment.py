@@ -176,8 +176,14 @@ class Dealer:
 
 def counter_slots(workers: int) -> int:
     """A dealer's counter: the position, then :data:`HELD_SLOTS` per worker for the tickets it holds, then
-    the last validation by time claimed (``train.val_every_s``: its last slot)."""
-    return 1 + workers * HELD_SLOTS + 1
+    the workers' last decision (:class:`runner.rank.agreement.Board`), then the last validation by time
+    claimed (``train.val_every_s``: its last slot)."""
+    return 1 + workers * HELD_SLOTS + 2
+
+
+def decision_slot(workers: int) -> int:
+    """The counter's slot of the workers' last decision (the one before the last)."""
+    return counter_slots(workers) - 2
 
 
 def claim_slot(workers: int) -> int:

@@ -37,7 +37,7 @@ from runner.comm.links import emulated
 from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
 from runner.rank import dynamo
-from runner.rank.agreement import Control
+from runner.rank.agreement import Board, Control
 from runner.rank.assignment import Chunks, Dealer, counter_slots, plan
 from runner.rank.checkpoint import Checkpointer, latest_checkpoint, load_part, rng_state, set_rng_state
 from runner.rank.fence import Fence, Partitioned
@@ -353,15 +353,19 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.checkpointer.fence,
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank), cfg.simulate.spin)
-    kept = records(rank, rule.synchronous, steps, dealt is not None)
+    board = dealt if dealt is not None and rule.solo_validation else None  # workers that never wait
+    kept = records(rank, rule.synchronous, steps, dealt is not None, board)
     trainer = Trainer(cfg.train, parts, pair, place, kept, recovery)
     trainer.validator.val_share = val_share(rank, data)
     return trainer, epochs, steps
 
 
-def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> Records:
+def records(
+    rank: Rank, synchronous: bool, steps: int, dealt: bool = False, board: Dealer | None = None
+) -> Records:
     """The worker's records (rank 0 writes them), its meter, and the workers' agreement on checkpoints and
-    stops; a resumed run continues its records from the checkpoint's."""
+    stops (posted on ``board``'s counter when given: workers that never wait on each other); a resumed run
+    continues its records from the checkpoint's."""
     cfg, comm, entry, part = rank.cfg, rank.comm, rank.entry, rank.part
     resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
     log = MetricsLog(rank.run_dir, enabled=comm.rank == 0, resume=resume, loggers=cfg.logger)
@@ -380,7 +384,10 @@ def records(rank: Rank, synchronous: bool, steps: int, dealt: bool = False) -> R
     start = part["loop"]["step"] if part else 0
     if dealt and part:  # dynamic assignment: the workers agree at meetings, counted over the run
         start = (part["loop"].get("deal") or {}).get("meetings", 0)
-    control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start, not rank.joined)
+    if board is not None:
+        control: Control = Board(rank.workers, rank.run_dir, rank.checkpointer, lambda: board.counter)
+    else:
+        control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start, not rank.joined)
     return Records(log, meter, rank.beat, control, monitored(cfg))
 
 

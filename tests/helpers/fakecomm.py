@@ -409,6 +409,13 @@ class FakeCounter:
             self.values[slot] = max(before, value)
             return before
 
+    def compare_and_swap(self, slot: int, compare: int, value: int) -> int:
+        with self._lock:
+            before = self.values[slot]
+            if before == compare:
+                self.values[slot] = value
+            return before
+
     def put(self, slot: int, values: Sequence[int]) -> None:
         with self._lock:
             self.values[slot : slot + len(values)] = list(values)

@@ -283,9 +283,11 @@ def test_a_killed_workers_chunks_go_back_to_the_pool_and_every_sample_is_trained
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_validations_within_an_epoch_do_not_wait_for_a_slow_worker(cli):
-    """ASGD, 3 workers, worker 0 (which records the run) sleeping 400 ms a step, four validations an epoch:
+    """ASGD, 3 workers, worker 0 (which records the run) sleeping 1.5 s a step, four validations an epoch:
     each validation within the epoch is taken once, by the worker that drew its chunk, on the servers'
-    model alone; none waits for worker 0's step, and worker 0 records them all with their own times."""
+    model alone; none waits for worker 0's step, and worker 0 records them all with their own times.
+    (The fast workers' own pace spaces validations by about 0.35 s on 2 cores: the slow step is far
+    beyond it, so that a gap tells waiting from training.)"""
     run = cli(
         "rule=asgd",
         "devices=3",
@@ -293,14 +295,14 @@ def test_validations_within_an_epoch_do_not_wait_for_a_slow_worker(cli):
         "train.epochs=1",
         "train.val_every=0.25",
         "simulate.straggler_ranks=[0]",
-        "simulate.straggler_ms=400",
+        "simulate.straggler_ms=1500",
     )
     assert run.returncode == 0, run.output
     alone = sorted((r for r in run.records("val") if r.get("alone")), key=lambda r: r["time"])
     assert len(alone) == 3 and all(0 <= r["val_acc"] <= 1 for r in alone), alone
     assert {r["by"] for r in alone} - {0}, f"the slow worker 0 took every validation: {alone}"
     gaps = [b["time"] - a["time"] for a, b in zip(alone, alone[1:], strict=False)]
-    assert max(gaps) < 0.4, f"a validation waited for the slow worker's step: {gaps}"
+    assert max(gaps) < 1.0, f"a validation waited for the slow worker's step: {gaps}"
     steps = run.summary["steps_per_worker"]
     assert steps[0] < min(steps[1], steps[2]) and run.summary["assignment"] == "dynamic", steps
 
