@@ -44,9 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import int8_allreduce
+from runner.comm.compress import int8_allreduce, int8_chunk
 from runner.comm.flat import float_buffers
-from runner.comm.stats import CommStats
+from runner.comm.stats import CommStats, Transfer
 from runner.lazy import lazy_import
 from runner.rules.base import RuleContext, no_grad
 from runner.rules.diloco import DiLoCo, DiLoCoConfig, outer_sgd
@@ -144,7 +144,7 @@ class StreamingDiLoCo(DiLoCo):
         self.sync_bytes_peak = 0
         self.link: CommLike | None = None  # the exchanges' communicator (joined: made in grow)
         self.thread: Background | None = None
-        self._forwarded = 0.0  # the link's seconds already added to the workers'
+        self._forwarded = self._forwarded_emulated = 0.0  # the link's seconds already added to the workers'
         self._sent: dict[int, int] = {}  # bytes of each summed tensor (by id), from the thread
         if not self.joined:
             self._new_link()
@@ -156,9 +156,9 @@ class StreamingDiLoCo(DiLoCo):
         from runner.comm.background import Background  # (it imports MPI: not when the launcher reads this)
 
         self.link = self.workers.split(0)
-        self.link.stats = CommStats()
+        self.link.stats = CommStats(links=self.workers.stats.links)  # its own counts, the same links
         self.thread = Background(self.link, self._reduce)
-        self._forwarded = 0.0
+        self._forwarded = self._forwarded_emulated = 0.0
 
     def _reduce(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
         """The background thread: sum ``t`` over the link, in 8 bits (op ``int8``) or as it is (``sum``);
@@ -199,8 +199,27 @@ class StreamingDiLoCo(DiLoCo):
         for i, t in enumerate(exchange.sums):
             ops = ("int8", None) if self.cfg.quantize == "int8" else ("sum", self.wire)
             op, wire = ops if i < len(sums) else ("sum", None)  # statistics: float32 sums, as DiLoCo's
-            exchange.requests.append(self.thread.submit(t, op, wire))
+            request = self.thread.submit(t, op, wire)
+            request.transfer = self._transfer(t, op, wire)
+            exchange.requests.append(request)
         self.pending.append(exchange)  # every exchange waits the same delay: pending is in order of due
+
+    def _transfer(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> Transfer | None:
+        """The emulated links' part of one exchange of ``t`` (None: no links): its seconds on this worker's
+        link, from when the background thread is done with it (the thread spends none itself)."""
+        links, n = self.link.stats.links, self.link.size
+        if links is None:
+            return None
+        nodes = [links.node(self.link.launch_rank(r)) for r in range(n)]
+        if op == "int8":  # an all-to-all of 8-bit chunks with their scales, then an all-gather of one
+            chunk = int8_chunk(t.numel(), n, BLOCK)
+            row = chunk + 4 * (chunk // BLOCK)
+            seconds = links.collective("alltoall", nodes, n * row) + links.collective("allgather", nodes, row)
+        elif wire is not None:
+            seconds = links.wire_allreduce(nodes, t.numel(), wire.itemsize)
+        else:
+            seconds = links.collective("allreduce", nodes, t.numel() * t.element_size())
+        return Transfer(self.link.stats, seconds) if seconds else None
 
     def _complete(self, exchange: Exchange) -> None:
         """Wait for ``exchange``'s sums (a lost worker raises here); count its bytes and seconds in the
@@ -215,7 +234,8 @@ class StreamingDiLoCo(DiLoCo):
         stats, link = self.workers.stats, self.link.stats
         stats.bytes_sent += exchange.sent
         stats.seconds += link.seconds - self._forwarded
-        self._forwarded = link.seconds
+        stats.emulated_seconds += link.emulated_seconds - self._forwarded_emulated
+        self._forwarded, self._forwarded_emulated = link.seconds, link.emulated_seconds
 
     @no_grad
     def _apply(self, exchange: Exchange) -> None:

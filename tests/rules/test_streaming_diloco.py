@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from runner.comm.links import Links
 from runner.rules.diloco import DiLoCoConfig
 from runner.rules.streaming_diloco import BLOCK, StreamingDiLoCoConfig, int8_allreduce
 from tests.conftest import COMMON, STEPS, checked_config, params_of
@@ -299,3 +300,36 @@ def test_one_fragment_without_delay_equals_diloco_under_mpirun(cli):
         assert all(torch.equal(ours[k], ref[k]) for k in ref), name
     assert int8.returncode == 0, int8.output
     assert 0 < int8.summary["sync_bytes_peak"] < one.summary["sync_bytes_peak"] / 3 / 3
+
+
+def test_its_exchanges_pay_the_emulated_links_they_cross():
+    """Over emulated links (one worker a node) each fragment's background all-reduce costs its link
+    seconds, paid where the worker waits for it (here at once: no delay, and the steps take microseconds).
+    Before, the exchanges' own communicator had no links: Streaming DiLoCo crossed them for free."""
+    links = Links(ranks_per_node=1, gbps=0.0025, latency_s=0.0)
+    one = links.collective("allreduce", [0, 1, 2, 3], 1024 * 4)  # a fragment: 1024 float32 values
+
+    def main(comm):
+        comm.stats.links = links
+        paid = _one_round(comm, StreamingDiLoCoConfig(inner_steps=4, fragments=4, delay=0))
+        return paid, comm.stats.emulated_seconds
+
+    for paid, emulated in FakeWorld(4).run(main):
+        assert 0.015 < one < 0.03 and paid == emulated
+        assert 0.8 * 4 * one < emulated <= 4 * one + 0.005, (emulated, one)
+
+
+def _one_round(comm, cfg) -> float:
+    """Rank ``comm``'s emulated seconds over H steps of a 4096-value float32 layer."""
+    torch.manual_seed(comm.rank)
+    model = nn.Linear(64, 64, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rule = build(comm, cfg, model, optimizer)
+    before = comm.stats.emulated_seconds
+    for step in range(cfg.inner_steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+        rule.after_step(step)
+    rule.finish()
+    return comm.stats.emulated_seconds - before
