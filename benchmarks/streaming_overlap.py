@@ -3,7 +3,7 @@ links (``simulate.ranks_per_node=1 simulate.link_gbps``) over its time with free
 
     python benchmarks/streaming_overlap.py                   # 4 workers, digits CNN, 0.1 Gbit/s, 3 repeats
     python benchmarks/streaming_overlap.py --gbps 0.01 --repeats 5
-    python benchmarks/streaming_overlap.py --smoke           # 2 workers, a few steps, one repeat
+    python benchmarks/streaming_overlap.py --smoke           # Streaming DiLoCo, 2 workers, a few steps, once
 
 Streaming DiLoCo starts each fragment's all-reduce on its background thread and applies it ``rule.delay``
 steps later, so a link that is slow but not too slow costs it nothing; DiLoCo's all-reduce, at its round
@@ -82,11 +82,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="2 workers, 12 steps, one repeat")
+    parser.add_argument("--smoke", action="store_true", help="Streaming DiLoCo, 2 workers, 12 steps")
     args = parser.parse_args()
     args.rules = args.rules.split(",")
     if args.smoke:
-        args.devices, args.steps, args.repeats = 2, 12, 1
+        args.rules, args.devices, args.steps, args.repeats = ["streaming_diloco"], 2, 12, 1
     print(table(measure(args), args.gbps))
 
 
