@@ -30,6 +30,7 @@ lost: int8 rounds to nearest, nearly unbiased; top-k drops the small coordinates
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
@@ -223,6 +224,14 @@ class Compressed:
         """Restore :meth:`state`'s tensors."""
         for mine, saved in zip([x for x in (self.residual, self.owner) if x is not None], state, strict=True):
             mine.copy_(saved)
+
+
+def compressors(cfg: Any, buffers: Iterable[torch.Tensor], workers: int) -> list[Compressed]:
+    """One compressed exchange per buffer for a rule's ``cfg`` (``compress``, ``topk_ratio``,
+    ``error_feedback``) over ``workers``, each with fresh error feedback; none for ``compress: none``."""
+    if cfg.compress == "none":
+        return []
+    return [Compressed(cfg.compress, b, workers, cfg.topk_ratio, cfg.error_feedback) for b in buffers]
 
 
 def feedback_state(compressed: list[Compressed], workers: int) -> dict[str, Any]:

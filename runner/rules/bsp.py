@@ -46,7 +46,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import Compressed, feedback_state, load_feedback
+from runner.comm.compress import Compressed, compressors, feedback_state, load_feedback
 from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
@@ -150,15 +150,8 @@ class BSP(Rule):
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _compressors(self) -> list[Compressed]:
-        """One compressed exchange per bucket (``rule.compress``), with fresh error feedback; none for
-        ``compress: none``."""
-        cfg = self.cfg
-        if cfg.compress == "none":
-            return []
-        return [
-            Compressed(cfg.compress, b.buffer, self.comm.size, cfg.topk_ratio, cfg.error_feedback)
-            for b in self.buckets
-        ]
+        """One compressed exchange per bucket (``rule.compress``), with fresh error feedback."""
+        return compressors(self.cfg, (b.buffer for b in self.buckets), self.comm.size)
 
     @staticmethod
     def auto_overlap(device: torch.device) -> str:

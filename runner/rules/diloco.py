@@ -55,7 +55,7 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import Compressed, feedback_state, load_feedback
+from runner.comm.compress import Compressed, compressors, feedback_state, load_feedback
 from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers
 from runner.lazy import lazy_import
@@ -144,15 +144,8 @@ class DiLoCo(Rule):
         self.compressed = self._compressors()
 
     def _compressors(self) -> list[Compressed]:
-        """One compressed exchange per flat buffer (``rule.compress``), with fresh error feedback; none for
-        ``compress: none``."""
-        cfg = self.cfg
-        if cfg.compress == "none":
-            return []
-        return [
-            Compressed(cfg.compress, x, self.workers.size, cfg.topk_ratio, cfg.error_feedback)
-            for x in self.flat.buffers
-        ]
+        """One compressed exchange per flat buffer (``rule.compress``), with fresh error feedback."""
+        return compressors(self.cfg, self.flat.buffers, self.workers.size)
 
     @no_grad
     def _take_worker_0_model(self) -> None:
