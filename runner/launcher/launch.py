@@ -224,6 +224,13 @@ def conclude(
             failure = Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
         status, reason = failure.status, failure.message
         fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}
+        if outcome.signal and status == "failed":  # the stop signal reached mpirun too (Slurm sends it so)
+            status = "interrupted"
+            reason = (
+                f"{outcome.signal} reached the job's own processes too (as Slurm's scancel and time limit "
+                f"send it), which ended before its ranks could stop after a checkpoint: {reason}; "
+                f"{checkpoint_since(run_dir, outcome.stop_time)}"
+            )
     try:
         write_failure_summary(cfg, run_dir, status, reason, wall, load_start, **fields, **sent)
     except RunFolderError as err:

@@ -198,8 +198,14 @@ def test_an_interrupted_job_names_the_checkpoint_it_wrote_after_the_first_signal
         ),
         ({"status": "ok"}, Outcome(1), "failed", "exited with status 1"),
         (None, Outcome(0), "failed", "the job exited 0 but wrote no summary.json"),
+        (  # scancel: Slurm's SIGTERM reaches mpirun as well as the launcher; it was recorded failed
+            None,
+            Outcome(1, "SIGTERM", stop_time=0.0),
+            "interrupted",
+            "SIGTERM reached the job's own processes too (as Slurm's scancel and time limit send it)",
+        ),
     ],
-    ids=["preempted", "diverged", "interrupted", "stalled", "failed", "no-summary"],
+    ids=["preempted", "diverged", "interrupted", "stalled", "failed", "no-summary", "signal-and-failed"],
 )
 def test_each_way_a_job_ends_has_its_status_and_exit_status(cfg, tmp_path, job, outcome, status, expected):
     (tmp_path / "logs").mkdir()
