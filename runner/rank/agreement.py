@@ -125,6 +125,8 @@ class Control:
             return 0
         count, problem = join_count(text)
         if problem is not None:
+            if not take:  # no request, so never decided and taken: removed here
+                self.take_join()
             print(f"warning: {self.join_file} {problem}; ignored (the file is removed)", flush=True)
         return count
 
@@ -209,7 +211,9 @@ class Board(Control):
             else:
                 seen = before
         bits = seen & ((1 << MEETING_SHIFT) - 1) if seen >> MEETING_SHIFT == step else 0
-        forced, self.forced_at = self.forced_at == step, None if self.forced_at == step else self.forced_at
+        forced = self.forced_at == step
+        if forced:
+            self.forced_at = None
         # agreed alike on every worker, with what each holds (a lost worker to replace): a posted action,
         # or the meeting the survivors of a loss agreed on; one decided to go on, each passes in its time
         agreed = bool(bits) or forced

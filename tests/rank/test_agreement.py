@@ -141,3 +141,16 @@ def test_after_workers_were_lost_the_board_checkpoints_and_grows_at_the_meeting_
         assert [d.polled for d in decisions] == [False, False, True, False]
     (tmp_path / STOP).write_text("SIGTERM\n")
     assert w1.poll(5).polled and w0.poll(5).polled
+
+
+def test_a_join_that_is_no_request_is_removed_and_named_once_on_the_board(tmp_path, capsys):
+    """The board's decider reads RUN_DIR/JOIN without taking it (it is taken once the decision is posted);
+    a text that is no request is never posted, so it is removed where it is read, as Control does, not
+    read and named again at every meeting."""
+    (w0, w1), _ = board_world(tmp_path, 2, tolerant=True)
+    (tmp_path / JOIN).write_text("two please\n")
+    assert [acts(w0.poll(m)) for m in (1, 2, 3)] == [(False, False, 0)] * 3
+    assert [acts(w1.poll(m)) for m in (1, 2, 3, 4)] == [(False, False, 0)] * 4
+    out = capsys.readouterr().out
+    assert out.count("warning: ") == 1 and "says 'two please'" in out, out
+    assert not (tmp_path / JOIN).exists()
