@@ -138,6 +138,11 @@ def int8_chunk(numel: int, size: int, block: int = BLOCK) -> int:
     return -(-numel // (size * block)) * block
 
 
+def int8_row_bytes(chunk: int, block: int = BLOCK) -> int:
+    """Bytes of one rank's row in :func:`_pack` (``chunk`` values): int8 values, a float32 scale a block."""
+    return chunk + 4 * (chunk // block)
+
+
 def _pack(x: torch.Tensor, rows: int, block: int = BLOCK) -> torch.Tensor:
     """``x`` (a multiple of ``rows``·``block`` long) in 8 bits as bytes: per row its values' int8 then their
     blocks' float32 scales (the largest |value| / 127)."""

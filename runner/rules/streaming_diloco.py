@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import int8_allreduce, int8_chunk
+from runner.comm.compress import int8_allreduce, int8_chunk, int8_row_bytes
 from runner.comm.flat import float_buffers
 from runner.comm.stats import CommStats, Transfer
 from runner.lazy import lazy_import
@@ -212,8 +212,7 @@ class StreamingDiLoCo(DiLoCo):
             return None
         nodes = [links.node(self.link.launch_rank(r)) for r in range(n)]
         if op == "int8":  # an all-to-all of 8-bit chunks with their scales, then an all-gather of one
-            chunk = int8_chunk(t.numel(), n, BLOCK)
-            row = chunk + 4 * (chunk // BLOCK)
+            row = int8_row_bytes(int8_chunk(t.numel(), n, BLOCK), BLOCK)
             seconds = links.collective("alltoall", nodes, n * row) + links.collective("allgather", nodes, row)
         elif wire is not None:
             seconds = links.wire_allreduce(nodes, t.numel(), wire.itemsize)
