@@ -52,7 +52,7 @@ from runner.rank.resilience.elastic import Elastic, arrive
 from runner.rank.resilience.recovery import Recovery
 from runner.rank.saved_model import save_model
 from runner.rank.state import Position, broadcast_state, run_length
-from runner.rules.base import RuleContext, split_roles
+from runner.rules.base import Rule, RuleContext, split_roles
 from runner.run_folder import (
     CONFIG,
     EXIT,
@@ -353,20 +353,16 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
             rank.checkpointer.fence,
         )
     place = Place(workers, rank.device, cfg.simulate.delay_s(comm.rank), cfg.simulate.spin)
-    board = dealt if dealt is not None and rule.solo_validation else None  # workers that never wait
-    kept = records(rank, rule.synchronous, steps, dealt is not None, board)
+    kept = records(rank, rule, steps, dealt)
     trainer = Trainer(cfg.train, parts, pair, place, kept, recovery)
     trainer.validator.val_share = val_share(rank, data)
     return trainer, epochs, steps
 
 
-def records(
-    rank: Rank, synchronous: bool, steps: int, dealt: bool = False, board: Dealer | None = None
-) -> Records:
+def records(rank: Rank, rule: Rule, steps: int, dealt: Dealer | None = None) -> Records:
     """The worker's records (rank 0 writes them), its meter, and the workers' agreement on checkpoints and
-    stops (posted on ``board``'s counter when given: workers that never wait on each other); a resumed run
-    continues its records from the checkpoint's."""
-    cfg, comm, entry, part = rank.cfg, rank.comm, rank.entry, rank.part
+    stops (:func:`agreement`); a resumed run continues its records from the checkpoint's."""
+    cfg, comm, entry = rank.cfg, rank.comm, rank.entry
     resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
     log = MetricsLog(rank.run_dir, enabled=comm.rank == 0, resume=resume, loggers=cfg.logger)
     log_file, terminal = rank.streams
@@ -380,15 +376,22 @@ def records(
         log_file=log_file,
         progress=cfg.train.progress,
     )
-    interval = 1 if synchronous or dealt else ASYNC_CONTROL_INTERVAL
+    return Records(log, meter, rank.beat, agreement(rank, rule, dealt), monitored(cfg))
+
+
+def agreement(rank: Rank, rule: Rule, dealt: Dealer | None) -> Control:
+    """The workers' agreement on checkpoints and stops: posted on the dealer's counter (a :class:`Board`)
+    where they never wait on each other (dynamic assignment, a rule whose workers validate alone), else an
+    all-reduce after every step (an interval of them, asynchronous rules; at meetings, dynamic
+    assignment)."""
+    if dealt is not None and rule.solo_validation:
+        return Board(rank.workers, rank.run_dir, rank.checkpointer, lambda: dealt.counter)
+    part = rank.part
+    interval = 1 if rule.synchronous or dealt is not None else ASYNC_CONTROL_INTERVAL
     start = part["loop"]["step"] if part else 0
-    if dealt and part:  # dynamic assignment: the workers agree at meetings, counted over the run
+    if dealt is not None and part:  # dynamic assignment: the workers agree at meetings, counted over the run
         start = (part["loop"].get("deal") or {}).get("meetings", 0)
-    if board is not None:
-        control: Control = Board(rank.workers, rank.run_dir, rank.checkpointer, lambda: board.counter)
-    else:
-        control = Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start, not rank.joined)
-    return Records(log, meter, rank.beat, control, monitored(cfg))
+    return Control(rank.workers, rank.run_dir, rank.checkpointer, interval, start, not rank.joined)
 
 
 def fit(
