@@ -90,7 +90,8 @@ def stopped(summary: dict[str, Any]) -> bool:
     """Whether a job that failed had been told to stop first (its launcher got SIGTERM, SIGUSR1 or SIGINT:
     the summary's ``signal``), so that it was cut off rather than failed on its own. Slurm's ``scancel``,
     time limit or preemption sends SIGTERM to every process of the job at once: mpirun and the ranks end
-    before they can checkpoint, and the launcher, seeing mpirun exit 1, writes ``failed``."""
+    before they can checkpoint. The launcher now writes such a job ``interrupted``; a summary written before
+    it did says ``failed``, with the signal."""
     return summary.get("status") == "failed" and bool(summary.get("signal"))
 
 
