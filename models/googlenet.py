@@ -126,10 +126,12 @@ class GoogLeNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.dropout = nn.Dropout(p=cfg.dropout)
         self.fc = nn.Linear(1024, num_classes)
-        # torchvision's initialisation.
+        # torchvision's initialisation: a normal of std 0.01 truncated at ±2, i.e. 200 standard deviations
+        # out, where no draw lands; drawn untruncated, the same distribution 20-30x faster (trunc_normal_
+        # took 2-3 s of every GoogLeNet's construction on 2 cores).
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
-                nn.init.trunc_normal_(m.weight, mean=0.0, std=0.01, a=-2, b=2)
+                nn.init.normal_(m.weight, mean=0.0, std=0.01)
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)

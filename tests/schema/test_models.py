@@ -126,6 +126,20 @@ def test_googlenet_aux_heads_are_optional_and_forward_returns_main_logits():
     assert GoogLeNet(GoogLeNetConfig([3, 64, 64], 10)).forward_aux(x)[1:] == (None, None)
 
 
+def test_googlenet_draws_its_weights_as_torchvision_does():
+    """Convolutions and linear layers from a normal of std 0.01 (torchvision's, truncated at ±2: 200
+    standard deviations out), batch norms at one and zero."""
+    torch.manual_seed(0)
+    model = GoogLeNet(GoogLeNetConfig([3, 64, 64], 10))
+    weights = torch.cat(
+        [m.weight.flatten() for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    )
+    assert abs(weights.std().item() - 0.01) < 2e-4 and abs(weights.mean().item()) < 2e-4
+    assert weights.abs().max().item() < 2
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in norms)
+
+
 def test_too_small_images_name_the_key():
     with pytest.raises(ValueError, match=r"input_shape=\[3, 32, 32\] is invalid: AlexNet(Config)? needs"):
         AlexNetConfig([3, 32, 32], 10)
