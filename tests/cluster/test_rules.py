@@ -52,7 +52,7 @@ def test_every_rule_trains_across_two_nodes(cluster, tmp_path, rule, overrides):
         *transport,
         "devices=2",
         "hardware=cluster",
-        f"hardware.hosts=[{n1}:2,{n2}:2]",
+        f"hardware.hosts=[{n1}:1,{n2}:2]",
         "train.epochs=1",
         YIELD,
         timeout=150,
