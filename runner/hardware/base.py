@@ -66,6 +66,7 @@ class HardwareConfig:
     min_workers: int = 1  # with fault_tolerance=continue|heal: fewer survivors end the job, with a checkpoint
     max_workers: int | None = None  # workers the job may grow to (RUN_DIR/JOIN); null: devices
     transport: str = "auto"  # the workers' tensor collectives: auto, mpi, nccl (GPUs), gloo (CPU stand-in)
+    hierarchical: str = "auto"  # all-reduces across hosts reduce inside each host first: auto, on, off
 
     def __post_init__(self) -> None:
         one_of("device", self.device, ("cpu", "cuda"))
@@ -101,6 +102,14 @@ class HardwareConfig:
         )
 
         self._check_transport()
+        one_of("hierarchical", self.hierarchical, ("auto", "on", "off"))
+        require(
+            self.hierarchical != "on" or not self.tolerant,
+            "hierarchical",
+            self.hierarchical,
+            "the hierarchical exchange keeps sub-communicators of fixed members, and fault tolerance changes "
+            "them: set hardware.hierarchical=auto (it stays off then) or fault_tolerance=none",
+        )
         for key, value in self.mca.items():
             problem = value_problem(str(key), value)
             require(problem is None, f"mca.{key}", value, problem or "")

@@ -34,6 +34,7 @@ from torch import nn
 
 from runner.comm import mpi
 from runner.comm.links import emulated
+from runner.comm.routes.hierarchical import settle as settle_hierarchy
 from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
 from runner.rank import dynamo
@@ -156,6 +157,7 @@ def place(
     workers = split_roles(comm, servers)
     if workers is not None:
         env["transport"] = attach_transport(cfg.hardware, workers, device)
+        env["hierarchical"] = settle_hierarchy(workers, cfg.hardware.hierarchical)
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)

@@ -21,6 +21,7 @@ ROUTES = [
     "runner.comm.routes.wire.Wire16",  # all-reduces asked in 16 bits: an all-to-all and an all-gather
     "runner.comm.routes.dist.TorchDistributed",  # the torch.distributed transport's tensors
     "runner.comm.routes.thread.BackgroundThread",  # queued all-reduces: MPI on the background thread
+    "runner.comm.routes.hierarchical.Hierarchical",  # all-reduces across hosts: inside each host first
     "runner.comm.routes.mpi.MpiBuffers",  # everything else: MPI, directly or staged
 ]
 
