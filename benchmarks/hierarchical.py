@@ -164,7 +164,8 @@ def table(title: str, rows: list[tuple[str, float, float]]) -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for name, ms, sent in rows:
-        lines.append(f"| {name} | {ms:.0f} | {sent / 1e6:.2f} | {ms / base_ms:.2f} | {sent / base_b:.2f} |")
+        ratio = f"{sent / base_b:.2f}" if base_b else "-"  # (steps faster than the link is read: none seen)
+        lines.append(f"| {name} | {ms:.0f} | {sent / 1e6:.2f} | {ms / base_ms:.2f} | {ratio} |")
     return "\n".join(lines)
 
 

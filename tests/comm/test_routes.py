@@ -26,6 +26,7 @@ def test_the_routes_and_their_order():
         "Wire16",
         "TorchDistributed",
         "BackgroundThread",
+        "Hierarchical",
         "MpiBuffers",
     ]
 
