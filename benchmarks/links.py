@@ -2,8 +2,9 @@
 links are limited by ``tc tbf`` (network namespaces, tests/cluster/nodes.py), beside the same job on one
 machine with ``simulate.ranks_per_node=1 simulate.link_gbps`` at the same rate.
 
-    python benchmarks/links.py                  # bsp and diloco, 100 Mbit/s and 1 Gbit/s, the MLP 3x1024
+    python benchmarks/links.py                  # bsp and diloco, 100 Mbit/s and 1 Gbit/s, MLP 3x1024, 3 runs
     python benchmarks/links.py --rules bsp --rates 100mbit --steps 30
+    python benchmarks/links.py --tcp-put        # Open MPI's default TCP BTL flags, with its put (see TCP)
     python benchmarks/links.py --smoke          # bsp at 100 Mbit/s, the default MLP, a few steps
 
 The mean step time is taken over every step after the first three (DiLoCo exchanges every
@@ -14,6 +15,7 @@ real side is left out, said in one line, and the emulated side is still measured
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +37,14 @@ RULES = {"bsp": [], "diloco": ["rule.inner_steps=4"]}
 #: Open MPI's ring all-reduce, which the emulation prices (its default for 2 ranks took twice the ring's time
 #: over 100 Mbit/s links: the buffer one way, then back).
 RING = ["+hardware.mca.coll_tuned_use_dynamic_rules=1", "+hardware.mca.coll_tuned_allreduce_algorithm=4"]
+#: Open MPI's TCP BTL without its emulated RDMA put (flags send, inplace, need-ack, need-csum = 0x39; the
+#: default adds put and hetero-rdma): with put, a large message's transfer waits for the receiver's control
+#: message, which queues behind the data the receiver sends the other way, so the two directions of a ring
+#: step took turns. 8.7 MB at 100 Mbit/s, 2 nodes: ring all-reduce 1097-1451 ms with put, 747-847 without
+#: (one way 730, plain TCP both ways 740); BSP's step 1316 -> 895-1003 ms.
+TCP = ["+hardware.mca.btl_tcp_flags=57"]
+#: The compared model: bandwidth-bound, 8.7 MB of float32 gradients (or parameters) an exchange.
+MLP = ["model=mlp", "model.hidden=[1024,1024,1024]"]
 
 
 def step_ms(run: Run) -> float:
@@ -44,12 +54,13 @@ def step_ms(run: Run) -> float:
     return statistics.fmean(r["step_ms"] for r in run.records("step")[3:])
 
 
-def job(rule: str, model: list[str], steps: int) -> list[str]:
-    """The compared job's overrides."""
+def job(rule: str, model: list[str], steps: int, tcp: list[str] = TCP) -> list[str]:
+    """The compared job's overrides (``tcp``: Open MPI's TCP options)."""
     return [
         f"rule={rule}",
         *RULES[rule],
         *RING,
+        *tcp,
         *model,
         "devices=2",
         f"train.max_steps={steps}",
@@ -79,6 +90,22 @@ def real(nodes: Nodes, folder: Path, overrides: list[str], rate: str | None) -> 
     return step_ms(run)
 
 
+def cell(
+    nodes: Nodes | None, folder: Path, overrides: list[str], rate: str | None, repeats: int
+) -> tuple[float | None, float]:
+    """(real ms or None, emulated ms) of one job at one rate: medians over ``repeats`` runs of each side,
+    the two alternating (``nodes`` None: the emulated side only)."""
+    fakes, trues = [], []
+    for k in range(repeats):
+        fakes.append(emulated(folder / f"e{k}", overrides, rate))
+        if nodes is not None:
+            trues.append(real(nodes, folder / f"r{k}", overrides, rate))
+        shown = f"{trues[-1]:.1f}" if trues else "-"
+        load = f"load {os.getloadavg()[0]:.1f}"
+        print(f"  {rate or 'free'}: real {shown} ms, emulated {fakes[-1]:.1f} ms ({load})", flush=True)
+    return (statistics.median(trues) if trues else None), statistics.median(fakes)
+
+
 def measure(args: argparse.Namespace, model: list[str]) -> list[tuple[str, str, float | None, float]]:
     """(rule, rate, real ms or None, emulated ms) for every rule and rate, the free links first."""
     reason = why_unsupported()
@@ -89,12 +116,10 @@ def measure(args: argparse.Namespace, model: list[str]) -> list[tuple[str, str, 
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i, (rule, rate) in enumerate((r, s) for r in args.rules for s in [None, *args.rates]):
-                overrides = job(rule, model, args.steps)
-                fake = emulated(Path(tmp) / f"e{i}", overrides, rate)
-                true = None if nodes is None else real(nodes, Path(tmp) / f"r{i}", overrides, rate)
+                print(rule, flush=True)
+                overrides = job(rule, model, args.steps, [] if args.tcp_put else TCP)
+                true, fake = cell(nodes, Path(tmp) / str(i), overrides, rate, args.repeats)
                 rows.append((rule, rate or "free", true, fake))
-                shown = "-" if true is None else f"{true:.1f}"
-                print(f"  {rule} {rate or 'free'}: real {shown} ms, emulated {fake:.1f} ms", flush=True)
     finally:
         if nodes is not None:
             nodes.down()
@@ -119,12 +144,14 @@ def main() -> None:
     parser.add_argument("--rules", default="bsp,diloco")
     parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, e.g. 100mbit,1gbit")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side per cell (medians)")
+    parser.add_argument("--tcp-put", action="store_true", help="Open MPI's default TCP flags (with put)")
     parser.add_argument("--smoke", action="store_true", help="bsp at 100 Mbit/s, the default MLP, 8 steps")
     args = parser.parse_args()
     args.rules, args.rates = args.rules.split(","), args.rates.split(",")
-    model = ["model=mlp", "model.hidden=[1024,1024,1024]"]
+    model = MLP
     if args.smoke:
-        args.rules, args.rates, args.steps, model = ["bsp"], ["100mbit"], 8, ["model=mlp"]
+        args.rules, args.rates, args.steps, args.repeats, model = ["bsp"], ["100mbit"], 8, 1, ["model=mlp"]
     print(table(measure(args, model)))
 
 
