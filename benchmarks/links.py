@@ -38,11 +38,13 @@ RULES = {"bsp": [], "diloco": ["rule.inner_steps=4"]}
 #: over 100 Mbit/s links: the buffer one way, then back).
 RING = ["+hardware.mca.coll_tuned_use_dynamic_rules=1", "+hardware.mca.coll_tuned_allreduce_algorithm=4"]
 #: Open MPI's TCP BTL without its emulated RDMA put (flags send, inplace, need-ack, need-csum = 0x39; the
-#: default adds put and hetero-rdma): with put, a large message's transfer waits for the receiver's control
-#: message, which queues behind the data the receiver sends the other way, so the two directions of a ring
-#: step took turns. 8.7 MB at 100 Mbit/s, 2 nodes: ring all-reduce 1097-1451 ms with put, 747-847 without
-#: (one way 730, plain TCP both ways 740); BSP's step 1316 -> 895-1003 ms.
-TCP = ["+hardware.mca.btl_tcp_flags=57"]
+#: default, PUT, adds put and hetero-rdma): with put, a large message's transfer waits for the receiver's
+#: control message, which queues behind the data the receiver sends the other way, so the two directions of
+#: a ring step took turns. 8.7 MB at 100 Mbit/s, 2 nodes: ring all-reduce 1097-1479 ms with put, 747-870
+#: without (one way 730, plain TCP both ways 740); BSP's step 1275-5218 ms -> 846-998 (benchmarks/README.md).
+#: ``++``: the option may be the runner's default already.
+TCP = ["++hardware.mca.btl_tcp_flags=57"]
+PUT = ["++hardware.mca.btl_tcp_flags=315"]
 #: The compared model: bandwidth-bound, 8.7 MB of float32 gradients (or parameters) an exchange.
 MLP = ["model=mlp", "model.hidden=[1024,1024,1024]"]
 
@@ -117,7 +119,7 @@ def measure(args: argparse.Namespace, model: list[str]) -> list[tuple[str, str, 
         with tempfile.TemporaryDirectory() as tmp:
             for i, (rule, rate) in enumerate((r, s) for r in args.rules for s in [None, *args.rates]):
                 print(rule, flush=True)
-                overrides = job(rule, model, args.steps, [] if args.tcp_put else TCP)
+                overrides = job(rule, model, args.steps, PUT if args.tcp_put else TCP)
                 true, fake = cell(nodes, Path(tmp) / str(i), overrides, rate, args.repeats)
                 rows.append((rule, rate or "free", true, fake))
     finally:
@@ -145,7 +147,7 @@ def main() -> None:
     parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, e.g. 100mbit,1gbit")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side per cell (medians)")
-    parser.add_argument("--tcp-put", action="store_true", help="Open MPI's default TCP flags (with put)")
+    parser.add_argument("--tcp-put", action="store_true", help="Open MPI's default TCP flags (PUT)")
     parser.add_argument("--smoke", action="store_true", help="bsp at 100 Mbit/s, the default MLP, 8 steps")
     args = parser.parse_args()
     args.rules, args.rates = args.rules.split(","), args.rates.split(",")
