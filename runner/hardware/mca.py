@@ -28,7 +28,11 @@ from typing import Any
 #: Messages still travel by shared memory and TCP (on fabrics: pml ucx or mtl ofi). One-sided calls (dynamic
 #: assignment's counter) leave out ``osc/ucx``, which without UCX devices prints an error at every window
 #: made; on a UCX fabric give ``hardware.mca.osc=ucx`` for counters across nodes.
-DEFAULT_MCA = {"btl": "^ofi", "osc": "^ucx"}
+#: The TCP BTL without its emulated RDMA put (``btl_tcp_flags`` 57 = send, inplace, need-ack, need-csum):
+#: with put, a large message waits for the receiver's control message, queued behind the data the receiver
+#: sends the other way, so the two directions of a ring all-reduce took turns (8.7 MB over 100 Mbit/s
+#: links: 1097-1479 ms with put, 747-870 without; benchmarks/README.md, "Emulated links against real ones").
+DEFAULT_MCA = {"btl": "^ofi", "osc": "^ucx", "btl_tcp_flags": "57"}
 #: The BTLs of a job on one machine that does not grow: its ranks talk over shared memory, and without TCP's
 #: BTL no rank listens on the network (it listens on every address: ``btl_tcp_if_include`` picks the routes,
 #: not the socket). A job that may grow keeps it: processes spawned into it reach the others only by TCP

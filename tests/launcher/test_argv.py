@@ -107,3 +107,9 @@ def test_hosts_and_hostfile(tmp_path):
     assert flag_value(argv(flavor="mpich", hosts=["a:1", "b:1"]), "-hosts") == "a:1,b:1"
     assert flag_value(argv(flavor="mpich", hostfile=str(hostfile)), "-f") == str(hostfile)
     assert "--host" not in argv() and "-hosts" not in argv(flavor="mpich"), "this machine: no hosts"
+
+
+def test_open_mpi_s_tcp_btl_goes_without_its_put_unless_told():
+    """With put, the two directions of a ring all-reduce over TCP took turns (benchmarks/README.md)."""
+    assert " ".join(argv()).count("--mca btl_tcp_flags 57") == 1
+    assert "--mca btl_tcp_flags 59" in " ".join(argv(mca={"btl_tcp_flags": 59}))
