@@ -8,10 +8,11 @@ nodes; coll/tuned with han off: its own choice, and its ring) and for ``hardware
     python benchmarks/hierarchical.py --rate 1gbit --repeats 9
     python benchmarks/hierarchical.py --smoke            # han and the route: small all-reduce, few steps
 
-Every variant runs with ``mpi_yield_when_idle`` (4 ranks share this machine's 2 cores: ranks waiting in MPI
-yield them) and unbound. Medians of the repeats (raw) and of the steps after the third (BSP); the bytes
-are the median over the repeats of what each node's link carried, the larger node's. Without root or
-network namespaces it says so and prints nothing else.
+Every variant runs with the MCA options a job has by default (``hardware.mca``), ``mpi_yield_when_idle``
+(4 ranks share this machine's 2 cores: ranks waiting in MPI yield them) and unbound. Medians of the
+repeats (raw) and of the steps after the third (BSP); the bytes are the median over the repeats of what
+each node's link carried, the larger node's. Without root or network namespaces it says so and prints
+nothing else.
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ def mca_args(mca: dict) -> list[str]:
 
 def raw(nodes, numel: int, repeats: int, mca: dict, mode: str) -> tuple[float, float]:  # noqa: ANN001
     """Median ms and bytes per node of a raw all-reduce of ``numel`` float32 values on the nodes."""
+    from runner.hardware.mca import DEFAULT_MCA
     from runner.hardware.mpirun import find_mpirun
 
     n1, n2 = nodes.names
     argv = [find_mpirun(None), "--host", f"{n1}:2,{n2}:2", "-np", "4", "--bind-to", "none"]
     argv += ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    argv += ["--mca", "btl", "^ofi", *mca_args(mca), "-x", f"PYTHONPATH={ROOT}"]
+    argv += [*mca_args({**DEFAULT_MCA, **mca}), "-x", f"PYTHONPATH={ROOT}"]  # as a job's mpirun
     argv += [sys.executable, __file__, "--job", str(numel), str(repeats), mode]
     proc = nodes.run(0, argv, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
