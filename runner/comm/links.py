@@ -63,6 +63,14 @@ class Links:
         chunk = -(-numel // n) * itemsize
         return self.collective("alltoall", nodes, n * chunk) + self.collective("allgather", nodes, chunk)
 
+    def exchange(self, op: str, nodes: Sequence[int], numel: int, itemsize: int, wire: int | None) -> float:
+        """Seconds of collective ``op`` of ``numel`` values of ``itemsize`` bytes, or, with ``wire`` (a
+        16-bit type's itemsize), of the 16-bit exchange's all-reduce of them: what a communicator spends
+        and what a rule's background exchange owes, priced once."""
+        if wire is not None:
+            return self.wire_allreduce(nodes, numel, wire)
+        return self.collective(op, nodes, numel * itemsize)
+
     def message(self, node: int, peer: int, nbytes: int) -> float:
         """Seconds of a point-to-point message of ``nbytes`` between ranks on nodes ``node`` and ``peer``."""
         return self.seconds(nbytes) if node != peer else 0.0

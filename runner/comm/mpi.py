@@ -131,12 +131,10 @@ class Comm(Membership):
     def _spend(self, op: str, t: torch.Tensor, wire: torch.dtype | None, result: Any) -> None:
         """Spend the emulated link seconds of collective ``op`` of ``t`` (in ``wire``'s type): owed by a
         blocking call, a transfer of the request of a non-blocking one (:mod:`runner.comm.stats`)."""
-        links, nodes = self.stats.links, self._nodes()
+        links = self.stats.links
         assert links is not None
-        if wire is not None:
-            seconds = links.wire_allreduce(nodes, t.numel(), wire.itemsize)
-        else:
-            seconds = links.collective(op, nodes, t.numel() * t.element_size())
+        itemsize = None if wire is None else wire.itemsize
+        seconds = links.exchange(op, self._nodes(), t.numel(), t.element_size(), itemsize)
         if seconds and op in ("iallreduce", "allreduce_background"):
             result.transfer = Transfer(self.stats, seconds)
         else:

@@ -214,10 +214,9 @@ class StreamingDiLoCo(DiLoCo):
         if op == "int8":  # an all-to-all of 8-bit chunks with their scales, then an all-gather of one
             row = int8_row_bytes(int8_chunk(t.numel(), n, BLOCK), BLOCK)
             seconds = links.collective("alltoall", nodes, n * row) + links.collective("allgather", nodes, row)
-        elif wire is not None:
-            seconds = links.wire_allreduce(nodes, t.numel(), wire.itemsize)
-        else:
-            seconds = links.collective("allreduce", nodes, t.numel() * t.element_size())
+        else:  # priced as the communicator prices it
+            itemsize = None if wire is None else wire.itemsize
+            seconds = links.exchange("allreduce", nodes, t.numel(), t.element_size(), itemsize)
         return Transfer(self.link.stats, seconds) if seconds else None
 
     def _complete(self, exchange: Exchange) -> None:
