@@ -210,6 +210,9 @@ def conclude(
     if outcome.stall is not None:
         status, reason = "stalled", outcome.stall.message
         fields: dict[str, Any] = {"stalled_ranks": outcome.stall.ranks, "cause": outcome.stall.message}
+    elif outcome.lost is not None:
+        status, reason = "failed", f"{outcome.lost.message}; {last_checkpoint(run_dir)}"
+        fields = {"failed_rank": outcome.lost.ranks[0], "cause": outcome.lost.message}
     elif outcome.interrupted is not None:
         status, reason = (
             "interrupted",
@@ -266,6 +269,15 @@ def partitioned(run_dir: Path, since: float) -> dict[int, str]:
         except (OSError, ValueError):
             continue
     return dict(sorted(found.items()))
+
+
+def last_checkpoint(run_dir: Path) -> str:
+    """What a failed job left to resume from: its newest checkpoint, or none."""
+    try:
+        latest = read_checkpoint_index(run_dir)[-1]
+    except Exception:  # no index, an empty or a damaged one: nothing to name
+        return "it wrote no checkpoint"
+    return f"its last checkpoint is {latest['dir']}: continue from it with resume={run_dir}"
 
 
 def checkpoint_since(run_dir: Path, since: float | None) -> str:
@@ -334,8 +346,15 @@ def launch(
         log.warning(planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
     start, load_start = time.time(), load_average()
+    servers = range(checked.devices, checked.world_size)  # the rule's server ranks come after the workers
     supervisor = Supervisor(
-        argv, run_dir, checked.world_size, checked.train.stall_timeout, label, env=planned.env
+        argv,
+        run_dir,
+        checked.world_size,
+        checked.train.stall_timeout,
+        label,
+        env=planned.env,
+        servers=servers,
     )
     try:
         outcome = supervisor.run()

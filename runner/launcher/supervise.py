@@ -28,14 +28,14 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
-from runner.launcher.watchdog import Stall, outliving, read_beats, stall_check
+from runner.launcher.watchdog import Stall, lost_servers, outliving, read_beats, stall_check
 from runner.run_folder import LOGS, MPIRUN_LOG, STOP, SUMMARY, write_atomic
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
@@ -47,6 +47,9 @@ WATCH_INTERVAL_S = 1.0
 #: A rank that failed with an error aborts the job (MPI_Abort); under ULFM (fault_tolerance=continue) the
 #: other ranks are not stopped by it, so the job is ended this long after the rank's error file appeared.
 FAILED_RANK_GRACE_S = 3.0
+#: Seconds a server rank's process may be gone, with no rank's error file, before the job is ended (the
+#: workers that notice the loss write one, naming the step, within about a second).
+SERVER_LOSS_GRACE_S = 5.0
 #: Seconds mpirun may outlive the job's final summary.json (rank 0's last write) before it is ended: rank
 #: 0's own model files are written before it, the other ranks' within seconds; mpirun itself can wait forever
 #: for a daemon it lost the link to.
@@ -71,6 +74,7 @@ class Outcome:
     stop_time: float | None = None  # when the first stop signal came
     said: tuple[tuple[int, str], ...] = ()  # the ranks' ``rank N failed: cause`` lines, as (rank, cause)
     after_summary: bool = False  # ended by the launcher SUMMARY_GRACE_S after the job's final summary.json
+    lost: Stall | None = None  # ended by the launcher: server ranks whose process ended, no rank said so
 
 
 def _die_with_parent() -> None:
@@ -99,8 +103,11 @@ class Supervisor:
         stall_timeout: float | None,
         label: str | None = None,
         env: Mapping[str, str] | None = None,
+        servers: Sequence[int] = (),
     ):
         self.argv, self.run_dir, self.ranks, self.stall_timeout = argv, run_dir, ranks, stall_timeout
+        self.servers = tuple(servers)  # the rule's server ranks: their loss ends the job
+        self.servers_gone_since: float | None = None
         self.env = {**os.environ, **env} if env else None  # hardware.env: mpirun's -x KEY reads them here
         self.prefix = f"[{label}] ".encode() if label else b""
         self.line_start = True
@@ -110,6 +117,7 @@ class Supervisor:
         self.killed = False
         self.interrupted: str | None = None
         self.stall: Stall | None = None
+        self.lost: Stall | None = None  # server ranks whose process ended (_check_servers)
         self.warned: Stall | None = None
         self.beats: dict[int, dict] = {}
         self.next_watch = 0.0
@@ -164,7 +172,15 @@ class Supervisor:
         if self.after_summary:
             status = 0  # the job's own end is its summary's; mpirun's is the launcher's SIGTERM
         return Outcome(
-            status, first, self.interrupted, self.stall, log_start, self.stop_time, said, self.after_summary
+            status,
+            first,
+            self.interrupted,
+            self.stall,
+            log_start,
+            self.stop_time,
+            said,
+            self.after_summary,
+            self.lost,
         )
 
     def _await_outliving(self) -> None:
@@ -225,6 +241,7 @@ class Supervisor:
             self.next_watch = now + WATCH_INTERVAL_S
             self._check_errors(now)
             self._check_summary(now)
+            self._check_servers(now)
             if self.stall_timeout and self.ending_since is None:
                 self._watch(now)
 
@@ -236,6 +253,22 @@ class Supervisor:
                 self.failed_since = now
         elif now - self.failed_since > FAILED_RANK_GRACE_S:
             self._end("a rank failed with an error and the others did not stop")
+
+    def _check_servers(self, now: float) -> None:
+        """End a job whose server rank's process ended, if no rank said so (an error file) within
+        :data:`SERVER_LOSS_GRACE_S`: a worker blocked where MPI does not report the loss would otherwise
+        wait for the stall watchdog."""
+        if not self.servers or self.failed_since is not None or self.ending_since is not None:
+            return
+        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+        lost = lost_servers(beats, self.servers)
+        if lost is None:
+            self.servers_gone_since = None
+        elif self.servers_gone_since is None:
+            self.servers_gone_since = now
+        elif now - self.servers_gone_since > SERVER_LOSS_GRACE_S:
+            self.lost = lost
+            self._end(lost.message)
 
     def _check_summary(self, now: float) -> None:
         """End an mpirun that outlives the job's final summary.json by :data:`SUMMARY_GRACE_S`."""

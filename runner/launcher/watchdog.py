@@ -9,7 +9,8 @@ killed rank stops writing; a rank blocked in MPI keeps writing while its ``progr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import socket
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,43 @@ def stall_check(
         who = ", ".join(map(str, stale))
         parts.append(f"rank{'s' if len(stale) > 1 else ''} {who} made no progress for {idle:.0f} s")
     return Stall(named, "; ".join(parts))
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
+
+
+def lost_servers(
+    beats: Mapping[int, Mapping[str, Any] | None], servers: Iterable[int], host: str | None = None
+) -> Stall | None:
+    """The server ranks whose process on this machine has ended while the job runs, and the line that says
+    so, or None. A server's state is kept nowhere else, so its loss ends the job; the workers usually say
+    it first (their error names the server), but one blocked where MPI does not report the loss would wait
+    for the stall watchdog. Ranks on other hosts are left to the watchdog (their processes are not here)."""
+    host, servers = (socket.gethostname() if host is None else host), set(servers)
+    lost = [
+        r
+        for r in sorted(servers)
+        if (beat := beats.get(r)) is not None and beat.get("host") == host and process_gone(beat["pid"])
+    ]
+    if not lost:
+        return None
+    steps = [b.get("step", -1) for r, b in beats.items() if b is not None and r not in servers]
+    step = max(steps, default=-1)
+    parts = [f"server rank {r} (host {host}, pid {beats[r]['pid']})" for r in lost]  # type: ignore[index]
+    verb = "was" if len(lost) == 1 else "were"
+    return Stall(
+        lost,
+        f"{' and '.join(parts)} {verb} lost at step {step}: its process ended, and a server's state is "
+        "kept nowhere else",
+    )
 
 
 def read_lost(logs: Path) -> set[int]:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import runner.launcher.supervise
 import runner.launcher.watchdog
 from runner.launcher.echo import EchoFilter
 from runner.launcher.supervise import Supervisor
-from runner.launcher.watchdog import outliving, read_beats, stall_check
+from runner.launcher.watchdog import lost_servers, outliving, read_beats, stall_check
 
 ABORT = b"""--------------------------------------------------------------------------
 MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
@@ -233,6 +234,15 @@ while time.time() - start < 60:
         beat(0, 5, start)
         if time.time() - start < 0.5:
             beat(1, 5, start)
+    if mode == "server_dies":  # worker 0 blocked (beating, no progress); server rank 1's process ended
+        beat(0, 5, start)
+        if not os.path.exists(os.path.join(run, "logs", "rank1.beat")):
+            import socket, subprocess
+            gone = subprocess.Popen([sys.executable, "-c", ""]); gone.wait()
+            record = {"rank": 1, "pid": gone.pid, "host": socket.gethostname(), "role": "worker",
+                      "step": -1, "progress_time": start, "alive_time": time.time()}
+            open(os.path.join(run, "logs", "rank1.beat"), "w").write(json.dumps(record))
+            open(os.path.join(run, "server_gone"), "w").write(repr(time.time()))
     time.sleep(0.1)
 """
 )
@@ -246,8 +256,9 @@ def job(tmp_path, monkeypatch):
     script.write_text(STAND_IN)
     (tmp_path / "logs").mkdir()
 
-    def make(mode: str, stall_timeout: float | None = None) -> Supervisor:
-        return Supervisor([sys.executable, str(script), str(tmp_path), mode], tmp_path, 2, stall_timeout)
+    def make(mode: str, stall_timeout: float | None = None, servers: tuple[int, ...] = ()) -> Supervisor:
+        argv = [sys.executable, str(script), str(tmp_path), mode]
+        return Supervisor(argv, tmp_path, 2, stall_timeout, servers=servers)
 
     return make
 
@@ -314,6 +325,34 @@ def test_the_watchdog_ends_a_stalled_job_and_names_the_silent_rank(job, tmp_path
     ]
     assert len(warnings) == 1 and warnings[0].message.startswith("rank 1 (host h"), "one at half the timeout"
     assert "ending the job: stalled: rank 1" in caplog.text
+
+
+def test_a_job_whose_server_process_ended_is_ended_naming_it_after_the_grace(job, tmp_path, monkeypatch):
+    """A worker blocked where MPI does not report the server's loss keeps beating: the launcher sees the
+    server's process gone and ends the job SERVER_LOSS_GRACE_S later, long before the stall watchdog."""
+    monkeypatch.setattr(runner.launcher.supervise, "SERVER_LOSS_GRACE_S", 1.0)
+    outcome = job("server_dies", stall_timeout=30.0, servers=(1,)).run()
+    ended = time.time()
+    gone = float((tmp_path / "server_gone").read_text())
+    assert outcome.lost is not None and outcome.lost.ranks == [1] and outcome.stall is None, outcome
+    assert outcome.lost.message.startswith(f"server rank 1 (host {socket.gethostname()}, pid ")
+    assert "was lost at step 5: its process ended" in outcome.lost.message, outcome.lost.message
+    assert 1.0 <= ended - gone < 1.0 + 1.0 + 3.0, "the grace, a tick, SIGTERM's wait, and slack"
+
+
+def test_a_server_process_elsewhere_or_alive_is_not_taken_for_lost(tmp_path):
+    """Only this machine's processes are looked at; a live one, or a worker's ended one, is not a loss."""
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    here = socket.gethostname()
+    beats = {
+        0: beat(5, 0.0, 0.0, pid=ended.pid, host=here),  # a worker's process ended: fault tolerance's
+        1: beat(-1, 0.0, 0.0, pid=os.getpid(), host=here),
+        2: beat(-1, 0.0, 0.0, pid=ended.pid, host="elsewhere"),
+        3: None,
+    }
+    assert lost_servers(beats, [1, 2, 3]) is None
+    assert lost_servers({**beats, 1: beat(-1, 0.0, 0.0, pid=ended.pid, host=here)}, [1, 2, 3]).ranks == [1]
 
 
 def test_an_mpirun_outliving_the_jobs_summary_is_ended_after_the_grace(job, tmp_path, monkeypatch, caplog):
