@@ -4,6 +4,7 @@ and the top-level defaults declared alike in conf/config.yaml and the dataclasse
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,17 @@ def _type_checking(node: ast.If) -> bool:
     )
 
 
+def parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per version of the file (the layout tests walk every module
+    several times)."""
+    return _parsed(path, path.stat().st_mtime_ns)
+
+
+@functools.cache
+def _parsed(path: Path, mtime_ns: int) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, bool]]:
     """``(imported module, only for type hints)`` of every import statement in a file, at any depth;
     ``from a import b`` counts as ``a.b`` when that is a module."""
@@ -68,7 +80,7 @@ def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, bool]]:
         else:
             visit(node, hints)
 
-    visit(ast.parse(path.read_text()), False)
+    visit(parsed(path), False)
     return out
 
 
@@ -210,7 +222,7 @@ def test_run_folder_names_are_written_in_one_module():
     assert {"summary.json", "config.yaml", "mpirun.log", "metrics.jsonl", "checkpoint.json"} <= names
     where = {}
     for name, path in modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Constant) and node.value in names:
                 where.setdefault(node.value, set()).add(name)
     elsewhere = {value: sorted(found - {"runner.run_folder"}) for value, found in where.items()}

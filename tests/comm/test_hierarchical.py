@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -16,6 +14,7 @@ from runner.comm.routes import ROUTES
 from runner.comm.routes.hierarchical import KEY, Hierarchical, library_does_it, settle
 from runner.comm.stats import CommStats
 from runner.hardware.cpu import CPUConfig
+from tests.comm.test_comm import run_job
 from tests.conftest import ROOT, mpirun_argv
 
 JOB = ROOT / "tests" / "helpers" / "hierarchical_job.py"
@@ -110,15 +109,7 @@ def test_results_equal_the_flat_exchange_on_pretend_hosts(layout):
     sizes equal MPI's own all-reduce to 1e-6, even and uneven hosts; one host, or one rank per host, is
     left flat (and ``on`` refused there)."""
     ranks = sum(map(int, layout.split(",")))
-    proc = subprocess.run(
-        mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(JOB), layout),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_job(mpirun_argv(ranks, sys.executable, "-m", "mpi4py", str(JOB), layout))
     taken = len(layout.split(",")) > 1 and "1,1" not in layout
     expected = "hierarchical checks passed" if taken else "hierarchical: not taken"
     assert expected in proc.stdout, proc.stdout + proc.stderr
