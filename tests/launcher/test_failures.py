@@ -196,6 +196,14 @@ def test_an_interrupted_job_names_the_checkpoint_it_wrote_after_the_first_signal
             "stalled",
             "rank 1 (host h, pid 5) not responding since step 7",
         ),
+        (  # a server's process ended and no worker said so: the launcher ended the job
+            None,
+            Outcome(
+                -15, lost=Stall([4], "server rank 4 (host h, pid 9) was lost at step 7: its process ended")
+            ),
+            "failed",
+            "server rank 4 (host h, pid 9) was lost at step 7: its process ended; it wrote no checkpoint",
+        ),
         ({"status": "ok"}, Outcome(1), "failed", "exited with status 1"),
         (None, Outcome(0), "failed", "the job exited 0 but wrote no summary.json"),
         (  # scancel: Slurm's SIGTERM reaches mpirun as well as the launcher; it was recorded failed
@@ -205,7 +213,16 @@ def test_an_interrupted_job_names_the_checkpoint_it_wrote_after_the_first_signal
             "SIGTERM reached the job's own processes too (as Slurm's scancel and time limit send it)",
         ),
     ],
-    ids=["preempted", "diverged", "interrupted", "stalled", "failed", "no-summary", "signal-and-failed"],
+    ids=[
+        "preempted",
+        "diverged",
+        "interrupted",
+        "stalled",
+        "lost",
+        "failed",
+        "no-summary",
+        "signal-and-failed",
+    ],
 )
 def test_each_way_a_job_ends_has_its_status_and_exit_status(cfg, tmp_path, job, outcome, status, expected):
     (tmp_path / "logs").mkdir()
@@ -219,6 +236,8 @@ def test_each_way_a_job_ends_has_its_status_and_exit_status(cfg, tmp_path, job, 
     assert (written["status"], written["exit_status"]) == (status, EXIT[status])
     if status == "stalled":
         assert written["stalled_ranks"] == [1] and written["cause"] == expected
+    if outcome.lost:
+        assert written["failed_rank"] == 4 and written["cause"] == outcome.lost.message
     if outcome.signal:
         assert written["signal"] == outcome.signal
 
