@@ -11,7 +11,7 @@ import torch
 
 from runner.comm.links import Links
 from runner.comm.routes import ROUTES
-from runner.comm.routes.hierarchical import KEY, Hierarchical, library_does_it, settle
+from runner.comm.routes.hierarchical import KEY, Hierarchical, Hosts, library_does_it, settle
 from runner.comm.stats import CommStats
 from runner.hardware.cpu import CPUConfig
 from tests.comm.test_comm import run_job
@@ -63,6 +63,19 @@ def test_where_it_cannot_apply_auto_is_off_and_on_says_why(comm, why):
     assert KEY not in comm.scratch
     with pytest.raises(ValueError, match=rf"hardware.hierarchical=on: .*{why}.*hierarchical=auto"):
         settle(comm, "on")
+
+
+@pytest.mark.parametrize(
+    "sizes, applies, said",
+    [
+        ([4], False, "one host"),
+        ([1, 1, 1], False, "3 hosts x 1 rank"),
+        ([2, 3], True, "2 hosts of 2+3 ranks"),
+    ],
+)
+def test_it_applies_only_with_several_hosts_and_several_ranks_on_one(sizes, applies, said):
+    hosts = Hosts(None, sizes, None, None)
+    assert (hosts.applies, hosts.describe()) == (applies, said)
 
 
 def test_the_route_takes_nothing_of_a_communicator_it_was_not_settled_on():
