@@ -241,9 +241,13 @@ class Supervisor:
             self.next_watch = now + WATCH_INTERVAL_S
             self._check_errors(now)
             self._check_summary(now)
-            self._check_servers(now)
-            if self.stall_timeout and self.ending_since is None:
-                self._watch(now)
+            servers = self.servers and self.failed_since is None and self.summary_since is None
+            if (servers or self.stall_timeout) and self.ending_since is None:
+                beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+                if servers:
+                    self._check_servers(now, beats)
+                if self.stall_timeout and self.ending_since is None:
+                    self._watch(now, beats)
 
     def _check_errors(self, now: float) -> None:
         """End a job that goes on after one of its ranks failed with an error."""
@@ -254,13 +258,10 @@ class Supervisor:
         elif now - self.failed_since > FAILED_RANK_GRACE_S:
             self._end("a rank failed with an error and the others did not stop")
 
-    def _check_servers(self, now: float) -> None:
+    def _check_servers(self, now: float, beats: Mapping[int, dict | None]) -> None:
         """End a job whose server rank's process ended, if no rank said so (an error file) within
-        :data:`SERVER_LOSS_GRACE_S`: a worker blocked where MPI does not report the loss would otherwise
-        wait for the stall watchdog."""
-        if not self.servers or self.failed_since is not None or self.ending_since is not None:
-            return
-        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+        :data:`SERVER_LOSS_GRACE_S` and the job wrote no summary: a worker blocked where MPI does not report
+        the loss would otherwise wait for the stall watchdog."""
         lost = lost_servers(beats, self.servers)
         if lost is None:
             self.servers_gone_since = None
@@ -286,8 +287,7 @@ class Supervisor:
                 "(waiting for a node it cannot reach?)"
             )
 
-    def _watch(self, now: float) -> None:
-        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+    def _watch(self, now: float, beats: Mapping[int, dict | None]) -> None:
         stall = stall_check(beats, now, self.launch_time, self.stall_timeout)
         if stall is not None:
             self.stall = stall
