@@ -44,6 +44,10 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
 
 
+#: ``hardware.hierarchical``'s values (runner/comm/routes/hierarchical.py acts on them).
+HIERARCHICAL = ("auto", "on", "off")
+
+
 @dataclass
 class HardwareConfig:
     """Base of the hardware groups' schemas (``conf/hardware/*.yaml`` ↔ ``runner/hardware/*.py``)."""
@@ -102,7 +106,7 @@ class HardwareConfig:
         )
 
         self._check_transport()
-        one_of("hierarchical", self.hierarchical, ("auto", "on", "off"))
+        one_of("hierarchical", self.hierarchical, HIERARCHICAL)
         require(
             self.hierarchical != "on" or not self.tolerant,
             "hierarchical",

@@ -271,11 +271,18 @@ def partitioned(run_dir: Path, since: float) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
+def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The run's newest checkpoint entry, or None (no index, an empty or a damaged one: nothing to name)."""
+    try:
+        return read_checkpoint_index(run_dir)[-1]
+    except Exception:
+        return None
+
+
 def last_checkpoint(run_dir: Path) -> str:
     """What a failed job left to resume from: its newest checkpoint, or none."""
-    try:
-        latest = read_checkpoint_index(run_dir)[-1]
-    except Exception:  # no index, an empty or a damaged one: nothing to name
+    latest = newest_checkpoint(run_dir)
+    if latest is None:
         return "it wrote no checkpoint"
     return f"its last checkpoint is {latest['dir']}: continue from it with resume={run_dir}"
 
@@ -283,10 +290,7 @@ def last_checkpoint(run_dir: Path) -> str:
 def checkpoint_since(run_dir: Path, since: float | None) -> str:
     """What an interrupted job left to resume from: the checkpoint written after its first stop signal (at
     ``since``), or that it ended without one."""
-    try:
-        latest = read_checkpoint_index(run_dir)[-1] if since is not None else None
-    except Exception:  # no index, or a damaged one: nothing to name
-        latest = None
+    latest = newest_checkpoint(run_dir) if since is not None else None
     if latest is None or latest.get("time", 0.0) < since:
         return "ended without a final checkpoint"
     return (
@@ -346,7 +350,7 @@ def launch(
         log.warning(planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
     start, load_start = time.time(), load_average()
-    servers = range(checked.devices, checked.world_size)  # the rule's server ranks come after the workers
+    servers = range(checked.devices, checked.world_size)  # the last ranks serve (rules.base.split_roles)
     supervisor = Supervisor(
         argv,
         run_dir,

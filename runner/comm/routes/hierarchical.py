@@ -31,12 +31,11 @@ import torch
 
 from runner.comm.binding import MPI, OPS
 from runner.comm.routes.base import Carrier, Route
+from runner.hardware.base import HIERARCHICAL
 
 if TYPE_CHECKING:
     from runner.comm.mpi import Comm
 
-#: ``hardware.hierarchical``'s values.
-MODES = ("auto", "on", "off")
 #: The key of a communicator's :class:`Hosts` in its ``scratch``.
 KEY = "hierarchical"
 #: The element types it reduces, as MPI's.
@@ -117,7 +116,7 @@ def settle(comm: Comm, mode: str, host: int | None = None) -> str:
     ``on``, ``off`` or ``mpi`` (MPI's own), recorded in the run's versions. ``on`` that cannot apply raises
     ValueError.
     ``host``: this rank's host as a number (default: the ranks that share memory are a host)."""
-    assert mode in MODES, mode
+    assert mode in HIERARCHICAL, mode
     if mode == "off" or comm.size == 1:
         why = None if mode == "off" else "the job has one worker"
     else:
