@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runner.hardware.mca import DEFAULT_MCA  # noqa: E402
 from tests.cluster.conftest import mpitrain  # noqa: E402
 from tests.cluster.nodes import Nodes, rate_bits, why_unsupported  # noqa: E402
 from tests.conftest import Run, run_cli  # noqa: E402
@@ -37,13 +38,10 @@ RULES = {"bsp": [], "diloco": ["rule.inner_steps=4"]}
 #: Open MPI's ring all-reduce, which the emulation prices (its default for 2 ranks took twice the ring's time
 #: over 100 Mbit/s links: the buffer one way, then back).
 RING = ["+hardware.mca.coll_tuned_use_dynamic_rules=1", "+hardware.mca.coll_tuned_allreduce_algorithm=4"]
-#: Open MPI's TCP BTL without its emulated RDMA put (flags send, inplace, need-ack, need-csum = 0x39; the
-#: default, PUT, adds put and hetero-rdma): with put, a large message's transfer waits for the receiver's
-#: control message, which queues behind the data the receiver sends the other way, so the two directions of
-#: a ring step took turns. 8.7 MB at 100 Mbit/s, 2 nodes: ring all-reduce 1097-1479 ms with put, 747-870
-#: without (one way 730, plain TCP both ways 740); BSP's step 1275-5218 ms -> 846-998 (benchmarks/README.md).
-#: ``++``: the option may be the runner's default already.
-TCP = ["++hardware.mca.btl_tcp_flags=57"]
+#: Open MPI's TCP BTL without its emulated RDMA put, the runner's default (runner/hardware/mca.py,
+#: DEFAULT_MCA: with put, the two directions of a ring step took turns; benchmarks/README.md); PUT: Open
+#: MPI's own flags (adds put and hetero-rdma), for the comparison. ``++``: the key exists already.
+TCP = [f"++hardware.mca.btl_tcp_flags={DEFAULT_MCA['btl_tcp_flags']}"]
 PUT = ["++hardware.mca.btl_tcp_flags=315"]
 #: The compared model: bandwidth-bound, 8.7 MB of float32 gradients (or parameters) an exchange.
 MLP = ["model=mlp", "model.hidden=[1024,1024,1024]"]
