@@ -22,14 +22,22 @@ class Background:
     def __init__(self, comm: Any, reduce: Callable[[Any, str, Any], None]):
         self._comm, self._reduce = comm, reduce
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="mpitrain-comm", daemon=True)
         self._thread.start()
 
     def submit(self, t: Any, op: str, wire: Any) -> BackgroundRequest:
         """Queue the all-reduce of ``t``; its request."""
+        assert not self._closed, "an all-reduce queued on a closed background thread would never run"
         request = BackgroundRequest(self._comm)
         self._queue.put((t, op, wire, request))
         return request
+
+    def close(self) -> None:
+        """End the thread once the all-reduces queued so far are done (without waiting for it: a thread
+        stuck in a call on a lost peer must not hold its caller too)."""
+        self._closed = True
+        self._queue.put(None)
 
     def drain(self) -> None:
         """Return once every all-reduce queued so far is done (the thread is idle)."""
@@ -39,8 +47,8 @@ class Background:
 
     def _serve(self) -> None:
         uncounted_thread()
-        while True:
-            t, op, wire, request = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            t, op, wire, request = item
             error = None
             try:
                 if t is not None:

@@ -155,6 +155,8 @@ class StreamingDiLoCo(DiLoCo):
         exchanges complete."""
         from runner.comm.background import Background  # (it imports MPI: not when the launcher reads this)
 
+        if self.thread is not None:
+            self.thread.close()  # (idle: the exchanges in flight completed, or were abandoned)
         self.link = self.workers.split(0)
         self.link.stats = CommStats(links=self.workers.stats.links)  # its own counts, the same links
         self.thread = Background(self.link, self._reduce)
@@ -272,7 +274,10 @@ class StreamingDiLoCo(DiLoCo):
         self._complete_all()
 
     def finish(self) -> None:
+        """Complete the exchanges in flight; the background thread ends."""
         self._complete_all()
+        if self.thread is not None:
+            self.thread.close()
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:

@@ -251,15 +251,22 @@ def test_recover_forgets_the_exchanges_in_flight_and_restarts_from_worker_0s_sta
                 t.add_(comm.rank + 1.0)
         rule.steps += comm.rank
         rule.abandon()
+        before = rule.thread
         rule.recover()
-        return params(model), torch.cat(rule.start), rule, model[1].running_mean
+        threads = [before, rule.thread]
+        rule.finish()
+        return params(model), torch.cat(rule.start), rule, model[1].running_mean, threads
 
     ranks = FakeWorld(N).run(main)
     x0 = ranks[0][1]
-    for x, start, rule, stats in ranks:
+    for x, start, rule, stats, threads in ranks:
         assert torch.equal(x, x0) and torch.equal(start, x0)
         assert rule.pending == [] and rule.steps == 3
         assert torch.equal(stats, torch.ones(4, dtype=DT))
+        assert threads[0] is not threads[1], "the exchanges' thread is made anew"
+        for thread in threads:  # the one replaced, and the new one once finished, end
+            thread._thread.join(5)
+            assert not thread._thread.is_alive()
 
 
 @pytest.mark.parametrize(
