@@ -16,7 +16,7 @@ The job runs in a session of its own, so nothing reaches it but what the launche
 - **Stalls.** With ``train.stall_timeout`` set, the ranks' heartbeats (``logs/rank<r>.beat``) are read
   every second; :func:`stall_check` decides, from them alone, whether and which ranks are stuck.
 
-Ending a job is SIGTERM to its process group, then SIGKILL after :data:`TERM_TIMEOUT_S`.
+Ending a job is SIGTERM to its process group, then SIGKILL to its whole session after :data:`TERM_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -309,12 +309,17 @@ class Supervisor:
         self._signal_group(signal.SIGTERM)
 
     def _signal_group(self, signum: int) -> None:
+        """Signal mpirun's process group; SIGKILL also reaches the rest of its session: the launch agents
+        (ssh) it put in groups of their own, which would hold the job's output open (and linger) after it."""
         if self.proc is None:
             return
         try:
             os.killpg(self.proc.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+        if signum == signal.SIGKILL:
+            for pid in session_members(self.proc.pid):
+                _kill(pid)
 
     def _copy_output(self) -> None:
         """Copy the job's output to mpirun.log and, filtered, to the terminal, until it ends. A log that
@@ -369,6 +374,18 @@ def _close_quietly(stream: BinaryIO) -> None:
         stream.close()
     except OSError:
         pass
+
+
+def session_members(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux's /proc; none where it cannot be read)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getsid(int(entry.name)) == sid:
+                members.append(int(entry.name))
+        except OSError:  # ended meanwhile, or not ours to see
+            pass
+    return members
 
 
 def _is_rank(pid: int) -> bool:

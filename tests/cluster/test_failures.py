@@ -135,8 +135,9 @@ def test_a_cut_link_lets_exactly_one_side_go_on_and_the_launcher_end(make_nodes,
     """The link to node 2 is cut with ULFM's detector on (turned on as `=true`, which Open MPI must
     receive as a value it accepts, or nothing is detected): node 2's side (half, without rank 0) stops
     without a checkpoint, naming the partition; node 1's goes on alone and keeps one consistent history
-    in the run folder; the launcher ends within 30 s of the final summary although mpirun waits for node
-    2's daemon forever."""
+    in the run folder; the launcher ends within 24 s of the final summary although mpirun waits for node
+    2's daemon forever (12 s of grace, 5 of SIGTERM; 27 s before the launch agents, in process groups of
+    their own, were killed with mpirun's session)."""
     nodes = make_nodes(2)
     n1, n2 = nodes.names
     run_dir = tmp_path / "run"
@@ -155,7 +156,7 @@ def test_a_cut_link_lets_exactly_one_side_go_on_and_the_launcher_end(make_nodes,
     )
     ended = time.time()
     assert run.returncode == 0, run.output
-    assert first_summary and ended - first_summary[0] <= 30, ended - (first_summary or [ended])[0]
+    assert first_summary and ended - first_summary[0] <= 24, ended - (first_summary or [ended])[0]
     assert "mpirun is still running 12 s after the job wrote its summary.json" in run.output
     s = run.summary
     assert sorted((f["rank"], f["host"]) for f in s["failures"]) == [(2, n2), (3, n2)], s["failures"]

@@ -208,8 +208,13 @@ if mode == "chatty":
     for i in range(20000):
         print(f"line {i} " + "x" * 100)
     sys.exit(0)
-if mode == "ignore":
+if mode in ("ignore", "agent"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "agent":  # a launch agent in a process group of its own (PRRTE's ssh), holding the output
+    import subprocess
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    agent = subprocess.Popen([sys.executable, "-c", code], process_group=0)
+    open(os.path.join(run, "agent"), "w").write(str(agent.pid))
 if mode.startswith("orphan"):  # a rank that outlives its runtime, out of the job's session (PRRTE's)
     import subprocess
     lives = "1.0" if mode == "orphan" else "60"
@@ -227,7 +232,7 @@ while time.time() - start < 60:
         print("stopping on", open(os.path.join(run, "STOP")).read().strip(), flush=True)
         json.dump({"status": "preempted"}, open(os.path.join(run, "summary.json"), "w"))
         sys.exit(0)
-    if mode == "hangs_after_summary" and time.time() - start > 0.5 and not os.path.exists(summary + "_time"):
+    if mode == "agent" and time.time() - start > 0.1 and not os.path.exists(summary + "_time"):
         json.dump({"status": "ok"}, open(summary, "w"))  # rank 0's last write; mpirun then waits on
         open(summary + "_time", "w").write(repr(time.time()))  # a daemon that is gone
     if mode == "beats":
@@ -355,19 +360,30 @@ def test_a_server_process_elsewhere_or_alive_is_not_taken_for_lost(tmp_path):
     assert lost_servers({**beats, 1: beat(-1, 0.0, 0.0, pid=ended.pid, host=here)}, [1, 2, 3]).ranks == [1]
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_an_mpirun_outliving_the_jobs_summary_is_ended_after_the_grace(job, tmp_path, monkeypatch, caplog):
     """A cut link leaves mpirun waiting for a daemon it cannot reach after rank 0 wrote the final
     summary.json: the launcher ends it SUMMARY_GRACE_S later, not before, and the job counts as ended by
-    its summary (status 0 here), not by the launcher's SIGTERM."""
-    monkeypatch.setattr(runner.launcher.supervise, "SUMMARY_GRACE_S", 1.0)
+    its summary (status 0 here), not by the launcher's SIGTERM. PRRTE starts its launch agents (ssh) in
+    process groups of their own, in mpirun's session: they end too (killing mpirun's group alone left them
+    running, holding the job's output, which the launcher then waited for twice TERM_TIMEOUT_S)."""
+    monkeypatch.setattr(runner.launcher.supervise, "SUMMARY_GRACE_S", 0.6)
     (tmp_path / "summary.json").write_text('{"status": "failed"}')  # a previous job's: not this one's end
     os.utime(tmp_path / "summary.json", (time.time() - 60, time.time() - 60))
-    outcome = job("hangs_after_summary").run()
+    outcome = job("agent").run()
     ended = time.time()
     written = float((tmp_path / "summary.json_time").read_text())
     assert outcome.after_summary and outcome.returncode == 0, outcome
-    assert 1.0 <= ended - written < 1.0 + 1.0 + 3.0, "the grace, a tick, SIGTERM's wait, and slack"
+    assert 0.6 <= ended - written < 0.6 + 1.0 + 1.0 + 1.5, "the grace, a tick, SIGTERM's wait, and slack"
     assert "mpirun is still running 1 s after the job wrote its summary.json" in caplog.text
+    assert not running(int((tmp_path / "agent").read_text())), "the launch agent outlived the job"
 
 
 def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tmp_path, capfd, caplog):
