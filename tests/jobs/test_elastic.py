@@ -178,7 +178,7 @@ def test_a_running_easgd_job_grows_from_2_to_4_workers_on_request(tmp_path):
     run_dir = tmp_path / "run"
     argv = [
         sys.executable, "-m", "runner", "rule=easgd", "devices=2", "hardware.oversubscribe=true",
-        "hardware.fault_tolerance=heal", "hardware.max_workers=4", "train.epochs=6",
+        "hardware.fault_tolerance=heal", "hardware.max_workers=4", "train.epochs=4",
         "simulate.straggler_ms=60", "simulate.straggler_ranks=[0,1]", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "MPITRAIN_TTY": "0"}
@@ -199,7 +199,7 @@ def test_a_running_easgd_job_grows_from_2_to_4_workers_on_request(tmp_path):
     assert not (run_dir / "JOIN").exists(), "the request is served once"
     assert "rank 2 (" in output and "joined at step" in output and "4 workers" in output
     assert summary["final_val_acc"] >= 0.9
-    resumed = run_cli(run_dir, f"resume={run_dir}", "train.epochs=7", timeout=240)
+    resumed = run_cli(run_dir, f"resume={run_dir}", "train.epochs=5", timeout=240)
     assert resumed.returncode == 0, resumed.output
     assert resumed.summary["world_size"] == 4 and resumed.summary["devices"] == 4, resumed.summary
 
