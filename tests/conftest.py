@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the fast tier's processes (-n 2) share the cores: one torch
+    torch.set_num_threads(1)  # thread each (two each on 2 cores spin against each other: 3-7x slower tests)
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 #: A test outside the slow tier that takes longer (setup, call and teardown) is named at the end of the run:

@@ -22,7 +22,7 @@ SETUP = (
 )
 #: The README's test command: the test extra (all the suite needs), then the two tiers; what .ci/run runs.
 TESTS = (
-    'pip install -e ".[test]" && python -m pytest -q -m "not slow" --durations=10'
+    'pip install -e ".[test]" && python -m pytest -q -m "not slow" -n 2 --durations=10'
     " && python -m pytest -q -m slow --durations=25"
 )
 
