@@ -54,6 +54,9 @@ SERVER_LOSS_GRACE_S = 5.0
 #: 0's own model files are written before it, the other ranks' within seconds; mpirun itself can wait forever
 #: for a daemon it lost the link to.
 SUMMARY_GRACE_S = 12.0
+#: Seconds mpirun may outlive the job's final summary.json once every rank has ended (its heartbeat said so,
+#: or its process here is gone, or, elsewhere, its heartbeat went silent): a healthy mpirun ends well within.
+ENDED_GRACE_S = 5.0
 #: Seconds the launcher waits, after mpirun ended, for ranks that outlived it (a rank on a node the runtime
 #: did not lose can go on writing checkpoints) before it reads what the job left; those on this machine
 #: are then killed.
@@ -123,6 +126,7 @@ class Supervisor:
         self.next_watch = 0.0
         self.failed_since: float | None = None
         self.summary_since: float | None = None  # when this job's summary.json was first seen
+        self.ended_since: float | None = None  # since when, after it, no rank has been running
         self.after_summary = False
         self.filter = EchoFilter()
         self.tap = ProgressTap()
@@ -272,7 +276,8 @@ class Supervisor:
             self._end(lost.message)
 
     def _check_summary(self, now: float) -> None:
-        """End an mpirun that outlives the job's final summary.json by :data:`SUMMARY_GRACE_S`."""
+        """End an mpirun that outlives the job's final summary.json by :data:`SUMMARY_GRACE_S`, or by
+        :data:`ENDED_GRACE_S` once none of the job's ranks is running."""
         if self.summary_since is None:
             try:
                 written = (self.run_dir / SUMMARY).stat().st_mtime >= self.launch_time
@@ -280,11 +285,20 @@ class Supervisor:
                 written = False
             if written:
                 self.summary_since = now
-        elif now - self.summary_since > SUMMARY_GRACE_S and self.ending_since is None:
+            return
+        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+        if outliving(beats, now, socket.gethostname(), _is_rank):
+            self.ended_since = None
+        elif self.ended_since is None:
+            self.ended_since = now
+        ended = self.ended_since is not None and now - self.ended_since > ENDED_GRACE_S
+        if (ended or now - self.summary_since > SUMMARY_GRACE_S) and self.ending_since is None:
             self.after_summary = True
             self._end(
-                f"mpirun is still running {SUMMARY_GRACE_S:.0f} s after the job wrote its summary.json "
-                "(waiting for a node it cannot reach?)"
+                f"mpirun is still running {now - self.summary_since:.0f} s after the job wrote its "
+                "summary.json"
+                + (" and its ranks ended" if ended else "")
+                + " (waiting for a node it cannot reach?)"
             )
 
     def _watch(self, now: float, beats: Mapping[int, dict | None]) -> None:

@@ -10,6 +10,7 @@ for the daemon it cannot reach.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -135,9 +136,9 @@ def test_a_cut_link_lets_exactly_one_side_go_on_and_the_launcher_end(make_nodes,
     """The link to node 2 is cut with ULFM's detector on (turned on as `=true`, which Open MPI must
     receive as a value it accepts, or nothing is detected): node 2's side (half, without rank 0) stops
     without a checkpoint, naming the partition; node 1's goes on alone and keeps one consistent history
-    in the run folder; the launcher ends within 24 s of the final summary although mpirun waits for node
-    2's daemon forever (12 s of grace, 5 of SIGTERM; 27 s before the launch agents, in process groups of
-    their own, were killed with mpirun's session)."""
+    in the run folder; the launcher ends within 18 s of the final summary although mpirun waits for node
+    2's daemon forever (5 s of grace once every rank ended, 5 of SIGTERM: 11 s seen; 27 s when it waited 12 s
+    from the summary whatever the ranks did, and for launch agents holding the job's output)."""
     nodes = make_nodes(2)
     n1, n2 = nodes.names
     run_dir = tmp_path / "run"
@@ -156,8 +157,10 @@ def test_a_cut_link_lets_exactly_one_side_go_on_and_the_launcher_end(make_nodes,
     )
     ended = time.time()
     assert run.returncode == 0, run.output
-    assert first_summary and ended - first_summary[0] <= 24, ended - (first_summary or [ended])[0]
-    assert "mpirun is still running 12 s after the job wrote its summary.json" in run.output
+    assert first_summary and ended - first_summary[0] <= 18, ended - (first_summary or [ended])[0]
+    assert re.search(
+        r"mpirun is still running \d+ s after the job wrote its summary.json and its ranks ended", run.output
+    )
     s = run.summary
     assert sorted((f["rank"], f["host"]) for f in s["failures"]) == [(2, n2), (3, n2)], s["failures"]
     assert s["workers_at_end"] == 2 and sorted(map(int, s["partitioned"])) == [2, 3], s

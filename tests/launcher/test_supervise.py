@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -232,9 +233,11 @@ while time.time() - start < 60:
         print("stopping on", open(os.path.join(run, "STOP")).read().strip(), flush=True)
         json.dump({"status": "preempted"}, open(os.path.join(run, "summary.json"), "w"))
         sys.exit(0)
-    if mode == "agent" and time.time() - start > 0.1 and not os.path.exists(summary + "_time"):
+    if mode in ("agent", "beating") and time.time() - start > 0.1 and not os.path.exists(summary + "_time"):
         json.dump({"status": "ok"}, open(summary, "w"))  # rank 0's last write; mpirun then waits on
         open(summary + "_time", "w").write(repr(time.time()))  # a daemon that is gone
+    if mode == "beating":  # a rank elsewhere still beating after rank 0's summary (writing its model)
+        beat(1, 5, start)
     if mode == "beats":
         beat(0, 5, start)
         if time.time() - start < 0.5:
@@ -382,11 +385,30 @@ def test_an_mpirun_outliving_the_jobs_summary_is_ended_after_the_grace(job, tmp_
     written = float((tmp_path / "summary.json_time").read_text())
     assert outcome.after_summary and outcome.returncode == 0, outcome
     assert 0.6 <= ended - written < 0.6 + 1.0 + 1.0 + 1.5, "the grace, a tick, SIGTERM's wait, and slack"
-    assert "mpirun is still running 1 s after the job wrote its summary.json" in caplog.text
+    assert re.search(r"mpirun is still running [12] s after the job wrote its summary.json \(", caplog.text)
     agent, deadline = int((tmp_path / "agent").read_text()), time.time() + 5
     while running(agent) and time.time() < deadline:  # (SIGKILL is sent; the process ends when scheduled)
         time.sleep(0.05)
     assert not running(agent), "the launch agent outlived the job"
+
+
+@pytest.mark.parametrize("mode", ["agent", "beating"])
+def test_once_every_rank_ended_mpirun_outliving_the_summary_is_ended_sooner(
+    job, tmp_path, monkeypatch, caplog, mode
+):
+    """Once no rank runs (their heartbeats ended, here: none beat), mpirun is ended ENDED_GRACE_S after
+    rank 0's summary, not SUMMARY_GRACE_S; a rank elsewhere still beating (writing its files) holds it."""
+    monkeypatch.setattr(runner.launcher.supervise, "SUMMARY_GRACE_S", 1.5)
+    monkeypatch.setattr(runner.launcher.supervise, "ENDED_GRACE_S", 0.3)
+    monkeypatch.setattr(runner.launcher.supervise, "WATCH_INTERVAL_S", 0.2)
+    outcome = job(mode).run()
+    waited = time.time() - float((tmp_path / "summary.json_time").read_text())
+    assert outcome.after_summary and outcome.returncode == 0, outcome
+    if mode == "agent":
+        assert waited < 0.3 + 0.4 + 1.0 + 0.5, "the grace, two ticks, SIGTERM's wait and slack"
+        assert "after the job wrote its summary.json and its ranks ended (waiting for" in caplog.text
+    else:
+        assert waited >= 1.5 and "its ranks ended" not in caplog.text, caplog.text
 
 
 def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tmp_path, capfd, caplog):
