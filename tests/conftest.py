@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,7 +97,20 @@ def cli(tmp_path):
     return call
 
 
-def mpirun_argv(n: int, *args: str) -> list[str]:
+_session_bases: list[str] = []  # this test process's folder for the session folders of its mpiruns
+
+
+def mpi_session_base() -> str:
+    """A new folder for one mpirun's session files, as the launcher gives each job's (a killed mpirun's
+    leftovers in ``$TMPDIR/ompi.<pid>`` stop a later mpirun given its pid: ``runner.launcher.session_dir``);
+    all are removed when this test process exits."""
+    if not _session_bases:
+        _session_bases.append(tempfile.mkdtemp(prefix="mpitrain-tests-mpi."))
+        atexit.register(shutil.rmtree, _session_bases[0], True)
+    return tempfile.mkdtemp(dir=_session_bases[0])
+
+
+def plain_mpirun_argv(n: int, *args: str) -> list[str]:
     """An mpirun command line for ``n`` ranks on this machine (oversubscribed, root allowed)."""
     from runner.hardware.mpirun import find_mpirun
 
@@ -102,6 +118,12 @@ def mpirun_argv(n: int, *args: str) -> list[str]:
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     return argv + list(args)
+
+
+def mpirun_argv(n: int, *args: str) -> list[str]:
+    """:func:`plain_mpirun_argv` with its session files in a folder of its own (:func:`mpi_session_base`)."""
+    [mpirun, *rest] = plain_mpirun_argv(n, *args)
+    return [mpirun, "--prtemca", "prte_local_tmpdir_base", mpi_session_base(), *rest]
 
 
 STEPS = 6

@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
+from runner.launcher.session_dir import session_dir
 from runner.launcher.watchdog import Stall, lost_servers, outliving, read_beats, stall_check
 from runner.run_folder import LOGS, MPIRUN_LOG, STOP, SUMMARY, write_atomic
 
@@ -111,7 +112,7 @@ class Supervisor:
         self.argv, self.run_dir, self.ranks, self.stall_timeout = argv, run_dir, ranks, stall_timeout
         self.servers = tuple(servers)  # the rule's server ranks: their loss ends the job
         self.servers_gone_since: float | None = None
-        self.env = {**os.environ, **env} if env else None  # hardware.env: mpirun's -x KEY reads them here
+        self.env = {**os.environ, **(env or {})}  # hardware.env: mpirun's -x KEY reads them here
         self.prefix = f"[{label}] ".encode() if label else b""
         self.line_start = True
         self.signals: list[str] = []
@@ -133,7 +134,12 @@ class Supervisor:
         self.bar = Bar(prefix=self.prefix)
 
     def run(self) -> Outcome:
-        """Run the job to its end and say how it ended. Any exception here ends the job first."""
+        """Run the job to its end and say how it ended. Any exception here ends the job first. mpirun's
+        session files go to a folder of this job's, removed after it (:mod:`runner.launcher.session_dir`)."""
+        with session_dir(self.env) as env:
+            return self._run(env)
+
+    def _run(self, env: dict[str, str]) -> Outcome:
         previous = self._install_handlers()
         self.proc: subprocess.Popen | None = None
         log = self.run_dir / MPIRUN_LOG
@@ -145,7 +151,7 @@ class Supervisor:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from runner.hardware.slurm import SlurmConfig, allocation, expand_counts
 from runner.launcher.launch import prepare
 from runner.schema.config import load
-from tests.conftest import ROOT, compose_config, mpirun_argv
+from tests.conftest import ROOT, compose_config, plain_mpirun_argv
 
 #: An sbatch script with 2 nodes x 4 tasks x 2 CPUs, as Slurm describes it to the script.
 BATCH = {
@@ -187,7 +187,7 @@ def test_the_srun_command_starts_a_working_job(cli, tmp_path):
     """The srun command line, as built, trains: a stand-in ``srun`` keeps its arguments and starts the
     worker command after them (``env ... python -m runner.rank.worker RUN``) with our mpirun."""
     bin_dir = tmp_path / "bin"
-    mpirun = mpirun_argv(1)
+    mpirun = plain_mpirun_argv(1)  # mpirun[2]: the rank count
     stand_in(
         bin_dir,
         "srun",
