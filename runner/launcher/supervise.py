@@ -250,14 +250,31 @@ class Supervisor:
         elif now >= self.next_watch:
             self.next_watch = now + WATCH_INTERVAL_S
             self._check_errors(now)
-            self._check_summary(now)
-            servers = self.servers and self.failed_since is None and self.summary_since is None
-            if (servers or self.stall_timeout) and self.ending_since is None:
-                beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
-                if servers:
-                    self._check_servers(now, beats)
-                if self.stall_timeout and self.ending_since is None:
-                    self._watch(now, beats)
+            self._watch_beats(now)
+
+    def _watch_beats(self, now: float) -> None:
+        """The checks that read the ranks' heartbeats, from one reading of them: after the job's summary,
+        whether mpirun outlives it; before it, a lost server; and stalls."""
+        after_summary = self.summary_since is not None
+        if not after_summary and self._summary_written():
+            self.summary_since = now
+        servers = bool(self.servers) and self.failed_since is None and self.summary_since is None
+        if not (after_summary or servers or self.stall_timeout):
+            return
+        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+        if after_summary:
+            self._check_summary(now, beats)
+        if servers and self.ending_since is None:
+            self._check_servers(now, beats)
+        if self.stall_timeout and self.ending_since is None:
+            self._watch(now, beats)
+
+    def _summary_written(self) -> bool:
+        """Whether this job wrote its summary.json (rank 0's last write)."""
+        try:
+            return (self.run_dir / SUMMARY).stat().st_mtime >= self.launch_time
+        except OSError:
+            return False
 
     def _check_errors(self, now: float) -> None:
         """End a job that goes on after one of its ranks failed with an error."""
@@ -281,18 +298,10 @@ class Supervisor:
             self.lost = lost
             self._end(lost.message)
 
-    def _check_summary(self, now: float) -> None:
-        """End an mpirun that outlives the job's final summary.json by :data:`SUMMARY_GRACE_S`, or by
-        :data:`ENDED_GRACE_S` once none of the job's ranks is running."""
-        if self.summary_since is None:
-            try:
-                written = (self.run_dir / SUMMARY).stat().st_mtime >= self.launch_time
-            except OSError:
-                written = False
-            if written:
-                self.summary_since = now
-            return
-        beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
+    def _check_summary(self, now: float, beats: Mapping[int, dict | None]) -> None:
+        """End an mpirun that outlives the job's final summary.json (seen at ``summary_since``) by
+        :data:`SUMMARY_GRACE_S`, or by :data:`ENDED_GRACE_S` once none of the job's ranks is running."""
+        assert self.summary_since is not None
         if outliving(beats, now, socket.gethostname(), _is_rank):
             self.ended_since = None
         elif self.ended_since is None:

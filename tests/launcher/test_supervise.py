@@ -411,6 +411,23 @@ def test_once_every_rank_ended_mpirun_outliving_the_summary_is_ended_sooner(
         assert waited >= 1.5 and "its ranks ended" not in caplog.text, caplog.text
 
 
+def test_each_watch_reads_the_heartbeats_once(tmp_path, monkeypatch):
+    """Before the job's summary the server and stall checks, after it the outliving and stall checks, share
+    one reading of the heartbeats per watch (one file per rank, every second)."""
+    readings = []
+    real = runner.launcher.supervise.read_beats
+    monkeypatch.setattr(runner.launcher.supervise, "read_beats", lambda *a: readings.append(1) or real(*a))
+    supervisor = Supervisor(["true"], tmp_path, 2, 60.0, servers=(1,))
+    supervisor.launch_time = time.time() - 1
+    (tmp_path / "logs").mkdir()
+    supervisor._watch_beats(time.time())
+    (tmp_path / "summary.json").write_text("{}")
+    for _ in range(2):  # the watch that sees the summary, then one after it
+        supervisor._watch_beats(time.time())
+    assert supervisor.summary_since is not None and supervisor.ending_since is None
+    assert readings == [1, 1, 1]
+
+
 def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tmp_path, capfd, caplog):
     """Writing the log fails (the disk is full): said once, and the job's output is still drained (a
     job whose pipe is not read blocks forever) and shown."""
