@@ -24,6 +24,16 @@ LOST_DAEMON = re.compile(
     r"PRTE has lost communication with a remote daemon\.(?:.*\n)*?\s*Remote daemon:.*? on node (\S+)"
     r"|A daemon failed to report back after being spawned\.(?:.*\n)*?\s*Remote host:\s*(\S+)"
 )
+#: Open MPI's own message (its show-help text), between two lines of dashes.
+HELP_TEXT = re.compile(r"^-{40,}\n(.+?)\n-{40,}$", re.M | re.S)
+#: Hints for Open MPI's messages that name no fix, by a phrase of theirs.
+HINTS = {
+    "listener thread failed to start": (
+        "a killed mpirun's session files are in the way of this one's (its pid's ompi.<pid> folder, under "
+        "the PRTE_MCA_prte_tmpdir_base or PRTE_MCA_prte_local_tmpdir_base you set): remove that folder, or "
+        "unset them and the launcher gives each job a folder of its own"
+    ),
+}
 #: A worker's error for a lost ASGD server (runner.rank.resilience.recovery.ServerLost): the server is the
 #: failed rank.
 SERVER_LOST = re.compile(r"ServerLost: server rank (\d+)")
@@ -54,10 +64,15 @@ def lost_node(run_dir: Path, node: str) -> Failure:
     return Failure(message, on_node[0] if on_node else None, cause)
 
 
-def unexplained(status: int) -> str:
-    """The cause of a job that left nothing but mpirun's exit ``status``."""
+def unexplained(status: int, output: str = "") -> str:
+    """The cause of a job that left nothing but mpirun's exit ``status`` and its ``output``: Open MPI's
+    first message in it, if any (why it did not start), with a hint where the message names no fix."""
     if status < 0:
         return f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
+    if status > 0 and (said := HELP_TEXT.search(output)):
+        text = " ".join(said.group(1).split())
+        hints = [hint for phrase, hint in HINTS.items() if phrase in text]
+        return f"mpirun exited with status {status}: {text[:400]}" + "".join(f" ({h})" for h in hints)
     return f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
 
 
@@ -144,5 +159,5 @@ def failure_report(
     if aborted := ABORTED.search(output):
         cause = f"called MPI_Abort (error code {aborted.group(2)})"
         return Failure(f"rank {aborted.group(1)} {cause}; see {mpirun_log}", int(aborted.group(1)), cause)
-    cause = unexplained(status)
+    cause = unexplained(status, output)
     return Failure(f"{cause}; see {mpirun_log}", None, cause)

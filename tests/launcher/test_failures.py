@@ -134,6 +134,22 @@ def test_ranks_that_exited_or_aborted_without_a_word_are_named(tmp_path):
     assert failure_report(run_folder(tmp_path / "d"), -9).cause == "mpirun was killed by signal 9 (SIGKILL)"
 
 
+#: What Open MPI 5's mpirun printed when a killed mpirun's session files were in its way (exit 213).
+NOT_STARTED = """--------------------------------------------------------------------------
+The PMIx server's listener thread failed to start. We cannot
+continue.
+--------------------------------------------------------------------------
+"""
+
+
+def test_an_mpirun_that_did_not_start_is_named_with_open_mpis_message_and_a_hint(tmp_path):
+    failure = failure_report(run_folder(tmp_path / "a", "some line\n" + NOT_STARTED), 213)
+    said = "The PMIx server's listener thread failed to start. We cannot continue."
+    assert failure.rank is None and failure.cause.startswith(f"mpirun exited with status 213: {said}")
+    assert "ompi.<pid> folder" in failure.cause and str(tmp_path / "a" / "mpirun.log") in failure.message
+    assert "no rank reported a cause" in failure_report(run_folder(tmp_path / "b", NOT_STARTED), 0).cause
+
+
 @pytest.fixture
 def cfg():
     return compose_config()
