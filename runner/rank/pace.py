@@ -195,11 +195,19 @@ class Dynamic:
 
     def end_of_span(self, pos: Position) -> bool:
         """At the epoch's end (where a loss may be noticed): pass its last meetings; True when chunks were
-        dealt anew after this worker's draws were spent (a lost worker's), to be trained now."""
+        dealt anew after this worker's draws were spent (a lost worker's), to be trained now. Under fault
+        tolerance the workers first meet in a barrier: the meetings are one-sided (the counter's), so a
+        worker lost holding chunks could otherwise be noticed only after the epoch, too late to train them
+        in it (and, in the last epoch, at all)."""
         if self.loop.preempted:
             return False
         self.loop.tolerant(self.meet, pos, None)
+        if self.dealer.publish:
+            self.loop.tolerant(self._all_here, pos)
         return self.dealer.reopen()
+
+    def _all_here(self, pos: Position) -> None:
+        self.loop.workers.barrier()
 
     def meet(self, pos: Position, ticket: int | None) -> bool:
         """Pass the meetings of this epoch that come before ``ticket``, the one this worker is about to train
