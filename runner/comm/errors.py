@@ -28,10 +28,22 @@ class Tolerant(Protocol):
     tolerant: bool
 
 
+def _unpickling(tb: Any) -> bool:
+    """Whether an exception was raised where mpi4py unpickles a received message (its innermost frame)."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(UNPICKLE_SOURCE)
+
+
+#: Where mpi4py loads a received object: an error there, under fault tolerance, is a torn message.
+UNPICKLE_SOURCE = "msgpickle.pxi"
+
+
 class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
     """Turn ULFM's failure errors of the MPI calls in the block into :class:`PeerLost` (named ``what``); under
-    fault tolerance, any error (a collective cut short by a peer's death may fail with a generic class): the
-    survivors' recovery then finds out whether a process was lost."""
+    fault tolerance, any error (a collective cut short by a peer's death may fail with a generic class, or
+    complete here with the dead peer's part unwritten: its object then fails to unpickle): the survivors'
+    recovery then finds out whether a process was lost."""
 
     __slots__ = ("comm", "what")
 
@@ -44,6 +56,9 @@ class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
         if isinstance(err, MPI.Exception) and (err.Get_error_class() in FAULTS or self.comm.tolerant):
             raise PeerLost(f"{self.what}: {err.Get_error_string()}") from None
+        if err is not None and self.comm.tolerant and _unpickling(tb):
+            torn = type(err).__name__
+            raise PeerLost(f"{self.what}: a received object did not unpickle ({torn})") from None
         return False
 
 
