@@ -28,15 +28,15 @@ class Tolerant(Protocol):
     tolerant: bool
 
 
+#: Where mpi4py loads a received object: an error there, under fault tolerance, is a torn message.
+UNPICKLE_SOURCE = "msgpickle.pxi"
+
+
 def _unpickling(tb: Any) -> bool:
     """Whether an exception was raised where mpi4py unpickles a received message (its innermost frame)."""
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_filename.endswith(UNPICKLE_SOURCE)
-
-
-#: Where mpi4py loads a received object: an error there, under fault tolerance, is a torn message.
-UNPICKLE_SOURCE = "msgpickle.pxi"
 
 
 class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
