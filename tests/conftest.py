@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -97,17 +98,19 @@ def cli(tmp_path):
     return call
 
 
-_session_bases: list[str] = []  # this test process's folder for the session folders of its mpiruns
+@functools.cache
+def _session_base() -> str:
+    """This test process's folder for the session folders of its mpiruns, removed when it exits."""
+    base = tempfile.mkdtemp(prefix="mpitrain-tests-mpi.")
+    atexit.register(shutil.rmtree, base, True)
+    return base
 
 
 def mpi_session_base() -> str:
     """A new folder for one mpirun's session files, as the launcher gives each job's (a killed mpirun's
     leftovers in ``$TMPDIR/ompi.<pid>`` stop a later mpirun given its pid: ``runner.launcher.session_dir``);
     all are removed when this test process exits."""
-    if not _session_bases:
-        _session_bases.append(tempfile.mkdtemp(prefix="mpitrain-tests-mpi."))
-        atexit.register(shutil.rmtree, _session_bases[0], True)
-    return tempfile.mkdtemp(dir=_session_bases[0])
+    return tempfile.mkdtemp(dir=_session_base())
 
 
 def plain_mpirun_argv(n: int, *args: str) -> list[str]:
@@ -122,8 +125,11 @@ def plain_mpirun_argv(n: int, *args: str) -> list[str]:
 
 def mpirun_argv(n: int, *args: str) -> list[str]:
     """:func:`plain_mpirun_argv` with its session files in a folder of its own (:func:`mpi_session_base`)."""
+    from runner.launcher.session_dir import LOCAL_TMPDIR_ENV
+
     [mpirun, *rest] = plain_mpirun_argv(n, *args)
-    return [mpirun, "--prtemca", "prte_local_tmpdir_base", mpi_session_base(), *rest]
+    parameter = LOCAL_TMPDIR_ENV.removeprefix("PRTE_MCA_")  # the launcher's, given on the command line
+    return [mpirun, "--prtemca", parameter, mpi_session_base(), *rest]
 
 
 STEPS = 6

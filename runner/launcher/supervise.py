@@ -259,8 +259,8 @@ class Supervisor:
         if not after_summary and self._summary_written():
             self.summary_since = now
         servers = bool(self.servers) and self.failed_since is None and self.summary_since is None
-        if not (after_summary or servers or self.stall_timeout):
-            return
+        if not (after_summary or servers or self.stall_timeout) or self.ending_since is not None:
+            return  # (nothing reads them, or the job is being ended: by a rank's error just now)
         beats = read_beats(self.run_dir / LOGS, self.ranks, self.launch_time, self.beats)
         if after_summary:
             self._check_summary(now, beats)
