@@ -202,6 +202,14 @@ class ClassificationData:
         return self._loader(Subset(self.val, range(rank, len(self.val), world)), batch_size, pin_memory)
 
 
+def spread(dataset: Dataset, count: int | None) -> Dataset:
+    """``count`` samples of ``dataset`` spread evenly over it (the same ones for any number of ranks, every
+    run), or the whole of it where ``count`` is None or not smaller."""
+    if count is None or count >= len(dataset):
+        return dataset
+    return Subset(dataset, [i * len(dataset) // count for i in range(count)])
+
+
 def normalize(x: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
     """uint8 NHWC or NCHW batch → float NCHW in [0, 1], then per-channel standardised."""
     if x.shape[-1] == len(mean) and x.shape[1] != len(mean):

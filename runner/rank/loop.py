@@ -294,6 +294,8 @@ class Trainer:
         mean_loss = float(span.loss) / max(1, span.steps)
         train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
         rates, extra = span.rates(self.workers.size), self.rule.metrics()
+        if span.tokens_per_sample:  # tokens trained on so far, all workers' (this one's count times theirs)
+            rates["tokens"] = self.meter.total.samples * self.workers.size * span.tokens_per_sample
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
         return reported
 

@@ -35,8 +35,10 @@ from torch import nn
 from runner.comm import mpi
 from runner.comm.links import emulated
 from runner.comm.routes.hierarchical import settle as settle_hierarchy
+from runner.data.base import spread
 from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
+from runner.optim import OptimConfig
 from runner.rank import dynamo
 from runner.rank.agreement import Board, Control
 from runner.rank.assignment import Chunks, Dealer, counter_slots, plan
@@ -318,6 +320,7 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     """A worker's trainer, with the epochs and steps the run takes."""
     cfg, comm, workers = rank.cfg, rank.comm, rank.workers
     data = cfg.data.build()
+    data.val = spread(data.val, cfg.train.val_samples)  # (a validation costs the same however long the run)
     pair, steps_per_epoch = loaders(rank, data)
     straggler = cfg.simulate.record()
     how = "spin" if cfg.simulate.spin else "sleep"
@@ -335,7 +338,8 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
                 f"data: dynamic assignment, {dealt.chunks.per_epoch} chunks of {dealt.chunks.size} samples "
                 "per epoch, dealt to the workers as they ask"
             )
-    optimizer = cfg.optim.build(model.parameters())
+    params = cfg.optim.params(model) if isinstance(cfg.optim, OptimConfig) else model.parameters()
+    optimizer = cfg.optim.build(params)
     rule = cfg.rule.build(RuleContext(comm, workers, model, optimizer, steps_per_epoch, joined=rank.joined))
     schedule = cfg.schedule.build(optimizer, steps, rule.lr_factor)
     parts = Parts(model, optimizer, rule, cfg.task.build(data.num_classes), schedule)
@@ -377,6 +381,7 @@ def records(rank: Rank, rule: Rule, steps: int, dealt: Dealer | None = None) -> 
         terminal=terminal if comm.rank == 0 else None,
         log_file=log_file,
         progress=cfg.train.progress,
+        tokens_per_sample=cfg.task.tokens_per_sample(list(cfg.data.shape or [])),
     )
     return Records(log, meter, rank.beat, agreement(rank, rule, dealt), monitored(cfg))
 

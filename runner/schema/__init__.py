@@ -164,7 +164,8 @@ class ModelConfig:
             len(self.input_shape) == 3,
             "input_shape",
             self.input_shape,
-            f"{name} expects [C, H, W] images (it comes from data.shape; token sequences need model=lstm)",
+            f"{name} expects [C, H, W] images (it comes from data.shape; token sequences need model=gpt or "
+            "model=lstm)",
         )
         c, size = self.input_shape[0], max(8, 1 << (min_size - 1).bit_length())
         require(

@@ -23,6 +23,7 @@ class TrainConfig:
     epochs: int = 10
     batch_size: int = 32
     val_batch_size: int = 256
+    val_samples: int | None = None
     seed: int = 0
     val_every: float = 1
     val_every_s: float | None = None
@@ -47,6 +48,13 @@ class TrainConfig:
         require(self.epochs >= 1, "epochs", self.epochs, "train for at least one epoch (train.epochs=10)")
         require(self.batch_size >= 1, "batch_size", self.batch_size, "the per-rank batch must be >= 1")
         require(self.val_batch_size >= 1, "val_batch_size", self.val_batch_size, "must be >= 1")
+        require(
+            self.val_samples is None or self.val_samples >= 1,
+            "val_samples",
+            self.val_samples,
+            "validate on this many samples spread evenly over the validation set, >= 1 (e.g. "
+            "train.val_samples=512), or null for all of it",
+        )
         self._check_validations()
         require(self.log_every >= 1, "log_every", self.log_every, "log every N >= 1 steps")
         require(

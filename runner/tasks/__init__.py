@@ -51,6 +51,10 @@ class TaskConfig:
         """The validation metrics (without ``val_``) for a data set of ``num_classes`` classes."""
         return self.METRICS
 
+    def tokens_per_sample(self, shape: list[int]) -> int | None:
+        """Tokens in a sample of ``shape`` (the data set's); None where the task counts no tokens."""
+        return None
+
     def build(self, num_classes: int | None = None) -> Task:
         """The task, for a data set of ``num_classes`` classes (None: not known)."""
         raise NotImplementedError

@@ -26,6 +26,9 @@ class LanguageModelConfig(TaskConfig):
     METRICS = ("loss", "ppl", "acc")
     ignore_index: int = -100
 
+    def tokens_per_sample(self, shape: list[int]) -> int | None:
+        return int(shape[-1]) if shape else None  # a sequence of tokens: its length
+
     def build(self, num_classes: int | None = None) -> LanguageModel:
         return LanguageModel(self.loss_fn(), self.ignore_index)
 

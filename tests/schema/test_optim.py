@@ -75,3 +75,50 @@ def test_a_step_is_torchs_step(option, schema, cls):
 def test_bad_values_are_refused_naming_the_key(option, override, message):
     with pytest.raises(ValueError, match=message):
         checked_config([f"optim={option}", override])
+
+
+class _Tiny(torch.nn.Module):
+    """A weight matrix, a bias, a norm, a position table it names in ``no_weight_decay`` and a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.pos = torch.nn.Embedding(3, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.proj = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def no_weight_decay(self):
+        return {"pos.weight"}
+
+
+@pytest.mark.parametrize("option", ["adam", "adamw"])
+def test_decay_on_matrices_only_leaves_biases_norms_and_named_tables_alone(option):
+    cfg = checked_config([f"optim={option}", "optim.weight_decay=0.1", "optim.decay=matrices"]).optim
+    model = _Tiny()
+    opt = cfg.build(cfg.params(model))
+    decayed, kept = opt.param_groups
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    assert ids(decayed["params"]) == ids([model.embed.weight, model.proj.weight])  # the tied head: once
+    assert ids(kept["params"]) == ids([model.pos.weight, model.norm.weight, model.norm.bias, model.proj.bias])
+    assert "decay" not in opt.defaults  # not an argument of torch's optimizer
+    # a step with no gradient: the kept group is untouched, the decayed one shrinks by lr·wd (AdamW)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    after = dict(model.named_parameters())
+    assert torch.equal(after["pos.weight"], before["pos.weight"])
+    assert torch.equal(after["norm.weight"], before["norm.weight"])
+    if option == "adamw":
+        lr = cfg.lr
+        assert torch.allclose(after["proj.weight"], before["proj.weight"] * (1 - lr * 0.1))
+
+
+def test_decay_all_is_one_group_and_a_bad_value_is_named():
+    cfg = checked_config(["optim=adamw"]).optim
+    assert cfg.decay == "all" and len(cfg.build(cfg.params(_Tiny())).param_groups) == 1
+    with pytest.raises(ValueError, match=r"optim\.decay='weights' is invalid: choose one of all, matrices"):
+        checked_config(["optim=adamw", "optim.decay=weights"])

@@ -36,6 +36,11 @@ def summary(
     rates = meter.total.rates(workers.size)
     own = meter.total.samples / max(meter.total.total, 1e-12)  # this worker's samples/s
     rates["samples_per_s"] = workers.allreduce_values([own])[0]  # all workers' (unequal: dynamic)
+    per_sample = meter.tokens_per_sample
+    tokens = {}
+    if per_sample:  # a language model: tokens/s and the tokens trained on, all workers'
+        seen = workers.allreduce_values([float(meter.total.samples)])[0]
+        tokens = {"tokens_per_s": rates["samples_per_s"] * per_sample, "tokens": seen * per_sample}
     return {
         "epochs": epochs,
         "steps": steps,
@@ -44,6 +49,7 @@ def summary(
         "stopped_early_after_epoch": outcome.stopped_early,
         "fp16_overflow_steps": guard.overflows if outcome.fp16 else None,
         "samples_per_s": rates["samples_per_s"],
+        **tokens,
         "comm_fraction": rates["comm_frac"],
         "emulated_comm_s": meter.total.emulated,  # of the steps' communication, waits on emulated links
         "data_wait_fraction": rates["data_frac"],

@@ -1,0 +1,45 @@
+"""Records of a language model's run: tokens/s beside samples/s, and validation on a fixed spread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from runner.data.base import spread
+from runner.rank.records.meter import Timing
+from tests.conftest import checked_config
+
+
+def test_tokens_per_second_is_samples_per_second_times_the_window():
+    t = Timing(data=0.5, compute=1.0, comm=0.5, samples=12, steps=1, tokens_per_sample=64)
+    rates = t.rates(world=4)
+    assert rates["samples_per_s"] == pytest.approx(12 * 4 / 2.0)
+    assert rates["tokens_per_s"] == pytest.approx(12 * 4 * 64 / 2.0)
+    assert "tokens_per_s" not in Timing(compute=1.0, samples=3, steps=1).rates(world=1)  # not a LM
+
+
+def test_the_language_model_task_counts_a_sequence_s_tokens_others_none():
+    lm = checked_config(["task=language_model"]).task
+    assert lm.tokens_per_sample([64]) == 64
+    assert checked_config([]).task.tokens_per_sample([1, 8, 8]) is None
+
+
+@pytest.mark.parametrize("count", [1, 7, 100, 999])
+def test_validation_samples_are_spread_evenly_and_the_same_for_any_run(count):
+    data = TensorDataset(torch.arange(1000))
+    kept = spread(data, count)
+    picked = [int(kept[i][0]) for i in range(len(kept))]
+    assert len(picked) == count == len(set(picked)) and picked == sorted(picked)
+    assert picked[0] == 0 and picked[-1] >= 1000 - 1000 // count - 1  # reaches the end of the set
+    assert picked == [int(spread(data, count)[i][0]) for i in range(count)]
+
+
+def test_no_count_or_a_larger_one_keeps_the_whole_set():
+    data = TensorDataset(torch.arange(10))
+    assert spread(data, None) is data and spread(data, 10) is data and spread(data, 50) is data
+
+
+def test_val_samples_is_checked():
+    with pytest.raises(ValueError, match=r"train\.val_samples=0 is invalid"):
+        checked_config(["train.val_samples=0"])
