@@ -4,6 +4,10 @@ DiLoCo (:mod:`runner.rules.diloco`) with its one exchange per round cut in three
 
 * **Fragments.** Each flat parameter buffer is split into ``fragments`` = F contiguous ranges of equal size
   (by parameter order; a range may cut a tensor, so that every exchange is 1/F of the model to one element).
+  ``fragment_by: blocks`` cuts it by the model's repeated blocks instead, as the paper does, strided:
+  fragment p holds blocks p, p+F, p+2F, ... and fragment 0 also every parameter outside the blocks
+  (:mod:`runner.rules.fragments`). The flat buffers are then laid out fragment by fragment (the model's
+  order within each), so that each fragment is still one contiguous range of each buffer, of its own size.
   Fragment p is synchronized every ``inner_steps`` = H steps, after c steps where c ≡ o_p (mod H), c > 0, at
   the staggered offset o_p = ⌊p·H/F⌋ (``stagger: false``: o_p = 0, all fragments at DiLoCo's round ends).
 * **Overlap and delay.** At its sync each worker starts the fragment's all-reduce in the background and
@@ -41,15 +45,17 @@ counts, forget the exchanges in flight, and every fragment restarts from x_start
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.compress import int8_allreduce, int8_chunk, int8_row_bytes
-from runner.comm.flat import float_buffers
+from runner.comm.flat import FlatTensors, float_buffers
 from runner.comm.stats import CommStats, Transfer
 from runner.lazy import lazy_import
 from runner.rules.base import RuleContext, no_grad
 from runner.rules.diloco import DiLoCo, DiLoCoConfig, outer_sgd
+from runner.rules.fragments import block_fragments, layout
 from runner.schema import one_of, require
 
 if TYPE_CHECKING:
@@ -72,9 +78,11 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
     fragment_alpha: float = 0.0
     quantize: str = "none"
     stagger: bool = True
+    fragment_by: str = "size"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        one_of("fragment_by", self.fragment_by, ("size", "blocks"))
         require(
             1 <= self.fragments <= self.inner_steps,
             "fragments",
@@ -133,9 +141,15 @@ class StreamingDiLoCo(DiLoCo):
     """DiLoCo's outer step, fragment by fragment in a staggered schedule, overlapped and applied late."""
 
     def __init__(self, cfg: StreamingDiLoCoConfig, ctx: RuleContext):
+        # fragment_by=blocks: the model's blocks are checked first, before any collective call
+        fragment_of = block_fragments(ctx.model, cfg.fragments) if cfg.fragment_by == "blocks" else None
         super().__init__(cfg, ctx)
         self.cfg: StreamingDiLoCoConfig = cfg
-        self.bounds = [[(len(b) * k) // cfg.fragments for k in range(cfg.fragments + 1)] for b in self.start]
+        if fragment_of is None:
+            F = cfg.fragments
+            self.bounds = [[(len(b) * k) // F for k in range(F + 1)] for b in self.start]
+        else:
+            self._lay_out_by_blocks(fragment_of)
         self.offsets = [
             (p * cfg.inner_steps) // cfg.fragments if cfg.stagger else 0 for p in range(cfg.fragments)
         ]
@@ -148,6 +162,19 @@ class StreamingDiLoCo(DiLoCo):
         self._sent: dict[int, int] = {}  # bytes of each summed tensor (by id), from the thread
         if not self.joined:
             self._new_link()
+
+    def _lay_out_by_blocks(self, fragment_of: list[int]) -> None:
+        """``fragment_by: blocks``: the flat buffers made anew (from worker 0's values, taken at build) with
+        the parameters fragment by fragment, and x_start and the momentum buffer with them. Every worker (and
+        a resumed or joined one) builds the same layout from the same model, so the flat order of x_start,
+        momentum and pending sums in a checkpoint is the order they are restored into."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        ordered, self.bounds = layout(params, fragment_of, self.cfg.fragments)
+        self.start = self.momentum = []  # (DiLoCo's, in the model's order: freed before new ones are made)
+        self.flat = FlatTensors(ordered)
+        self.start = [x.clone() for x in self.flat.buffers]
+        self.momentum = [torch.zeros_like(x) for x in self.start] if self.cfg.outer_momentum > 0 else []
+        self.compressed = self._compressors()
 
     def _new_link(self) -> None:
         """Collective over the workers: the exchanges' own communicator and thread. Its bytes and seconds
@@ -287,6 +314,11 @@ class StreamingDiLoCo(DiLoCo):
         boundary = self.steps == 0 or (together and self.round_step == 0 and self.cfg.fragment_alpha == 0)
         if self.workers.size == 1 or (boundary and not self.pending):
             return {"": self.model}
+        if self._mean is None:  # the mean's copy, its flat buffers laid out as this worker's (fragment_by)
+            clone = copy.deepcopy(self.model)
+            index = {id(p): i for i, p in enumerate(self.model.parameters())}
+            theirs = list(clone.parameters())
+            self._mean = clone, FlatTensors(theirs[index[id(t)]] for t in self.flat.tensors)
         return {"": self._workers_mean(self.flat, 1.0 / self.workers.size)[0]}
 
     def metrics(self) -> dict[str, float]:

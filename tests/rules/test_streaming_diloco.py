@@ -27,11 +27,39 @@ def streaming(**kw) -> StreamingDiLoCoConfig:
     return StreamingDiLoCoConfig(**{**OUTER, **kw})
 
 
-def trajectories(cfg, n: int = N) -> list[dict]:
+class Stack(nn.Module):
+    """mlp's kind with two hidden blocks of one type in an nn.ModuleList (``fragment_by=blocks``), drawn from
+    its own generator (the rank threads build it at once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.h, self.last = (
+            nn.Linear(5, 7),
+            nn.ModuleList(nn.Linear(7, 7) for _ in "ab"),
+            nn.Linear(7, 3),
+        )
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        self.to(DT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.first(x))
+        for block in self.h:
+            x = torch.tanh(block(x))
+        return self.last(x)
+
+
+#: The models each fragment_by is checked on (``blocks`` needs repeated blocks: Stack's two).
+MODELS = {"size": mlp, "blocks": Stack}
+
+
+def trajectories(cfg, n: int = N, make=mlp) -> list[dict]:
     """Every rank's parameters after each step's optimizer ("stepped") and hook ("synced"), H·ROUNDS steps."""
 
     def main(comm):
-        model = mlp()
+        model = make()
         optimizer = sgd(model, lr=0.1, momentum=0.9)
         rule = build(comm, cfg, model, optimizer)
         seen: dict = {}
@@ -54,20 +82,28 @@ def assert_same(a: list, b: list) -> None:
             assert torch.equal(x[step, "synced"], y[step, "synced"]), f"rank {rank}, step {step}"
 
 
+@pytest.mark.parametrize("fragment_by", ["size", "blocks"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_one_fragment_without_delay_is_diloco_bit_for_bit(nesterov):
-    diloco = trajectories(DiLoCoConfig(**OUTER, nesterov=nesterov))
-    assert_same(trajectories(streaming(fragments=1, delay=0, nesterov=nesterov)), diloco)
+def test_one_fragment_without_delay_is_diloco_bit_for_bit(nesterov, fragment_by):
+    make = MODELS[fragment_by]
+    diloco = trajectories(DiLoCoConfig(**OUTER, nesterov=nesterov), make=make)
+    cfg = streaming(fragments=1, delay=0, nesterov=nesterov, fragment_by=fragment_by)
+    assert_same(trajectories(cfg, make=make), diloco)
     assert (diloco[0][0][H - 1, "synced"] - diloco[0][0][H - 1, "stepped"]).abs().max() > 1e-3, (
         "no outer step"
     )
 
 
-def test_fragments_synchronized_together_without_delay_are_diloco_bit_for_bit():
-    """Three fragments (22 values each), all at DiLoCo's round ends (stagger off), no delay, float32."""
-    together = trajectories(streaming(fragments=3, delay=0, stagger=False))
-    assert_same(together, trajectories(DiLoCoConfig(**OUTER)))
-    assert together[0][1].outer_steps == 3 * ROUNDS
+@pytest.mark.parametrize("fragment_by, fragments", [("size", 3), ("blocks", 2)])
+def test_fragments_synchronized_together_without_delay_are_diloco_bit_for_bit(fragment_by, fragments):
+    """Fragments all at DiLoCo's round ends (stagger off), no delay: size, three of 22 values each; blocks,
+    Stack's two (fragment 0: its first and last layers and block 0, laid out before block 1)."""
+    make = MODELS[fragment_by]
+    together = trajectories(
+        streaming(fragments=fragments, delay=0, stagger=False, fragment_by=fragment_by), make=make
+    )
+    assert_same(together, trajectories(DiLoCoConfig(**OUTER), make=make))
+    assert together[0][1].outer_steps == fragments * ROUNDS
 
 
 def test_staggered_fragments_synchronize_in_turn():
@@ -280,6 +316,7 @@ def test_recover_forgets_the_exchanges_in_flight_and_restarts_from_worker_0s_sta
         (["rule.quantize=fp4"], "rule.quantize", "none, int8"),
         (["rule.quantize=int8", "rule.comm_dtype=bf16"], "rule.quantize", "rule.comm_dtype=fp32"),
         (["rule.outer_momentum=1"], "rule.outer_momentum", "[0, 1)"),
+        (["rule.fragment_by=layers"], "rule.fragment_by", "size, blocks"),
     ],
 )
 def test_bad_values_name_their_key_and_the_fix(overrides, key, hint):
@@ -292,6 +329,7 @@ def test_defaults_validate():
     assert isinstance(rule, StreamingDiLoCoConfig)
     assert (rule.inner_steps, rule.fragments, rule.delay, rule.fragment_alpha) == (10, 4, 1, 0.0)
     assert (rule.quantize, rule.stagger, rule.outer_lr, rule.outer_momentum) == ("none", True, 0.7, 0.5)
+    assert rule.fragment_by == "size"
 
 
 # -- mpirun jobs ------------------------------------------------------------------------------------------
