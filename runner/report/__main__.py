@@ -27,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="validation metric (default: the runs' train.monitor; *_acc: higher is better)",
     )
-    parser.add_argument("--target", type=float, help="time to target's target (default: 95%% of the best)")
+    parser.add_argument(
+        "--target",
+        type=float,
+        help="time to target's target: the first validation at or above it, at or below it for a loss "
+        "(default: 95%% of the best run's best; for a loss, the best / 0.95)",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: the one DIR, else DIR/../report)")
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]

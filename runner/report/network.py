@@ -36,6 +36,7 @@ class Scored(Protocol):
 
     keys: list[str]
     metric: str
+    maximize: bool
     target: float | None
 
     @property
@@ -63,13 +64,15 @@ class Cell:
 @dataclass
 class Crossover:
     """The cells of a sweep over link speeds: ``series`` BSP first, then by name, ``speeds`` ascending (free
-    links, None, last), ``cells[(series, speed)]``; ``target``: the report's target as text."""
+    links, None, last), ``cells[(series, speed)]``; ``target``: the report's target as text; ``maximize``:
+    whether the metric's best is its highest (an accuracy) or its lowest (a loss)."""
 
     metric: str
     target: str
     series: list[str]
     speeds: list[float | None]
     cells: dict[tuple[str, float | None], Cell]
+    maximize: bool
 
     def at(self, gbps: float | None) -> list[Cell]:
         """The cells at link speed ``gbps``, in the series' order."""
@@ -126,7 +129,7 @@ def crossover(report: Scored) -> Crossover | None:
     if len(speeds) < 2:
         return None
     series = sorted({s for s, _ in cells}, key=lambda s: (s != BASELINE, s))
-    return Crossover(report.metric, report.target_text(), series, speeds, cells)
+    return Crossover(report.metric, report.target_text(), series, speeds, cells, report.maximize)
 
 
 def speed_text(gbps: float | None) -> str:
@@ -164,7 +167,8 @@ def sentence(cross: Crossover, gbps: float | None) -> str:
     first, runner_up = _leaders(cells)
     if not first:
         best = [c for c in cells if c.point.best is not None]
-        top = max(best, key=lambda c: c.point.best.mean) if best else None  # type: ignore[union-attr]
+        pick = max if cross.maximize else min
+        top = pick(best, key=lambda c: c.point.best.mean) if best else None  # type: ignore[union-attr]
         near = f" (closest: {top.series}, best {cross.metric} {top.point.best.text()})" if top else ""
         return f"{where}, no rule reached {cross.target}{near}."
     lead = first[0]

@@ -24,6 +24,8 @@ from runner.schema.identity import parse_overrides, varied_keys
 
 #: The factors of a step's samples: a key of the run's config and its default (None: required).
 SAMPLES_PER_STEP = (("devices", 1), ("train.batch_size", None), ("train.accumulate", 1))
+#: Where a run's config says how many tokens a sample holds: ``data.shape``'s last entry, else this key.
+BLOCK_SIZE = "data.block_size"
 #: Files that make a folder a run folder.
 RUN_FILES = (SUMMARY, METRICS, IDENTITY, f"{HYDRA_DIR}/{HYDRA_OVERRIDES}")
 
@@ -81,7 +83,8 @@ class Run:
     come from summary.json, else (a run that failed) from the mean of its epoch records. Bytes per step:
     per worker and optimizer step; samples per step: the global batch, devices × batch_size × accumulate.
     ``others``: once scored, the best metric of the rule's other validated models by record prefix
-    (EASGD's ``worker_mean``)."""
+    (EASGD's ``worker_mean``); ``beside``: the final and best of the metric shown beside the scored one (a
+    loss's perplexity). A run counts tokens (a language model) where it recorded ``tokens_per_s``."""
 
     dir: Path
     summary: dict[str, Any]
@@ -94,11 +97,14 @@ class Run:
     target_time_s: float | None = None
     target_step: int | None = None
     target_samples: float | None = None
+    target_tokens: float | None = None
     others: dict[str, float] = field(default_factory=dict)
+    beside: tuple[float | None, float | None] = (None, None)
     status: str = field(init=False)
     cause: str | None = field(init=False)
     wall_time_s: float | None = field(init=False)
     samples_per_s: float | None = field(init=False)
+    tokens_per_s: float | None = field(init=False)
     comm_fraction: float | None = field(init=False)
     bytes_per_worker: float | None = field(init=False)
     bytes_per_step: float | None = field(init=False)
@@ -112,6 +118,7 @@ class Run:
             self.cause = "no summary.json: the run did not end (still running, or its launcher was killed)"
         self.wall_time_s = finite_or_none(s.get("wall_time_s"))
         self.samples_per_s = self._rate("samples_per_s", "samples_per_s")
+        self.tokens_per_s = self._rate("tokens_per_s", "tokens_per_s")
         self.comm_fraction = self._rate("comm_fraction", "comm_frac")
         sent, devices = finite_or_none(s.get("bytes_sent")), finite_or_none(s.get("devices"))
         self.bytes_per_worker = None if sent is None or not devices else sent / devices
@@ -141,6 +148,24 @@ class Run:
         sizes = [finite_or_none((self.lookup(k) or (default, ""))[0]) for k, default in SAMPLES_PER_STEP]
         return None if None in sizes else math.prod(sizes)
 
+    @property
+    def tokens_per_sample(self) -> float | None:
+        """Tokens in a sample of a run that counts them: its config's ``data.shape[-1]``, else
+        ``data.block_size`` (None: the run counts no tokens, or its config does not say)."""
+        if self.tokens_per_s is None:
+            return None
+        shape = self.config(("data", "shape"))
+        if isinstance(shape, list) and shape:
+            return finite_or_none(shape[-1])
+        return finite_or_none((self.lookup(BLOCK_SIZE) or (None, ""))[0])
+
+    def config(self, path: tuple[str, ...]) -> Any:
+        """The value at ``path`` in the run's config.yaml (None: no such key, or no config)."""
+        value = _read_yaml(self.dir / CONFIG) or {}
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
     def lookup(self, key: str) -> tuple[Any, str] | None:
         """``(value, text)`` of ``key`` in this run: its override, else its config group's choice, summary
         or config value (a key that another run overrode)."""
@@ -150,9 +175,7 @@ class Run:
         value = (((hydra.get("hydra") or {}).get("runtime") or {}).get("choices") or {}).get(key)
         value = self.summary.get(key) if value is None else value
         if value is None:
-            value = _read_yaml(self.dir / CONFIG) or {}
-            for part in key.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
+            value = self.config(tuple(key.split(".")))
         return None if value is None or isinstance(value, (dict, list)) else (value, str(value))
 
 

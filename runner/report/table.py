@@ -15,12 +15,15 @@ from runner.tasks import maximized
 TARGET_FRACTION = 0.95
 #: Wall times are not comparable when the runs' load average at their start differs by more than this.
 LOAD_SPREAD = 1.0
+#: The metric shown beside the scored one, by its ending: a loss's perplexity (its exp), and the reverse.
+BESIDE = {"loss": "ppl", "ppl": "loss"}
 
 
 @dataclass
 class Report:
     """The runs, best first (those that did not end ok last), what they were compared on, and their
-    standing: the points they make (runs that differ only in their seed) ranked in groups of ties."""
+    standing: the points they make (runs that differ only in their seed) ranked in groups of ties;
+    ``beside``: the metric shown beside the scored one (None: no run recorded it)."""
 
     runs: list[Run]
     keys: list[str]
@@ -31,6 +34,7 @@ class Report:
     out: Path
     title: str
     standing: Standing
+    beside: str | None = None
 
     @property
     def points(self) -> list[Point]:
@@ -62,8 +66,9 @@ class Report:
     def target_text(self) -> str:
         if self.target is None:
             return "none (no run recorded the metric)"
-        how = f"{TARGET_FRACTION:.0%} of" if self.maximize else f"1/{TARGET_FRACTION} ×"
-        how = f" ({how} the best run's best)" if self.target_default else ""
+        best = f"the best run's best, {self.target * TARGET_FRACTION:.4g}, ÷ {TARGET_FRACTION}"
+        how = f"{TARGET_FRACTION:.0%} of the best run's best" if self.maximize else best
+        how = f" ({how})" if self.target_default else ""
         return f"{self.metric} {'≥' if self.maximize else '≤'} {self.target:.4g}{how}"
 
 
@@ -95,15 +100,11 @@ def score(
 ) -> Report:
     """Score, time and sort ``runs`` on ``metric`` (higher is better for accuracies, lower for losses,
     errors and perplexities; equal bests: fewer steps to target first); a ``target`` of None is
-    :data:`TARGET_FRACTION` of the best ok run's best."""
-    maximize = maximized(metric)
+    :data:`TARGET_FRACTION` of the best ok run's best (the best divided by it, where lower is better)."""
+    maximize, beside = maximized(metric), beside_metric(metric)
     for run in runs:
-        values = [v for r in run.vals if (v := finite_or_none(r.get(metric))) is not None]
-        if values:
-            run.final, run.best = values[-1], (max if maximize else min)(values)
-        else:
-            run.final = finite_or_none(run.summary.get(f"final_{metric}"))
-            run.best = finite_or_none(run.summary.get(f"best_{metric}"))
+        run.final, run.best = final_best(run, metric)
+        run.beside = final_best(run, beside) if beside else (None, None)
         run.others = _others(run, metric, maximize)
     default = target is None
     if default:
@@ -119,7 +120,24 @@ def score(
         key=lambda r: (not r.ok, r.best is None, sign * (r.best or 0), *_steps_key(r), sign * (r.final or 0)),
     )
     standing = Standing.of(runs, metric, maximize)
-    return Report(runs, keys, metric, maximize, target, default, out, "", standing)
+    beside = beside if any(v is not None for r in runs for v in r.beside) else None
+    return Report(runs, keys, metric, maximize, target, default, out, "", standing, beside)
+
+
+def beside_metric(metric: str) -> str | None:
+    """The metric shown beside ``metric`` (``val_ppl`` beside ``val_loss``), None where there is none."""
+    head, _, end = metric.rpartition("_")
+    return f"{head}_{BESIDE[end]}" if head and end in BESIDE else None
+
+
+def final_best(run: Run, metric: str) -> tuple[float | None, float | None]:
+    """``run``'s last and best ``metric`` (best: the highest or lowest, by :func:`runner.tasks.maximized`),
+    from its validations, else its summary.json's ``final_``/``best_`` values."""
+    values = [v for r in run.vals if (v := finite_or_none(r.get(metric))) is not None]
+    if values:
+        return values[-1], (max if maximized(metric) else min)(values)
+    summary = run.summary
+    return finite_or_none(summary.get(f"final_{metric}")), finite_or_none(summary.get(f"best_{metric}"))
 
 
 def _others(run: Run, metric: str, maximize: bool) -> dict[str, float]:
@@ -136,14 +154,19 @@ def _others(run: Run, metric: str, maximize: bool) -> dict[str, float]:
 
 
 def _time_to_target(run: Run, metric: str, maximize: bool, target: float | None) -> None:
-    """Set the time, step and samples at ``run``'s first validation that reached ``target``."""
-    run.target_time_s = run.target_step = run.target_samples = None
+    """Set the time, step, samples and tokens at ``run``'s first validation that reached ``target`` (at or
+    above it where higher is better, at or below it for a loss)."""
+    run.target_time_s = run.target_step = run.target_samples = run.target_tokens = None
     for record in run.vals if target is not None else []:
         value = finite_or_none(record.get(metric))
         if value is not None and (value >= target if maximize else value <= target):
             run.target_time_s, run.target_step = finite_or_none(record.get("time")), record.get("step")
             per_step, step = run.samples_per_step, finite_or_none(run.target_step)
             run.target_samples = None if per_step is None or step is None else step * per_step
+            tokens = run.tokens_per_sample
+            run.target_tokens = (
+                None if run.target_samples is None or tokens is None else run.target_samples * tokens
+            )
             return
 
 
@@ -161,17 +184,31 @@ def _3(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:#.3g}".rstrip(".")
 
 
+def _counts(report: Report) -> tuple[bool, bool]:
+    """Whether the table counts samples (a run that counts no tokens) and tokens (one that does)."""
+    tokens = [r.tokens_per_s is not None for r in report.runs]
+    return not all(tokens), any(tokens)
+
+
 def _samples_shown(report: Report) -> bool:
-    return any(r.target_samples is not None for r in report.runs)
+    return _counts(report)[0] and any(r.target_samples is not None for r in report.runs)
+
+
+def _shown(report: Report) -> tuple[bool, bool]:
+    """Whether the table shows samples to target and tokens to target."""
+    return _samples_shown(report), _counts(report)[1]
 
 
 def table(report: Report) -> tuple[list[str], list[list[str]]]:
     """The header (units in it) and the cells, as text, of report.md's and report.html's table; samples to
-    target only where a run recorded its batch size."""
-    m, samples, others = report.metric, _samples_shown(report), report.others
-    header = ["run", "status", f"final {m}", f"best {m}", *(f"best {m}: {other_name(k)}" for k in others)]
-    header += ["time to target (s)", "steps to target"]
-    header += ["samples to target"] * samples + ["wall time (s)", "load (start→end)", "samples/s"]
+    target only where a run recorded its batch size; tokens instead where every run counts them (a
+    language model), beside samples where some do."""
+    m, b, samples, others = report.metric, report.beside, _samples_shown(report), report.others
+    per_s, tokens = _counts(report)
+    header = ["run", "status", f"final {m}", f"best {m}", *(f"{w} {b}" for w in ("final", "best") if b)]
+    header += [*(f"best {m}: {other_name(k)}" for k in others), "time to target (s)", "steps to target"]
+    header += ["samples to target"] * samples + ["tokens to target"] * tokens
+    header += ["wall time (s)", "load (start→end)"] + ["samples/s"] * per_s + ["tokens/s"] * tokens
     header += ["comm (% of step)", "sent per worker per step (MB)"]
     cells = []
     for r in report.runs:
@@ -183,14 +220,25 @@ def table(report: Report) -> tuple[list[str], list[list[str]]]:
             r.status,
             _fmt(r.final, ".4f"),
             _fmt(r.best, ".4f"),
+            *(_fmt(v, ".4f") for v in r.beside if b),
             *(_fmt(r.others.get(k), ".4f") for k in others),
             hit,
             _fmt(finite_or_none(r.target_step), ",.0f"),
         ]
-        row += [_fmt(r.target_samples, ",.0f")] * samples + [_fmt(r.wall_time_s, ".1f")]
-        row += [r.load.text() if r.load else "unknown", _fmt(r.samples_per_s, ",.0f"), _fmt(comm, ".1f")]
-        cells.append(row + ["—" if mb is None else _3(mb)])
+        row += [_fmt(r.target_samples, ",.0f")] * samples + [_fmt(r.target_tokens, ",.0f")] * tokens
+        row += [_fmt(r.wall_time_s, ".1f"), r.load.text() if r.load else "unknown"]
+        row += [_fmt(r.samples_per_s, ",.0f")] * per_s + [_fmt(r.tokens_per_s, ",.0f")] * tokens
+        cells.append(row + [_fmt(comm, ".1f"), "—" if mb is None else _3(mb)])
     return header, cells
+
+
+def _per_step(report: Report) -> str:
+    """How the table turns steps to target into samples and tokens (empty: it shows neither)."""
+    (samples, tokens), batch = _shown(report), "the global batch, devices × batch_size × accumulate"
+    parts = [f"samples: × {batch}"] * samples
+    of = "the samples" if samples else batch
+    parts += [f"tokens: × {of} × the tokens of a sample, data.shape[-1] in its config.yaml"] * tokens
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _md(text: str) -> str:
@@ -199,15 +247,15 @@ def _md(text: str) -> str:
 
 def explanation(report: Report) -> str:
     """The paragraph above the table: how the runs are ranked and what each column measures."""
-    order = "highest" if report.maximize else "lowest"
-    samples = " (samples: × the global batch, devices × batch_size × accumulate)" * _samples_shown(report)
+    order, b = ("highest" if report.maximize else "lowest"), report.beside
+    beside = f" {b} beside it, not ranked (best: its {'highest' if maximized(b) else 'lowest'})." if b else ""
     return (
         f"{len(report.runs)} runs, ranked by best {report.metric} ({order} first; equal bests: fewer steps "
-        f"to target first; runs that did not end ok last). Target: {report.target_text()}. Time to target: "
-        "from the start of training to the first validation that reached it (—: not reached); steps to "
-        f"target: that validation's optimizer step{samples}. Wall time: the whole job, start-up included. "
-        "Times depend on the machine's load (its 1-minute average at the job's start and end; unknown for "
-        "runs older than the record), steps do not."
+        f"to target first; runs that did not end ok last).{beside} Target: {report.target_text()}. Time to "
+        "target: from the start of training to the first validation that reached it (—: not reached); steps "
+        f"to target: that validation's optimizer step{_per_step(report)}. Wall time: the whole job, start-up "
+        "included. Times depend on the machine's load (its 1-minute average at the job's start and end; "
+        "unknown for runs older than the record), steps do not."
     )
 
 
@@ -251,18 +299,24 @@ def _md_table(header: list[str], cells: list[list[str]], text_columns: int) -> l
 
 def csv_table(report: Report) -> tuple[list[str], list[list[Any]]]:
     """report.csv: raw numbers (seconds, fractions, bytes; units in the header), a column per swept key;
-    ``point``: the run's point (its name without the seed); ``val_count``: the items a validation counts."""
-    m, others = report.metric, report.others
+    ``point``: the run's point (its name without the seed); ``val_count``: the items a validation counts;
+    where a run counts tokens, ``tokens_at_target``, ``tokens_per_s`` and ``tokens`` (trained on, all
+    workers)."""
+    m, b, others, tokens = report.metric, report.beside, report.others, _counts(report)[1]
     point = {id(r): p.name for p in report.points for r in p.runs}
     header = ["run", "point", "status", *report.keys, f"final_{m}", f"best_{m}"]
-    header += [*(f"best_{k}_{m}" for k in others), "val_count", "time_to_target_s", "step_at_target"]
-    header += ["samples_at_target", "wall_time_s", "load_start", "load_end", "cpus", "samples_per_s"]
-    header += ["comm_fraction", "bytes_sent_per_worker", "bytes_sent_per_worker_step", "cause", "dir"]
+    header += [*(f"{w}_{b}" for w in ("final", "best") if b), *(f"best_{k}_{m}" for k in others)]
+    header += ["val_count", "time_to_target_s", "step_at_target", "samples_at_target"]
+    header += ["tokens_at_target"] * tokens + ["wall_time_s", "load_start", "load_end", "cpus"]
+    header += ["samples_per_s", *["tokens_per_s", "tokens"] * tokens, "comm_fraction"]
+    header += ["bytes_sent_per_worker", "bytes_sent_per_worker_step", "cause", "dir"]
     rows = []
     for r in report.runs:
         load = [r.load.start, r.load.end, r.load.cpus] if r.load else [None] * 3
         row = [r.name, point[id(r)], r.status, *(r.swept.get(k) for k in report.keys), r.final, r.best]
-        row += [*(r.others.get(k) for k in others), r.summary.get("val_count"), r.target_time_s]
-        row += [r.target_step, r.target_samples, r.wall_time_s, *load, r.samples_per_s, r.comm_fraction]
+        row += [*(r.beside if b else ()), *(r.others.get(k) for k in others), r.summary.get("val_count")]
+        row += [r.target_time_s, r.target_step, r.target_samples, *[r.target_tokens] * tokens]
+        row += [r.wall_time_s, *load, r.samples_per_s]
+        row += [r.tokens_per_s, finite_or_none(r.summary.get("tokens"))] * tokens + [r.comm_fraction]
         rows.append(row + [r.bytes_per_worker, r.bytes_per_step, r.cause, r.dir])
     return header, [["" if v is None else v for v in row] for row in rows]
