@@ -25,7 +25,7 @@ def explain(err: BaseException, argv: list[str]) -> str:
         return text
     if missing := CANNOT_OVERRIDE.search(text):
         key = missing.group(1)
-        return _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
+        return _swept(key, argv) or _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
     if missing := NOT_FOUND.search(text):
         group, option = missing.groups()
         from runner.launcher.register import missing_plugin
@@ -44,6 +44,41 @@ def explain(err: BaseException, argv: list[str]) -> str:
     if err.__cause__ is not None and str(err.__cause__).strip():  # OmegaConf's reason, as Hydra shows it
         lines.append(str(err.__cause__).strip().splitlines()[0])
     return "; ".join(lines) if lines else type(err).__name__
+
+
+def _swept(key: str, argv: list[str]) -> str | None:
+    """For a sweep: ``key`` is a key of the config its first point composes, but not of the config Hydra
+    composes once before applying the swept values (a key of an option that only a swept group, such as
+    ``recipe=a,b``, selects): the group to give with it; None otherwise."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from runner.launcher.register import register
+
+    swept = [
+        a.split("=", 1)[0]
+        for a in argv
+        if "=" in a and "," in a.split("=", 1)[1] and "." not in a.split("=", 1)[0]
+    ]
+    parent = key.rpartition(".")[0].split(".", 1)[0]
+    if not swept or not parent:
+        return None
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name=PRIMARY, overrides=_composable(argv), return_hydra_config=True)
+    except Exception:
+        return None
+    choice = OmegaConf.select(cfg, f"hydra.runtime.choices.{parent}")
+    if choice is None or OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+        return None
+    return (
+        f"{key}: not a key of the config before the sweep's values are applied: Hydra composes a sweep's "
+        f"config once without them, and {', '.join(f'{g}=...' for g in swept)} selects the option that has "
+        f"it; give that option's group on the command line too ({parent}={choice} {key}=...)"
+    )
 
 
 def _misspelt(key: str, argv: list[str]) -> str | None:

@@ -60,3 +60,21 @@ def test_the_command_line_overrides_a_recipe():
 
 def test_no_recipe_by_default():
     assert checked_config([]).model.__class__.__name__ == "CNNConfig"
+
+
+@needs_corpus
+def test_a_key_of_a_swept_recipe_s_option_names_the_group_to_give_with_it():
+    """Hydra composes a sweep's config once without its swept values (there: digits), so ``data.root`` of a
+    swept recipe's data set is refused; the line says which group to give with it, not 'did you mean'."""
+    from runner.launcher.explain import explain
+
+    argv = ["-m", "recipe=shakespeare_char_bsp,shakespeare_char_diloco", f"data.root={SHAKESPEARE}"]
+    err = ValueError("Could not override 'data.root'.\nKey 'root' not in 'DigitsConfig'")
+    line = explain(err, argv)
+    assert line.startswith("data.root: not a key of the config before the sweep's values are applied"), line
+    assert "(data=shakespeare_char data.root=...)" in line and "recipe=..." in line
+    # not for a key the first point does not have either: the other explanations
+    other = explain(
+        ValueError("Could not override 'rule.inner_steps'."), ["-m", "rule=bsp,diloco", "rule.inner_steps=5"]
+    )
+    assert "not an option of BSPConfig" in other, other
