@@ -49,6 +49,10 @@ RESULT = {
     ],
     # the cells are right-aligned: under 100 s a total is padded after "="
     "images_per_5120": [rf"^googlenet-2b\s+{NUM}\s+{NUM} =\s+{NUM} \+\s+{NUM} \({NUM}\)\s+{NUM}$"],
+    "lm_step": [
+        rf"^\| plain \| {NUM} \| [\d,]+ \| 1\.00 \|$",
+        rf"^\| runner \| {NUM} \| [\d,]+ \| {NUM} \|$",
+    ],
     "precision": [
         rf"^\| cnn \| fp32 \| {NUM} \| 1\.00 \| {NUM} \|$",
         rf"^\| cnn \| bf16 \| {NUM} \| {NUM} \| ",
