@@ -292,10 +292,11 @@ class Trainer:
         if every < 1 or (pos.epoch + 1) % int(every) == 0 or pos.epoch == epochs - 1:
             reported = self.validator.validate(pos.epoch, pos.step)
         mean_loss = float(span.loss) / max(1, span.steps)
-        train_loss = self.workers.allreduce_values([mean_loss])[0] / self.workers.size
+        loss_sum, samples = self.workers.allreduce_values([mean_loss, float(self.meter.total.samples)])
+        train_loss = loss_sum / self.workers.size
         rates, extra = span.rates(self.workers.size), self.rule.metrics()
-        if span.tokens_per_sample:  # tokens trained on so far, all workers' (this one's count times theirs)
-            rates["tokens"] = self.meter.total.samples * self.workers.size * span.tokens_per_sample
+        if span.tokens_per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment)
+            rates["tokens"] = samples * span.tokens_per_sample
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
         return reported
 

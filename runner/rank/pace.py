@@ -226,7 +226,8 @@ class Dynamic:
         while self.passed < upto:
             k, self.passed, self.meetings_done = self.passed, self.passed + 1, self.meetings_done + 1
             position = pos.epoch * chunks.per_epoch + meetings.position(k)
-            if meetings.validates(k) and not alone:
+            # (a run that max_steps ends within the epoch passes the epoch's later meetings unvalidated)
+            if meetings.validates(k) and not alone and position < self.dealer.total:
                 validator.validate(pos.epoch, pos.step, done=meetings.position(k) / chunks.per_epoch)
                 loop.model.train()
             elif meetings.validates(k) and ticket == position:
