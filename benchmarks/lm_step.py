@@ -203,9 +203,10 @@ def prepare(
     else:
         if args.root is None:
             sys.path.insert(0, str(ROOT))
-            from runner.data.shakespeare_char import ShakespeareCharConfig
+            from runner.data.shakespeare_char import ShakespeareCharConfig, cache_folder
 
-            args.root = Path(ShakespeareCharConfig().root_folder())
+            ShakespeareCharConfig()  # fetches the corpus into the cache folder where it is not there yet
+            args.root = cache_folder()
         data, ids = [f"data.root={args.root}"], corpus(args.root)
     if args.device == "cuda":
         data += ["hardware=gpu", f"train.precision={args.precision}"]

@@ -117,11 +117,14 @@ def download(path: Path) -> str | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{NAME}.", delete=False) as tmp:
             tmp.write(body)
+        os.chmod(tmp.name, 0o644)  # (a shared cache: readable by others, as a file the user wrote would be)
         os.replace(tmp.name, path)
+        tmp = None
     except OSError as err:
-        if tmp is not None:
-            Path(tmp.name).unlink(missing_ok=True)
         return f"{path} is absent and cannot be written ({' '.join(str(err).split())}): {advice}"
+    finally:
+        if tmp is not None:  # not renamed (a failure, or an interrupt): no partial file is left
+            Path(tmp.name).unlink(missing_ok=True)
     print(f"data=shakespeare_char: saved {URL} to {path}", flush=True)
     return None
 

@@ -130,6 +130,7 @@ class TokensConfig(DataConfig):
         vocab = meta_vocab_size(root)
         if vocab is not None:
             check_outputs(self, vocab, f"{root / 'meta.json'}")
+            self._check_width(vocab)
             return
         given = self.vocab_size if not isinstance(self.vocab_size, str) else UNKNOWN_VOCAB
         pickled = (root / "meta.pkl").exists()
@@ -144,6 +145,18 @@ class TokensConfig(DataConfig):
         require(given >= 1, "vocab_size", given, "token ids are 0 .. vocab_size - 1: >= 1")
         if given != UNKNOWN_VOCAB:
             check_outputs(self, given, "data.vocab_size")
+            self._check_width(given)
+
+    def _check_width(self, vocab: int) -> None:
+        """uint16 holds ids below 65,536: a larger vocabulary's files are uint32, and uint32 files read as
+        uint16 would give ids that all look valid."""
+        require(
+            self.dtype != "uint16" or vocab <= 1 << 16,
+            "dtype",
+            self.dtype,
+            f"a vocabulary of {vocab} tokens does not fit in uint16: its files hold uint32 ids "
+            "(data.dtype=uint32)",
+        )
 
     def _check_split(self, path: Path, split: str) -> None:
         size, itemsize = path.stat().st_size, DTYPES[self.dtype]

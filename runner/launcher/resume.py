@@ -53,6 +53,7 @@ SAFE_TO_CHANGE = (
     "train.on_nonfinite",
     "train.log_every",
     "train.val_every",
+    "train.val_samples",
     "train.save_model",
     "checkpoint.",
     "hardware.",

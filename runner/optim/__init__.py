@@ -32,7 +32,11 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     named = dict(model.named_parameters())  # (a tied weight appears once, under its first name)
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     unknown = sorted(skip - set(named) - {n for n, _ in model.named_parameters(remove_duplicate=False)})
-    assert not unknown, f"{type(model).__name__}.no_weight_decay() names no parameters: {unknown}"
+    if unknown:
+        raise ValueError(
+            f"optim.decay=matrices: {type(model).__name__}.no_weight_decay() names parameters the model does "
+            f"not have ({', '.join(unknown)}); fix the model's list, or use optim.decay=all"
+        )
     aliases: dict[int, set[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), set()).add(name)

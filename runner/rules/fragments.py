@@ -68,7 +68,9 @@ def layout(
     :class:`runner.comm.flat.FlatTensors` makes of them (one per dtype and device, in order of first
     appearance), each fragment's bounds in each buffer."""
     order = sorted(range(len(params)), key=fragment_of.__getitem__)
-    keys = list(dict.fromkeys((p.dtype, p.device) for p in params))
+    keys = list(
+        dict.fromkeys((params[i].dtype, params[i].device) for i in order)
+    )  # (as FlatTensors meets them)
     sizes = [[0] * fragments for _ in keys]
     for p, f in zip(params, fragment_of, strict=True):
         sizes[keys.index((p.dtype, p.device))][f] += p.numel()

@@ -43,3 +43,19 @@ def test_no_count_or_a_larger_one_keeps_the_whole_set():
 def test_val_samples_is_checked():
     with pytest.raises(ValueError, match=r"train\.val_samples=0 is invalid"):
         checked_config(["train.val_samples=0"])
+
+
+def test_a_checkpoint_s_timings_are_what_older_runs_wrote_and_take_the_task_s_tokens_back():
+    from unittest.mock import MagicMock
+
+    from runner.rank.records.meter import Meter
+
+    meter = Meter(MagicMock(seconds=0.0, emulated_seconds=0.0), 2, 10, MagicMock(), 5, tokens_per_sample=64)
+    meter.total = meter.timing(compute=2.0, samples=24, steps=2)
+    state = meter.state_dict()
+    assert all("tokens_per_sample" not in span for span in state.values())  # as before tokens were counted
+    again = Meter(MagicMock(seconds=0.0, emulated_seconds=0.0), 2, 10, MagicMock(), 5, tokens_per_sample=64)
+    again.load_state_dict(state, step=2, mid_epoch=False)
+    assert again.total.samples == 24 and again.total.rates(2)["tokens_per_s"] == pytest.approx(
+        24 * 2 * 64 / 2
+    )

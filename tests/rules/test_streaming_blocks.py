@@ -204,3 +204,20 @@ def test_a_model_without_blocks_or_with_fewer_blocks_than_fragments_is_refused(m
 
     with pytest.raises(ValueError, match=match):
         FakeWorld(1).run(main)
+
+
+def test_bounds_follow_the_buffers_in_the_order_the_flat_tensors_meet_their_types():
+    """Buffers are made per dtype in the order of first appearance in the *reordered* parameters: a model
+    whose first parameter is float64 but whose fragment 0 starts with a float32 one gets float32's first."""
+    import torch
+
+    from runner.comm.flat import FlatTensors
+    from runner.rules.fragments import layout
+
+    a, b = torch.zeros(3, dtype=torch.float64), torch.zeros(2, dtype=torch.float32)
+    c, d = torch.zeros(4, dtype=torch.float64), torch.zeros(5, dtype=torch.float32)
+    ordered, bounds = layout([a, b, c, d], [1, 0, 0, 1], 2)
+    assert [t.numel() for t in ordered] == [2, 4, 3, 5]
+    flat = FlatTensors(ordered)
+    assert [buf.dtype for buf in flat.buffers] == [torch.float32, torch.float64]
+    assert bounds == [[0, 2, 7], [0, 4, 7]]

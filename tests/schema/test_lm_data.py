@@ -281,3 +281,19 @@ def test_tokens_without_meta_json(tmp_path):
     assert TokensConfig(root=str(root), vocab_size=100).build().num_classes == 100
     with pytest.raises(ValueError, match="no meta.json"):
         TokensConfig(root=str(root))
+
+
+def test_a_vocabulary_over_65536_is_refused_as_uint16(tmp_path):
+    import json
+
+    import numpy as np
+
+    from runner.data.tokens import TokensConfig
+
+    for split in ("train", "val"):
+        np.arange(200, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 100_277}))
+    with pytest.raises(
+        ValueError, match=r"dtype='uint16' is invalid: a vocabulary of 100277 .*data\.dtype=uint32"
+    ):
+        TokensConfig(root=str(tmp_path), block_size=8)

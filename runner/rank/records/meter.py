@@ -192,7 +192,10 @@ class Meter:
     def state_dict(self) -> dict[str, dict[str, float]]:
         """The timings, their losses read (a host synchronisation)."""
         spans = {"total": self.total, "epoch": self.epoch, "window": self.window}
-        return {k: {**vars(t), "loss": float(t.loss)} for k, t in spans.items()}  # (tokens_per_sample too)
+        kept = {
+            k: {key: v for key, v in vars(t).items() if key != "tokens_per_sample"} for k, t in spans.items()
+        }
+        return {k: {**state, "loss": float(spans[k].loss)} for k, state in kept.items()}  # (as older runs')
 
     def load_state_dict(self, state: dict[str, dict[str, float]], step: int, mid_epoch: bool) -> None:
         """Continue the timings of a checkpoint taken after ``step`` steps (the epoch's too, if mid-epoch)."""
