@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.data import from_files
 from runner.data.tokens import check_outputs, require_block_size
-from runner.schema import DataConfig, require
+from runner.schema import READING_RUN_FOLDER, DataConfig, require
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -195,7 +195,10 @@ class ShakespeareCharConfig(DataConfig):
             require(found, "file", self.file, "no such file: give a UTF-8 text, or null for tinyshakespeare")
             return Path(self.file) if found else None
         path = text_path(self)
-        problem = None if path.is_file() else download(path)
+        if not path.is_file() and READING_RUN_FOLDER.get():  # a run folder's config: fetch, write nothing
+            problem = f"{path} is absent: download {URL} to {path}, or give data.root a folder holding it"
+        else:
+            problem = None if path.is_file() else download(path)
         problem = problem or corpus_problem(path)
         require(problem is None, "root", self.root, problem or "")
         return None if problem else path

@@ -40,6 +40,12 @@ WIRE_NAMES = ("fp32", "bf16", "fp16")
 _FAILED: ContextVar[list[tuple[str, str]] | None] = ContextVar("mpitrain_failed_checks", default=None)
 
 
+#: True while a run folder's ``config.yaml`` is read into schema objects (:func:`runner.schema.config.load`:
+#: the ranks, ``eval=``, ``python -m runner.sample``): a data set then fetches and writes nothing where the
+#: file says (a folder from elsewhere is data, and its paths no place to write).
+READING_RUN_FOLDER: ContextVar[bool] = ContextVar("mpitrain_reading_run_folder", default=False)
+
+
 def require(ok: bool, key: str, value: Any, hint: str) -> None:
     """Raise a ValueError naming ``key`` (relative to its group) unless ``ok``; within :func:`collected`,
     record it and go on to the next check."""

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.run_folder import CONFIG_SHA_ENV
-from runner.schema import GROUPS, collected, option_name, raise_problems, require
+from runner.schema import GROUPS, READING_RUN_FOLDER, collected, option_name, raise_problems, require
 from runner.schema.logger import DEFAULT_LOGGERS, as_loggers
 from runner.schema.sections import CheckpointConfig, SimulateConfig, SweepConfig, TrainConfig
 from runner.schema.target import of_node
@@ -290,4 +290,8 @@ def load(path: str | Path) -> Config:
     structured = load_structured(path, vouched)
     if not vouched:
         check_kinds(targets(OmegaConf.to_container(structured, resolve=True)), str(path))
-    return OmegaConf.to_object(structured)
+    token = READING_RUN_FOLDER.set(True)
+    try:
+        return OmegaConf.to_object(structured)
+    finally:
+        READING_RUN_FOLDER.reset(token)

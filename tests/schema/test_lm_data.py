@@ -297,3 +297,18 @@ def test_a_vocabulary_over_65536_is_refused_as_uint16(tmp_path):
         ValueError, match=r"dtype='uint16' is invalid: a vocabulary of 100277 .*data\.dtype=uint32"
     ):
         TokensConfig(root=str(tmp_path), block_size=8)
+
+
+def test_a_run_folder_s_config_fetches_and_writes_nothing(tmp_path):
+    """Reading a run folder's config.yaml (the ranks, eval=, runner.sample) with the corpus absent where it
+    says: refused with what to download where, and nothing created there (not even the folder)."""
+    from runner.schema import READING_RUN_FOLDER
+
+    where = tmp_path / "elsewhere" / "input.txt"
+    token = READING_RUN_FOLDER.set(True)
+    try:
+        with pytest.raises(ValueError, match=rf"{where} is absent: download {URL} to {where}"):
+            ShakespeareCharConfig(root=str(where.parent))
+    finally:
+        READING_RUN_FOLDER.reset(token)
+    assert not where.parent.exists()
