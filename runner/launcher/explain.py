@@ -16,6 +16,8 @@ from runner.schema import ConfigErrors
 #: Hydra's messages this module rewords.
 CANNOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
 NOT_FOUND = re.compile(r"Could not find '([^']+)/([^'/]+)'")
+#: A key a config of the defaults list (a recipe) sets, which the option chosen instead does not have.
+SETS_UNKNOWN = re.compile(r"In '([^'/]+)/([^']+)': ConfigKeyError.*full_key: (\S+)\s+object_type=(\w+)", re.S)
 
 
 def explain(err: BaseException, argv: list[str]) -> str:
@@ -26,6 +28,15 @@ def explain(err: BaseException, argv: list[str]) -> str:
     if missing := CANNOT_OVERRIDE.search(text):
         key = missing.group(1)
         return _swept(key, argv) or _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
+    if sets := SETS_UNKNOWN.search(text):
+        group, option, key, schema = sets.groups()
+        chosen = next((a for a in argv if a.split("=", 1)[0] == key.split(".", 1)[0]), None)
+        instead = f"{chosen} ({schema})" if chosen else schema
+        return (
+            f"{group}={option} sets {key}, which {instead} does not have: keep the option {group}={option} "
+            f"chooses for {key.split('.', 1)[0]} (python -m runner {group}={option} --cfg job shows it), or "
+            f"leave out {group}={option}"
+        )
     if missing := NOT_FOUND.search(text):
         group, option = missing.groups()
         from runner.launcher.register import missing_plugin

@@ -78,3 +78,19 @@ def test_a_key_of_a_swept_recipe_s_option_names_the_group_to_give_with_it():
         ValueError("Could not override 'rule.inner_steps'."), ["-m", "rule=bsp,diloco", "rule.inner_steps=5"]
     )
     assert "not an option of BSPConfig" in other, other
+
+
+def test_an_option_that_lacks_a_key_the_recipe_sets_is_named_with_the_fix():
+    """``recipe=shakespeare_char optim=sgd``: the recipe sets optim.betas (AdamW's), which SGD lacks; Hydra
+    says only 'ConfigKeyError raised while composing config'."""
+    from runner.launcher.explain import explain
+
+    text = (
+        "In 'recipe/shakespeare_char': ConfigKeyError raised while composing config:\n"
+        "Key 'betas' not in 'SGDConfig'\n    full_key: optim.betas\n    object_type=SGDConfig"
+    )
+    line = explain(ValueError(text), ["recipe=shakespeare_char", "optim=sgd"])
+    assert line.startswith(
+        "recipe=shakespeare_char sets optim.betas, which optim=sgd (SGDConfig) does not have"
+    ), line
+    assert "leave out recipe=shakespeare_char" in line and "\n" not in line
