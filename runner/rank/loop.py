@@ -294,9 +294,10 @@ class Trainer:
         mean_loss = float(span.loss) / max(1, span.steps)
         loss_sum, samples = self.workers.allreduce_values([mean_loss, float(self.meter.total.samples)])
         train_loss = loss_sum / self.workers.size
-        rates, extra = span.rates(self.workers.size), self.rule.metrics()
-        if span.tokens_per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment)
-            rates["tokens"] = samples * span.tokens_per_sample
+        per_sample = self.meter.tokens_per_sample
+        rates, extra = span.rates(self.workers.size, per_sample), self.rule.metrics()
+        if per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment)
+            rates["tokens"] = samples * per_sample
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
         return reported
 

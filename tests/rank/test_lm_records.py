@@ -12,8 +12,8 @@ from tests.conftest import checked_config
 
 
 def test_tokens_per_second_is_samples_per_second_times_the_window():
-    t = Timing(data=0.5, compute=1.0, comm=0.5, samples=12, steps=1, tokens_per_sample=64)
-    rates = t.rates(world=4)
+    t = Timing(data=0.5, compute=1.0, comm=0.5, samples=12, steps=1)
+    rates = t.rates(world=4, tokens_per_sample=64)
     assert rates["samples_per_s"] == pytest.approx(12 * 4 / 2.0)
     assert rates["tokens_per_s"] == pytest.approx(12 * 4 * 64 / 2.0)
     assert "tokens_per_s" not in Timing(compute=1.0, samples=3, steps=1).rates(world=1)  # not a LM
@@ -51,11 +51,11 @@ def test_a_checkpoint_s_timings_are_what_older_runs_wrote_and_take_the_task_s_to
     from runner.rank.records.meter import Meter
 
     meter = Meter(MagicMock(seconds=0.0, emulated_seconds=0.0), 2, 10, MagicMock(), 5, tokens_per_sample=64)
-    meter.total = meter.timing(compute=2.0, samples=24, steps=2)
+    meter.total = Timing(compute=2.0, samples=24, steps=2)
     state = meter.state_dict()
     assert all("tokens_per_sample" not in span for span in state.values())  # as before tokens were counted
     again = Meter(MagicMock(seconds=0.0, emulated_seconds=0.0), 2, 10, MagicMock(), 5, tokens_per_sample=64)
     again.load_state_dict(state, step=2, mid_epoch=False)
-    assert again.total.samples == 24 and again.total.rates(2)["tokens_per_s"] == pytest.approx(
-        24 * 2 * 64 / 2
-    )
+    assert again.total.samples == 24 and again.total.rates(2, again.tokens_per_sample)[
+        "tokens_per_s"
+    ] == pytest.approx(24 * 2 * 64 / 2)

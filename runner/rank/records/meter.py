@@ -115,7 +115,6 @@ class Timing:
     steps: int = 0
     loss: float | torch.Tensor = 0.0
     emulated: float = 0.0
-    tokens_per_sample: int | None = None  # a language model's: tokens/s and tokens beside samples
 
     @property
     def total(self) -> float:
@@ -130,12 +129,12 @@ class Timing:
         self.loss = self.loss + other.loss  # (a new tensor: a span's sum is never another's)
         self.emulated += other.emulated
 
-    def rates(self, world: int) -> dict[str, float]:
-        """Throughput (samples/s of all ``world`` workers, and tokens/s for a language model) and the split
-        of the step time."""
+    def rates(self, world: int, tokens_per_sample: int | None = None) -> dict[str, float]:
+        """Throughput (samples/s of all ``world`` workers, and tokens/s where a sample holds
+        ``tokens_per_sample``: a language model's) and the split of the step time."""
         total = max(self.total, 1e-12)
-        per_sample = self.tokens_per_sample
-        tokens = {"tokens_per_s": self.samples * world * per_sample / total} if per_sample else {}
+        per = tokens_per_sample
+        tokens = {"tokens_per_s": self.samples * world * per / total} if per else {}
         return {
             "samples_per_s": self.samples * world / total,
             **tokens,
@@ -173,8 +172,8 @@ class Meter:
         self.total_steps, self.line_every_s = total_steps, line_every_s
         self.display = display(progress, terminal)
         self.every_s = RECORD_EVERY_S if self.display.mode == "bar" else line_every_s
-        self.tokens_per_sample = tokens_per_sample
-        self.total, self.epoch, self.window = self.timing(), self.timing(), self.timing()
+        self.tokens_per_sample = tokens_per_sample  # a language model's: tokens/s beside samples/s
+        self.total, self.epoch, self.window = Timing(), Timing(), Timing()
         self._resumed = False
         self._ready = self._arrived = 0.0
         self._comm0 = self._emulated0 = 0.0
@@ -185,23 +184,14 @@ class Meter:
         self._peek = Peek()
         self._shown = 0  # the last step shown
 
-    def timing(self, **spent: Any) -> Timing:
-        """A span's timing (``spent``: what it holds already), counting tokens where the task has them."""
-        return Timing(**spent, tokens_per_sample=self.tokens_per_sample)
-
     def state_dict(self) -> dict[str, dict[str, float]]:
         """The timings, their losses read (a host synchronisation)."""
         spans = {"total": self.total, "epoch": self.epoch, "window": self.window}
-        kept = {
-            k: {key: v for key, v in vars(t).items() if key != "tokens_per_sample"} for k, t in spans.items()
-        }
-        return {k: {**state, "loss": float(spans[k].loss)} for k, state in kept.items()}  # (as older runs')
+        return {k: {**vars(t), "loss": float(t.loss)} for k, t in spans.items()}
 
     def load_state_dict(self, state: dict[str, dict[str, float]], step: int, mid_epoch: bool) -> None:
         """Continue the timings of a checkpoint taken after ``step`` steps (the epoch's too, if mid-epoch)."""
-        spans = ("total", "epoch", "window")
-        kept = [{key: v for key, v in state[k].items() if key != "tokens_per_sample"} for k in spans]
-        self.total, self.epoch, self.window = (self.timing(**spent) for spent in kept)
+        self.total, self.epoch, self.window = (Timing(**state[k]) for k in ("total", "epoch", "window"))
         self._resumed = mid_epoch
         self._start, self._first_step = time.monotonic(), step
 
@@ -212,7 +202,7 @@ class Meter:
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The batches of one epoch; the time waiting for each one counts as data wait."""
         if not self._resumed:
-            self.epoch = self.timing()
+            self.epoch = Timing()
         self._resumed = False
         self._ready = time.perf_counter()
         for batch in loader:
@@ -243,18 +233,16 @@ class Meter:
         comm = self.stats.seconds - self._comm0
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().double()
-        t = self.timing(
-            data=self._arrived - self._ready, compute=now - self._arrived - comm, comm=comm, samples=samples
-        )
-        t.steps, t.loss = 1, loss
+        t = Timing(self._arrived - self._ready, now - self._arrived - comm, comm, samples, 1, loss)
         t.emulated = self.stats.emulated_seconds - self._emulated0
         self.epoch.add(t)
         self.window.add(t)
         if step % self.log_every == 0:
             w = self.window
             mean = float(w.loss) / w.steps
-            self.log.write("step", step, epoch=epoch, loss=mean, lr=lr, **w.rates(self.world))
-            self.window = self.timing()
+            rates = w.rates(self.world, self.tokens_per_sample)
+            self.log.write("step", step, epoch=epoch, loss=mean, lr=lr, **rates)
+            self.window = Timing()
         self._loss = loss
         if self.display.mode != "none":
             self._show(step if shown is None else shown, epoch, loss)
