@@ -6,10 +6,12 @@
     python benchmarks/images_per_5120.py --smoke    # a few seconds: googlenet, 1 rank, 32×32, batch 2, 1 step
 
 For each model at its published per-rank batch (alexnet 128, googlenet 32, vgg16 32, resnet50 64) on
-synthetic data with 1000 classes, every rank count runs as a real job (``python -m runner rule=bsp``, one
-step logged per line, the first step not timed). Rank 0's timed steps give seconds per 5,120 images as
+synthetic data with 1000 classes, every rank count runs as a real job (``python -m runner rule=bsp``, a
+record per half of the timed steps, after a first record of as many untimed ones; a record every step would
+make the host wait for the device each step). Rank 0's timed steps give seconds per 5,120 images as
 compute + communication (exposed, i.e. not hidden behind backward) + data wait. ``plain`` is the same model
-trained in one process with plain PyTorch and no runner, at the 1-rank batch: ``1 rank / plain`` is the
+trained in one process with plain PyTorch and no runner, at the 1-rank batch on one batch already on the
+device (timed over all its steps, with one wait for the device at the end): ``1 rank / plain`` is the
 runner's overhead. Speed-up is against 1 rank; efficiency is speed-up / ranks. On a machine with fewer cores
 than ranks the jobs are oversubscribed and the speed-up says so. ``--smoke`` checks that it all runs, in
 seconds, on the CPU: one job (googlenet on 1 rank, 32×32 images, batch 2, 1 timed step) and its ``plain``.
@@ -63,7 +65,11 @@ def job(model: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict[str
     """Seconds per 5,120 images of one BSP job, split into compute, comm and data."""
     run_dir = tmp / f"{model}-{ranks}"
     batch = batch_of(model, args)
-    samples = batch * ranks * (args.steps + 1)
+    # One record per ``per`` steps (its step_ms their mean): the first is the warm-up; a record every step
+    # would wait for the device every step, exposing the host's work between steps that a job hides.
+    per = max(1, args.steps // 2)
+    total = per * (1 + args.steps // per)
+    samples = batch * ranks * total
     argv = [
         sys.executable,
         "-m",
@@ -77,8 +83,8 @@ def job(model: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict[str
         f"devices={ranks}",
         "hardware.oversubscribe=true",
         f"train.batch_size={batch}",
-        f"train.max_steps={args.steps + 1}",
-        "train.log_every=1",
+        f"train.max_steps={total}",
+        f"train.log_every={per}",
         "train.save_model=none",
         "train.progress=false",
         f"hydra.run.dir={run_dir}",
@@ -126,16 +132,16 @@ def plain(model: str, args: argparse.Namespace) -> float:
     batch = batch_of(model, args)
     x = torch.randn(batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
-    times = []
-    for _ in range(args.steps + 1):
-        t0 = time.perf_counter()
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for step in range(args.steps + 1):
+        if step == 1:  # after the warm-up step; one wait for the device at the end, as the job's
+            sync()
+            t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return IMAGES / batch * sum(times[1:]) / args.steps
+    sync()
+    return IMAGES / batch * (time.perf_counter() - t0) / args.steps
 
 
 def main() -> None:

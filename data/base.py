@@ -12,6 +12,10 @@ batches while the current one trains; with a GPU, batches come in pinned memory 
 ``workers=None`` (the default of the data sets read from disk) leaves the count to :func:`loader_workers`,
 decided on the rank from the cores it is bound to. A loader process ends with its rank
 (:func:`end_with_rank`): a rank killed under fault tolerance must not leave them behind.
+
+On a GPU, a data set held in memory as tensors (:class:`TensorData`) that takes at most
+:data:`RESIDENT_SHARE` of the GPU's free memory is moved there once (:meth:`ClassificationData.place`):
+each batch is then gathered on the GPU, with no loader process, host copy or pinned transfer per step.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 #: The most background loader processes per rank that ``workers=None`` starts.
 MAX_AUTO_WORKERS = 4
+#: An in-memory data set moves to the GPU where it takes at most this share of the GPU's free memory.
+RESIDENT_SHARE = 0.25
 
 
 def end_with_rank(rank_pid: int, worker_id: int) -> None:
@@ -106,7 +112,15 @@ class TensorData(BatchedData):
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(indices)
+        if self.x.is_cuda:  # from pinned memory: a pageable copy would wait for the GPU's queued work
+            idx = idx.pin_memory().to(self.x.device, non_blocking=True)
         return self.x[idx], self.y[idx]
+
+    def nbytes(self) -> int:
+        return self.x.nbytes + self.y.nbytes
+
+    def to(self, device: torch.device) -> None:
+        self.x, self.y = self.x.to(device), self.y.to(device)
 
 
 class ShardSampler(DistributedSampler):
@@ -159,9 +173,25 @@ class ClassificationData:
     workers: int | None = 0
     classes: list[str] | None = None  # class names, where the data set has them
 
+    resident: bool = False  # both splits in GPU memory (:meth:`place`)
+
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
         self.workers = loader_workers(self.workers)
+
+    def place(self, device: torch.device) -> int:
+        """Move in-memory splits to the GPU ``device`` where they fit in :data:`RESIDENT_SHARE` of its free
+        memory; the bytes moved (0: they stay on the host, and batches come through pinned memory)."""
+        roots = list({id(r): r for r in map(root_dataset, (self.train, self.val))}.values())
+        if device.type != "cuda" or not all(type(r) is TensorData for r in roots):
+            return 0
+        size = sum(r.nbytes() for r in roots)
+        if size > RESIDENT_SHARE * torch.cuda.mem_get_info(device)[0]:
+            return 0
+        for r in roots:
+            r.to(device)
+        self.resident, self.workers = True, 0  # loader processes cannot read CUDA tensors
+        return size
 
     def _loader(
         self, dataset: Dataset, batch_size: int | None, pin_memory: bool = False, prefetch: int = 4, **kwargs

@@ -271,7 +271,7 @@ def serve(rank: Rank, model: nn.Module) -> None:
 def val_share(rank: Rank, data: Any) -> Callable[[int, int], Any]:
     """``(r, n) ->`` the loader of share ``r`` of ``n`` of the validation data: this worker's, and the
     survivors' new shares after a worker is lost."""
-    batch, pin = rank.cfg.train.val_batch_size, rank.device.type == "cuda"
+    batch, pin = rank.cfg.train.val_batch_size, rank.device.type == "cuda" and not data.resident
     return lambda r, n: data.val_loader(r, n, batch, pin_memory=pin)
 
 
@@ -290,7 +290,7 @@ def dealer(rank: Rank, data: Any) -> Dealer | None:
 def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
     """This worker's training and validation loaders, and the optimizer steps of an epoch (under dynamic
     assignment, an epoch's chunks per worker); refuses a setting the data cannot serve."""
-    train, workers, pin = rank.cfg.train, rank.workers, rank.device.type == "cuda"
+    train, workers, pin = rank.cfg.train, rank.workers, rank.device.type == "cuda" and not data.resident
     dealt = dealer(rank, data)
     pair = (
         data.train_loader(workers.rank, workers.size, train.batch_size, train.seed, pin_memory=pin)
@@ -321,6 +321,8 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
     cfg, comm, workers = rank.cfg, rank.comm, rank.workers
     data = cfg.data.build()
     data.val = spread(data.val, cfg.train.val_samples)  # (a validation costs the same however long the run)
+    if (moved := data.place(rank.device)) and comm.rank == 0:
+        print(f"data: in GPU memory ({moved / 2**20:.0f} MiB), each batch gathered there")
     pair, steps_per_epoch = loaders(rank, data)
     straggler = cfg.simulate.record()
     how = "spin" if cfg.simulate.spin else "sleep"

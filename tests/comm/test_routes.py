@@ -101,3 +101,27 @@ def test_a_route_of_one_file_and_one_line_is_used():
 
     proc = run_job([sys.executable, "-c", SCRIPT])
     assert "routes: [4.0, 4.0, 4.0] [1.0, 1.0, 1.0] Doubling" in proc.stdout
+
+
+class _OneRank:
+    """MPI's buffer calls over one rank: what is sent is what is received."""
+
+    def Alltoall(self, send, recv):  # noqa: N802 (mpi4py's names)
+        recv[...] = send
+
+    def Allgather(self, send, recv):  # noqa: N802
+        recv[...] = send
+
+
+@pytest.mark.parametrize("op", ["alltoall", "allgather"])
+def test_a_staged_receive_buffer_gets_the_result(op):
+    """A receive buffer MPI cannot write in place (here: not contiguous; on a GPU: without CUDA-aware MPI,
+    as the NCCL check found) is staged through a host copy, which must be copied back."""
+    from runner.comm.routes.mpi import MpiBuffers
+    from runner.comm.staging import Buffers
+
+    comm = SimpleNamespace(buffers=Buffers(cuda_aware=False), _c=_OneRank())
+    send = torch.arange(6, dtype=torch.float32)
+    recv = torch.zeros(6, 2)[:, 0]  # a strided view
+    getattr(MpiBuffers(), op)(comm, send, recv)
+    assert torch.equal(recv, send)

@@ -72,7 +72,7 @@ def check_data_movement(mpi, dist, device: torch.device) -> None:
         agree(f"broadcast from {root}", a, b, exact=True)
         agree(f"broadcast from {root} (the root's values)", b, inputs(root, 257, torch.float32, device), True)
     for dtype in (torch.float32, torch.bfloat16):
-        send = inputs(mpi.rank, 5 * n, dtype, device)
+        send = inputs(mpi.rank, 7 * n, dtype, device)  # 7 or more: allgather sends the first 7
         a, b = torch.empty_like(send), torch.empty_like(send)
         mpi.alltoall(send, a)
         dist.alltoall(send, b)

@@ -44,7 +44,9 @@ READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index
 BATCH, LOG_EVERY, WARMUP = 16, 1000, 3
 
 
-def trainer_on(device: torch.device, data: TensorDataset, bar: bool = True) -> tuple[Trainer, list[float]]:
+def trainer_on(
+    device: torch.device, data: TensorDataset, bar: bool = True, loader: DataLoader | None = None
+) -> tuple[Trainer, list[float]]:
     """A Trainer as ``runner.rank.worker.build`` makes one, on ``device``, alone (BSP with one worker): its
     loader pins its batches; records are collected; no heartbeat, agreement or checkpoint is ever due.
     ``bar``: the meter writes a progress record at every step (the loss peeked at, not waited for). Each
@@ -65,7 +67,7 @@ def trainer_on(device: torch.device, data: TensorDataset, bar: bool = True) -> t
     parts = Parts(
         model, optimizer, rule, ClassificationConfig().build(10), ConstantConfig().build(optimizer, 100)
     )
-    loader = DataLoader(data, batch_size=BATCH, pin_memory=device.type == "cuda")
+    loader = loader or DataLoader(data, batch_size=BATCH, pin_memory=device.type == "cuda")
     written: list[float] = []
     log = SimpleNamespace(write=lambda kind, step, **v: written.append(v["loss"]))
     meter = Meter(stats, 1, 100, log, LOG_EVERY, terminal=io.StringIO() if bar else None, progress=bar)
@@ -145,6 +147,30 @@ def test_the_steady_state_step_does_not_synchronise(monkeypatch):
     trainer.meter.log_every = pos.step + 1
     trainer.train_span(pos, 0, pos.step + 1)  # one step more: its record reads the device once
     assert len(written) == 1 and 0 < written[0] < 10
+
+
+@pytest.mark.slow
+@cuda
+def test_batches_gathered_in_gpu_memory_are_the_hosts_and_do_not_synchronise():
+    """A data set held as tensors moves to the GPU (``ClassificationData.place``); its batches are gathered
+    there (the indices copied from pinned memory), equal to the host's, and the step still never waits."""
+    from runner.data.base import ClassificationData, TensorData
+
+    device = torch.device("cuda")
+    data = images(20 * BATCH)
+    x, y = data.tensors
+    held = ClassificationData(TensorData(x, y), TensorData(x[:BATCH], y[:BATCH]), (3, 16, 16), 10)
+    assert held.place(device) == x.nbytes + y.nbytes + BATCH * (x[0].nbytes + y[0].nbytes)
+    assert held.resident and held.train.x.is_cuda and held.workers == 0
+    gx, gy = held.train.__getitems__([5, 0, 17])
+    assert gx.is_cuda and torch.equal(gx.cpu(), x[[5, 0, 17]]) and torch.equal(gy.cpu(), y[[5, 0, 17]])
+    loader = held.train_loader(0, 1, BATCH, seed=0)
+    trainer, written = trainer_on(device, data, bar=False, loader=loader)
+    pos = Position()
+    trainer.train_span(pos, 0, WARMUP)
+    steady(trainer, pos, 8)
+    assert pos.step == WARMUP + 8 and written == []
+    trainer.guard.check()
 
 
 @pytest.mark.slow

@@ -94,6 +94,27 @@ def test_synthetic_shapes_and_learnable_labels():
     assert not torch.equal(SyntheticConfig(shape=[3, 5, 5], seed=2).build().train.x[:32], data.train.x)
 
 
+def test_in_memory_data_moves_to_a_gpu_only_where_it_fits(monkeypatch):
+    """``place``: never on the CPU; on a GPU, only tensors held in memory, and only within the share of its
+    free memory (the GPU's answer stubbed, so this runs without one; tests/rank/test_gpu_sync.py moves it)."""
+    import runner.data.base as base
+
+    data = SyntheticConfig(shape=[3, 8, 8], train_size=64, val_size=16).build()
+    size = data.train.nbytes() + data.val.nbytes()
+    assert data.place(torch.device("cpu")) == 0 and not data.resident
+    moved_to: list[torch.device] = []
+    monkeypatch.setattr(base.TensorData, "to", lambda self, device: moved_to.append(device))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * size - 1, 10 * size))
+    assert data.place(torch.device("cuda", 0)) == 0 and moved_to == [] and not data.resident  # too big
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * size, 10 * size))
+    data.workers = 2
+    assert data.place(torch.device("cuda", 0)) == size and data.resident and data.workers == 0
+    assert moved_to == [torch.device("cuda", 0)] * 2  # each split once
+    data.train = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4))  # not the runner's
+    data.resident = False
+    assert data.place(torch.device("cuda", 0)) == 0 and not data.resident
+
+
 def test_synthetic_settings_are_checked():
     with pytest.raises(ValueError, match=r"shape=\[3, 0\].*positive sizes"):
         SyntheticConfig(shape=[3, 0])

@@ -33,7 +33,13 @@ class MpiBuffers(Route):
             staged.finish()
 
     def alltoall(self, comm: Carrier, send: torch.Tensor, recv: torch.Tensor) -> None:
-        comm._c.Alltoall(comm.buffers.get(send)[0], comm.buffers.get(recv, copy_in=False)[0])
+        out, staged = comm.buffers.get(recv, copy_in=False)
+        comm._c.Alltoall(comm.buffers.get(send)[0], out)
+        if staged is not None:  # a staged receive buffer (GPU without CUDA-aware MPI) is copied back
+            staged.finish()
 
     def allgather(self, comm: Carrier, send: torch.Tensor, recv: torch.Tensor) -> None:
-        comm._c.Allgather(comm.buffers.get(send)[0], comm.buffers.get(recv, copy_in=False)[0])
+        out, staged = comm.buffers.get(recv, copy_in=False)
+        comm._c.Allgather(comm.buffers.get(send)[0], out)
+        if staged is not None:
+            staged.finish()
