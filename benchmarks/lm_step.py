@@ -137,6 +137,7 @@ def runner(data: list[str], sizes: dict[str, int], steps: int, warmup: int, scra
         f"model.n_embd={sizes['n_embd']}",
         f"model.bias={str(sizes['bias']).lower()}",
         f"train.max_steps={steps + warmup}",
+        f"schedule.warmup_steps={min(100, steps + warmup)}",  # the recipe's 100, within a short run
         f"train.log_every={log_every}",
         "train.val_every=1000",  # one validation, at the end: not within the timed steps
         "train.val_samples=64",

@@ -17,6 +17,7 @@ checks the first sample of each split. ``shape`` and ``num_classes`` are optiona
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -82,6 +83,69 @@ def first_sample(where: str, dataset: Dataset) -> tuple[Any, Any]:
     return sample[0], sample[1]
 
 
+def shape_of(value: Any) -> Any:
+    """A tensor's or array's shape; ``()`` for a number."""
+    return getattr(value, "shape", ())
+
+
+def check_batch(where: str, indices: list[int], samples: list[Any]) -> None:
+    """Refuse a batch whose inputs (or targets) differ in shape, naming two samples by their index.
+
+    torch's collate names neither them nor the data set (``stack expects each tensor to be equal size``; in
+    a loader process ``Trying to resize storage that is not resizable``). ``where`` names the key that made
+    the data set; a ``__getitems__`` of the user's that returns no list of samples is left to collate."""
+    if not isinstance(samples, list) or len(samples) != len(indices) or not samples:
+        return
+    first = samples[0]
+    for i, sample in zip(indices, samples, strict=True):
+        if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+            raise ValueError(
+                f"{where}: a sample must be an (input, target) pair, but sample {i} is {describe(sample)}; "
+                "return `x, y` from __getitem__ for every index"
+            )
+        for part, name in ((0, "inputs"), (1, "targets")):
+            if shape_of(sample[part]) != shape_of(first[part]):
+                raise ValueError(
+                    f"{where}: sample {i} has {name} of shape {list(shape_of(sample[part]))} but sample "
+                    f"{indices[0]} has {list(shape_of(first[part]))}, and a batch stacks samples of one "
+                    f"shape: make __getitem__ return {name} of one shape (pad, crop or resize them)"
+                )
+
+
+def stacked(dataset: Dataset, where: str) -> Dataset:
+    """All of ``dataset``, each batch's samples checked by :func:`check_batch` before collate stacks them.
+
+    The check runs where the batch is read, in a loader process too."""
+    return _stacked_class()(dataset, where)
+
+
+@functools.cache
+def _stacked_class() -> type[Dataset]:
+    from torch.utils.data import Subset
+
+    class Stacked(Subset):
+        """A ``Subset`` of all of ``dataset``, so that :func:`runner.data.base.root_dataset` finds the data
+        set under it."""
+
+        def __init__(self, dataset: Dataset, where: str):
+            super().__init__(dataset, range(len(dataset)))
+            self.where = where
+
+        def __getitems__(self, indices: list[int]) -> list[Any]:
+            samples = super().__getitems__(indices)
+            check_batch(self.where, indices, samples)
+            return samples
+
+    Stacked.__qualname__ = "Stacked"  # pickled by name into loader processes (:func:`__getattr__`)
+    return Stacked
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Stacked":
+        return _stacked_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def declared_classes(dataset: Dataset) -> tuple[int | None, list[str] | None]:
     """The class count (and names) a data set declares by a ``classes`` or ``num_classes`` attribute."""
     from runner.data.base import root_dataset
@@ -133,10 +197,18 @@ class DatasetConfig(DataConfig):
         return f"data.{key}.{TARGET}={getattr(self, key)[TARGET]}"
 
     def call(self, key: str) -> Any:
-        """What ``data.<key>._target_`` returns, called with the node's other keys (nested ``_target_`` nodes
-        built first); what it raises is named with its key
-        (:meth:`runner.schema.target.Target.build_named`)."""
-        return Target.of(f"data.{key}", getattr(self, key)).build_named()
+        """What ``data.<key>._target_`` returns, called with the node's other keys.
+
+        Nested ``_target_`` nodes are built first; what the class raises is named with its key
+        (:meth:`runner.schema.target.Target.build_named`). That error is raised alone, with the user's
+        frames as its traceback: a failed rank names the innermost error of a chain
+        (``runner.rank.records.output.root_cause``), which would drop the key."""
+        try:
+            return Target.of(f"data.{key}", getattr(self, key)).build_named()
+        except ValueError as err:
+            if err.__cause__ is None:
+                raise
+            raise ValueError(str(err)).with_traceback(err.__cause__.__traceback__) from None
 
     def datasets(self) -> tuple[Dataset, Dataset, str]:
         """The training and validation sets, and the key that made the training set (for messages)."""
@@ -151,7 +223,8 @@ class DatasetConfig(DataConfig):
                     f"{self.named('val')}: {self.named('train')} returns a (train, val) pair already; "
                     "drop data.val"
                 )
-            return train[0], train[1], "train"
+            where = self.named("train")
+            return stacked(train[0], where), stacked(train[1], where), "train"
         if not is_dataset(train):
             raise ValueError(
                 f"{self.named('train')} returned {describe(train)}: give a map-style Dataset (with "
@@ -167,7 +240,7 @@ class DatasetConfig(DataConfig):
                 raise ValueError(
                     f"{self.named('val')} returned an empty data set (0 samples): check its files"
                 )
-            return train, val, "val"
+            return stacked(train, self.named("train")), stacked(val, self.named("val")), "val"
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.split_seed)).tolist()
         cut = round(len(train) * self.val_fraction)
         if not 0 < cut < len(train):
@@ -176,6 +249,7 @@ class DatasetConfig(DataConfig):
                 "samples: give a fraction that leaves samples in both splits, or a validation set "
                 "(data.val._target_)"
             )
+        train = stacked(train, self.named("train"))
         return Subset(train, sorted(order[cut:])), Subset(train, sorted(order[:cut])), "train"
 
     def build(self) -> ClassificationData:

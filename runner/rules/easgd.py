@@ -85,21 +85,23 @@ class EASGDConfig(RuleConfig):
         return self.alpha if self.alpha is not None else (self.beta or DEFAULT_BETA) / workers
 
     def check_devices(self, devices: int) -> None:
-        """Sync: the center moves by beta·(mean of workers − center) per exchange, unstable for beta >= 2."""
+        """Sync: the center moves by beta·(mean of workers − center) per exchange, unstable for beta >= 2.
+        ``devices`` is a count of workers the job has, or may grow to: the messages say which count."""
         require(
             0 < self.alpha_for(devices) <= 1,
             "beta",
             self.beta,
-            f"alpha = beta / devices = {self.alpha_for(devices):.3g} is outside (0, 1]; "
-            "choose beta <= devices",
+            f"with {devices} workers alpha = beta / {devices} = {self.alpha_for(devices):.3g} is outside "
+            f"(0, 1]; choose rule.beta <= {devices}",
         )
         beta = devices * self.alpha_for(devices)
         require(
             self.variant == "async" or beta < 2,
             "alpha" if self.beta is None else "beta",
             self.alpha if self.beta is None else self.beta,
-            f"sync EASGD with beta = devices × alpha = {beta:g} >= 2 makes the center diverge; "
-            f"use rule.alpha <= {1 / devices:.3g} or rule.alpha=null rule.beta=0.9",
+            f"sync EASGD with {devices} workers has beta = {devices} × alpha = {beta:g} >= 2, which makes "
+            f"the center diverge; use rule.alpha <= {1 / devices:.3g}, or rule.alpha=null rule.beta=0.9 "
+            "(alpha = beta / workers)",
         )
 
     def build(self, ctx: RuleContext) -> EASGD:

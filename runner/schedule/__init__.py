@@ -50,6 +50,17 @@ class ScheduleConfig:
             "the fraction of the learning rate at the first warm-up step, in [0, 1) (e.g. 0.1)",
         )
 
+    def check_length(self, steps: int, given: str, fix: str) -> None:
+        """The warm-up is no longer than a run of ``steps`` optimizer steps (``given`` says what sets that
+        count, ``fix`` how to lengthen it), else a ValueError naming both: the rate would never reach
+        ``optim.lr``, and no schedule would follow."""
+        if self.warmup_steps > steps:
+            raise ValueError(
+                f"schedule.warmup_steps={self.warmup_steps} is invalid: it is longer than the run, {steps} "
+                f"optimizer steps ({given}), so the rate would never reach optim.lr; give a shorter warm-up "
+                f"(e.g. schedule.warmup_steps={max(1, steps // 10)}, a tenth of the run), or {fix}"
+            )
+
     def shape(self, step: int, steps: int) -> float:
         """The schedule's factor ``step`` steps after the warm-up, of ``steps`` steps after the warm-up."""
         raise NotImplementedError
@@ -73,7 +84,13 @@ class ScheduleConfig:
         rule_factor: Callable[[int], float] = lambda step: 1.0,
     ) -> Schedule:
         """The schedule of ``optimizer``'s learning rates over ``total_steps`` optimizer steps; build it
-        before loading a checkpoint's optimizer state (the initial rates are read from the groups now)."""
+        before loading a checkpoint's optimizer state (the initial rates are read from the groups now).
+        A warm-up longer than the run is refused here, on the ranks, which know an epoch's steps."""
+        self.check_length(
+            total_steps,
+            "train.max_steps, or train.epochs × the steps of an epoch, whichever ends first",
+            "train longer (train.epochs, train.max_steps)",
+        )
         return Schedule(self, optimizer, total_steps, rule_factor)
 
 
