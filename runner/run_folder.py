@@ -2,7 +2,10 @@
 
 Every file name of a run folder, the environment the launcher passes to the ranks, the exit statuses, and
 strict JSON (no NaN) written whole or not at all are declared here and nowhere else; ``summary.json`` is
-built by :func:`summary`. This module imports neither torch nor MPI, so every side may use it.
+built by :func:`summary`. Its files are opened as what they are, regular files of the folder, never through
+a link (:mod:`runner.folder_files`; :func:`foreign_files` lists what is not); the numbers in its names and
+files have one parser, :func:`parse_number`. This module imports neither torch nor MPI, so every side may
+use it.
 
 A run folder (``outputs/DATE/TIME``, or a sweep's ``outputs/multirun/DATE/TIME/N``)::
 
@@ -30,8 +33,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
+
+from runner.folder_files import create_new, describe, disk_fix, open_in_folder, read_text
 
 CONFIG = "config.yaml"
 IDENTITY = "run.json"
@@ -41,6 +48,7 @@ MPIRUN_LOG = "mpirun.log"
 STOP = "STOP"
 JOIN = "JOIN"
 LOCK = "job.lock"
+PROVENANCE = "provenance"  # the mark of a folder this user's runner wrote (runner.schema.provenance)
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tb"
@@ -79,6 +87,19 @@ PROGRESS_RECORD = "@mpitrain:progress "
 EXIT = {"ok": 0, "failed": 1, "invalid": 2, "diverged": 3, "stalled": 4, "preempted": 5, "interrupted": 130}
 
 
+#: The most digits of a number in a run folder's file names and files (a rank, a checkpoint's seq and step, a
+#: membership generation, JOIN's count): more is no number the runner wrote.
+MOST_DIGITS = 9
+_NUMBER = re.compile(f"[0-9]{{1,{MOST_DIGITS}}}")
+
+
+def parse_number(text: str) -> int | None:
+    """``text`` as a whole number when it is 1 to :data:`MOST_DIGITS` ASCII digits, else None: the one
+    parser of the numbers in a run folder's names and files (``str.isdigit`` takes ``²`` and other
+    scripts' digits, which ``int`` refuses or reads as other numbers)."""
+    return int(text) if _NUMBER.fullmatch(text) else None
+
+
 def rank_file_name(rank: int, kind: str) -> str:
     """``rank<r>.<kind>`` in ``logs/``: a rank's ``log`` (its output), ``error`` (its failure), ``beat``,
     ``partitioned`` (it stopped on the minority side of a partition)."""
@@ -107,10 +128,10 @@ def read_checkpoint_index(run_dir: Path) -> list[dict[str, Any]]:
     Raises :class:`DamagedIndex` (a ValueError naming the file) when it is not JSON or not an index of
     checkpoints (:func:`rebuild_checkpoint_index` makes it again from the checkpoint folders)."""
     path = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
-    if not path.exists():
-        return []
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
+    except FileNotFoundError:
+        return []
     except ValueError as err:  # not JSON, or not even text
         raise DamagedIndex(path, f"not JSON: {err}") from None
     problem = index_problem(data)
@@ -137,23 +158,34 @@ def dumps(obj: Any, **kwargs: Any) -> str:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, then a rename, so an earlier
-    ``path`` stays intact when writing fails. The OSError raised names the file."""
+    ``path`` stays intact when writing fails. The OSError raised names the file (and the fix, for a full
+    disk). The temporary file is made anew (a link in its place is removed, not written through); the
+    rename replaces a link at ``path`` rather than writing where it points."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
+        with create_new(tmp) as file:
+            file.write(text)
         os.replace(tmp, path)
     except OSError as err:
         try:
-            tmp.unlink(missing_ok=True)
+            if not tmp.is_dir():
+                tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+        raise OSError(err.errno, f"cannot write {path}: {write_error(err, path.parent)}") from None
+
+
+def write_error(err: OSError, folder: Path) -> str:
+    """Why a file could not be written in ``folder`` (``err``'s reason) and, where it is the disk's fault
+    (full, over quota, read-only), the fix (:func:`runner.folder_files.disk_fix`)."""
+    fix = disk_fix(err, folder)
+    return f"{err.strerror or err}" + (f"; {fix}" if fix else "")
 
 
 def read_json(path: Path) -> dict[str, Any]:
     """A run-folder JSON object (summary.json, run.json), or {} when it is missing, torn or not an object."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -161,15 +193,44 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl (a torn last line, from a killed job, is skipped)."""
-    if not path.exists():
+    try:
+        text = read_text(path)
+    except FileNotFoundError:
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return records
+
+
+def foreign_files(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` is not its own, each as ``PATH is a symbolic link (to X)``: every link and special
+    file among its entries and those of its folders (``logs/``, ``checkpoints/`` and the checkpoints in it,
+    ``tb/``, ``.hydra/``). The run folder itself may be a link (a user's choice of where it is)."""
+    found: list[str] = []
+
+    def look(folder: Path, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:  # none, or unreadable: the lock's own open names that
+            return
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:  # removed meanwhile
+                continue
+            if stat.S_ISDIR(mode):
+                if depth and (folder != run_dir or entry.name in (LOGS, CHECKPOINTS, TENSORBOARD, HYDRA_DIR)):
+                    look(path, depth - 1)
+            elif not stat.S_ISREG(mode):
+                found.append(f"{path} is {describe(path, mode)}")
+
+    look(run_dir, 2)
+    return found
 
 
 def summary(status: str, **fields: Any) -> dict[str, Any]:
@@ -255,7 +316,7 @@ def file_digest(path: Path) -> dict[str, int]:
     import zlib
 
     crc, size = 0, 0
-    with open(path, "rb") as f:
+    with open_in_folder(path, "rb") as f:
         while chunk := f.read(CHUNK):
             crc, size = zlib.crc32(chunk, crc), size + len(chunk)
     return {"bytes": size, "crc32": crc}
@@ -269,13 +330,14 @@ def part_damage(path: Path, record: dict[str, int] | None) -> str | None:
     import zipfile
 
     try:
-        size = path.stat().st_size
-        if record is None:
-            try:
-                zipfile.ZipFile(path).close()
-            except zipfile.BadZipFile:
-                return f"not a whole torch.save file: truncated or overwritten, {size} bytes"
-            return None
+        with open_in_folder(path, "rb") as file:  # (a link in its place is refused, not followed)
+            size = os.fstat(file.fileno()).st_size
+            if record is None:
+                try:
+                    zipfile.ZipFile(file).close()
+                except zipfile.BadZipFile:
+                    return f"not a whole torch.save file: truncated or overwritten, {size} bytes"
+                return None
         written = record["bytes"]
         if size != written:
             return f"{'truncated' if size < written else 'wrong size'}: {size} of {written} bytes"
@@ -304,7 +366,7 @@ def checkpoint_damage(run_dir: Path, entry: dict[str, Any]) -> tuple[Path, str] 
 def _folder_entry(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The index entry that a checkpoint folder's ``entry.json`` keeps, or None and why not."""
     try:
-        entry = json.loads((folder / CHECKPOINT_ENTRY).read_text())
+        entry = json.loads(read_text(folder / CHECKPOINT_ENTRY))
     except FileNotFoundError:
         return None, f"no {CHECKPOINT_ENTRY} (written before checkpoints kept their entry)"
     except (OSError, ValueError) as err:
@@ -326,8 +388,13 @@ def rebuild_checkpoint_index(run_dir: Path) -> tuple[list[dict[str, Any]], list[
     found, skipped = [], []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         seq, _, step = folder.name.partition("-step")
-        if not (folder.is_dir() and seq.isdigit() and step.isdigit()):
+        if parse_number(seq) is None or parse_number(step) is None:
             continue  # the index itself, temporary files, checkpoints set aside as damaged
+        if folder.is_symlink():
+            skipped.append(f"{folder.name}: a symbolic link, not a checkpoint of the run's own")
+            continue
+        if not folder.is_dir():
+            continue
         entry, why = _folder_entry(folder)
         if entry is None:
             skipped.append(f"{folder.name}: {why}")

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
+from typing import Any
+
+from runner.folder_files import open_in_folder
+from runner.run_folder import parse_number
 
 
 class ConsoleFormatter(logging.Formatter):
@@ -13,6 +18,31 @@ class ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         return text if record.levelno == logging.INFO else f"{record.levelname.lower()}: {text}"
+
+
+class FolderFileHandler(logging.FileHandler):
+    """The launcher's log file in the run folder (``cli.log``: ``conf/hydra/job_logging/mpitrain.yaml``),
+    opened as a file of the folder's own (:func:`runner.folder_files.open_in_folder`) when the first line
+    is written: Hydra makes the handler before the launcher checks the folder, so a link planted there is
+    named by that check (exit 2), and no line is ever written where it points (the console has them all)."""
+
+    def __init__(
+        self, filename: str, mode: str = "a", encoding: str | None = None, delay: bool = True
+    ) -> None:
+        super().__init__(filename, mode, encoding, delay=True)
+        self.refused = False
+
+    def _open(self) -> Any:
+        return open_in_folder(Path(self.baseFilename), self.mode, encoding=self.encoding, errors=self.errors)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.stream is None and not self.refused:
+            try:
+                self.stream = self._open()
+            except OSError:  # a link or a pipe in its place, an unwritable folder: the console alone
+                self.refused = True
+        if self.stream is not None:
+            logging.StreamHandler.emit(self, record)
 
 
 class EchoFilter:
@@ -127,10 +157,11 @@ class EchoFilter:
             self.mode = "traceback"
             self.tracebacks += text.startswith(self.TRACEBACK[0])
             return b""
-        if text.startswith(b"rank ") and b" failed: " in text and text[5:].split(b" ", 1)[0].isdigit():
+        if text.startswith(b"rank ") and b" failed: " in text:
             rank, cause = text[5:].decode(errors="replace").split(" failed: ", 1)
-            self.failures.append((int(rank), cause.strip()))
-            return b""
+            if (number := parse_number(rank)) is not None:
+                self.failures.append((number, cause.strip()))
+                return b""
         if self.BINDING.match(text) or self.MORE_HELP.match(text):
             return b""
         return line

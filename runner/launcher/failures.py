@@ -10,8 +10,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from runner.folder_files import open_in_folder, read_text
 from runner.launcher.watchdog import read_lost
-from runner.run_folder import BINDINGS, LOGS, MPIRUN_LOG, rank_file, read_checkpoint_index, read_json
+from runner.run_folder import (
+    BINDINGS,
+    LOGS,
+    MPIRUN_LOG,
+    parse_number,
+    rank_file,
+    read_checkpoint_index,
+    read_json,
+)
 
 #: Open MPI's report of a rank ended by a signal (the line is wrapped before "signal").
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
@@ -101,11 +110,30 @@ def _after(ranks: list[int]) -> str:
 def job_output(run_dir: Path, log_start: int) -> str:
     """This job's part of ``mpirun.log`` (from ``log_start``; a resumed run appends to it), or ""."""
     try:
-        with open(run_dir / MPIRUN_LOG, "rb") as log:
+        with open_in_folder(run_dir / MPIRUN_LOG, "rb") as log:
             log.seek(log_start)
             return log.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def error_files(logs: Path) -> dict[int, str]:
+    """The first line of each ``rank<r>.error`` in ``logs`` (the rank's root cause), the oldest first; a
+    file not named by a rank's number, or not a regular file (a link), is not a rank's."""
+    causes = {}
+    try:
+        errors = sorted(logs.glob("rank*.error"), key=lambda p: p.lstat().st_mtime)
+    except OSError:
+        return {}
+    for path in errors:
+        rank = parse_number(path.name[4:-6])
+        try:
+            text = read_text(path, errors="replace") if rank is not None else ""
+        except OSError:
+            continue
+        if rank is not None:
+            causes[rank] = (text.splitlines() or [""])[0]
+    return causes
 
 
 def failure_report(
@@ -123,11 +151,7 @@ def failure_report(
     could not be written (a read-only or full run folder).
     """
     logs = run_dir / LOGS
-    try:
-        errors = sorted(logs.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
-        causes = {int(p.name[4:-6]): (p.read_text(errors="replace").splitlines() or [""])[0] for p in errors}
-    except (OSError, ValueError):
-        causes = {}
+    causes = error_files(logs)
     for rank, cause in said:
         causes.setdefault(rank, cause)
     output = job_output(run_dir, log_start)

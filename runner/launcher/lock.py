@@ -6,6 +6,11 @@ exits (a launcher killed by SIGKILL takes its job with it, see :mod:`runner.laun
 file left behind by a dead launcher blocks nothing. A second launch into the folder, or a second
 ``resume=`` of it while the first runs, is refused before anything is written there, naming the holder.
 
+A folder holding a symbolic link or a special file among its files (:func:`runner.run_folder.foreign_files`:
+one planted to make the runner write elsewhere, such as ``job.lock`` linked to a file of the user's) is
+refused before the lock file is opened, naming each; the lock file itself is opened as a regular file of
+the folder, never through a link.
+
 The lock fails closed: a lock file that cannot be opened or locked (a directory in its place, a folder
 that cannot be read or written, a file system without ``flock``) refuses the job, naming the file and the
 fix, rather than running it unguarded beside another.
@@ -21,7 +26,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from runner.run_folder import CONFIG, LOCK, STOP
+from runner.folder_files import ForeignFile, foreign_refusal, open_fd
+from runner.run_folder import CONFIG, LOCK, STOP, foreign_files
 
 
 class RunFolderLock:
@@ -39,7 +45,11 @@ class RunFolderLock:
         try:
             if self.fresh:  # (Hydra has made a new run's folder already; resume= names an existing one)
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if found := foreign_files(self.run_dir):
+                raise ValueError(f"{foreign_refusal(found)}. Nothing was started")
+            self.fd = open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except ForeignFile as err:
+            raise ValueError(f"{err}. Nothing was started") from None
         except OSError as err:
             raise ValueError(self._cannot_lock(path, err)) from None
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from runner.folder_files import dangling_link
 from runner.run_folder import HYDRA_DIR
 from runner.schema.config import Config
 from runner.schema.source import register_source
@@ -58,7 +59,8 @@ def check_folders(argv: list[str]) -> None:
         except OSError as err:
             raise OSError(
                 err.errno,
-                f"{key}={value}: cannot make this folder: {err.strerror or err}; give a folder you can "
+                dangling_link(key, value)
+                or f"{key}={value}: cannot make this folder: {err.strerror or err}; give a folder you can "
                 "write, with a shorter name",
             ) from None
 

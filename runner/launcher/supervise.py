@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from runner.folder_files import is_regular, open_in_folder
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
 from runner.launcher.session_dir import session_dir
@@ -143,7 +144,7 @@ class Supervisor:
         previous = self._install_handlers()
         self.proc: subprocess.Popen | None = None
         log = self.run_dir / MPIRUN_LOG
-        log_start = log.stat().st_size if log.is_file() else 0
+        log_start = log.stat().st_size if is_regular(log) else 0
         try:
             self.launch_time = time.time()
             self.proc = subprocess.Popen(
@@ -356,7 +357,7 @@ class Supervisor:
         the job never blocks on its output."""
         log: BinaryIO | None
         try:
-            log = open(self.run_dir / MPIRUN_LOG, "ab")
+            log = open_in_folder(self.run_dir / MPIRUN_LOG, "ab")  # (never through a link)
         except OSError as err:
             log = None
             self._say(

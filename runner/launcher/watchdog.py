@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.run_folder import LOST, rank_file_name
+from runner.folder_files import read_text
+from runner.run_folder import LOST, parse_number, rank_file_name
 
 #: A rank whose heartbeat thread has not written for this long is stopped or dead, not merely waiting.
 NOT_RESPONDING_S = 10.0
@@ -128,7 +129,7 @@ def lost_servers(
 def read_lost(logs: Path) -> set[int]:
     """The ranks the others went on without (``logs/lost.json``; empty if none)."""
     try:
-        return set(json.loads((logs / LOST).read_text())["lost"])
+        return set(json.loads(read_text(logs / LOST))["lost"])
     except (OSError, ValueError, KeyError):
         return set()
 
@@ -137,9 +138,9 @@ def spawned_ids(logs: Path, ranks: int) -> list[int]:
     """The ids of workers spawned into the job (heartbeat files ``rank<id>.beat`` with ``id >= ranks``)."""
     ids = []
     for path in logs.glob(rank_file_name(0, "beat").replace("0", "*", 1)):
-        digits = path.name.removeprefix("rank").split(".")[0]
-        if digits.isdigit() and int(digits) >= ranks:
-            ids.append(int(digits))
+        number = parse_number(path.name.removeprefix("rank").split(".")[0])
+        if number is not None and number >= ranks:
+            ids.append(number)
     return sorted(ids)
 
 
@@ -158,7 +159,7 @@ def read_beats(
         if r in lost:
             continue
         try:
-            beat = json.loads((logs / rank_file_name(r, "beat")).read_text())
+            beat = json.loads(read_text(logs / rank_file_name(r, "beat")))
         except FileNotFoundError:
             if r not in previous and r < ranks:
                 beats[r] = None

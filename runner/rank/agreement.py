@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from runner.lazy import lazy_import
 from runner.rank.assignment import decision_slot
-from runner.rank.join_request import JOIN_READ, growth_refusal, join_count, stale_join
+from runner.rank.join_request import growth_refusal, join_count, read_join, stale_join
 from runner.run_folder import JOIN, STOP
 
 if TYPE_CHECKING:
@@ -110,8 +110,7 @@ class Control:
         text that is not a small number is named in one warning and ignored
         (:func:`runner.rank.join_request.join_count`)."""
         try:
-            with open(self.join_file, "rb") as f:
-                text = f.read(JOIN_READ).decode(errors="replace")
+            text = read_join(self.join_file)  # (a named pipe or a link there is named, never waited on)
             if take:
                 self.join_file.unlink()
         except FileNotFoundError:

@@ -30,6 +30,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.folder_files import create_new, make_folder, open_in_folder
 from runner.lazy import lazy_import
 from runner.rank.fence import Fence, Partitioned
 from runner.run_folder import (
@@ -44,6 +45,7 @@ from runner.run_folder import (
     read_checkpoint_index,
     rebuild_checkpoint_index,
     write_atomic,
+    write_error,
 )
 
 if TYPE_CHECKING:
@@ -110,10 +112,11 @@ class _Digesting:
 
 def save_atomic(obj: Any, path: Path) -> dict[str, int]:
     """``torch.save`` to ``path`` through a temporary file, so ``path`` is either absent or complete;
-    returns its size and CRC-32 (``{"bytes", "crc32"}``, as :func:`~runner.run_folder.file_digest`)."""
+    returns its size and CRC-32 (``{"bytes", "crc32"}``, as :func:`~runner.run_folder.file_digest`). The
+    temporary file is made anew (:func:`~runner.folder_files.create_new`: never written through a link)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        with create_new(tmp, binary=True) as f:
             out = _Digesting(f)
             try:
                 torch.save(obj, out)
@@ -126,11 +129,20 @@ def save_atomic(obj: Any, path: Path) -> dict[str, int]:
         os.replace(tmp, path)
         return {"bytes": out.size, "crc32": out.crc}
     except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from None
+        _remove(tmp)
+        raise OSError(err.errno, f"cannot write {path}: {write_error(err, path.parent)}") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
+
+
+def _remove(tmp: Path) -> None:
+    """Remove a temporary file that was not completed (not a folder in its place)."""
+    try:
+        if not tmp.is_dir():
+            tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
@@ -157,7 +169,8 @@ def load_checked(path: Path, record: dict[str, int] | None, fix: str, map_locati
     problem = part_damage(path, record)
     if problem is None:
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            with open_in_folder(path, "rb") as file:  # (not through a link put there since)
+                return torch.load(file, map_location=map_location, weights_only=True)
         except (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
             reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
             problem = f"torch.load cannot read it: {type(err).__name__}{': ' + reason if reason else ''}"
@@ -189,8 +202,7 @@ class Checkpointer:
     ):
         self.cfg, self.world = cfg, world
         self.fence = fence or Fence(run_dir, world.tolerant)
-        self.root = run_dir / CHECKPOINTS
-        self.root.mkdir(exist_ok=True)
+        self.root = make_folder(run_dir / CHECKPOINTS)
         self.last_time = time.time()
         self.count = resumed["seq"] if resumed else 0
         self.latest: str | None = resumed["dir"] if resumed else None
@@ -218,7 +230,7 @@ class Checkpointer:
             self.world.fault_barrier()
             self.fenced(f"checkpoint {name}")
         self.count += 1
-        (self.root / name).mkdir(exist_ok=True)
+        make_folder(self.root / name)
         digest = save_atomic(part, checkpoint_part(self.root.parent, name, self.world.rank))
         parts = self.world.allgather_object(digest)  # and a barrier: every rank has written its part
         self.latest = name

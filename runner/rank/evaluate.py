@@ -20,7 +20,7 @@ import torch
 
 from runner.rank.saved_model import load_model
 from runner.rank.validation import validation_sums
-from runner.run_folder import CONFIG, EVAL, MODEL
+from runner.run_folder import CONFIG, EVAL, MODEL, write_atomic
 
 
 def evaluate_run(run_dir: Path) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
         "device": str(device),
         "seconds": time.perf_counter() - start,
     }
-    (run_dir / EVAL).write_text(json.dumps(record, indent=1) + "\n")
+    write_atomic(run_dir / EVAL, json.dumps(record, indent=1) + "\n")  # (never through a link)
     return record
 
 

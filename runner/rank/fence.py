@@ -17,6 +17,13 @@ rules stop that:
   records of the side that claimed the generation first.
 
 A side that must not go on raises :class:`Partitioned`: it ends without a checkpoint, naming the cut.
+
+Claims are made one after another from the job's start (the launcher removes an earlier job's), so a
+later membership's claims follow this side's without a gap. A ``generation.<g>`` file that does not
+(``generation.5`` with no ``generation.1`` to ``4``), or whose name is no number (``generation.²``), or that
+is not a regular file, was not written by this job: no membership change made it, so it fences nothing. It
+is named in one warning and ignored, rather than stopping a healthy job (a file put there, or left by
+hand, says nothing about where the job's workers are).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from runner.run_folder import GENERATION, LOGS
+from runner.folder_files import describe, is_regular, read_bytes, refused
+from runner.run_folder import GENERATION, LOGS, parse_number
 
 
 class Partitioned(RuntimeError):
@@ -64,28 +72,66 @@ class Fence:
     def __init__(self, run_dir: Path, enabled: bool):
         self.dir, self.enabled = run_dir / LOGS, enabled
         self.generation = 0
+        self.ignored: set[str] = set()  # the files named as not this job's, named once
 
     def current(self) -> int:
-        """The run folder's latest claimed generation (0: none yet)."""
+        """The run folder's latest claimed generation (0: none yet): the last of the claims 1, 2, ... that
+        follow one another. Files of the form that are no claim of this job are warned of, once each."""
         prefix = GENERATION + "."
         try:
-            names = os.listdir(self.dir)
+            names = [n for n in os.listdir(self.dir) if n.startswith(prefix)]
         except OSError:
             return 0
-        numbers = [n[len(prefix) :] for n in names if n.startswith(prefix)]
-        return max((int(g) for g in numbers if g.isdigit()), default=0)
+        claimed = {}
+        for name in names:
+            number = parse_number(name[len(prefix) :])
+            if number and is_regular(self.dir / name):
+                claimed[number] = name
+        latest = 0
+        while latest + 1 in claimed:
+            latest += 1
+        self._warn(sorted(set(names) - {claimed[g] for g in range(1, latest + 1)}), latest)
+        return latest
+
+    def _warn(self, names: list[str], latest: int) -> None:
+        """Name the generation files no membership change of this job made (``latest``: its last claim)."""
+        why = (
+            f"its claims are {GENERATION}.1 to {GENERATION}.{latest}, one after another"
+            if latest
+            else "no worker was lost, so it claimed no generation"
+        )
+        for name in names:
+            if name not in self.ignored:
+                self.ignored.add(name)
+                print(
+                    f"warning: {self.dir / name} was not written by this job ({why}): ignored; remove it",
+                    flush=True,
+                )
 
     def claim(self, members: str) -> bool:
         """Claim the next generation for this rank's membership (``members``: who, for the file); False when
         another side claimed it first (a fence that is not enabled claims nothing and is never refused).
-        Called by the new rank 0 alone; every member then calls :meth:`advance`."""
+        Called by the new rank 0 alone; every member then calls :meth:`advance`. A link or special file
+        in the claim's place is no side's claim (claims are regular files): it is removed, and claimed over
+        (a folder there raises :class:`~runner.folder_files.ForeignFile`)."""
         if not self.enabled:
             return True
         path = self.dir / f"{GENERATION}.{self.generation + 1}"
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path, flags, 0o644)
         except FileExistsError:
-            return False
+            if is_regular(path):
+                return False
+            what = describe(path, os.lstat(path).st_mode)
+            print(f"warning: {path} is {what}, no claim of this job: removed", flush=True)
+            try:
+                os.unlink(path)  # (the link itself)
+                fd = os.open(path, flags, 0o644)
+            except FileExistsError:  # another side claimed it meanwhile
+                return False
+            except OSError:
+                raise refused(path) from None
         with os.fdopen(fd, "w") as file:
             file.write(members + "\n")
         return True
@@ -104,4 +150,14 @@ class Fence:
             raise Partitioned(
                 f"partitioned: the run folder belongs to membership generation {latest}, this side is at "
                 f"generation {self.generation}; {what} not written, this side stops without a checkpoint"
+                + (self._holder(latest) if latest > self.generation else "")
             )
+
+    def _holder(self, generation: int) -> str:
+        """`` (RUN_DIR/logs/generation.2 claims it for 0@a, 1@a)``: the claim of ``generation``, named."""
+        path = self.dir / f"{GENERATION}.{generation}"
+        try:
+            who = read_bytes(path, 200).decode(errors="replace").strip()
+        except OSError:
+            who = ""
+        return f" ({path} claims it{' for ' + who if who else ''})"

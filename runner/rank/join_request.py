@@ -4,23 +4,24 @@ Its text must be a small number (ASCII digits, 1 to :data:`MOST_JOINED`; empty: 
 warning and ignored (:func:`join_count`); a job that cannot grow (no fault tolerance, or collectives on NCCL
 or gloo, whose groups cannot take new ranks) refuses it in one warning (:func:`growth_refusal`); either way
 the file is removed and the job goes on. A JOIN older than the job (left by an earlier job of the run
-folder) is removed unread (:func:`stale_join`). The growth itself is :mod:`runner.rank.resilience.elastic`'s.
+folder) is removed unread (:func:`stale_join`). It is read as a regular file of the run folder, never
+through a link and never blocking (:func:`read_join`): a named pipe there would hold worker 0, and with it
+the job, until the stall watchdog ended it. The growth itself is :mod:`runner.rank.resilience.elastic`'s.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from runner.folder_files import open_in_folder
+from runner.run_folder import parse_number
 
 if TYPE_CHECKING:
     from runner.comm import Comm
 
 #: The most workers one ``RUN_DIR/JOIN`` may ask for (``hardware.max_workers`` caps them further).
 MOST_JOINED = 1000
-#: A JOIN's text: ASCII digits only (``str.isdigit`` takes ``²`` and other scripts' digits, which ``int``
-#: refuses), at most 4 of them, so that no text can overflow a count; a leading ``+`` is allowed.
-JOIN_TEXT = re.compile(r"\+?[0-9]{1,4}")
 #: The most of a JOIN file read (a request is a few bytes; a large file is not read whole).
 JOIN_READ = 4096
 
@@ -30,11 +31,20 @@ def join_count(text: str) -> tuple[int, str | None]:
     text = text.strip()
     if text == "":
         return 1, None
-    if JOIN_TEXT.fullmatch(text) and 1 <= int(text) <= MOST_JOINED:
-        return int(text), None
+    count = parse_number(text.removeprefix("+"))  # (ASCII digits only, and few)
+    if count is not None and 1 <= count <= MOST_JOINED:
+        return count, None
     more = "+" if len(text) >= JOIN_READ - 1 else ""  # (only so much of the file was read)
     shown = ascii(text[:40]) + (f"... ({len(text)}{more} characters)" if len(text) > 40 else "")
     return 0, f"says {shown}: write the number of workers to add, 1 to {MOST_JOINED} (e.g. 2)"
+
+
+def read_join(path: Path) -> str:
+    """The text of ``RUN_DIR/JOIN`` (its first :data:`JOIN_READ` bytes), read at once: a link, a named pipe
+    or anything but a regular file raises :class:`~runner.folder_files.ForeignFile` (an OSError naming
+    it), and nothing blocks."""
+    with open_in_folder(path, "rb") as file:
+        return file.read(JOIN_READ).decode(errors="replace")
 
 
 def growth_refusal(workers: Comm) -> str | None:

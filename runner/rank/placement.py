@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from runner.folder_files import read_text
 from runner.hardware.topology import Topology, gpu_slots, read_topology
-from runner.run_folder import BINDINGS, PLAN
+from runner.run_folder import BINDINGS, PLAN, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -78,8 +79,10 @@ def check_bindings(bindings: list[dict[str, Any]], bind: str, plan: list[dict[st
 
 def read_plan(run_dir: Path) -> list[dict[str, Any]] | None:
     """The launcher's ``plan.json`` (each rank's NUMA node, cores and GPU), or None when it made none."""
-    plan_file = run_dir / PLAN
-    return json.loads(plan_file.read_text()) if plan_file.exists() else None
+    try:
+        return json.loads(read_text(run_dir / PLAN))  # (never through a link)
+    except FileNotFoundError:
+        return None
 
 
 def select_device(hw: HardwareConfig, comm: RankComm, run_dir: Path) -> torch.device:
@@ -125,7 +128,7 @@ def place_rank(hw: HardwareConfig, comm: RankComm, run_dir: Path) -> tuple[torch
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)
         report = {"ranks": bindings, "plan": plan, "problems": problems}
-        (run_dir / BINDINGS).write_text(json.dumps(report, indent=1))
+        write_atomic(run_dir / BINDINGS, json.dumps(report, indent=1))
     return device, binding
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.folder_files import read_text
 from runner.rank.checkpoint import load_checked, save_atomic
 from runner.run_folder import dumps, write_atomic
 
@@ -43,7 +44,7 @@ def read_record(model: Path) -> dict[str, int] | None:
     Raises ValueError naming a record that cannot be read or is not one."""
     path = record_path(model)
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_text(path))  # (never through a link)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:

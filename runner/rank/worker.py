@@ -36,6 +36,7 @@ from runner.comm import mpi
 from runner.comm.links import emulated
 from runner.comm.routes.hierarchical import settle as settle_hierarchy
 from runner.data.base import spread
+from runner.folder_files import write_text
 from runner.hardware.base import HardwareConfig
 from runner.hardware.topology import read_topology
 from runner.optim import OptimConfig
@@ -505,7 +506,7 @@ def stop_partitioned(err: Partitioned, run_dir: Path, rank: int, log_file: TextI
     """Leave on the minority side of a partition: the reason in ``logs/rank<r>.partitioned`` and the rank's
     log, nothing else written, no MPI_Abort (the majority goes on; an error file would end its job)."""
     try:
-        rank_file(run_dir, rank, PARTITIONED).write_text(f"{err}\n")
+        write_text(rank_file(run_dir, rank, PARTITIONED), f"{err}\n")  # (never through a link)
     except OSError:
         pass
     print(f"rank {rank} stopped: {err}", file=sys.stderr, flush=True)  # to its log too
@@ -519,7 +520,7 @@ def fail(err: BaseException, run_dir: Path, rank: int, log_file: TextIO) -> None
     3 diverged, a SystemExit's own code, else 1."""
     cause = root_cause(err)
     try:
-        rank_file(run_dir, rank, "error").write_text(f"{cause}\n\n{traceback.format_exc()}")
+        write_text(rank_file(run_dir, rank, "error"), f"{cause}\n\n{traceback.format_exc()}")
     except OSError as io:
         print(f"rank {rank}: could not write its error file: {io}", file=sys.stderr)
     log_file.write(traceback.format_exc())

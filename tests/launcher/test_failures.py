@@ -4,6 +4,7 @@ killed, stopped, preempted and failed."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import runner.launcher.launch
+import runner.run_folder
 from runner.launcher.failures import failure_report
 from runner.launcher.launch import EXIT, JobEnded, RunFolderError, conclude, prepare, write_atomic
 from runner.launcher.supervise import Outcome
@@ -258,21 +260,29 @@ def test_each_way_a_job_ends_has_its_status_and_exit_status(cfg, tmp_path, job, 
         assert written["signal"] == outcome.signal
 
 
-def test_a_summary_that_cannot_be_written_is_one_clear_line_and_loses_nothing(cfg, tmp_path):
-    """A full disk (the temporary file goes to /dev/full): the ranks' summary.json stays as it was."""
+class FullDisk(io.StringIO):
+    """A file on a full disk: every write fails."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_summary_that_cannot_be_written_is_one_clear_line_and_loses_nothing(cfg, tmp_path, monkeypatch):
+    """A full disk (every write of the temporary file fails): the ranks' summary.json stays as it was."""
+    monkeypatch.setattr(runner.run_folder, "create_new", lambda path, binary=False: FullDisk())
     ranks = '{"status": "ok", "final_val_acc": 0.9}'
     (tmp_path / "summary.json").write_text(ranks)
-    (tmp_path / ".summary.json.tmp").symlink_to("/dev/full")
     with pytest.raises(RunFolderError) as failed:
         conclude(cfg, tmp_path, Outcome(0), 1.0)
     assert str(failed.value) == (
-        f"cannot write {tmp_path / 'summary.json'}: No space left on device; the job itself ended ok"
+        f"cannot write {tmp_path / 'summary.json'}: No space left on device; free space on its disk "
+        f"(df -h {tmp_path}); the job itself ended ok"
     )
     assert failed.value.code == 1 and (tmp_path / "summary.json").read_text() == ranks
     (tmp_path / "summary.json").unlink()
-    (tmp_path / ".summary.json.tmp").symlink_to("/dev/full")
     with pytest.raises(
-        RunFolderError, match=r"No space left on device; the job itself: failed: the job exited 0"
+        RunFolderError,
+        match=r"No space left on device; free space .*; the job itself: failed: the job exited 0",
     ):
         conclude(cfg, tmp_path, Outcome(0), 1.0)
 

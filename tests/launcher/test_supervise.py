@@ -3,6 +3,7 @@ watchdog. Jobs here are stand-in scripts (no MPI); the real-job tests are in tes
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -428,10 +429,19 @@ def test_each_watch_reads_the_heartbeats_once(tmp_path, monkeypatch):
     assert readings == [1, 1, 1]
 
 
-def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(job, tmp_path, capfd, caplog):
+class FullDisk(io.BytesIO):
+    """A file on a full disk: every write fails."""
+
+    def write(self, data) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(
+    job, tmp_path, capfd, caplog, monkeypatch
+):
     """Writing the log fails (the disk is full): said once, and the job's output is still drained (a
     job whose pipe is not read blocks forever) and shown."""
-    (tmp_path / "mpirun.log").symlink_to("/dev/full")
+    monkeypatch.setattr(runner.launcher.supervise, "open_in_folder", lambda path, mode: FullDisk())
     outcome = job("chatty").run()
     assert outcome.returncode == 0
     assert (

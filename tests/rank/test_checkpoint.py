@@ -322,6 +322,6 @@ def test_a_full_disk_is_named_with_the_file_not_torchs_unexpected_pos(tmp_path, 
     """torch.save reports a write that fails midway as 'unexpected pos 704 vs 598': cause and file lost."""
     import runner.rank.checkpoint as checkpoint
 
-    monkeypatch.setattr(checkpoint, "open", lambda path, mode: FillsUp(5000), raising=False)
+    monkeypatch.setattr(checkpoint, "create_new", lambda path, binary=False: FillsUp(5000))
     with pytest.raises(OSError, match=rf"\[Errno 28\] cannot write {tmp_path / 'rank0.pt'}: No space left"):
         checkpoint.save_atomic({"x": torch.zeros(100_000)}, tmp_path / "rank0.pt")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runner.folder_files import is_regular, open_in_folder, read_text, write_text
 from runner.rank.records.output import root_cause
 from runner.rank.records.tracking import RunInfo, Trackers, scalars
 from runner.run_folder import METRICS, MODEL, SUMMARY, dumps, read_json
@@ -40,25 +41,24 @@ class MetricsLog:
         self.file = self.trackers = None
         if not enabled:
             return
-        path = run_dir / METRICS
+        path = run_dir / METRICS  # (opened as the run folder's own file: never through a link)
         if resume:
-            kept = path.read_text().splitlines(keepends=True)[: resume[0]] if path.exists() else []
-            path.write_text("".join(kept))
+            kept = _lines(path)[: resume[0]]
+            write_text(path, "".join(kept))
             self.lines = len(kept)
-        self.file = open(path, "a", buffering=1)
+        self.file = open_in_folder(path, "a", buffering=1)
         self.trackers = Trackers(self.loggers, RunInfo.read(run_dir, resume[1] if resume else None))
 
     def take_over(self) -> None:
         """This rank writes the records from now on (the writing rank was lost): append to what it wrote,
         without a line it may have left half-written; the trackers continue the run's records."""
         path = self.dir / METRICS
-        text = path.read_text() if path.exists() else ""
-        kept = text.splitlines(keepends=True)
+        kept = _lines(path)
         if kept and not kept[-1].endswith("\n"):
             kept.pop()
-            path.write_text("".join(kept))
+            write_text(path, "".join(kept))
         self.lines, self.enabled = len(kept), True
-        self.file = open(path, "a", buffering=1)
+        self.file = open_in_folder(path, "a", buffering=1)
         self.trackers = Trackers(self.loggers, RunInfo.read(self.dir, continued=True))
 
     def elapsed(self) -> float:
@@ -108,5 +108,14 @@ class MetricsLog:
         if not self.enabled or self.trackers is None:
             return
         model = self.dir / MODEL
-        self.trackers.call("finish", read_json(self.dir / SUMMARY), model if model.is_file() else None)
+        saved = model if is_regular(model) else None  # (a link's target is not the run's model to upload)
+        self.trackers.call("finish", read_json(self.dir / SUMMARY), saved)
         self.trackers.live.clear()
+
+
+def _lines(path: Path) -> list[str]:
+    """The lines of ``metrics.jsonl`` with their ends ([] when there is none)."""
+    try:
+        return read_text(path).splitlines(keepends=True)
+    except FileNotFoundError:
+        return []

@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
+from runner.folder_files import make_folder, open_in_folder
 from runner.run_folder import LOGS, rank_file
 
 
@@ -39,9 +40,8 @@ def redirect_output(run_dir: Path, rank: int) -> tuple[TextIO, TextIO]:
 
     Returns ``(log, terminal)``: the log file, and the terminal stream for rank 0's progress bar.
     """
-    logs = run_dir / LOGS
-    logs.mkdir(exist_ok=True)
-    log = open(rank_file(run_dir, rank, "log"), "a", buffering=1)
+    make_folder(run_dir / LOGS)  # (a link in its place is refused: the logs are the run folder's own)
+    log = open_in_folder(rank_file(run_dir, rank, "log"), "a", buffering=1)
     terminal = sys.stdout
     if rank == 0:
         sys.stdout, sys.stderr = Tee(log, sys.stdout), Tee(log, sys.stderr)

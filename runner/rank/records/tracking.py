@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runner.folder_files import is_regular, open_in_folder
 from runner.rank.records.output import root_cause
 from runner.run_folder import CONFIG, EXIT, IDENTITY, SUMMARY, SWEEP_CONFIG, TENSORBOARD, read_json
 from runner.schema import GROUPS, option_modules, schema_of
@@ -109,7 +110,8 @@ class RunInfo:
         ident = read_json(run_dir / IDENTITY)
         config = {}
         if (run_dir / CONFIG).is_file():
-            config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG))
+            with open_in_folder(run_dir / CONFIG) as file:  # (never through a link)
+                config = OmegaConf.to_container(OmegaConf.load(file))
         schemas = config.pop("_schemas_", None) or {}
         sweep = run_dir.parent if (run_dir.parent / SWEEP_CONFIG).is_file() else None
         name = str(ident.get("name") or run_dir.name)
@@ -504,7 +506,7 @@ class MLflowTracker(Tracker):
             made = self.client.create_run(experiment, run_name=cfg.run_name or run.name, tags=tags)
             self.run_id = made.info.run_id
         self._params(set() if found is None else set(found.data.params))
-        if (run.dir / CONFIG).is_file():
+        if is_regular(run.dir / CONFIG):  # (a link's target is not the run's to upload)
             self.client.log_artifact(self.run_id, str(run.dir / CONFIG))
 
     def _experiment(self) -> str:
@@ -557,7 +559,7 @@ class MLflowTracker(Tracker):
 
     def finish(self, summary: dict[str, Any], model: Path | None) -> None:
         self._metrics(summary_numbers(summary), int(summary.get("steps") or 0))
-        if (self.run.dir / SUMMARY).is_file():
+        if is_regular(self.run.dir / SUMMARY):
             self.client.log_artifact(self.run_id, str(self.run.dir / SUMMARY))
         if model is not None and self.cfg.log_model:
             self.client.log_artifact(self.run_id, str(model))
