@@ -2,8 +2,9 @@
 
 Registered in ``conf/config.yaml`` (``hydra.callbacks.report``). Hydra calls ``on_multirun_end`` only when
 every point of the sweep ended ok (a failed point makes the sweeper raise first), so the report of a sweep
-that did not complete is written when the launcher exits instead. Either way a report that cannot be
-written is logged and changes nothing else: not the sweep's exit status, not its folders.
+that did not complete is written when the launcher exits instead; none for a sweep refused before any
+point started (its folder may be another sweep's). Either way a report that cannot be written is logged
+and changes nothing else: not the sweep's exit status, not its folders.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from runner.launcher import outcomes
 
 log = logging.getLogger("runner")
 
@@ -41,6 +44,8 @@ class SweepReport(Callback):
             self.write(Path(config.hydra.sweep.dir))
 
     def _at_exit(self) -> None:
+        if self.sweep_dir in outcomes.REFUSED:  # refused before any point started: maybe another's folder
+            return
         if not self.done and self.sweep_dir is not None and self.sweep_dir.is_dir():
             self.write(self.sweep_dir, quiet_if_empty=True)
 

@@ -25,6 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.folder_files import read_text, unwritten
 from runner.launcher import outcomes
 from runner.launcher.help import CONF, PRIMARY, register_help
 from runner.launcher.launch import JobEnded, launch
@@ -80,7 +81,7 @@ def main(cfg: DictConfig) -> float:
     point = None if single or cfg.eval else (Path(hydra_cfg.sweep.dir), hydra_cfg.job.num)
     if point is not None and not start_point(*point, ident, fail_fast=cfg.sweep.fail_fast):
         return float("nan")  # sweep.fail_fast: another point failed
-    status = "failed"
+    status, reason = "failed", None
     try:
         if cfg.eval:
             return evaluate(cfg)
@@ -102,7 +103,7 @@ def main(cfg: DictConfig) -> float:
             summary = launch(cfg, run_dir, ident, label=None if single else ident["name"], share=share)
             status = "ok"
     except (ValueError, OmegaConfBaseException) as err:  # a user error, named with its key and fix
-        status = "invalid"
+        status, reason = "invalid", outcomes.one_line(err)
         log.error("%sinvalid input, nothing was started: %s", tag(single, ident), err)
         if not single and not in_process(hydra_cfg.launcher):
             raise
@@ -117,7 +118,7 @@ def main(cfg: DictConfig) -> float:
         return not_ok(single, ident, err.status, err.code)
     finally:
         if point is not None:
-            end_point(*point, status)
+            end_point(*point, status, reason)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
 
 
@@ -172,8 +173,14 @@ def evaluate(cfg: DictConfig) -> float:
     if done.returncode != 0:
         log.error("evaluation of %s failed (exit %d): the error is above", run_dir, done.returncode)
         raise SystemExit(EXIT["failed"])
-    record = json.loads((run_dir / EVAL).read_text())
+    record = json.loads(read_text(run_dir / EVAL))
     return record[record["monitor"]]
+
+
+def os_cause(err: OSError) -> str:
+    """An OS error before the job started, in one line: a full disk's (Hydra's write of the run folder's
+    ``.hydra/``) named with its file and the fix."""
+    return unwritten(err, "hydra.run.dir") or str(err.strerror or err)
 
 
 def completion_query(argv: list[str]) -> bool:
@@ -230,7 +237,7 @@ def run() -> None:
         if completing:  # the shell prints what we print on stderr into the user's prompt: no candidates
             sys.exit(1)
         if (cause := os_error(err)) is not None:  # not the input's fault: status failed, in one line
-            print(f"error: nothing was started: {cause.strerror or cause}", file=sys.stderr)
+            print(f"error: nothing was started: {os_cause(cause)}", file=sys.stderr)
             sys.exit(EXIT["failed"])
         if not invalid_input(err):
             raise

@@ -39,6 +39,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner import run_folder
+from runner.folder_files import disk_fix, read_text
 from runner.hardware.base import Launch
 from runner.launcher.failures import Failure, failure_report, unexplained
 from runner.launcher.supervise import Outcome, Supervisor
@@ -58,11 +59,12 @@ from runner.run_folder import (
     PLAN,
     STOP,
     SUMMARY,
+    parse_number,
     read_checkpoint_index,
     read_json,
     read_metrics,
 )
-from runner.schema import option_name
+from runner.schema import option_name, provenance
 from runner.schema.config import Config, schema_paths, validate
 from runner.schema.secrets import hidden
 
@@ -137,9 +139,14 @@ def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | No
         for claimed in (run_dir / LOGS).glob(f"{GENERATION}.*"):  # and its memberships
             claimed.unlink(missing_ok=True)
     except OSError as err:
-        raise RunFolderError(f"cannot write the run folder {run_dir}: {err.strerror or err}") from None
+        fix = disk_fix(err, run_dir, "hydra.run.dir")
+        raise RunFolderError(
+            f"cannot write the run folder {run_dir}: {err.strerror or err}" + (f"; {fix}" if fix else "")
+        ) from None
     text = OmegaConf.to_yaml(hidden(resolved))  # hardware.env's values: secrets
     write_atomic(run_dir / CONFIG, text)
+    if (own := provenance.mark(run_dir, text)) is not None:  # this user's folder (runner.schema.provenance)
+        write_atomic(run_dir / provenance.MARK, own)
     launch.env[CONFIG_SHA_ENV] = hashlib.sha256(text.encode()).hexdigest()  # the ranks' config, vouched for
     if ident is not None:
         write_atomic(run_dir / IDENTITY, json.dumps(hidden(ident), indent=1))
@@ -224,7 +231,9 @@ def conclude(
     else:
         failure = failure_report(run_dir, outcome.returncode, outcome.log_start, outcome.said)
         if failure.cause == unexplained(0) and outcome.returncode == 0:  # (ULFM: MPI_Abort exits 0)
-            failure = Failure("the job exited 0 but wrote no summary.json", None, "no summary.json")
+            failure = stopped_partitioned(run_dir, wall) or Failure(
+                "the job exited 0 but wrote no summary.json", None, "no summary.json"
+            )
         status, reason = failure.status, failure.message
         fields = {"failed_rank": failure.rank, "cause": failure.cause, "mpirun_status": outcome.returncode}
         if outcome.signal and status == "failed":  # the stop signal reached mpirun too (Slurm sends it so)
@@ -263,12 +272,24 @@ def partitioned(run_dir: Path, since: float) -> dict[int, str]:
     their reasons (``logs/rank<r>.partitioned``, :mod:`runner.rank.fence`)."""
     found = {}
     for path in sorted((run_dir / LOGS).glob(f"rank*.{PARTITIONED}")):
+        rank = parse_number(path.name[4 : -len(PARTITIONED) - 1])
         try:
-            if path.stat().st_mtime >= since:
-                found[int(path.name[4 : -len(PARTITIONED) - 1])] = path.read_text().strip()
-        except (OSError, ValueError):
+            if rank is not None and path.lstat().st_mtime >= since:
+                found[rank] = read_text(path, errors="replace").strip()
+        except OSError:
             continue
     return dict(sorted(found.items()))
+
+
+def stopped_partitioned(run_dir: Path, wall: float) -> Failure | None:
+    """Why a job that wrote no summary.json ended, when its ranks stopped as the minority side of a
+    partition during it (the last ``wall`` seconds) and no side went on: the first one's reason."""
+    cut = partitioned(run_dir, time.time() - wall - 1)
+    if not cut:
+        return None
+    rank, why = next(iter(cut.items()))
+    where = run_dir / LOGS / f"rank{rank}.{PARTITIONED}"
+    return Failure(f"rank {rank} stopped: {why} (no side went on; see {where})", rank, why)
 
 
 def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:

@@ -3,11 +3,16 @@ what counts as the user's input among the errors that end a point before it star
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 #: The sweep points that did not end ok, as (name, status, exit status), in the order they ended.
 NOT_OK: list[tuple[str, str, int]] = []
+#: Sweep folders whose sweep was refused before any point started (in use by another sweep, a point's
+#: config edited): the sweep report is not written into them.
+REFUSED: set[Path] = set()
 
 
 def os_error(err: BaseException | None) -> OSError | None:
@@ -26,3 +31,10 @@ def invalid_input(err: BaseException | None) -> bool:
     that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
     refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
     return os_error(err) is None and isinstance(err, (HydraException, OmegaConfBaseException, ValueError))
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name when it has none): a point's reason in the
+    manifest and the report."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__

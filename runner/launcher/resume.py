@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.run_folder import (
     CHECKPOINT_INDEX,
@@ -36,6 +36,7 @@ from runner.run_folder import (
     rebuild_checkpoint_index,
     write_atomic,
 )
+from runner.schema import provenance
 from runner.schema.config import load_structured
 from runner.schema.identity import override_key
 from runner.schema.secrets import fill_hidden
@@ -59,6 +60,7 @@ SAFE_TO_CHANGE = (
     "hardware.",
     "simulate.",
     "resume",
+    "trust_folder",
     "logger",
     "logger.",
 )
@@ -93,11 +95,15 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
             )
     resumed = load_structured(run_dir / CONFIG)  # its _schemas_ checked before any is imported
     check_targets(resumed, run_dir / CONFIG)
+    if not cfg.get(provenance.TRUST) and not provenance.is_own(run_dir):
+        refuse_foreign(cfg, overrides, run_dir)
     trained = (resumed.train.epochs, resumed.train.max_steps)
     for override in overrides:
         key = override_key(override)
-        if not key.startswith("hydra.") and key != "resume":
-            OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), force_add=True)
+        if not key.startswith("hydra.") and key not in ("resume", provenance.TRUST):
+            # a map given whole replaces the folder's (hardware.env={} drops the folder's variables)
+            whole = provenance.listed(key + ".") is not None
+            OmegaConf.update(resumed, key, OmegaConf.select(cfg, key), merge=not whole, force_add=True)
     done = finished(run_dir, trained, (resumed.train.epochs, resumed.train.max_steps))
     if done is not None:
         raise Finished(f"resume={cfg.resume}: {done}")
@@ -118,6 +124,23 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
     for error in (run_dir / LOGS).glob("rank*.error"):
         error.rename(error.with_name(error.name + ".before-resume"))
     return resumed, run_dir
+
+
+def refuse_foreign(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None:
+    """Refuse to resume a run folder that is not the user's own (:mod:`runner.schema.provenance`) with any
+    value of a key that runs a program, sets the ranks' environment or names a destination, where it differs
+    from the user's config and the command line does not give it; names them all, and the fixes."""
+    folder = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG))
+    given = {override_key(o) for o in overrides}
+    found = provenance.foreign_values(folder, lambda key: OmegaConf.select(cfg, key, default=MISSING), given)
+    if found:
+        raise ValueError(
+            f"resume={cfg.resume}: this run folder was not written by your runner (it has no mark of yours, "
+            f"or its {CONFIG} was changed since), so its config cannot set: {'; '.join(found)}. Give your "
+            "own value of each on the command line (hardware.mpirun=null, hardware.env={}, "
+            f"hardware.extra_args=[], ...), or add {provenance.TRUST}=true if you trust this folder "
+            '(docs/reliability.md, "Run folders from elsewhere")'
+        )
 
 
 def restore_env(resumed: DictConfig, overrides: list[str], config: Path) -> None:

@@ -15,7 +15,10 @@ point ``N`` is folder ``N`` again) and launches what :func:`plan` decides for ea
 an ``ok`` point is kept (no job, not a file touched), an interrupted one (preempted, or its launcher
 killed) with a checkpoint is resumed in its folder (``resume=SWEEP_DIR/N``), a failed one is run again
 (its folder set aside as ``.attempts/N.K``) or, with ``sweep.retry=false``, kept as it ended, and a point
-never started is run. The report is then written over every point, as at the end of any sweep.
+never started is run. A point kept or resumed must still hold in its ``config.yaml`` the config its
+overrides compose to (:func:`check_points`: not edited since it ran, not another sweep's run), else the
+resume is refused before anything is decided. The report is then written over every point, as at the end
+of any sweep.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from __future__ import annotations
 import fcntl
 import logging
 import time
+from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from runner.folder_files import open_in_folder, read_text
 from runner.launcher import outcomes
 from runner.run_folder import (
     CHECKPOINTS,
@@ -43,7 +50,9 @@ from runner.run_folder import (
     rebuild_checkpoint_index,
     write_atomic,
 )
+from runner.schema import provenance
 from runner.schema.identity import identity, override_key
+from runner.schema.provenance import flat
 from runner.schema.secrets import restored_override
 
 log = logging.getLogger("runner")
@@ -123,15 +132,19 @@ def decide(state: str, has_checkpoint: bool, retry: bool) -> str:
 
 def record_point(sweep_dir: Path, num: int, **fields: Any) -> None:
     """Update point ``num``'s entry of ``SWEEP_DIR/sweep.json`` with ``fields`` (under the manifest's lock,
-    written atomically). A manifest that cannot be written is logged: it is a record, not the sweep."""
+    written atomically); its ``error`` (why it was refused) is kept while it stays ``invalid``. A manifest
+    that cannot be written is logged: it is a record, not the sweep."""
     try:
-        with open(sweep_dir / f".{MANIFEST}.lock", "a") as lock:
+        with open_in_folder(sweep_dir / f".{MANIFEST}.lock", "a") as lock:  # (never through a link)
             fcntl.flock(lock, fcntl.LOCK_EX)
             manifest = read_json(sweep_dir / MANIFEST)
             points = manifest.setdefault("points", {})
             if not isinstance(points, dict):
                 manifest["points"] = points = {}
-            points[str(num)] = {**points.get(str(num), {}), "dir": str(num), **fields, "time": time.time()}
+            entry = {**points.get(str(num), {}), "dir": str(num), **fields, "time": time.time()}
+            if entry.get("state") != "invalid" or entry.get("error") is None:  # (a reason outlives no state)
+                entry.pop("error", None)
+            points[str(num)] = entry
             ordered = dict(sorted(points.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
             write_atomic(sweep_dir / MANIFEST, dumps({**manifest, "points": ordered}, indent=1))
     except OSError as err:
@@ -169,10 +182,12 @@ def start_point(sweep_dir: Path, num: int, ident: dict[str, Any], fail_fast: boo
     return True
 
 
-def end_point(sweep_dir: Path, num: int, status: str) -> None:
-    """Record how sweep point ``num`` ended (its status: ``ok``, ``failed``, ``preempted``, ...)."""
+def end_point(sweep_dir: Path, num: int, status: str, reason: str | None = None) -> None:
+    """Record how sweep point ``num`` ended (its status: ``ok``, ``failed``, ``preempted``, ...), and the
+    one-line ``reason`` of a point refused before its job started (``invalid``: its folder has no
+    summary, so the report reads the reason here)."""
     state = {"ok": "ok", "invalid": "invalid", "preempted": "preempted", "interrupted": "preempted"}
-    record_point(sweep_dir, num, state=state.get(status, "failed"), status=status)
+    record_point(sweep_dir, num, state=state.get(status, "failed"), status=status, error=reason)
 
 
 def changed_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -192,16 +207,26 @@ SAID = {
 
 
 def plan(
-    sweep_dir: Path, grid: list[list[str]], sweep: list[str], retry: bool
+    sweep_dir: Path,
+    grid: list[list[str]],
+    sweep: list[str],
+    retry: bool,
+    composed: Callable[[list[str]], DictConfig] | None = None,
 ) -> list[tuple[int, list[str]]]:
     """The points of ``grid`` (each point's overrides, in the sweep's order) to launch, as ``(number,
     overrides)``; each point's decision is said in one line and recorded in the manifest. A failed point
-    to run again has its folder set aside; one kept as it failed counts as not ok for the exit status."""
-    jobs = []
+    to run again has its folder set aside; one kept as it failed counts as not ok for the exit status.
+    ``composed``: the config a point's overrides compose to; each point kept or resumed must still hold
+    it (:func:`check_points`), else nothing is decided and ValueError is raised."""
+    points = []
     for num, overrides in enumerate(grid):
+        state, status, has_checkpoint = point_state(sweep_dir / str(num))
+        points.append((num, overrides, state, status, decide(state, has_checkpoint, retry)))
+    if composed is not None:  # (a point run again is set aside: its folder's config no longer counts)
+        check_points(sweep_dir, [(n, o) for n, o, _, _, decision in points if decision != "run"], composed)
+    jobs = []
+    for num, overrides, state, status, decision in points:
         point_dir = sweep_dir / str(num)
-        state, status, has_checkpoint = point_state(point_dir)
-        decision = decide(state, has_checkpoint, retry)
         ident = identity(list(overrides), sweep)
         log.info("[%s] point %d %s: %s", ident["name"], num, state, SAID[decision])
         entry = {"overrides": ident["overrides"], "name": ident["name"], "status": status}
@@ -218,6 +243,67 @@ def plan(
             )
         record_point(sweep_dir, num, **entry, state=state)
     return jobs
+
+
+def check_points(
+    sweep_dir: Path, points: list[tuple[int, list[str]]], composed: Callable[[list[str]], DictConfig]
+) -> None:
+    """Refuse to resume a sweep whose points ``(number, overrides)`` no longer hold in their
+    ``config.yaml`` the config their overrides compose to (``composed``): edited since they ran, or the
+    run of another sweep. Names every such point's folder and its keys that differ."""
+    found = []
+    for num, overrides in points:
+        if differ := edited_keys(sweep_dir / str(num), composed(overrides)):
+            found.append(f"{sweep_dir / str(num)}: {', '.join(differ)}")
+    if found:
+        raise ValueError(
+            f"resume={sweep_dir}: {len(found)} point(s) of the sweep no longer hold the config the sweep "
+            f"gave them ({'; '.join(found)}); put the sweep's values back in the point's {CONFIG}, or move "
+            "the point's folder out of the sweep folder (the point is then run again), or start a new sweep"
+        )
+
+
+def edited_keys(point_dir: Path, expected: DictConfig) -> list[str]:
+    """``key=value (the sweep gives value)`` for each key of ``point_dir``'s ``config.yaml`` whose value
+    differs from ``expected``'s (the config its overrides compose to, resolved key by key), but the keys a
+    resumed run may change (:func:`changeable`), those ``expected`` cannot resolve here and those only one
+    of them has (the launcher's ``_schemas_``; a key added to mpitrain since the point ran; ``devices`` of
+    a point resumed, which takes its checkpoint's count of workers)."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.create(read_text(point_dir / CONFIG)))
+    except OSError as err:  # (a link or a pipe in its place: ForeignFile, which names it)
+        return [f"its {CONFIG} cannot be read: {err}"]
+    except Exception as err:  # (yaml's and OmegaConf's errors: the file is not a config)
+        return [f"its {CONFIG} is not a config ({type(err).__name__})"]
+    if not isinstance(saved, dict):
+        return [f"its {CONFIG} is not a config"]
+    want = flat(OmegaConf.to_container(expected, resolve=False))
+    if saved.get("resume"):  # written by a resume, which sets devices to its checkpoint's workers (elastic)
+        want.pop("devices", None)
+    differ = []
+    for key, value in flat(saved).items():
+        if key not in want or changeable(key):
+            continue
+        try:
+            mine = OmegaConf.select(expected, key, throw_on_missing=True)
+        except OmegaConfBaseException:  # (an interpolation of Hydra's runtime, a value left missing)
+            continue
+        if isinstance(mine, (DictConfig, ListConfig)):
+            mine = OmegaConf.to_container(mine, resolve=True, enum_to_str=True)
+        mine = mine.name if isinstance(mine, Enum) else mine
+        if mine != value:
+            differ.append(f"{key}={value!r} (the sweep gives {mine!r})")
+    return differ
+
+
+def changeable(key: str) -> bool:
+    """Whether ``key`` may differ between a resumed sweep's points and its command line: the sweep's own
+    keys (``sweep.*``), Hydra's and those a resumed run may change."""
+    from runner.launcher.resume import SAFE_TO_CHANGE
+
+    return key.startswith(("hydra.", "hydra/", "sweep.")) or any(
+        key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE
+    )
 
 
 def set_aside(point_dir: Path) -> Path:
@@ -275,9 +361,33 @@ def resumed_argv(argv: list[str]) -> list[str] | None:
     mine = {override_key(a) for a in rest if "=" in a}
     check_changes(path, mine)
     own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", "hydra.sweeper.resume", *mine)
+    check_foreign(path, recorded, rest, mine)
     task = [restored_override(o) for o in recorded.hydra.overrides.task if override_key(o) not in own]
     launcher = [o for o in recorded.hydra.overrides.hydra if override_key(o) not in own]
     return ["-m", *launcher, *task, *rest, f"hydra.sweep.dir={path}", "hydra.sweeper.resume=true"]
+
+
+def check_foreign(path: Path, recorded: DictConfig, rest: list[str], mine: set[str]) -> None:
+    """Refuse to finish a sweep folder that is not the user's own (no mark of theirs over its recorded
+    overrides, :mod:`runner.schema.provenance`) with a recorded override that runs a program, sets the ranks'
+    environment or names a destination, unless the command line gives that key or ``trust_folder=true``."""
+    trusted = any(
+        override_key(a) == provenance.TRUST and a.split("=", 1)[1].strip().lower() in ("true", "1", "yes")
+        for a in rest
+        if "=" in a
+    )
+    overrides = recorded.hydra.overrides
+    if trusted or provenance.is_own(path, text=provenance.sweep_text(overrides)):
+        return
+    found = provenance.foreign_overrides([*overrides.task, *overrides.hydra], mine)
+    if found:
+        raise ValueError(
+            f"resume={path}: this sweep folder was not written by your runner (it has no mark of yours, or "
+            f"its {SWEEP_CONFIG} was changed since), so its recorded overrides cannot set: "
+            f"{'; '.join(found)}. Give your own value of each on the command line, or add "
+            f"{provenance.TRUST}=true if you trust "
+            'this folder (docs/reliability.md, "Run folders from elsewhere")'
+        )
 
 
 def check_changes(path: Path, keys: set[str]) -> None:
@@ -286,10 +396,7 @@ def check_changes(path: Path, keys: set[str]) -> None:
     from runner.launcher.resume import SAFE_TO_CHANGE
 
     for key in sorted(keys):
-        safe = key.startswith(("hydra.", "hydra/", "sweep.")) or any(
-            key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE
-        )
-        if not safe:
+        if not changeable(key):
             raise ValueError(
                 f"{key}: cannot change when resuming the sweep {path} (its points would differ); drop it, "
                 "or start a new sweep. Safe to change: sweep.*, hydra.*, "

@@ -1,6 +1,7 @@
 """``hydra/sweeper=mpitrain``, the default sweeper of ``-m``: Hydra's basic grid, with keys that vary
-together (``sweep.zip``), no point started after one not ok (``sweep.fail_fast``), and the points left of
-a sweep that ran before (``resume=SWEEP_DIR``, :mod:`runner.launcher.sweep_resume`).
+together (``sweep.zip``), no point started after one not ok (``sweep.fail_fast``), the points left of a
+sweep that ran before (``resume=SWEEP_DIR``, :mod:`runner.launcher.sweep_resume`), and one sweep per
+folder (:class:`SweepFolderLock`).
 
 ``sweep.zip=[optim.lr,schedule.warmup_steps]`` pairs the values of the keys it names, in order, instead
 of crossing them: ``optim.lr=0.1,0.2 schedule.warmup_steps=10,20`` is then 2 points (0.1 with 10, 0.2
@@ -10,25 +11,36 @@ other keys' values as one key would be (at the place of the first zipped key on 
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
+import os
+import socket
+import time
 from collections import OrderedDict
+from contextlib import ExitStack
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner.launcher.sweep_resume import batches, failed_point, plan
-from runner.run_folder import SWEEP_CONFIG
+from runner.folder_files import ForeignFile, open_fd
+from runner.launcher import outcomes
+from runner.launcher.sweep_resume import MANIFEST, batches, failed_point, plan
+from runner.run_folder import SWEEP_CONFIG, write_atomic
+from runner.schema import provenance
 
 log = logging.getLogger("runner")
 
 #: The name Hydra knows ``hydra/sweeper=mpitrain``'s class by (it takes plugins only from hydra_plugins).
 SWEEPER_CLASS = "hydra_plugins.mpitrain.MpitrainSweeper"
+#: The sweep folder's lock, held by the process that runs its sweep (:class:`SweepFolderLock`).
+SWEEP_LOCK = "sweep.lock"
 
 
 def zipped_grid(overrides: list[Override], zipped: list[str]) -> list[list[str]]:
@@ -64,6 +76,77 @@ def zipped_grid(overrides: list[Override], zipped: list[str]) -> list[list[str]]
     return [sum(point, []) for point in itertools.product(*choices.values())]
 
 
+class SweepFolderLock:
+    """A sweep folder's one owner: the process that runs its sweep holds ``SWEEP_DIR/sweep.lock`` (an
+    exclusive ``flock``, as :class:`runner.launcher.lock.RunFolderLock` holds a run folder's) while in a
+    ``with`` block.
+
+    A second sweep into the folder while it is held (a sweep running there, or its ``resume=``) is refused,
+    naming the holder; so is a new sweep (``fresh``) into a folder that holds one already (its
+    ``multirun.yaml`` or ``sweep.json``: a sweep that ended or was cut off), whose points would mix with
+    the new ones. The kernel drops the lock however its holder exits. The lock fails closed: one that
+    cannot be taken refuses the sweep. Each refusal is a ValueError (exit 2) naming the folder and the fix.
+    """
+
+    def __init__(self, sweep_dir: Path, fresh: bool):
+        self.sweep_dir, self.fresh = sweep_dir, fresh
+        self.fd: int | None = None
+
+    def __enter__(self) -> SweepFolderLock:
+        refusal = self._take()  # (raised here, not in an except block: an OSError in its chain is exit 1)
+        held = [name for name in (SWEEP_CONFIG, MANIFEST) if os.path.lexists(self.sweep_dir / name)]
+        if refusal is None and self.fresh and held:
+            refusal = (
+                f"{self.sweep_dir} already holds a sweep (its {held[0]}): a new sweep there would mix its "
+                f"points with that one's; continue that sweep with resume={self.sweep_dir}, or give this one "
+                "another folder (leave hydra.sweep.dir out, or name a new one)"
+            )
+        if refusal is not None:
+            self._close()
+            raise ValueError(refusal)
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (holder + "\n").encode(), 0)
+        except OSError:  # a full disk: the lock holds all the same, without its holder's name
+            pass
+        return self
+
+    def _take(self) -> str | None:
+        """Take the lock; None, or why it cannot be taken (held by another process, or not to be had)."""
+        path = self.sweep_dir / SWEEP_LOCK
+        try:
+            self.sweep_dir.mkdir(parents=True, exist_ok=True)
+            self.fd = open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)  # never through a link planted there
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ForeignFile as err:
+            return f"{err}. Nothing was started"
+        except BlockingIOError:
+            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "another process"
+            return (
+                f"{self.sweep_dir} is in use by a running sweep ({holder}): wait for it to end (then "
+                f"resume={self.sweep_dir} finishes what it left), or give another folder "
+                "(hydra.sweep.dir=...)"
+            )
+        except OSError as err:
+            return (
+                f"cannot lock the sweep folder: {path}: {err.strerror or err}; give a folder that can be "
+                "written and locked (hydra.sweep.dir=...). Nothing was started: without the lock two sweeps "
+                "could run in one folder at once"
+            )
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
+
+
 class MpitrainSweeper(BasicSweeper):
     """Hydra's basic sweeper, with ``sweep.zip`` (:func:`zipped_grid`) and ``sweep.fail_fast`` between
     launches; ``resume=true`` (set by ``resume=SWEEP_DIR``): the sweep folder ran before, its
@@ -81,31 +164,58 @@ class MpitrainSweeper(BasicSweeper):
         self.hydra_context, self.config, self.launcher = None, None, None
 
     def sweep(self, arguments: list[str]) -> Any:
-        """Launch the sweep's points (those left, when resuming); Hydra's list of each launch's returns."""
+        """Launch the sweep's points (those left, when resuming); Hydra's list of each launch's returns.
+        Raises ValueError before any point starts for a sweep refused (its folder in use, a zip or a
+        point's config that does not hold)."""
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         sweep_dir = Path(self.config.hydra.sweep.dir)
         settings = self.config.sweep
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        parsed = parser.parse_overrides([*self._parse_config(), *arguments])
-        grid = zipped_grid(parsed, list(settings.zip or ()))
-        if self.resume:
-            jobs = plan(sweep_dir, grid, list(arguments), bool(settings.retry))
-            log.info("resuming the sweep %s: %d of %d points to run", sweep_dir, len(jobs), len(grid))
-        else:
-            sweep_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(self.config, sweep_dir / SWEEP_CONFIG)
-            jobs = list(enumerate(grid))
-        returns = []
-        for start, batch in batches(jobs, self.max_batch_size):
-            if settings.fail_fast and (why := failed_point(sweep_dir, -1)) is not None:
-                log.warning("sweep.fail_fast: %s; the sweep starts no further point", why)
-                break
-            self.validate_batch_is_legal(batch)
-            returns.append(self.launcher.launch(batch, initial_job_idx=start))
+        with ExitStack() as held:
+            try:
+                held.enter_context(SweepFolderLock(sweep_dir, fresh=not self.resume))
+                jobs = self._jobs(sweep_dir, arguments)
+            except ValueError:
+                outcomes.REFUSED.add(sweep_dir)  # nothing started: no report is written into the folder
+                raise
+            returns = []
+            for start, batch in batches(jobs, self.max_batch_size):
+                if settings.fail_fast and (why := failed_point(sweep_dir, -1)) is not None:
+                    log.warning("sweep.fail_fast: %s; the sweep starts no further point", why)
+                    break
+                self.validate_batch_is_legal(batch)
+                returns.append(self.launcher.launch(batch, initial_job_idx=start))
         for results in returns:
             for result in results:
                 _ = result.return_value  # a point that raised (run elsewhere) ends the sweep as Hydra's would
         return returns
+
+    def _jobs(self, sweep_dir: Path, arguments: list[str]) -> list[tuple[int, list[str]]]:
+        """The points to launch, as ``(number, overrides)``: every point of the grid, or, when resuming,
+        those :func:`runner.launcher.sweep_resume.plan` gives (a new sweep's config is saved first)."""
+        assert self.config is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        parsed = parser.parse_overrides([*self._parse_config(), *arguments])
+        grid = zipped_grid(parsed, list(self.config.sweep.zip or ()))
+        if not self.resume:
+            OmegaConf.save(self.config, sweep_dir / SWEEP_CONFIG)
+            text = provenance.sweep_text(OmegaConf.select(self.config, "hydra.overrides", default={}))
+            if (own := provenance.mark(sweep_dir, text)) is not None:
+                write_atomic(sweep_dir / provenance.MARK, own)
+            return list(enumerate(grid))
+        # (without Hydra's config loader there is nothing to compose the points' configs with)
+        composed = self.point_config if self.hydra_context.config_loader is not None else None
+        jobs = plan(sweep_dir, grid, list(arguments), bool(self.config.sweep.retry), composed)
+        log.info("resuming the sweep %s: %d of %d points to run", sweep_dir, len(jobs), len(grid))
+        return jobs
+
+    def point_config(self, overrides: list[str]) -> DictConfig:
+        """The config a point of this sweep with ``overrides`` composes to (without Hydra's node,
+        unresolved): what its ``config.yaml`` holds, resolved, but for keys a resumed run may change."""
+        assert self.config is not None and self.hydra_context is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
 
 
 def register_sweeper() -> None:

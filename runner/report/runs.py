@@ -17,6 +17,7 @@ from runner.run_folder import (
     METRICS,
     SUMMARY,
     SWEEP_CONFIG,
+    parse_number,
     read_json,
     read_metrics,
 )
@@ -26,6 +27,9 @@ from runner.schema.identity import parse_overrides, varied_keys
 SAMPLES_PER_STEP = (("devices", 1), ("train.batch_size", None), ("train.accumulate", 1))
 #: Where a run's config says how many tokens a sample holds: ``data.shape``'s last entry, else this key.
 BLOCK_SIZE = "data.block_size"
+#: A sweep's manifest, where a point refused before its job started has its reason
+#: (:data:`runner.launcher.sweep_resume.MANIFEST`; the launcher imports the report, not the other way).
+MANIFEST = "sweep.json"
 #: Files that make a folder a run folder.
 RUN_FILES = (SUMMARY, METRICS, IDENTITY, f"{HYDRA_DIR}/{HYDRA_OVERRIDES}")
 
@@ -209,11 +213,11 @@ def run_folders(folder: Path) -> list[Path]:
     if _is_run(folder):
         return [folder]
     subs = [p for p in folder.iterdir() if p.is_dir() and _is_run(p)] if folder.is_dir() else []
-    return sorted(subs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+    return sorted(subs, key=lambda p: (1, 0, p.name) if (n := parse_number(p.name)) is None else (0, n, ""))
 
 
 def load_run(path: Path) -> Run:
-    summary, ident = read_json(path / SUMMARY), read_json(path / IDENTITY)
+    summary, ident = read_json(path / SUMMARY) or refused(path), read_json(path / IDENTITY)
     overrides = summary.get("overrides") or ident.get("overrides")
     if overrides is None:
         overrides = _read_yaml(path / HYDRA_DIR / HYDRA_OVERRIDES) or []
@@ -223,6 +227,17 @@ def load_run(path: Path) -> Run:
     run = Run(path, summary, read_metrics(path / METRICS), given)
     run.name = summary.get("name") or ident.get("name") or ""
     return run
+
+
+def refused(path: Path) -> dict[str, Any]:
+    """The summary of a sweep point that was refused before its job started (no summary.json of its own:
+    the sweep's manifest says ``invalid``, with its one-line reason), else {}."""
+    points = read_json(path.parent / MANIFEST).get("points")
+    point = points.get(path.name) if isinstance(points, dict) else None
+    if not isinstance(point, dict) or point.get("state") != "invalid":
+        return {}
+    reason = point.get("error") or f"its reason is in the log in {path}"
+    return {"status": "invalid", "error": f"refused before it started: {reason}"}
 
 
 def short_value(value: Any, text: str) -> str:

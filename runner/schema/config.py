@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     resume: str | None = None
     eval: str | None = None
+    trust_folder: bool = False  # resume= a folder not your own with its programs, environment, destinations
     hardware: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
@@ -116,6 +118,7 @@ def validate(cfg: DictConfig) -> Config:
     Returns the config as schema objects (dataclass instances), interpolations resolved.
     """
     check_keys(cfg)
+    check_data_read(cfg)
     missing = OmegaConf.missing_keys(cfg)
     if missing:
         keys = ", ".join(sorted(missing))
@@ -145,6 +148,60 @@ def validate(cfg: DictConfig) -> Config:
     if warning:
         logging.getLogger("runner").warning(warning)
     return checked
+
+
+#: How to give a data key a data set leaves unset (``data=dataset``), for :func:`check_data_read`.
+DATA_KEY_EXAMPLES = {
+    "shape": "data.shape=[3,32,32] (one input's shape)",
+    "num_classes": "data.num_classes=10 (the class count)",
+}
+DATA_READ = re.compile(r"\$\{data\.(\w+)")
+
+
+def check_data_read(cfg: DictConfig) -> None:
+    """Refuse a config whose groups read a data key that the data set leaves null, naming the keys to give.
+
+    ``data=dataset`` cannot know its shape or classes before a rank builds it, yet ``model=mlp`` reads them
+    (``input_shape: ${data.shape}``): resolving that would fail with OmegaConf's own message (``Incompatible
+    value 'None'``), or pass None to the model."""
+    data = cfg._get_node("data")
+    if not isinstance(data, DictConfig) or data._is_missing() or data._is_none():
+        return
+    unset: dict[str, list[str]] = {}
+    for where, name, text in data_reads(cfg):
+        value = cfg.data._get_node(name) if name in cfg.data else None
+        if value is not None and not OmegaConf.is_interpolation(cfg.data, name) and value._is_none():
+            unset.setdefault(f"data.{name}", []).append(f"{where}: {text}")
+    if not unset:
+        return
+    train = cfg.data._get_node("train")
+    option = "data=dataset" if isinstance(train, DictConfig) and "_target_" in train else "the data set"
+    readers = [r for rs in unset.values() for r in rs]
+    is_, them = ("is", "it") if len(unset) == 1 else ("are", "them")
+    examples = " ".join(DATA_KEY_EXAMPLES.get(k.removeprefix("data."), f"{k}=...") for k in unset)
+    raise ValueError(
+        f"{' and '.join(unset)} {is_} not given, but {' and '.join(readers)} "
+        f"{'reads' if len(readers) == 1 else 'read'} {them}, and {option} cannot know {them} before a rank "
+        f"builds the data set: give {them}, e.g. {examples}"
+    )
+
+
+def data_reads(node: Any, path: str = "") -> list[tuple[str, str, str]]:
+    """``(key, data key, expression)`` of each interpolation outside ``data`` and ``hydra`` that reads one."""
+    from omegaconf import ListConfig
+
+    reads = []
+    for name in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+        where = f"{path}.{name}" if path else str(name)
+        if where in ("data", "hydra"):
+            continue
+        child = node._get_node(name)
+        if OmegaConf.is_interpolation(node, name):
+            text = str(child._value())
+            reads += [(where, key, text) for key in DATA_READ.findall(text)]
+        elif isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
+            reads += data_reads(child, where)
+    return reads
 
 
 def check_loggers(section: Mapping[str, Any], problems: list[str]) -> None:
@@ -201,7 +258,21 @@ def check_workers(cfg: Config) -> None:
             f"least {cfg.devices} (the most workers it may grow to with RUN_DIR/JOIN), or null"
         )
     if most is not None:
-        cfg.rule.check_devices(most)  # the rule must hold as many workers as the job may grow to
+        check_rule_grown(cfg, most)
+
+
+def check_rule_grown(cfg: Config, most: int) -> None:
+    """The rule holds the ``most`` workers the job may grow to; its refusal names hardware.max_workers.
+
+    Lowering that key is one of the fixes; the rule's own message names the count, not the key."""
+    problems: list[str] = []
+    with collected("rule.", problems):
+        cfg.rule.check_devices(most)
+    if problems:
+        raise ValueError(
+            f"hardware.max_workers={most} lets the job grow to {most} workers, with which "
+            f"{'; '.join(problems)}; or lower hardware.max_workers (at least devices={cfg.devices})"
+        )
 
 
 def check_precision(cfg: Config) -> None:
@@ -213,8 +284,15 @@ def check_precision(cfg: Config) -> None:
         )
 
 
+def check_warmup(cfg: Config) -> None:
+    """The warm-up is no longer than ``train.max_steps`` (the ranks check it against an epoch's steps)."""
+    steps = cfg.train.max_steps
+    if steps is not None:
+        cfg.schedule.check_length(steps, f"train.max_steps={steps}", "raise train.max_steps")
+
+
 #: The checks of ``train`` that involve other groups, each independent of the others.
-TRAINING_CHECKS = (check_monitor, check_workers, check_precision)
+TRAINING_CHECKS = (check_monitor, check_workers, check_precision, check_warmup)
 
 
 def monitored(cfg: Config) -> str:
@@ -259,6 +337,7 @@ def load_structured(path: str | Path, vouched: bool = False) -> DictConfig:
     from runner.schema import locate
 
     raw = OmegaConf.load(path)
+    refuse_interpolations(raw, path)
     if "logger" not in raw:  # written before the logger group: TensorBoard alone
         raw.logger = {name: {} for name in DEFAULT_LOGGERS}
     given = raw.pop("_schemas_", None)
@@ -279,6 +358,26 @@ def load_structured(path: str | Path, vouched: bool = False) -> DictConfig:
             check_schema_class(group, cls_path, cls, str(path))
         top[group] = OmegaConf.merge(OmegaConf.structured(cls), node)
     return OmegaConf.merge(top, raw)
+
+
+def refuse_interpolations(node: Any, path: str | Path, key: str = "") -> None:
+    """Refuse a saved config that holds an expression (``${oc.env:SECRET}``, ``${data.shape}``) rather than
+    values: the launcher writes values, so a folder's file with one was written elsewhere, and resolving it
+    would read this machine's environment. Names the first key; prints no resolved value."""
+    from omegaconf import DictConfig, ListConfig
+
+    names = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for name in names:
+        where = f"{key}.{name}" if key else str(name)
+        if OmegaConf.is_interpolation(node, name):
+            raise ValueError(
+                f"{path}: {where} holds an expression ({node._get_node(name)._value()}), not a value; a "
+                "saved config.yaml holds values (the runner writes them resolved): write the value there "
+                "by hand if you trust this run folder"
+            )
+        child = node._get_node(name)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
+            refuse_interpolations(child, path, where)
 
 
 def load(path: str | Path) -> Config:

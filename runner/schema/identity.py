@@ -10,7 +10,7 @@ from runner.run_folder import SWEEP_CONFIG
 from runner.schema.secrets import hidden
 
 #: Overrides that say where or how a run is shown, not what it is.
-IGNORED = ("hydra.", "hydra/", "train.progress", "resume", "logger", "sweep.")
+IGNORED = ("hydra.", "hydra/", "train.progress", "resume", "trust_folder", "logger", "sweep.")
 
 
 def override_key(override: str) -> str:
