@@ -37,6 +37,7 @@ from runner.run_folder import (
     CHECKPOINT_ENTRY,
     CHECKPOINT_INDEX,
     CHECKPOINTS,
+    DAMAGED_SUFFIX,
     DamagedIndex,
     checkpoint_folder,
     checkpoint_part,
@@ -162,10 +163,17 @@ def latest_checkpoint(run_dir: Path, world_size: int) -> dict[str, Any] | None:
     return entry
 
 
-def load_checked(path: Path, record: dict[str, int] | None, fix: str, map_location: Any = "cpu") -> Any:
+def load_checked(
+    path: Path,
+    record: dict[str, int] | None,
+    fix: str,
+    map_location: Any = "cpu",
+    whole_fix: str | None = None,
+) -> Any:
     """``torch.load(path, weights_only=True)`` of a checkpoint part or saved model, checked first against
     its size and CRC-32 (``record``; None: whether it is a whole file). Raises ValueError naming the file,
-    what is wrong with it, and ``fix``: one line, not torch's traceback."""
+    what is wrong with it, and ``fix``: one line, not torch's traceback; ``whole_fix`` instead where the file
+    is as it was written (its size and CRC-32 match ``record``) and torch still refuses it."""
     problem = part_damage(path, record)
     if problem is None:
         try:
@@ -174,6 +182,8 @@ def load_checked(path: Path, record: dict[str, int] | None, fix: str, map_locati
         except (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
             reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
             problem = f"torch.load cannot read it: {type(err).__name__}{': ' + reason if reason else ''}"
+            if record is not None and whole_fix is not None:
+                fix = whole_fix
     raise ValueError(f"{path} is damaged ({problem}): {fix}")
 
 
@@ -181,11 +191,17 @@ def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]
     """This rank's part of the checkpoint ``entry`` (an item of ``read_checkpoint_index``), checked against
     the size and CRC-32 written with it (when the entry records them)."""
     parts = entry.get("parts")
+    folder = run_dir / CHECKPOINTS / entry["dir"]
     return load_checked(
         checkpoint_part(run_dir, entry["dir"], rank),
         parts[rank] if parts else None,
         f"the checkpoint {entry['dir']} cannot be resumed from; resume= again passes over a damaged "
         "checkpoint to the newest intact one",
+        # its bytes are those written with it, so resume= finds nothing damaged and would stop here again
+        whole_fix="its size and CRC-32 are those it was written with, so it was written this way, not "
+        "damaged since (a file torch refuses to load as weights: not a checkpoint of this runner's); set "
+        f"the checkpoint aside (mv {folder} {folder}{DAMAGED_SUFFIX}) and resume= takes the newest one "
+        "before it, or start the run again without resume=",
     )
 
 

@@ -249,3 +249,30 @@ def test_eval_of_a_truncated_model_says_so_in_one_line(tmp_path, capsys):
         f"truncated or overwritten, 2000 bytes): train the run again to evaluate it\n"
     )
     assert size > 2000
+
+
+class _NotWeights:
+    """An object torch.load(weights_only=True) refuses (a class of no allow-list)."""
+
+
+def test_a_part_written_so_that_torch_refuses_it_gets_advice_that_works(tmp_path, warnings):
+    """A checkpoint part whose size and CRC-32 are those recorded with it (written this way: crafted, or
+    saved by other code) but which torch refuses to load as weights: ``resume=`` finds nothing damaged, so
+    "resume= again passes over it" would fail again. The advice names the move that makes it pass over."""
+    import shutil
+
+    entries = checkpoints(tmp_path, steps=(2, 4))
+    newest = entries[-1]
+    path = part(tmp_path, newest["dir"])
+    torch.save({"w": _NotWeights()}, path)
+    record = file_digest(path)
+    newest["parts"][0] = {"bytes": record["bytes"], "crc32": record["crc32"]}
+    index = tmp_path / "checkpoints" / "checkpoint.json"
+    index.write_text(json.dumps({"checkpoints": entries}))
+    assert resume_checkpoint(tmp_path, str(tmp_path))["dir"] == newest["dir"]  # nothing damaged on disk
+    with pytest.raises(ValueError, match="it was written this way, not damaged since") as err:
+        load_part(tmp_path, newest, 0)
+    folder = tmp_path / "checkpoints" / newest["dir"]
+    assert f"mv {folder} {folder}.damaged" in str(err.value) and "passes over" not in str(err.value)
+    shutil.move(folder, f"{folder}.damaged")  # the advice, followed
+    assert resume_checkpoint(tmp_path, str(tmp_path))["dir"] == entries[0]["dir"]
