@@ -9,6 +9,7 @@ plugin that an extra installs (``hydra/launcher=joblib``) and is not installed, 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from runner.launcher.help import CONF, PRIMARY, groups
 from runner.schema import ConfigErrors
@@ -21,10 +22,59 @@ SETS_UNKNOWN = re.compile(r"In '([^'/]+)/([^']+)': ConfigKeyError.*full_key: (\S
 
 
 def explain(err: BaseException, argv: list[str]) -> str:
-    """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments)."""
-    text = str(err).strip()
+    """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments); where the
+    command line has more mistakes than the one Hydra stopped at, a line for each (:func:`every_mistake`)."""
     if isinstance(err, ConfigErrors):  # several problems of the config, a line each (a point run elsewhere)
-        return text
+        return str(err).strip()
+    first = _explain_one(err, argv)
+    try:
+        every = every_mistake(argv)
+    except Exception:  # (the one line is still right)
+        every = []
+    return str(ConfigErrors(every)) if len(every) > 1 else first
+
+
+def every_mistake(argv: list[str]) -> list[str]:
+    """A line for each mistake of the command line ``argv``: each override composed in turn onto those that
+    composed before it (the groups' choices first, so that their keys are known), each one Hydra refuses
+    explained alone; then the value checks of the config the others compose to (gathered, a line each)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from runner.launcher.register import register
+    from runner.schema.config import validate
+
+    register()
+    overrides = _composable(argv)
+    good = [a for a in overrides if a.startswith("hydra.searchpath=")]
+    given = [a for a in overrides if a not in good]
+    choices = [a for a in given if "." not in a.lstrip("+~").split("=", 1)[0]]
+    lines = []
+
+    def composed(trial: list[str]) -> Any:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose(config_name=PRIMARY, overrides=trial)
+
+    for override in choices + [a for a in given if a not in choices]:
+        try:
+            composed([*good, override])
+        except Exception as err:
+            lines.append(_explain_one(err, [*good, override]))
+        else:
+            good.append(override)
+    try:
+        validate(composed(good))
+    except ConfigErrors as err:
+        lines += err.problems
+    except ValueError as err:
+        lines.append(str(err).strip())
+    return lines
+
+
+def _explain_one(err: BaseException, argv: list[str]) -> str:
+    """The line for ``err`` alone."""
+    text = str(err).strip()
     if missing := CANNOT_OVERRIDE.search(text):
         key = missing.group(1)
         return _swept(key, argv) or _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
@@ -51,6 +101,9 @@ def explain(err: BaseException, argv: list[str]) -> str:
             f"{group}={option}: no such option ({there}); an option of your own is found with "
             f"hydra.searchpath=[file://DIR] (or -cd DIR), DIR holding {group}/{option}.yaml"
         )
+    if merging := re.match(r"Error merging override (\S+)", text):  # a value of the wrong type
+        reason = str(err.__cause__ or "").strip().splitlines()[:1] or text.splitlines()[1:2]
+        return f"{merging.group(1)}: {reason[0] if reason else 'cannot be merged'}"
     lines = [line.strip() for line in text.splitlines() if line.strip()][:1]  # not OmegaConf's full_key...
     if err.__cause__ is not None and str(err.__cause__).strip():  # OmegaConf's reason, as Hydra shows it
         lines.append(str(err.__cause__).strip().splitlines()[0])

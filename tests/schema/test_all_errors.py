@@ -100,3 +100,41 @@ def test_a_sweep_point_run_elsewhere_names_them_all_too():
     with pytest.raises(ValueError) as refused:
         validate(compose_config(BAD))
     assert explain(refused.value, BAD) == str(refused.value)
+
+
+# -- composition errors (unknown keys, values of the wrong type) with value errors, at once ---------------
+
+
+def test_composition_and_value_mistakes_are_named_together_each_with_its_hint():
+    """Hydra stops at the first override it cannot compose; every override is tried in turn, so each
+    mistake gets the line it would get alone (its "did you mean", its keys, its ``+`` hint)."""
+    from runner.launcher.explain import every_mistake
+
+    argv = ["trian.epochs=3", "rule.alfa=0.3", "optim.lr=abc", "model.hiden=3", "checkpoint.keep=0"]
+    lines = every_mistake(argv)
+    assert len(lines) == 5, lines
+    assert "(did you mean train?)" in lines[0]
+    assert lines[1].startswith("rule.alfa: not an option of BSPConfig")
+    assert lines[2].startswith("optim.lr=abc: ") and "Float" in lines[2]
+    assert lines[3].startswith("model.hiden: not an option of CNNConfig")
+    assert lines[4] == alone("checkpoint.keep=0")
+    own = every_mistake(["model=custom", "model._target_=torch.nn.Linear", "model.hiden=3"])
+    assert len(own) == 1 and "+model.hiden=VALUE" in own[0], own
+
+
+def test_a_group_choice_that_is_not_found_is_named_and_its_keys_not_blamed():
+    from runner.launcher.explain import every_mistake
+
+    lines = every_mistake(["data=licence", "optim.lr=0.1", "rule=easgd", "rule.alpha=0.3"])
+    assert len(lines) == 1 and lines[0].startswith("data=licence: no such option"), lines
+
+
+@pytest.mark.slow
+def test_the_command_line_names_composition_mistakes_all_at_once(tmp_path):
+    argv = ["trian.epochs=3", "rule.alfa=0.3", "optim.lr=abc", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "invalid input, nothing was started: 3 settings are invalid:" in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists() and "Traceback" not in done.stderr
