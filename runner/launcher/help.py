@@ -141,7 +141,39 @@ def help_keys(*, _root_: DictConfig) -> str:
     return _rows([row for row in rows if row[1] or not row[0].endswith(".*")])
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """``field -> its trailing comment`` in the source of a schema dataclass and its bases."""
+    import inspect
+
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for found in re.finditer(r"^    (\w+): [^\n#]+#\s*(.+)$", source, re.M):
+            comments[found.group(1)] = found.group(2).strip()
+    return comments
+
+
+def help_hardware(*, _root_: DictConfig) -> str:
+    """The selected hardware option's keys, their values and what they do (``${mpitrain_help_hardware:}``):
+    where and how the ranks run, the keys a user sets most after the top-level ones."""
+    node = _root_._get_node("hardware")
+    cls = OmegaConf.get_type(node)
+    comments = field_comments(cls) if isinstance(cls, type) else {}
+    rows = []
+    for dotted, value in _leaves(node, "hardware"):
+        name = dotted.split(".")[1]
+        if dotted.count(".") == 1 and value is not None:
+            rows.append((f"{dotted}={value}", comments.get(name, "")))
+        elif dotted.count(".") == 2 and dotted.endswith(".*"):  # a map: its entries are --cfg job's
+            rows.append((f"hardware.{name}.KEY=VALUE", comments.get(name, "")))
+    return _rows(rows)
+
+
 def register_help() -> None:
     """Register the help's resolvers (idempotent); before ``hydra.main`` composes the help config."""
     OmegaConf.register_new_resolver("mpitrain_help_groups", help_groups, replace=True)
     OmegaConf.register_new_resolver("mpitrain_help_keys", help_keys, replace=True)
+    OmegaConf.register_new_resolver("mpitrain_help_hardware", help_hardware, replace=True)
