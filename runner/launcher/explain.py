@@ -9,6 +9,7 @@ plugin that an extra installs (``hydra/launcher=joblib``) and is not installed, 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from runner.launcher.help import CONF, PRIMARY, groups
@@ -95,12 +96,7 @@ def _explain_one(err: BaseException, argv: list[str]) -> str:
             return plugin
         if group.startswith("hydra/"):
             return f"{group}={option}: no such option of Hydra's (mpitrain --hydra-help lists them)"
-        known = groups().get(group)
-        there = f"the options of {group} are: {', '.join(known)}" if known else f"{group} is not a group"
-        return (
-            f"{group}={option}: no such option ({there}); an option of your own is found with "
-            f"hydra.searchpath=[file://DIR] (or -cd DIR), DIR holding {group}/{option}.yaml"
-        )
+        return _no_option(group, option, argv)
     if merging := re.match(r"Error merging override (\S+)", text):  # a value of the wrong type
         reason = str(err.__cause__ or "").strip().splitlines()[:1] or text.splitlines()[1:2]
         return f"{merging.group(1)}: {reason[0] if reason else 'cannot be merged'}"
@@ -108,6 +104,45 @@ def _explain_one(err: BaseException, argv: list[str]) -> str:
     if err.__cause__ is not None and str(err.__cause__).strip():  # OmegaConf's reason, as Hydra shows it
         lines.append(str(err.__cause__).strip().splitlines()[0])
     return "; ".join(lines) if lines else type(err).__name__
+
+
+def search_folders(argv: list[str]) -> list[Path]:
+    """The folders of the command line's ``hydra.searchpath=[file://DIR,...]`` (and ``-cd DIR``)."""
+    folders = []
+    for i, arg in enumerate(argv):
+        if arg.lstrip("+").startswith("hydra.searchpath="):
+            for entry in re.findall(r"file://([^,\]\s'\"]+)", arg):
+                folders.append(Path(entry).expanduser())
+        elif arg in ("-cd", "--config-dir") and i + 1 < len(argv):
+            folders.append(Path(argv[i + 1]).expanduser())
+        elif arg.startswith(("--config-dir=", "-cd=")):
+            folders.append(Path(arg.split("=", 1)[1]).expanduser())
+    return folders
+
+
+def _no_option(group: str, option: str, argv: list[str]) -> str:
+    """``group=option`` found nowhere: the options there are, the project's own (its search path) too, the
+    closest of them, and how to add a folder of one's own where none is given."""
+    import difflib
+
+    folders = search_folders(argv)
+    known = set(groups().get(group, []))
+    for folder in folders:
+        known |= {p.stem for p in (folder / group).glob("*.yaml")}
+    if not known:
+        return f"{group}={option}: no such option ({group} is not a group)"
+    close = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    where = (
+        f"{', '.join(str(f / group) for f in folders)} and the runner's conf/{group}"
+        if folders
+        else f"the runner's conf/{group}; an option of your own is found with hydra.searchpath=[file://DIR] "
+        f"(or -cd DIR), DIR holding {group}/{option}.yaml"
+    )
+    return (
+        f"{group}={option}: no such option ({hint}the options of {group} are: {', '.join(sorted(known))}; "
+        f"looked in {where})"
+    )
 
 
 def _swept(key: str, argv: list[str]) -> str | None:

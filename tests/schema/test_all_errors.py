@@ -105,6 +105,7 @@ def test_a_sweep_point_run_elsewhere_names_them_all_too():
 # -- composition errors (unknown keys, values of the wrong type) with value errors, at once ---------------
 
 
+@pytest.mark.slow  # (a composition per override: seconds)
 def test_composition_and_value_mistakes_are_named_together_each_with_its_hint():
     """Hydra stops at the first override it cannot compose; every override is tried in turn, so each
     mistake gets the line it would get alone (its "did you mean", its keys, its ``+`` hint)."""
@@ -122,6 +123,7 @@ def test_composition_and_value_mistakes_are_named_together_each_with_its_hint():
     assert len(own) == 1 and "+model.hiden=VALUE" in own[0], own
 
 
+@pytest.mark.slow
 def test_a_group_choice_that_is_not_found_is_named_and_its_keys_not_blamed():
     from runner.launcher.explain import every_mistake
 
@@ -138,3 +140,17 @@ def test_the_command_line_names_composition_mistakes_all_at_once(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "invalid input, nothing was started: 3 settings are invalid:" in done.stderr, done.stderr
     assert not (tmp_path / "run" / "config.yaml").exists() and "Traceback" not in done.stderr
+
+
+def test_an_option_not_found_is_looked_for_in_the_projects_folders_too(tmp_path):
+    """With ``hydra.searchpath`` given, "no such option" lists the project's own options, suggests the
+    closest, and does not tell to add the search path that is already there."""
+    from runner.launcher.explain import _no_option
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "licenses.yaml").write_text("{}\n")
+    line = _no_option("data", "licence", [f"hydra.searchpath=[file://{tmp_path}]", "data=licence"])
+    assert "did you mean data=licenses?" in line and "licenses, " in line, line
+    assert f"looked in {tmp_path / 'data'}" in line and "hydra.searchpath=[file://DIR]" not in line
+    bare = _no_option("data", "digit", ["data=digit"])
+    assert "did you mean data=digits?" in bare and "hydra.searchpath=[file://DIR]" in bare
