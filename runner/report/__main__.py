@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from runner.report.runs import NoRuns
-from runner.report.verdict import verdict
+from runner.report.table import verdict_line
 from runner.report.write import write_report
 
 RAW = argparse.RawDescriptionHelpFormatter
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NoRuns, ValueError) as err:
         print(f"report: {err}", file=sys.stderr)
         return 2
-    best = verdict(report.standing)
-    print(f"{len(report.runs)} runs; best: {best}; target: {report.target_text()}")
+    print(f"{len(report.runs)} runs; {verdict_line(report)}; target: {report.target_text()}")
     print(f"wrote {report.out / 'report.html'} (and report.md, report.csv and the PNGs beside it)")
     return 0
 

@@ -232,6 +232,51 @@ def sentences(cross: Crossover) -> list[str]:
     return [sentence(cross, gbps) for gbps in cross.speeds]
 
 
+def section(cross: Crossover) -> list[str]:
+    """The section's list: :func:`sentences`, then whether the lines cross where they do not."""
+    return sentences(cross) + ([no_cross] if (no_cross := no_crossover(cross)) else [])
+
+
+def firsts(cross: Crossover) -> list[tuple[float | None, list[str]]]:
+    """The series first to the target at each link speed (several: a tie; none: none reached it)."""
+    return [(gbps, [c.series for c in _leaders(cross.at(gbps))[0]]) for gbps in cross.speeds]
+
+
+def no_crossover(cross: Crossover) -> str | None:
+    """The sentence saying the lines do not cross (one series first, alone or tied, at every emulated speed
+    where any reached the target), or None where they do or there are fewer than two such speeds."""
+    reached = [(g, names) for g, names in firsts(cross) if g is not None and names]
+    if len(reached) < 2:
+        return None
+    always = set.intersection(*(set(names) for _, names in reached))
+    if not always:
+        return None
+    lo, hi = speed_text(reached[0][0]), speed_text(reached[-1][0])
+    return (
+        f"No crossover in this range: {_and(sorted(always))} reached {cross.target} first (or tied first) at "
+        f"every link speed from {lo} to {hi}."
+    )
+
+
+def headline(cross: Crossover) -> tuple[str, str]:
+    """The report's first line for a sweep over link speeds, which answers what it varied: the first to the
+    target at each speed (in bold), and whether the lines cross."""
+    parts = []
+    for gbps, names in firsts(cross):
+        who = "none reached it" if not names else names[0] if len(names) == 1 else f"a tie of {_and(names)}"
+        parts.append(f"{speed_text(gbps)}: {who}")
+    crossing = "no crossover in this range" if no_crossover(cross) else "the lines cross"
+    return f"First to {cross.target}, by link speed: {'; '.join(parts)}", f"({crossing})"
+
+
+def summary_line(cross: Crossover) -> str:
+    """The console's last line for such a sweep: the first at each speed, briefly."""
+    parts = []
+    for gbps, names in firsts(cross):
+        parts.append(f"{speed_text(gbps)} {'none' if not names else '='.join(names)}")
+    return f"first to {cross.target} by link speed: {', '.join(parts)}"
+
+
 def grid(cross: Crossover) -> tuple[list[str], list[list[str]]]:
     """A table: a row per series, a column per speed, each cell its time to target and final metric."""
     header = ["rule", *(f"{speed_text(g)}: time to target (final {cross.metric})" for g in cross.speeds)]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from runner.report import network, verdict
 from runner.report.confidence import REPEAT_KEYS
 from runner.report.runs import finite_or_none
-from runner.report.table import Report, explanation, table
+from runner.report.table import Report, explanation, headlines, table
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -405,7 +405,8 @@ def crossover_figure(cross: network.Crossover) -> Figure:
         apart.grid(alpha=0.3)
         apart.set_title("links free", fontsize=10)
     axes.legend(fontsize=9)
-    fig.suptitle(f"Time to {cross.target} against link bandwidth, per rule", fontsize=12)
+    crossing = "; no crossover in this range" if network.no_crossover(cross) else ""
+    fig.suptitle(f"Time to {cross.target} against link bandwidth, per rule{crossing}", fontsize=12)
     return fig
 
 
@@ -489,14 +490,16 @@ def page(report: Report, plots: list[Path]) -> str:
     """report.html: the table, the runs that did not end ok and the plots (relative paths); static."""
     e = html.escape
     header, cells = table(report)
-    bold, numbers = verdict.headline(report.standing)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Report: {e(report.title)}</title>"]
     parts.append(f"<style>{STYLE}</style></head><body><h1>Report: {e(report.title)}</h1>")
+    (bold, numbers), *more = headlines(report)
     parts.append(f"<p><b>{e(bold)}</b> {e(numbers)}</p>")
+    parts += [f"<p>{e(b)} {e(n)}</p>" for b, n in more]
     parts += [f"<p>{e(text)}</p>" for text in verdict.paragraphs(report.standing)]
     if (cross := network.crossover(report)) is not None:
         parts.append(f"<h2>{e(network.HEADING)}</h2>")
-        parts.append("<ul>" + "".join(f"<li>{e(t)}</li>" for t in network.sentences(cross)) + "</ul>")
+        parts.append("<ul>" + "".join(f"<li>{e(t)}</li>" for t in network.section(cross)) + "</ul>")
+        parts += [f"<p class=warn><b>{e(report.load_note)}</b></p>"] if report.load_note else []
         parts.append(f"<p>{e(network.explanation(cross))}</p>")
         header_cross, cells_cross = network.grid(cross)
         parts.append(_html_table(header_cross, cells_cross, ["ok"] * len(cells_cross), 1))

@@ -259,15 +259,32 @@ def explanation(report: Report) -> str:
     )
 
 
+def headlines(report: Report) -> list[tuple[str, str]]:
+    """The report's first line, answering what the sweep varied: over link speeds, the first to the target
+    at each (:func:`runner.report.network.headline`), then the best by the metric; else the best alone."""
+    best = verdict.headline(report.standing)
+    if (cross := network.crossover(report)) is None:
+        return [best]
+    return [network.headline(cross), (f"By best {report.metric}: {best[0][0].lower()}{best[0][1:]}", best[1])]
+
+
+def verdict_line(report: Report) -> str:
+    """The console's line on what won: per link speed for a sweep over them, else the best run or point."""
+    cross = network.crossover(report)
+    return network.summary_line(cross) if cross is not None else f"best: {verdict.verdict(report.standing)}"
+
+
 def markdown(report: Report, plots: list[Path]) -> str:
     """report.md: the verdict and how sure it is, the points (when seeds were repeated), the runs' table,
     the runs that did not end ok, the plots."""
     header, cells = table(report)
-    bold, numbers = verdict.headline(report.standing)
-    lines = [f"# Report: {report.title}", "", f"**{_md(bold)}** {_md(numbers)}".rstrip(), ""]
+    lines = [f"# Report: {report.title}", ""]
+    lines += [" ".join(f"**{_md(b)}** {_md(n)}".rstrip() for b, n in headlines(report)[:1]), ""]
+    lines += [f"{_md(b)} {_md(n)}".rstrip() + "\n" for b, n in headlines(report)[1:]]
     lines += [line for text in verdict.paragraphs(report.standing) for line in (_md(text), "")]
     if (cross := network.crossover(report)) is not None:
-        lines += [f"## {network.HEADING}", "", *(f"- {_md(t)}" for t in network.sentences(cross)), ""]
+        lines += [f"## {network.HEADING}", "", *(f"- {_md(t)}" for t in network.section(cross)), ""]
+        lines += [f"**{report.load_note}**", ""] if report.load_note else []
         lines += [_md(network.explanation(cross)), "", *_md_table(*network.grid(cross), 1), ""]
     if report.repeated:
         points_header, points_cells = verdict.points_table(report.standing)

@@ -149,10 +149,35 @@ def others_ahead(standing: Standing) -> list[str]:
     return lines
 
 
+def final_behind(standing: Standing) -> str | None:
+    """The points ranked by a best validation their saved model (the final one) fell behind by more than
+    noise: the ranking is by the best, ``model.pt`` holds the final model."""
+    behind = []
+    for p in standing.points:
+        if p.best is None or p.final is None:
+            continue
+        margin = p.final.low - p.best.high if not standing.maximize else p.best.low - p.final.high
+        if margin > p.resolution + EPSILON:
+            behind.append(f"{p.name} (best {p.best.text()}, final {p.final.text()})")
+    if not behind:
+        return None
+    return (
+        f"Ranked by best {standing.metric}, but each run saves its final model (model.pt), which fell behind "
+        f"its best by more than noise for {_and(behind)}: compare the final {standing.metric} (the runs' "
+        "table) before keeping one."
+    )
+
+
 def paragraphs(standing: Standing) -> list[str]:
-    """The sentences under the headline: the ranking, the model scored per rule, how noise was judged, and
-    the points whose other model did better."""
-    texts = [ranking(standing), scored(standing), noise(standing), *others_ahead(standing)]
+    """The sentences under the headline: the ranking, the model scored per rule, how noise was judged, the
+    points whose other model did better, and those whose saved (final) model fell behind their best."""
+    texts = [
+        ranking(standing),
+        scored(standing),
+        noise(standing),
+        *others_ahead(standing),
+        final_behind(standing),
+    ]
     return [t for t in texts if t]
 
 

@@ -145,9 +145,21 @@ def validate(cfg: DictConfig) -> Config:
         checked.data.dynamic(checked.rule.asynchronous())
     raise_problems(problems)
     warning = checked.simulate.warning()
-    if warning:
+    if warning and not (checked.simulate.link_gbps is None and free_links_asked()):
         logging.getLogger("runner").warning(warning)
     return checked
+
+
+def free_links_asked() -> bool:
+    """Whether this command gave ``simulate.link_gbps=null`` itself (a sweep's point without links, which
+    the network sweep includes on purpose): no warning that links are free is then due."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    except Exception:  # (no Hydra here: a rank, a test)
+        return False
+    return any(o.replace(" ", "") in ("simulate.link_gbps=null", "simulate.link_gbps=None") for o in task)
 
 
 #: How to give a data key a data set leaves unset (``data=dataset``), for :func:`check_data_read`.

@@ -243,3 +243,25 @@ def test_a_real_two_rule_three_seed_sweep_reports_points_and_easgds_workers(tmp_
     assert "| best val_acc: workers' mean model |" in md
     assert ("**Best point: " in md) != ("**No clear best: " in md), md
     assert "sweep report: " in run.output and "(6 runs; best: " in run.output
+
+
+def test_a_run_whose_saved_final_model_fell_behind_its_ranked_best_is_named(tmp_path):
+    """The ranking is by the best validation; model.pt is the final model: where they differ by more than
+    noise (one validation sample here), the report says so, naming the run and both values."""
+    import json
+
+    from runner.report.runs import load_runs
+    from runner.report.table import markdown, score
+    from tests.report.test_report_network import make_run
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    task = ["rule=bsp,diloco"]
+    (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": task}}}))
+    make_run(sweep / "0", ["rule=bsp"], [0.95, 0.985, 0.9861], 1.0)  # final within noise of its best
+    make_run(sweep / "1", ["rule=diloco"], [0.96, 0.9972, 0.9667], 1.0)
+    runs, keys = load_runs([sweep])
+    text = markdown(score(runs, keys, sweep, "val_acc", None), [])
+    said = [line for line in text.splitlines() if line.startswith("Ranked by best val_acc, but")]
+    assert len(said) == 1, text
+    assert "rule=diloco (best 0.9972, final 0.9667)" in said[0] and "rule=bsp" not in said[0]

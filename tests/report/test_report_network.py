@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.report.network import HEADING, crossover, grid, sentences
+import pytest
+
+from runner.report.network import HEADING, crossover, grid, section, sentences
 from runner.report.plots import crossover_figure
 from runner.report.runs import load_runs
 from runner.report.table import markdown, score
@@ -181,3 +183,50 @@ def test_a_rule_whose_run_failed_did_not_reach_the_target_and_its_cell_says_so(t
 
 def _overrides(run: Path) -> str:
     return (run / ".hydra" / "overrides.yaml").read_text() if run.is_dir() else ""
+
+
+def test_the_headline_and_the_console_line_answer_what_the_sweep_varied(tmp_path):
+    """Over link speeds the report's first line and the console's give the first to the target at each
+    speed, before the best by accuracy; lines that do not cross say so."""
+    from runner.report.table import verdict_line
+
+    report = report_of(make_link_sweep(tmp_path / "a"))
+    first = markdown(report, []).splitlines()[2]
+    assert first.startswith(
+        "**First to val_acc ≥ 0.95, by link speed: 0.01 Gbit/s: none reached it; 0.1 Gbit/s:"
+    )
+    assert "1 Gbit/s: a tie of bsp and diloco; free links: bsp**" in first, first
+    assert "(no crossover in this range)" in first
+    assert "By best val_acc: best run: rule=bsp" in markdown(report, [])
+    assert verdict_line(report) == (
+        "first to val_acc ≥ 0.95 by link speed: 0.01 Gbit/s none, 0.1 Gbit/s diloco, 1 Gbit/s bsp=diloco, "
+        "free links bsp"
+    )
+    cross = crossover(report)
+    assert section(cross)[-1].startswith("No crossover in this range: diloco reached")
+    crossing = {**CELLS, ("diloco", 1): ([LOW] * 8 + [HIGH], 0.5)}  # bsp alone first at 1 Gbit/s
+    other = report_of(make_link_sweep(tmp_path / "b", crossing))
+    assert "(the lines cross)" in markdown(other, []).splitlines()[2]
+    assert not any(s.startswith("No crossover") for s in section(crossover(other)))
+
+
+def test_the_wall_time_caveat_stands_by_the_times_to_target_where_loads_differed(tmp_path):
+    sweep = make_link_sweep(tmp_path)
+    for n, run in enumerate(sorted(p for p in sweep.iterdir() if p.is_dir())):
+        summary = json.loads((run / "summary.json").read_text())
+        summary["load"] = {"start": 0.1 + 3.0 * (n % 2), "end": 1.0, "cpus": 2}
+        (run / "summary.json").write_text(json.dumps(summary))
+    text = markdown(report_of(sweep), [])
+    section = text.split(f"## {HEADING}", 1)[1].split("## Runs", 1)[0]
+    assert "Wall times were taken under" in section, section
+
+
+@pytest.mark.slow
+def test_no_warning_for_the_free_links_point_the_command_asked_for(cli):
+    """``simulate.link_gbps=null`` given (the network sweep's point without links) is what was asked: no
+    warning; ``simulate.ranks_per_node`` alone still gets it."""
+    asked = cli("simulate.ranks_per_node=1", "simulate.link_gbps=null", "train.max_steps=2", "devices=1")
+    assert asked.returncode == 0, asked.output
+    assert "no link is emulated" not in asked.output
+    forgotten = cli("simulate.ranks_per_node=1", "train.max_steps=2", "devices=1")
+    assert forgotten.returncode == 0 and "no link is emulated" in forgotten.output, forgotten.output
