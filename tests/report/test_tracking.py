@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -421,9 +422,12 @@ def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_
 
     uri = f"file:{tmp_path / 'mlruns'}"
     run_dir = fake_run(tmp_path / "sweep" / "0", {"optim.lr": 0.05}, ["rule=easgd", "optim.lr=0.05"])
+    launched = time.time() - 30.0  # the launcher wrote config.yaml 30 s before rank 0 recorded (start-up)
+    os.utime(run_dir / "config.yaml", (launched, launched))
     record_run(run_dir, {"mlflow": MLflowConfig(tracking_uri=uri)}, acc=0.75)
     (run,) = mlflow_runs(uri).values()
     assert run.info.run_name == "optim.lr=0.05" and run.info.status == "FINISHED"
+    assert run.info.start_time == int(launched * 1000), "the run's duration is the job's, start-up included"
     assert run.data.params["optim.lr"] == "0.05" and run.data.params["rule.alpha"] == "null"
     assert run.data.metrics["val/val_acc"] == 0.75 and run.data.metrics["final_val_acc"] == 0.75
     assert run.data.metrics["step/loss"] == 0.25 and run.data.tags["mpitrain.sweep"] == str(run_dir.parent)

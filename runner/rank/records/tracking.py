@@ -101,6 +101,7 @@ class RunInfo:
     resume_step: int | None
     continued: bool
     schemas: dict[str, str] = field(default_factory=dict)
+    started: float | None = None  # when the launcher wrote config.yaml: the job's start, start-up included
 
     @classmethod
     def read(cls, run_dir: Path, resume_step: int | None = None, continued: bool = False) -> RunInfo:
@@ -117,7 +118,11 @@ class RunInfo:
         name = str(ident.get("name") or run_dir.name)
         swept = dict(ident.get("swept") or {})
         continued = continued or resume_step is not None
-        return cls(run_dir, name, swept, config, sweep, resume_step, continued, dict(schemas))
+        try:
+            started = (run_dir / CONFIG).stat().st_mtime
+        except OSError:
+            started = None
+        return cls(run_dir, name, swept, config, sweep, resume_step, continued, dict(schemas), started)
 
     @property
     def key(self) -> str:
@@ -503,7 +508,10 @@ class MLflowTracker(Tracker):
             self.client.update_run(self.run_id, status="RUNNING")
             self._tags({k: v for k, v in tags.items() if k not in found.data.tags})
         else:
-            made = self.client.create_run(experiment, run_name=cfg.run_name or run.name, tags=tags)
+            start = None if run.started is None else int(run.started * 1000)  # the job's, not rank 0's
+            made = self.client.create_run(
+                experiment, start_time=start, run_name=cfg.run_name or run.name, tags=tags
+            )
             self.run_id = made.info.run_id
         self._params(set() if found is None else set(found.data.params))
         if is_regular(run.dir / CONFIG):  # (a link's target is not the run's to upload)
