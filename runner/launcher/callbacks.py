@@ -1,8 +1,9 @@
 """Hydra callbacks of the launcher: the sweep report at the end of every multirun.
 
 Registered in ``conf/config.yaml`` (``hydra.callbacks.report``). Hydra calls ``on_multirun_end`` only when
-every point of the sweep ended ok (a failed point makes the sweeper raise first), so the report of a sweep
-that did not complete is written when the launcher exits instead; none for a sweep refused before any
+the sweeper returns: every point ended ok, or the sweep was stopped (Ctrl-C, which it takes:
+:mod:`runner.launcher.sweep_stop`); a failed point run elsewhere makes it raise first, so the report of a
+sweep that did not complete is written when the launcher exits instead; none for a sweep refused before any
 point started (its folder may be another sweep's). Either way a report that cannot be written is logged
 and changes nothing else: not the sweep's exit status, not its folders.
 """
@@ -53,7 +54,7 @@ class SweepReport(Callback):
         """Write the report of ``sweep_dir``; log (never raise) why it could not be written."""
         self.done = True
         try:
-            from runner.report.verdict import verdict
+            from runner.report.table import verdict_line
             from runner.report.write import NoRuns, write_report
 
             try:
@@ -65,10 +66,10 @@ class SweepReport(Callback):
             if quiet_if_empty:
                 log.info("the sweep did not complete: reporting the runs it has")
             log.info(
-                "sweep report: %s (%d runs; best: %s)",
+                "sweep report: %s (%d runs; %s)",
                 sweep_dir / "report.html",
                 len(report.runs),
-                verdict(report.standing),
+                verdict_line(report),
             )
         except Exception as err:  # a report is a convenience: it must not fail the sweep
             log.warning(

@@ -5,7 +5,9 @@ This process composes, checks, starts and supervises; it imports neither torch n
 says how a single run ended (the table is :mod:`runner.launcher.launch`'s): 0 ok, 1 failed, 2 invalid input
 (Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted. A sweep runs
 every point whatever the others did (``sweep.fail_fast``: none after one not ok), and exits with the status
-of its first point not ok; ``resume=SWEEP_DIR`` finishes a sweep (:mod:`runner.launcher.sweep_resume`).
+of its first point not ok; ``resume=SWEEP_DIR`` finishes a sweep (:mod:`runner.launcher.sweep_resume`). A
+sweep stopped by a signal (Ctrl-C: :mod:`runner.launcher.sweep_stop`) exits 130, its last line the
+``resume=`` command.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.folder_files import read_text, unwritten
-from runner.launcher import outcomes
+from runner.launcher import outcomes, sweep_stop
 from runner.launcher.help import CONF, PRIMARY, register_help
 from runner.launcher.launch import JobEnded, launch
 from runner.launcher.lock import RunFolderLock
@@ -79,8 +81,13 @@ def main(cfg: DictConfig) -> float:
     if share > 1:  # sweep points that run at once must not draw their progress bars over each other
         os.environ[TTY_ENV] = "0"
     point = None if single or cfg.eval else (Path(hydra_cfg.sweep.dir), hydra_cfg.job.num)
-    if point is not None and not start_point(*point, ident, fail_fast=cfg.sweep.fail_fast):
-        return float("nan")  # sweep.fail_fast: another point failed
+    if point is not None:
+        sweep_stop.follow(point[0], elsewhere=not in_process(hydra_cfg.launcher))
+        subdir = hydra_cfg.output_subdir  # (Hydra's records of the point: .hydra/)
+        if sweep_stop.not_started(point, ident, run_dir, run_dir / subdir if subdir else None):
+            return float("nan")  # the sweep was stopped (Ctrl-C)
+        if not start_point(*point, ident, fail_fast=cfg.sweep.fail_fast):
+            return float("nan")  # sweep.fail_fast: another point failed
     status, reason = "failed", None
     try:
         if cfg.eval:
@@ -208,6 +215,30 @@ def unquoted(line: str) -> str:
     return line
 
 
+#: Hydra's flags that take a value (the next word); the others take none (``-m``, ``--resolve``).
+VALUED_FLAGS = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd")
+VALUED_FLAGS += ("--config-dir", "-sc", "--shell-completion", "--experimental-rerun")
+
+
+def flags_first(argv: list[str]) -> list[str]:
+    """``argv`` with Hydra's flags (and their values) before the overrides, in their order: argparse takes
+    no override after a flag that follows an override (``a=1 -m b=2``: "unrecognized arguments: b=2");
+    unchanged where ``-i``/``--info`` (whose value is optional) is given."""
+    if any(a in ("-i", "--info") or a.startswith("--info=") for a in argv):
+        return argv
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word.startswith("-"):  # (no override starts with "-")
+            takes = word in VALUED_FLAGS and i + 1 < len(argv)
+            flags += argv[i : i + 1 + takes]
+            i += 1 + takes
+        else:
+            overrides.append(word)
+            i += 1
+    return flags + overrides
+
+
 def run() -> None:
     """:func:`main`, with a config Hydra could not compose named in one line, exit status 2."""
     # The console script's sys.path starts with its own folder, python -m runner's with the working folder,
@@ -221,6 +252,7 @@ def run() -> None:
     completing = completion_query(sys.argv[1:])
     if completing:
         os.environ["COMP_LINE"] = unquoted(os.environ.get("COMP_LINE", ""))
+    sys.argv[1:] = flags_first(sys.argv[1:])
     try:
         resumed = resumed_argv(sys.argv[1:])  # resume=SWEEP_DIR: the sweep's own command line
         if resumed is not None:
@@ -248,6 +280,10 @@ def run() -> None:
     if outcomes.NOT_OK:
         ended = ", ".join(f"{name} {status}" for name, status, _ in outcomes.NOT_OK)
         log.error("%d sweep point(s) did not end ok: %s", len(outcomes.NOT_OK), ended)
+    if (stopped := sweep_stop.last_line()) is not None:  # Ctrl-C: the command that finishes it, last
+        log.warning(stopped)
+        sys.exit(EXIT["interrupted"])
+    if outcomes.NOT_OK:
         sys.exit(outcomes.NOT_OK[0][2])
 
 

@@ -43,7 +43,9 @@ def every_mistake(argv: list[str]) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
 
     from runner.launcher.register import register
+    from runner.schema import READING_RUN_FOLDER
     from runner.schema.config import validate
+    from runner.schema.identity import override_key
 
     register()
     overrides = _composable(argv)
@@ -64,13 +66,23 @@ def every_mistake(argv: list[str]) -> list[str]:
             lines.append(_explain_one(err, [*good, override]))
         else:
             good.append(override)
+    mine = {override_key(a) for a in given}
+    token = READING_RUN_FOLDER.set(True)  # (checks only: no data set fetches its files here)
     try:
         validate(composed(good))
     except ConfigErrors as err:
-        lines += err.problems
+        lines += [p for p in err.problems if _names_one_of(p, mine)]
     except ValueError as err:
-        lines.append(str(err).strip())
+        lines += [str(err).strip()] if _names_one_of(str(err), mine) else []
+    finally:
+        READING_RUN_FOLDER.reset(token)
     return lines
+
+
+def _names_one_of(problem: str, keys: set[str]) -> bool:
+    """Whether a value check's ``problem`` is about one of the command line's ``keys`` (the others' are
+    the defaults', said once the command line's own mistakes are fixed)."""
+    return any(re.match(rf"{re.escape(k)}[=:. ]", problem) for k in keys)
 
 
 def _explain_one(err: BaseException, argv: list[str]) -> str:

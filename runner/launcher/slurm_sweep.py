@@ -32,6 +32,8 @@ from submitit.core.core import Job
 from submitit.core.utils import UncompletedJobError
 from submitit.slurm.slurm import SlurmInfoWatcher
 
+from runner.launcher import sweep_stop
+
 log = logging.getLogger("runner")
 
 #: The state given to a job that slurmctld no longer lists (ended more than ``MinJobAge`` ago).
@@ -185,12 +187,14 @@ class MpitrainSlurmLauncher(SlurmLauncher):
             task.watcher = watcher  # this job's states only: submitit's own watcher stays as it is
             watcher.register_job(task.job_id)
         returns: list[JobReturn | None] = [None] * len(tasks)
+        stops = 0
         try:
             while None in returns:
                 for i, task in enumerate(tasks):
                     if returns[i] is None and task.done():
                         returns[i] = self.point_return(task, job_overrides[i], initial_job_idx + i)
                 if None in returns:
+                    stops = self.follow_stop(tasks, returns, stops)
                     time.sleep(POLL_S)
         except KeyboardInterrupt:
             waiting = " ".join(t.job_id for t, r in zip(tasks, returns, strict=True) if r is None)
@@ -198,12 +202,39 @@ class MpitrainSlurmLauncher(SlurmLauncher):
             raise
         return [r for r in returns if r is not None]
 
+    def follow_stop(self, tasks: Sequence[Job[Any]], returns: Sequence[JobReturn | None], seen: int) -> int:
+        """Cancel the jobs of the points not ended once the sweep was stopped; the stop requests dealt with.
+
+        ``seen``: those dealt with before (:mod:`runner.launcher.sweep_stop`). At the first, the jobs Slurm
+        has not started (the running points read the stop in the sweep folder, then checkpoint and stop);
+        at the second, all of them (their processes get Slurm's SIGTERM, mpirun too: ``interrupted``)."""
+        asked = len(sweep_stop.requested())
+        waiting = [t.job_id for t, r in zip(tasks, returns, strict=True) if r is None]
+        if asked <= seen or not waiting:
+            return max(asked, seen)
+        argv = ["scancel", *(["--state=PENDING"] if asked == 1 else []), *waiting]
+        done, error = _call(argv)
+        if done is None or done.returncode != 0:
+            said = error or done.stderr.strip() or f"exit status {done.returncode}"
+            log.warning("the sweep stops, but %s failed: %s; cancel its jobs yourself", " ".join(argv), said)
+        else:
+            which = "not yet started" if asked == 1 else "still running"
+            log.warning("the sweep stops: its Slurm jobs %s are cancelled (%s)", which, " ".join(argv))
+        return asked
+
     def point_return(self, task: Job[Any], overrides: Sequence[str], idx: int) -> JobReturn:
         """The JobReturn of one ended point (task 0 of its job): its own, or a failed one when Slurm
-        ended the job without a result; a point that did not end ok is reported and given NaN."""
+        ended the job without a result; a point that did not end ok is reported and given NaN.
+
+        A point whose job a stop of the sweep cancelled before it started is none of these: it is said and
+        given NaN."""
         try:
             ret = task.result()
         except (UncompletedJobError, OSError):  # (OSError: its submitit folder is gone)
+            if self.unstarted(task, overrides, idx):
+                return JobReturn(
+                    overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=math.nan
+                )
             ret = self.lost_point(task, overrides, idx)
         except Exception as err:  # FailedJobError (raised outside the task), an unreadable result
             ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=err)
@@ -235,6 +266,23 @@ class MpitrainSlurmLauncher(SlurmLauncher):
 
         assert self.config is not None
         return identity(overrides, list(self.config.hydra.overrides.task))
+
+    def unstarted(self, task: Job[Any], overrides: Sequence[str], idx: int) -> bool:
+        """Whether the point ended without a result because the sweep was stopped before its job started.
+
+        (No config of its job in its folder.) It is then said in one line."""
+        from runner.run_folder import CONFIG
+
+        if not sweep_stop.requested():
+            return False
+        try:
+            if (self.point_dir(overrides, idx, task.job_id) / CONFIG).exists():
+                return False
+        except Exception:  # (its folder cannot be named: reported as lost, as before)
+            return False
+        name = self.ident(list(overrides))["name"]
+        log.warning("[%s] not started: the sweep was stopped (Slurm job %s cancelled)", name, task.job_id)
+        return True
 
     def lost_point(self, task: Job[Any], overrides: Sequence[str], idx: int) -> JobReturn:
         """A point whose job Slurm ended without a result (cancelled, time limit, node failure, ...): a

@@ -9,7 +9,8 @@ The job runs in a session of its own, so nothing reaches it but what the launche
   neither: the launcher draws the progress bar from them (:mod:`runner.launcher.progress`).
 - **Signals.** SIGTERM, SIGUSR1 (Slurm's ``--signal``, ``scancel``) and SIGINT (Ctrl-C) write
   ``RUN_DIR/STOP`` holding the signal's name; the ranks then finish their step, write a checkpoint and
-  exit. A second signal, or :data:`GRACE_S` without the job ending, ends it at once.
+  exit. A second signal, or :data:`GRACE_S` without the job ending, ends it at once. A sweep point's job
+  also takes its sweep's stop requests as its own signals (:mod:`runner.launcher.sweep_stop`).
 - **A job that does not end after its summary.** Rank 0 writes ``summary.json`` last; an ``mpirun`` still
   running :data:`SUMMARY_GRACE_S` later is waiting for something that will not come (a daemon on a node it
   cannot reach since a cut link) and is ended; the job counts as ended by its summary's status.
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from runner.folder_files import is_regular, open_in_folder
+from runner.launcher import sweep_stop
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
 from runner.launcher.session_dir import session_dir
@@ -63,7 +65,7 @@ ENDED_GRACE_S = 5.0
 #: did not lose can go on writing checkpoints) before it reads what the job left; those on this machine
 #: are then killed.
 OUTLIVED_WAIT_S = 5.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS = sweep_stop.STOP_SIGNALS
 
 
 @dataclass
@@ -116,7 +118,8 @@ class Supervisor:
         self.env = {**os.environ, **(env or {})}  # hardware.env: mpirun's -x KEY reads them here
         self.prefix = f"[{label}] ".encode() if label else b""
         self.line_start = True
-        self.signals: list[str] = []
+        self.signals: list[str] = []  # the stop requests: this launcher's signals, or its sweep's
+        self.heard = 0  # the stop signals this launcher had
         self.stop_time: float | None = None
         self.ending_since: float | None = None
         self.killed = False
@@ -224,6 +227,16 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        self.heard += 1
+        if self.heard > len(self.signals):  # (not yet taken from the sweep's stop: the same request)
+            self._request(name)
+        if (said := sweep_stop.heard(name)) is not None:  # the sweep this job is a point of stops too
+            self._say(said)
+
+    def _request(self, name: str) -> None:
+        """A stop request (signal ``name``, this launcher's or its sweep's).
+
+        The first has the ranks checkpoint and stop, a second ends the job at once (:meth:`_tick`)."""
         self.signals.append(name)
         if len(self.signals) > 1 or self.ending_since is not None:
             return
@@ -244,6 +257,8 @@ class Supervisor:
                 self._signal_group(signal.SIGKILL)
                 self.killed = True
             return
+        for name in sweep_stop.requested()[len(self.signals) :]:  # its sweep's (its sweeping process's)
+            self._request(name)
         if len(self.signals) > 1:
             self._end(f"a second signal ({self.signals[1]})", interrupted=True)
         elif self.stop_time is not None and now - self.stop_time > GRACE_S:

@@ -1,7 +1,7 @@
 """``hydra/sweeper=mpitrain``, the default sweeper of ``-m``: Hydra's basic grid, with keys that vary
 together (``sweep.zip``), no point started after one not ok (``sweep.fail_fast``), the points left of a
-sweep that ran before (``resume=SWEEP_DIR``, :mod:`runner.launcher.sweep_resume`), and one sweep per
-folder (:class:`SweepFolderLock`).
+sweep that ran before (``resume=SWEEP_DIR``, :mod:`runner.launcher.sweep_resume`), one sweep per
+folder (:class:`SweepFolderLock`), and a sweep that a Ctrl-C stops (:mod:`runner.launcher.sweep_stop`).
 
 ``sweep.zip=[optim.lr,schedule.warmup_steps]`` pairs the values of the keys it names, in order, instead
 of crossing them: ``optim.lr=0.1,0.2 schedule.warmup_steps=10,20`` is then 2 points (0.1 with 10, 0.2
@@ -26,14 +26,16 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.folder_files import ForeignFile, open_fd
-from runner.launcher import outcomes
+from runner.launcher import outcomes, sweep_stop
 from runner.launcher.sweep_resume import MANIFEST, batches, failed_point, plan
-from runner.run_folder import SWEEP_CONFIG, write_atomic
+from runner.run_folder import EXIT, SWEEP_CONFIG, write_atomic
 from runner.schema import provenance
+from runner.schema.identity import identity
 
 log = logging.getLogger("runner")
 
@@ -162,6 +164,7 @@ class MpitrainSweeper(BasicSweeper):
         self.overrides, self.batch_index, self.max_batch_size = None, 0, max_batch_size
         self.params, self.resume = params or {}, resume
         self.hydra_context, self.config, self.launcher = None, None, None
+        self.total = 0  # the sweep's points (its grid's)
 
     def sweep(self, arguments: list[str]) -> Any:
         """Launch the sweep's points (those left, when resuming); Hydra's list of each launch's returns.
@@ -174,20 +177,41 @@ class MpitrainSweeper(BasicSweeper):
             try:
                 held.enter_context(SweepFolderLock(sweep_dir, fresh=not self.resume))
                 jobs = self._jobs(sweep_dir, arguments)
+                held.enter_context(sweep_stop.taking_signals(sweep_dir, self.total))  # (Ctrl-C stops it)
             except ValueError:
                 outcomes.REFUSED.add(sweep_dir)  # nothing started: no report is written into the folder
                 raise
             returns = []
             for start, batch in batches(jobs, self.max_batch_size):
+                if sweep_stop.requested():
+                    break
                 if settings.fail_fast and (why := failed_point(sweep_dir, -1)) is not None:
                     log.warning("sweep.fail_fast: %s; the sweep starts no further point", why)
                     break
                 self.validate_batch_is_legal(batch)
-                returns.append(self.launcher.launch(batch, initial_job_idx=start))
+                returns.append(self.launcher.launch(sweep_stop.UntilStopped(batch), initial_job_idx=start))
+            if sweep_stop.requested():
+                sweep_stop.record_unstarted(sweep_dir, jobs, list(arguments))
         for results in returns:
             for result in results:
-                _ = result.return_value  # a point that raised (run elsewhere) ends the sweep as Hydra's would
+                if sweep_stop.requested():
+                    self._take_stopped(result, list(arguments))
+                else:  # a point that raised (run elsewhere) ends the sweep as Hydra's would
+                    _ = result.return_value
         return returns
+
+    @staticmethod
+    def _take_stopped(result: JobReturn, sweep: list[str]) -> None:
+        """Take the return of a point of a stopped sweep without raising: the sweep goes on to its report.
+
+        A point that raised (run elsewhere: preempted, as the stop asked, or failed before it) counts for
+        the exit status."""
+        try:
+            _ = result.return_value
+        except Exception as err:
+            status = str(getattr(err, "status", "failed"))
+            name = identity(list(result.overrides), sweep)["name"]
+            outcomes.NOT_OK.append((name, status, EXIT.get(status, EXIT["failed"])))
 
     def _jobs(self, sweep_dir: Path, arguments: list[str]) -> list[tuple[int, list[str]]]:
         """The points to launch, as ``(number, overrides)``: every point of the grid, or, when resuming,
@@ -196,6 +220,7 @@ class MpitrainSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides([*self._parse_config(), *arguments])
         grid = zipped_grid(parsed, list(self.config.sweep.zip or ()))
+        self.total = len(grid)
         if not self.resume:
             OmegaConf.save(self.config, sweep_dir / SWEEP_CONFIG)
             text = provenance.sweep_text(OmegaConf.select(self.config, "hydra.overrides", default={}))

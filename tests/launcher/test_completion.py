@@ -96,3 +96,21 @@ def test_the_line_is_read_without_the_shell_s_quotes(line, read):
 def test_only_a_completion_query_is_one():
     assert completion_query(["-sc", "query=bash"]) and completion_query(["--shell-completion=query=zsh"])
     assert not completion_query(["-sc", "install=bash"]) and not completion_query(["rule=easgd"])
+
+
+def test_flags_after_overrides_are_taken_as_if_given_first():
+    """argparse refuses an override after a flag that follows another override (``a=1 -m b=2``)."""
+    from runner.launcher.cli import flags_first
+
+    assert flags_first(["optim.lr=0.1,0.2", "-m", "train.epochs=1"]) == [
+        "-m",
+        "optim.lr=0.1,0.2",
+        "train.epochs=1",
+    ]
+    assert flags_first(["a=1", "--cfg", "job", "b=2"]) == ["--cfg", "job", "a=1", "b=2"]
+    assert flags_first(["-sc", "query=bash", "a=1"]) == ["-sc", "query=bash", "a=1"]
+    assert flags_first(["a=1", "-i", "b=2"]) == [
+        "a=1",
+        "-i",
+        "b=2",
+    ]  # (-i's value is optional: left as given)
