@@ -431,7 +431,7 @@ def test_a_failing_rank_shows_its_cause_once_on_the_console(job):
     output = run.output()
     cause = "RuntimeError: injected failure at forward call 5"
     assert output.count(cause) == 1, output
-    faulty = ROOT / "tests" / "helpers" / "faulty.py"
+    faulty = Path("tests") / "helpers" / "faulty.py"  # the user's own code, from its working folder
     assert f"job failed: rank 1 failed: {cause} ({faulty}:" in output.splitlines()[-1]
     assert "MPI_ABORT" not in output and "Traceback" not in output and "prterun" not in output, output
     assert run.summary["failed_rank"] == 1 and run.summary["cause"].startswith(cause)
@@ -456,3 +456,25 @@ def test_a_finite_loss_that_exploded_is_a_divergence_named_with_its_rule():
     assert collapse(float("inf"), 1.0, None) == "validation loss inf"
     assert "nan" in collapse(float("nan"), 1.0, 100.0)
     assert collapse(5.0, 0.0, 100.0) is None, "a first loss of 0 gives no scale"
+
+
+def test_a_refusal_of_the_runners_names_no_internal_line_a_users_error_its_own():
+    """A ValueError the runner raises (its message names the key and the fix) gets no file:line of the
+    runner's; an error in the user's code gets the user's line; a bug elsewhere its innermost frame."""
+    from runner.rank.records.output import root_cause
+    from runner.schema import require
+
+    try:
+        require(False, "root", "/x", "a folder holding input.txt")
+    except ValueError as err:
+        assert root_cause(err) == "ValueError: root='/x' is invalid: a folder holding input.txt"
+    try:
+        {}["missing"]
+    except KeyError as err:
+        assert root_cause(err).startswith("KeyError: 'missing' (tests/launcher/test_failures.py:")
+    try:
+        import json
+
+        json.loads("{")
+    except ValueError as err:  # passed through the user's code (this test): its line, not json's
+        assert "(tests/launcher/test_failures.py:" in root_cause(err)

@@ -58,13 +58,33 @@ def root_cause(err: BaseException) -> str:
         if inner is None or inner is err:
             break
         err = inner
-    frames = traceback.extract_tb(err.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    where = _where(err)
     text = str(err).strip()
     if ORIGINAL in text:  # raised again from a loader process: its own cause is in the message's traceback
         return from_loader_process(text)
     message = text.splitlines()[0] if text else "(no message)"
     return f"{type(err).__name__}: {message}{where}"
+
+
+def _where(err: BaseException) -> str:
+    """`` (file:line)`` for the cause's line, decided by the innermost frame outside the libraries: the
+    user's own code, its line; the runner's, nothing for a refusal (a ValueError: its message names the key
+    and the fix), else (a bug of the runner or a library) the innermost frame."""
+    from runner.schema.trust import in_project, library_roots
+
+    frames = traceback.extract_tb(err.__traceback__)
+    libraries = library_roots()
+    ours = [f for f in frames if not any(Path(f.filename).resolve().is_relative_to(r) for r in libraries)]
+    ours = [f for f in ours if not f.filename.startswith("<")]  # (frozen modules: the standard library's)
+    if ours and in_project(ours[-1].filename):
+        frame = ours[-1]
+    else:
+        frame = None if isinstance(err, ValueError) or not frames else frames[-1]
+    if frame is None:
+        return ""
+    path = Path(frame.filename)
+    shown = path.relative_to(Path.cwd()) if path.is_absolute() and path.is_relative_to(Path.cwd()) else path
+    return f" ({shown}:{frame.lineno})"
 
 
 #: How torch re-raises a DataLoader worker process's exception: "Caught ValueError in DataLoader worker
