@@ -70,6 +70,10 @@ class QueueWatcher(SlurmInfoWatcher):
         super().register_job(job_id)
         self.since.setdefault(job_id, time.time())
 
+    def refresh(self) -> None:
+        """Ask for the jobs' states at the next look, not after submitit's back-off (up to ``delay_s``)."""
+        self._last_status_check = float("-inf")
+
     def is_done(self, job_id: str, mode: str = "standard") -> bool:
         """Whether the job has ended (in any state Slurm ends a job in)."""
         return self.get_state(job_id, mode=mode).upper().split(" ")[0] not in UNFINISHED
@@ -190,11 +194,14 @@ class MpitrainSlurmLauncher(SlurmLauncher):
         stops = 0
         try:
             while None in returns:
+                # a stop first: Slurm must not start a pending point between a look and the scancel
+                seen, stops = stops, self.follow_stop(tasks, returns, stops)
+                if stops > seen:  # (the jobs it cancelled: seen ended at the next look)
+                    watcher.refresh()
                 for i, task in enumerate(tasks):
                     if returns[i] is None and task.done():
                         returns[i] = self.point_return(task, job_overrides[i], initial_job_idx + i)
                 if None in returns:
-                    stops = self.follow_stop(tasks, returns, stops)
                     time.sleep(POLL_S)
         except KeyboardInterrupt:
             waiting = " ".join(t.job_id for t, r in zip(tasks, returns, strict=True) if r is None)
@@ -227,14 +234,12 @@ class MpitrainSlurmLauncher(SlurmLauncher):
         ended the job without a result; a point that did not end ok is reported and given NaN.
 
         A point whose job a stop of the sweep cancelled before it started is none of these: it is said and
-        given NaN."""
+        given NaN, without submitit's wait for a result file (15 s a point, one after the other)."""
+        if not task.paths.result_pickle.exists() and self.unstarted(task, overrides, idx):
+            return JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=math.nan)
         try:
             ret = task.result()
         except (UncompletedJobError, OSError):  # (OSError: its submitit folder is gone)
-            if self.unstarted(task, overrides, idx):
-                return JobReturn(
-                    overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=math.nan
-                )
             ret = self.lost_point(task, overrides, idx)
         except Exception as err:  # FailedJobError (raised outside the task), an unreadable result
             ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=err)

@@ -140,3 +140,83 @@ def test_a_slurm_sweep_cut_off_resumes_point_by_point(slurm_cluster, tmp_path):
     with open(sweep / "report.csv", newline="") as table:
         rows = {row["run"]: row["status"] for row in csv.DictReader(table)}
     assert rows == {"optim.lr=0.05": "ok", "optim.lr=0.1": "ok", "optim.lr=0.2": "ok"}, rows
+
+
+def stepped(point: Path) -> bool:
+    """Whether the point in folder ``point`` has trained a step (a step record in its metrics.jsonl)."""
+    try:
+        lines = (point / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    return any(json.loads(line).get("kind") == "step" for line in lines if line.endswith("}"))
+
+
+def test_one_sigint_stops_a_slurm_sweep_and_resume_finishes_it(slurm_cluster, tmp_path):
+    """One SIGINT to a 4-point Slurm sweep stops it (exit 130, ``resume=`` last); that resume ends it ok.
+
+    2 points at a time, each on one node: the SIGINT, once 0 and 1 have trained a step, reaches only the
+    sweeping process (the points run under slurmd): 0 and 1 stop by reading ``sweep.stop`` in the shared
+    folder, and Slurm never starts 2 and 3 (their pending array tasks cancelled)."""
+    c = slurm_cluster
+    env = {**c.slurm_env(), "PYTHONUNBUFFERED": "1"}
+    sweep = tmp_path / "sweep"
+    overrides = ["hydra/launcher=mpitrain_slurm", "hardware=slurm", "devices=1", "hydra.launcher.nodes=1"]
+    overrides += [f"hydra.launcher.partition={c.partition}", "hydra.launcher.timeout_min=10", YIELD]
+    overrides += ["hydra.launcher.array_parallelism=2", "model=mlp", "train.epochs=2", "train.log_every=1"]
+    overrides += ["simulate.straggler_ranks=[0]", "simulate.straggler_ms=200", "optim.lr=0.05,0.1,0.2,0.4"]
+    out = tmp_path / "first.log"
+    with out.open("w") as log:
+        first = c.popen(
+            0,
+            cli_argv(sweep, *overrides, multirun=True),
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not (stepped(sweep / "0") and stepped(sweep / "1")):
+            said = out.read_text()
+            assert first.poll() is None and time.monotonic() < deadline, (
+                f"points 0 and 1 trained no step: {said}"
+            )
+            time.sleep(0.1)
+        assert not [p for p in "01" if (sweep / p / SUMMARY).exists()], "a point ended before the stop"
+        os.killpg(first.pid, signal.SIGINT)
+        sent = time.monotonic()
+        code = first.wait(timeout=120)
+        took, ended = time.monotonic() - sent, time.time()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    said = out.read_text()
+    assert code == 130, said
+    stopped = max((sweep / p / SUMMARY).stat().st_mtime for p in "01")  # (the running points' ends)
+    print(f"the sweep exited {code} {took:.1f} s after the SIGINT, {ended - stopped:.1f} s after its points")
+    assert ended - stopped < 25, said  # (not 15 s a cancelled point: submitit's wait for its result file)
+    assert "--state=PENDING" in said, said  # the first stop cancels only the jobs Slurm has not started
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1"]  # 2 and 3: no folder
+    for point in ("0", "1"):
+        summary = json.loads((sweep / point / SUMMARY).read_text())
+        assert summary["status"] == "preempted", summary
+    states = {n: p["state"] for n, p in read_manifest(sweep).items()}
+    assert states == {"0": "preempted", "1": "preempted", "2": "pending", "3": "pending"}, states
+    last = said.strip().splitlines()[-1]
+    assert "0 of 4 points ok, 2 preempted, 2 not started" in last and f"resume={sweep}" in last, said
+    deadline = time.monotonic() + 60
+    while queued(c, env):  # (points 0 and 1 stopped of themselves, 2 and 3 were cancelled)
+        assert time.monotonic() < deadline, "the sweep's jobs did not end"
+        time.sleep(0.5)
+
+    resume = [f"resume={sweep}", "train.progress=false"]
+    done = c.run(0, [*cli_argv(sweep)[:3], *resume], env=env, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "point 0 preempted: resumed from its checkpoint" in output, output
+    assert "point 3 pending: run" in output, output
+    assert {n: p["state"] for n, p in read_manifest(sweep).items()} == dict.fromkeys("0123", "ok")
+    for point, lr in (("0", 0.05), ("1", 0.1), ("2", 0.2), ("3", 0.4)):
+        summary = json.loads((sweep / point / SUMMARY).read_text())
+        assert summary["status"] == "ok" and summary["swept"] == {"optim.lr": lr}, summary
