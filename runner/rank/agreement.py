@@ -3,7 +3,8 @@
 :class:`Control` reaches it without a blocking collective per step (a small non-blocking all-reduce of
 worker 0's flags, completed an interval later); :class:`Decision` is what it decides. Worker 0 reads the
 launcher's requests for it: ``RUN_DIR/STOP`` (checkpoint and stop) and ``RUN_DIR/JOIN`` (add workers,
-:mod:`runner.rank.join_request`).
+:mod:`runner.rank.join_request`). Under fault tolerance, :func:`settle` closes a run of collectives that
+the workers must all leave together, or none.
 """
 
 from __future__ import annotations
@@ -28,6 +29,26 @@ else:
     torch = lazy_import("torch")
 
 
+def settle(workers: Comm, meet: bool = False) -> None:
+    """Collective over the workers: ULFM's agreement, which all survivors leave alike (fault tolerance).
+
+    All go on, or all raise :class:`~runner.comm.PeerLost` (a worker was lost before it). A collective that
+    a lost worker had entered may complete on some survivors and fail on others; those it completed on
+    would go on to what follows (the next epoch, the job-wide checkpoint barrier) while the others recover
+    and do the collectives again, each waiting for the other (a stall). Ending such a run of collectives
+    here makes all survivors recover here and do it again together. (``MPI_Comm_agree`` on a communicator
+    another survivor revoked completes too, so they all meet in the shrink.) Without fault tolerance it
+    does nothing (``meet``: a barrier)."""
+    if not workers.tolerant:
+        if meet:
+            workers.barrier()
+        return
+    from runner.comm.errors import faults  # (MPI: imported by the ranks only)
+
+    with faults(workers, "agree"):
+        workers._c.Agree(1)  # (runner.comm has no uniform agreement of its own yet)
+
+
 @dataclass
 class Decision:
     checkpoint: bool = False
@@ -38,6 +59,10 @@ class Decision:
     #: by time (0: none). Its number travels with the decision: worker 0 may see the next one due before the
     #: workers act on this one (agreements further apart than ``val_every_s``).
     validate: int = 0
+    #: Workers were lost after another survivor had passed this agreement (having acted on it, or been cut
+    #: off in the action): nothing is done here, not even a checkpoint the step count asks for, which this
+    #: worker would take alone; all act together at the first agreement after the loss.
+    passed: bool = False
 
 
 class Control:
@@ -68,6 +93,7 @@ class Control:
         self.validation_due: Callable[[], int] | None = None
         self.comm: Comm | None = None
         self.next_poll, self.forced, self.request = (start // interval + 1) * interval, False, None
+        self.rejoin_at: int | None = None  # the first agreement after workers were lost or joined
         if split:  # (not: a worker spawned into the job; it splits with the others when welcomed)
             if workers.rank == 0:
                 self.drop_stale_join()
@@ -80,12 +106,16 @@ class Control:
         with ``forced`` it decides a checkpoint there."""
         self.comm = self.workers.split(0)
         self.next_poll, self.forced = next_poll, forced
+        self.rejoin_at = next_poll if forced else None
         self.request = None
 
     def poll(self, step: int) -> Decision:
         """Call after every step (``step`` steps done); the decision is the same on every worker."""
+        if self.rejoin_at is not None and step < self.rejoin_at:
+            return Decision(passed=True)
         if step != self.next_poll:
             return Decision()
+        self.rejoin_at = None
         self.next_poll += self.interval
         decision = Decision(checkpoint=self.forced, polled=True)
         self.forced = False
@@ -197,6 +227,8 @@ class Board(Control):
         """At the ``step``-th meeting of the run (every worker passes each): the decision posted for it, or
         this worker's own, posted first."""
         assert self.validation_due is None, "validations by time are claimed on the counter, not agreed"
+        if self.forced_at is not None and step < self.forced_at:  # (its decision went with the old counter)
+            return Decision(passed=True)
         counter, slot = self.counter(), decision_slot(self.workers.size)
         seen = counter.read(slot)[0]
         while seen >> MEETING_SHIFT < step:  # not decided yet: decide, unless another worker does first

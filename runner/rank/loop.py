@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
-from runner.rank.agreement import Control
+from runner.rank.agreement import Control, settle
 from runner.rank.assignment import Dealer
 from runner.rank.face import Pace
 from runner.rank.guard import Diverged, Guard, fell_to_chance
@@ -199,9 +199,18 @@ class Trainer:
         if why is not None:  # ended at chance, after being well above it (before its final checkpoint)
             raise Diverged(f"step {pos.step}: {why}; {self.guard.kept_checkpoint()}")
         self.tolerant(self.end, pos, epochs, start)
-        fp16 = self.scaler is not None
+        return reported, self.tolerant(self.results, pos, epochs)
+
+    def results(self, pos: Position, epochs: int) -> dict[str, Any]:
+        """Collective over the workers: the run's results.
+
+        Called by :meth:`tolerant`: they come after the last checkpoint's job-wide barrier, which goes on
+        without a lost worker, while the workers' communicator still holds it."""
+        v, fp16 = self.validator, self.scaler is not None
         outcome = Outcome(v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count)
-        return reported, summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
+        results = summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
+        settle(self.workers)  # (fault tolerance) all go on to the job-wide barrier after training, or none
+        return results
 
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
         """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
@@ -298,6 +307,7 @@ class Trainer:
         rates, extra = span.rates(self.workers.size, per_sample), self.rule.metrics()
         if per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment)
             rates["tokens"] = samples * per_sample
+        settle(self.workers)  # (fault tolerance) all go on to the next epoch, or all do this one's again
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
         return reported
 
@@ -308,6 +318,7 @@ class Trainer:
         self.validator.gather()  # a run stopped within an epoch
         if not self.preempted:
             self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
+        settle(self.workers)  # (fault tolerance) all go on to the rule's last messages and results, or none
         self.rule.finish()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
@@ -335,7 +346,9 @@ class Trainer:
         checkpoint is kept."""
         self.guard.check_model(pos.step)
         step = self.pace.checkpoint_step(pos)
-        self.rule.before_checkpoint(step)
+        servers = self.rule.num_servers > 0  # they are asked once all workers took their part
+        if not servers:
+            self.rule.before_checkpoint(step)
         state = self.state.checkpoint(pos)
         self.log.flush()
         info = {
@@ -346,7 +359,15 @@ class Trainer:
             "elapsed": self.log.elapsed(),
             "validation": self.validator.history[-1] if self.validator.history else None,
         }
+        # (fault tolerance) every worker took its part, or none goes on to the job-wide barrier, where one
+        # would wait for another recovering; the servers are asked once, for the step finally agreed on
+        settle(self.workers)
+        if servers:
+            self.rule.before_checkpoint(step)
         self.control.checkpointer.save(step, state, info)
+        if self.recovery is not None:  # its job-wide barrier goes on without a lost server, unnamed
+            self.recovery.check_servers(step)
+        settle(self.workers)  # a worker lost in its job-wide part: all take the checkpoint again, or go on
         self.guard.checkpointed = step
         self.meter.echo(f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})")
 

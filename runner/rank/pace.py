@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from runner.rank.agreement import settle
 from runner.rank.assignment import (
     CHUNKS_PER_WORKER,
     Dealer,
@@ -91,6 +92,8 @@ class Static:
             loop.validator.validate(pos.epoch, pos.step, done=pos.batch / steps)
             loop.model.train()
         decision = loop.control.poll(pos.step)
+        if decision.passed:
+            return loop.preempted
         if decision.validate:
             loop.validator.by_time(pos, decision.validate)
         loop.growth.note(decision)
@@ -198,7 +201,9 @@ class Dynamic:
         dealt anew after this worker's draws were spent (a lost worker's), to be trained now. Under fault
         tolerance the workers first meet in a barrier: the meetings are one-sided (the counter's), so a
         worker lost holding chunks could otherwise be noticed only after the epoch, too late to train them
-        in it (and, in the last epoch, at all)."""
+        in it (and, in the last epoch, at all). The meeting is ULFM's agreement (:func:`settle`), which all
+        survivors leave alike: a barrier a lost worker had entered could let some go on to the epoch's
+        records while the others trained the chunks dealt anew, each waiting for the other."""
         if self.loop.preempted:
             return False
         self.loop.tolerant(self.meet, pos, None)
@@ -207,7 +212,7 @@ class Dynamic:
         return self.dealer.reopen()
 
     def _all_here(self, pos: Position) -> None:
-        self.loop.workers.barrier()
+        settle(self.loop.workers, meet=True)
 
     def meet(self, pos: Position, ticket: int | None) -> bool:
         """Pass the meetings of this epoch that come before ``ticket``, the one this worker is about to train
@@ -241,6 +246,8 @@ class Dynamic:
         growth, checkpoint or stop as the workers agreed; True when they agreed to stop."""
         loop, steps = self.loop, self.dealer.steps_at
         decision = loop.control.poll(self.meetings_done)
+        if decision.passed:
+            return loop.preempted
         if decision.validate:
             loop.validator.by_time(pos, decision.validate)
         loop.growth.note(decision)

@@ -349,13 +349,16 @@ class ASGD(Rule):
             self.reply[1] = mean_of(self.histogram)
 
     def final_metrics(self) -> dict[str, object]:
-        """Collective: the servers' staleness histogram and drops (counted per shard push) and versions."""
-        mine = (self.histogram, self.dropped, self.version) if self.is_server else None
-        stats = [s for s in self.comm.allgather_object(mine) if s is not None]
+        """Collective: the servers' staleness histogram and drops (counted per shard push) and versions, the
+        workers' pushes and fetches.
+
+        Over all ranks alone: the job-wide barrier before it goes on without a rank lost meanwhile, which
+        the workers' communicator would still hold."""
+        mine = (self.histogram, self.dropped, self.version) if self.is_server else (self.pushes, self.fetches)
+        everyone = self.comm.allgather_object((self.is_server, mine))
+        stats = [s for server, s in everyone if server]
         histogram: Counter = sum((h for h, _, _ in stats), Counter())
-        pushes, fetches = (
-            (0, 0) if self.is_server else self.workers.allreduce_values([self.pushes, self.fetches])
-        )
+        pushes, fetches = (sum(s[i] for server, s in everyone if not server) for i in (0, 1))
         return {
             "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "dropped_pushes": sum(d for _, d, _ in stats),

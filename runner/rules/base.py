@@ -74,6 +74,8 @@ class Rule:
     Checkpoints: at a step all workers agree on, the loop calls ``before_checkpoint`` (leave no message in
     flight; ask the server ranks to save, which they do through ``ctx.save``), then saves every worker's
     ``state_dict`` with its model and optimizer; ``load_state_dict`` restores it on resume (servers too).
+    A rule with server ranks is called there once every worker has taken its state: the servers are asked
+    once per checkpoint (a worker lost before is recovered from first, and the checkpoint taken again).
     The checkpointer's write ends in a barrier of all ranks, servers included, so no worker sends again
     before every rank has taken its state; a rule whose workers talk to each other meets in its own
     ``before_checkpoint`` as well (GoSGD), so that its saved states agree whoever calls it.
@@ -210,6 +212,8 @@ class Rule:
                 if asked and living <= asked:
                     asked = set()
                     self.save(int(header), self.state_dict())
+                    # its barrier drops the ranks lost meanwhile from the job, which then raise nothing here
+                    living &= {self.comm.launch_rank(r) for r in range(self.comm.size - self.num_servers)}
                     continue
                 source, tag = self.comm.probe()
                 if tag in (done, checkpoint, GROW):

@@ -8,7 +8,12 @@ pass (a forward call in eval mode, of this model or a copy of it: the servers' o
 watches for the file, which the ranks other than ``die_rank`` and 0 create when they validate, as a worker
 that validates alone and sends worker 0 its results does); ``model.hold_rank=0 model.hold_s=1`` then has
 rank 0 sleep a second at its first training forward call after the file appeared (the results it was sent
-wait for it meanwhile).
+wait for it meanwhile). ``model.die_at_val=N model.die_delay_s=S`` kills it ``S`` seconds after its N-th
+validation pass began (a thread's timer, wherever the process is then: within the validation's collectives,
+the epoch's records, or the next epoch), as a ``kill -9`` at a validation line does.
+``model.die_in=barrier model.die_in_call=K`` (with ``die_delay_s``) kills it instead that long after it
+entered its K-th call of that method of the communicator (:class:`runner.comm.mpi.Comm`), while it waits
+there for the others: a collective it has entered, which the others may complete without it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from runner.models.cnn import CNNConfig
 
 #: Whether this process ran a forward call in eval mode (a validation); shared by the model's copies.
 _validated = [False]
+#: Validation passes begun in this process (an eval-mode forward call after a training one, or the first).
+_passes = [0]
+#: Whether the last forward call of this process (any copy of the model) was in training mode.
+_last_training = [True]
 
 
 def launch_rank() -> int:
@@ -46,18 +55,27 @@ class Dies(torch.nn.Module):
         after_val: int = 0,
         marker: str | None = None,
         hold: tuple[int, float] = (-1, 0.0),
+        at_val: tuple[int, float] = (0, 0.0),
+        in_call: tuple[str | None, int] = (None, 0),
     ):
         super().__init__()
         self.inner, self.rank, self.at, self.after_val = inner, rank, at, after_val
         self.marker = Path(marker) if marker else None
         self.hold = hold  # (launch rank, seconds): that rank sleeps once, when the marker appeared
+        self.at_val = at_val  # (N, seconds): on launch rank ``rank``, die that long after validation N began
         self.calls = self.calls_after_val = 0
         if self.marker is not None and launch_rank() == rank:
             die_on(self.marker)
+        if in_call[0] and launch_rank() == rank:
+            die_in_call(in_call[0], in_call[1], at_val[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             _validated[0] = True
+            if _last_training[0]:
+                _passes[0] += 1
+                if self.at_val[0] and _passes[0] == self.at_val[0] and launch_rank() == self.rank:
+                    die_later(self.at_val[1])
             if self.marker is not None and launch_rank() not in (self.rank, 0):
                 self.marker.touch()
         elif not os.environ.get("MPITRAIN_TEST_NO_DIE"):  # (set: a resumed run lives on)
@@ -69,6 +87,7 @@ class Dies(torch.nn.Module):
             due = self.calls_after_val == self.after_val if self.after_val else self.calls == self.at
             if due and launch_rank() == self.rank:
                 die()
+        _last_training[0] = self.training
         return self.inner(x)
 
 
@@ -91,6 +110,32 @@ def die_on(marker: Path) -> None:
         threading.Thread(target=watch, daemon=True).start()
 
 
+def die_later(seconds: float) -> None:
+    """Kill this process ``seconds`` from now, wherever it is then (a daemon thread's timer)."""
+    if not os.environ.get("MPITRAIN_TEST_NO_DIE"):
+        timer = threading.Timer(seconds, die)
+        timer.daemon = True
+        timer.start()
+
+
+def die_in_call(method: str, k: int, seconds: float) -> None:
+    """Kill this process ``seconds`` after it entered its ``k``-th call of ``Comm.<method>``."""
+    from runner.comm.mpi import Comm
+
+    if hasattr(Comm, "_dies_real"):  # (the model is built again: patched once)
+        return
+    real, calls = getattr(Comm, method), [0]
+    Comm._dies_real = real
+
+    def wrapped(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == k:
+            die_later(seconds)
+        return real(self, *args, **kwargs)
+
+    setattr(Comm, method, wrapped)
+
+
 @dataclass
 class DiesCNNConfig(CNNConfig):
     die_rank: int = 2
@@ -99,7 +144,13 @@ class DiesCNNConfig(CNNConfig):
     val_marker: str | None = None  # a file: die as soon as another worker (not 0) validated
     hold_rank: int = -1  # with val_marker: this rank sleeps hold_s once, at its first step after it appeared
     hold_s: float = 0.0
+    die_at_val: int = 0  # N > 0 instead: die die_delay_s seconds after its N-th validation pass began
+    die_delay_s: float = 0.0
+    die_in: str | None = None  # instead: die die_delay_s seconds into this method's die_in_call-th call
+    die_in_call: int = 1
 
     def build(self) -> torch.nn.Module:
-        hold = (self.hold_rank, self.hold_s)
-        return Dies(super().build(), self.die_rank, self.die_at, self.die_after_val, self.val_marker, hold)
+        hold, at_val = (self.hold_rank, self.hold_s), (self.die_at_val, self.die_delay_s)
+        in_call = (self.die_in, self.die_in_call)
+        when = (self.die_at, self.die_after_val, self.val_marker, hold, at_val, in_call)
+        return Dies(super().build(), self.die_rank, *when)

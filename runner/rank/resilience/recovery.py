@@ -104,6 +104,8 @@ class Recovery:
         self.hosts, self.elastic, self.heal = hosts, elastic, heal
         self.fence = fence or Fence(run_dir, enabled=False)
         self.failures: list[dict[str, Any]] = []
+        #: The servers' ids: a job-wide barrier (a checkpoint's) drops a lost one from ``world`` unnamed.
+        self.server_ids = [world.launch_rank(r) for r in range(world.size - servers, world.size)]
         self.seconds = 0.0
         self.heal_pending = 0  # lost workers to replace at the next agreement (heal)
 
@@ -112,7 +114,7 @@ class Recovery:
         this rank had not finished (``applied``: its optimizer step was taken). Returns True when that batch
         counts as done, False when it must be redone."""
         start = time.time()
-        self._check_servers(pos)
+        self.check_servers(pos.step)
         self.workers.revoke()
         trainer.abandon()
         before = [self.workers.launch_rank(r) for r in range(self.workers.size)]
@@ -172,15 +174,19 @@ class Recovery:
             print(f"warning: {names} died right after joining (step {step}): not replaced again", flush=True)
         return len(lost) - len(early)
 
-    def _check_servers(self, pos: Position) -> None:
-        """A lost server ends the job (its part of the state is nowhere else)."""
+    def check_servers(self, step: int) -> None:
+        """Raise :class:`ServerLost` naming a lost server (its part of the state is nowhere else).
+
+        Lost: failed in ``world``, or no longer in it (a job-wide barrier goes on without it)."""
         if self.servers == 0:
             return
-        dead = [r for r in self.world.lost_peers() if r >= self.world.size - self.servers]
+        failed = {self.world.launch_rank(r) for r in self.world.lost_peers()}
+        present = {self.world.launch_rank(r) for r in range(self.world.size)}
+        dead = [i for i in self.server_ids if i in failed or i not in present]
         if dead:
-            names = ", ".join(f"{r} ({self.hosts[self.world.launch_rank(r)]})" for r in dead)
+            names = ", ".join(f"{i} ({self.hosts[i]})" for i in dead)
             raise ServerLost(
-                f"server rank {names} was lost at step {pos.step}: it held state no other rank has, so the "
+                f"server rank {names} was lost at step {step}: it held state no other rank has, so the "
                 "job ends; resume=RUN_DIR continues from the last checkpoint"
             ) from None
 
