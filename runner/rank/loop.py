@@ -214,10 +214,16 @@ class Trainer:
 
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
         """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
-        spent), up to ``max_steps``, a stop, or (static shards) a step that ends the run."""
+        spent), up to ``max_steps``, a stop, or (static shards) a step that ends the run. Static shards: a
+        batch the position has passed is not trained (a recovery gave this worker the state and position
+        of a survivor that had trained on, ``Recovery._agree``)."""
         pace = self.pace
         groups = self.prefetch(grouped(self.train_loader, self.cfg.accumulate), ahead=pace.ahead)
+        drawn = pos.batch  # static shards: the epoch's batches drawn (the loader starts at pos.batch)
         for micro in self.meter.batches(groups):
+            drawn += 1
+            if drawn <= pos.batch and self.dealer is None:
+                continue  # its step was taken on the survivor whose state this worker took
             if pos.step >= max_steps or pace.before_step(pos):
                 return
             self.growth.if_due(pos, mid_epoch=True)
