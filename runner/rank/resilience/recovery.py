@@ -8,11 +8,12 @@ all of them come here, wherever they were. Then, collectively over the survivors
 1. the rule abandons what it had in flight, and the communicator is shrunk to the survivors (ranks
    renumbered in order: the lowest survivor is the new rank 0 and takes over the run's records);
 2. synchronous rules agree on the step to continue from. A survivor whose step's collective completed
-   (``done`` = the steps it applied) is at most one step ahead of one whose collective failed; the one
-   behind takes the whole state (model, optimizer, rule, position) of the lowest survivor ahead, so no step
-   is half-applied. If none is ahead, the step in flight is redone by every survivor on the same batch
-   (BatchNorm statistics restored first), now over the survivors. Asynchronous rules keep each worker's
-   own position;
+   (``done`` = the steps it applied) is ahead of one whose collective failed, by one step or, under rules
+   whose steps between exchanges are local, two; the one behind takes the whole state (model, optimizer,
+   rule, position) of the lowest survivor ahead, so no step is half-applied, and passes over the batches
+   it did not train (``Trainer.train_span``). If none is ahead, the step in flight is redone by every
+   survivor on the same batch (BatchNorm statistics restored first), now over the survivors. Asynchronous
+   rules keep each worker's own position;
 3. the rule continues by its own math (``Rule.recover``); the validation data is split among the survivors
    at once, the training data from the next epoch (this epoch, each survivor finishes its own shard and the
    lost worker's remaining batches are not trained on: re-dealing them mid-epoch would change the batches
