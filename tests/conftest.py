@@ -136,6 +136,17 @@ STEPS = 6
 COMMON = ["train.epochs=1", f"train.max_steps={STEPS}", "optim.lr=0.1", "optim.momentum=0.9"]
 
 
+@pytest.fixture(scope="module")
+def openmpi() -> str:
+    """Open MPI's mpirun (tests of what it says skip under another MPI)."""
+    from runner.hardware.mpirun import find_mpirun, mpi_flavor
+
+    mpirun = find_mpirun(None)
+    if mpi_flavor(mpirun) != "openmpi":
+        pytest.skip("the check asks Open MPI's mpirun")
+    return mpirun
+
+
 def compose_config(overrides: list[str] | tuple[str, ...] = ()):
     """The config ``python -m runner OVERRIDES`` would compose (not yet checked: see ``checked_config``)."""
     from hydra import compose, initialize_config_dir

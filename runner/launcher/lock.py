@@ -70,12 +70,7 @@ class RunFolderLock:
                 f"{self.run_dir} already holds a run (its {CONFIG}): continue it with "
                 f"resume={self.run_dir}, or give a fresh folder (leave hydra.run.dir out, or name a new one)"
             )
-        holder = f"launcher pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
-        try:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, (holder + "\n").encode(), 0)
-        except OSError:  # a full disk: the lock holds all the same, without its holder's name
-            pass
+        write_holder(self.fd, "launcher pid")
         return self
 
     def __exit__(
@@ -104,3 +99,14 @@ class RunFolderLock:
         if self.fd is not None:
             os.close(self.fd)  # releases the lock
             self.fd = None
+
+
+def write_holder(fd: int, who: str) -> None:
+    """Name the holder of the lock file ``fd`` in it (``who`` and this process's pid, host and time), for a
+    refused second taker's message."""
+    holder = f"{who} {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (holder + "\n").encode(), 0)
+    except OSError:  # a full disk: the lock holds all the same, without its holder's name
+        pass

@@ -15,8 +15,6 @@ import fcntl
 import itertools
 import logging
 import os
-import socket
-import time
 from collections import OrderedDict
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.folder_files import ForeignFile, open_fd
 from runner.launcher import outcomes, sweep_stop
+from runner.launcher.lock import write_holder
 from runner.launcher.sweep_resume import MANIFEST, batches, failed_point, plan
 from runner.run_folder import EXIT, SWEEP_CONFIG, write_atomic
 from runner.schema import provenance
@@ -106,12 +105,7 @@ class SweepFolderLock:
         if refusal is not None:
             self._close()
             raise ValueError(refusal)
-        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
-        try:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, (holder + "\n").encode(), 0)
-        except OSError:  # a full disk: the lock holds all the same, without its holder's name
-            pass
+        write_holder(self.fd, "pid")
         return self
 
     def _take(self) -> str | None:

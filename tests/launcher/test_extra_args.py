@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 
 from runner.hardware.extra_args import check_extra_args
-from runner.hardware.mpirun import find_mpirun, mpi_flavor
 from runner.launcher.launch import prepare
 from tests.conftest import compose_config
-
-
-@pytest.fixture(scope="module")
-def openmpi() -> str:
-    mpirun = find_mpirun(None)
-    if mpi_flavor(mpirun) != "openmpi":
-        pytest.skip("the check asks Open MPI's mpirun")
-    return mpirun
 
 
 def test_an_unknown_option_is_named_with_its_key(openmpi):

@@ -10,15 +10,6 @@ import pytest
 
 from runner.hardware import extra_args
 from runner.hardware.extra_args import check_extra_args
-from runner.hardware.mpirun import find_mpirun, mpi_flavor
-
-
-@pytest.fixture(scope="module")
-def openmpi() -> str:
-    mpirun = find_mpirun(None)
-    if mpi_flavor(mpirun) != "openmpi":
-        pytest.skip("the check asks Open MPI's mpirun")
-    return mpirun
 
 
 def test_a_word_that_is_no_option_is_named_with_what_mpirun_said(openmpi):
