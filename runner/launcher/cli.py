@@ -81,13 +81,8 @@ def main(cfg: DictConfig) -> float:
     if share > 1:  # sweep points that run at once must not draw their progress bars over each other
         os.environ[TTY_ENV] = "0"
     point = None if single or cfg.eval else (Path(hydra_cfg.sweep.dir), hydra_cfg.job.num)
-    if point is not None:
-        sweep_stop.follow(point[0], elsewhere=not in_process(hydra_cfg.launcher))
-        subdir = hydra_cfg.output_subdir  # (Hydra's records of the point: .hydra/)
-        if sweep_stop.not_started(point, ident, run_dir, run_dir / subdir if subdir else None):
-            return float("nan")  # the sweep was stopped (Ctrl-C)
-        if not start_point(*point, ident, fail_fast=cfg.sweep.fail_fast):
-            return float("nan")  # sweep.fail_fast: another point failed
+    if point is not None and not point_starts(point, ident, run_dir, hydra_cfg, cfg.sweep.fail_fast):
+        return float("nan")
     status, reason = "failed", None
     try:
         if cfg.eval:
@@ -127,6 +122,18 @@ def main(cfg: DictConfig) -> float:
         if point is not None:
             end_point(*point, status, reason)
     return summary.get(f"final_{summary.get('monitor', 'val_acc')}")
+
+
+def point_starts(
+    point: tuple[Path, int], ident: dict[str, Any], run_dir: Path, hydra_cfg: DictConfig, fail_fast: bool
+) -> bool:
+    """Whether this sweep point starts: not once the sweep was stopped (Ctrl-C), nor, with
+    ``sweep.fail_fast``, once another point failed. From here on the point follows the sweep's stops."""
+    sweep_stop.follow(point[0], elsewhere=not in_process(hydra_cfg.launcher))
+    subdir = hydra_cfg.output_subdir  # (Hydra's records of the point: .hydra/)
+    if sweep_stop.not_started(point, ident, run_dir, run_dir / subdir if subdir else None):
+        return False
+    return start_point(*point, ident, fail_fast=fail_fast)
 
 
 def hide_hydra_records(hydra_cfg: DictConfig, single: bool) -> None:
