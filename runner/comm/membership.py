@@ -58,6 +58,13 @@ class Membership:
         """Raise :class:`PeerLost` if ULFM knows a peer of this communicator died, or it was revoked."""
         self._c.Iprobe(source=MPI.ANY_SOURCE, tag=WATCH)
 
+    @faulted
+    def agree(self) -> None:
+        """Collective: ULFM's agreement (``MPI_Comm_agree``), which every survivor leaves alike: all go on,
+        or all raise :class:`PeerLost` (a member was lost before it). It completes on a revoked communicator
+        too, so a survivor that another's revoke sent to recovery still meets the others."""
+        self._c.Agree(1)
+
     def revoke(self) -> None:
         """Revoke this communicator and those split from it: every survivor's pending and later calls on
         them raise :class:`PeerLost`, wherever it is, so all of them come to recover."""

@@ -43,10 +43,7 @@ def settle(workers: Comm, meet: bool = False) -> None:
         if meet:
             workers.barrier()
         return
-    from runner.comm.errors import faults  # (MPI: imported by the ranks only)
-
-    with faults(workers, "agree"):
-        workers._c.Agree(1)  # (runner.comm has no uniform agreement of its own yet)
+    workers.agree()
 
 
 @dataclass

@@ -125,7 +125,12 @@ class Dealer:
 
     def draw(self) -> int | None:
         """The next ticket from the counter; None once the run's tickets are spent."""
-        position = self.last_position = self.counter.fetch_add()
+        from runner.comm.errors import PeerLost
+
+        try:
+            position = self.last_position = self.counter.fetch_add()
+        except PeerLost:  # its host, worker 0, was lost: no more chunks for now; the survivors meet at the
+            return None  # epoch's end (Dynamic.end_of_span), recover, and deal what is left anew
         if position < len(self.pending):
             return self.pending[position]
         ticket = self.base + position - len(self.pending)
@@ -171,7 +176,12 @@ class Dealer:
         if self.publish:
             row = self.holding()
             assert len(row) <= HELD_SLOTS, f"a worker holds {len(row)} chunks, more than {HELD_SLOTS}"
-            self.counter.put(1 + self.rank * HELD_SLOTS, row + [-1] * (HELD_SLOTS - len(row)))
+            from runner.comm.errors import PeerLost
+
+            try:
+                self.counter.put(1 + self.rank * HELD_SLOTS, row + [-1] * (HELD_SLOTS - len(row)))
+            except PeerLost:  # its host was lost with what the workers held (redeal says so)
+                pass
 
 
 def counter_slots(workers: int) -> int:

@@ -215,8 +215,13 @@ class Checkpointer:
         world: Comm,
         resumed: dict[str, Any] | None,
         fence: Fence | None = None,
+        servers: int = 0,
     ):
         self.cfg, self.world = cfg, world
+        #: Whether the world has server ranks (under fault tolerance its barrier then goes on without a lost
+        #: worker, whom the workers' own agreement names; without them the world is the workers'
+        #: communicator, and a loss there sends them all to recovery, to take the checkpoint again).
+        self.servers = servers
         self.fence = fence or Fence(run_dir, world.tolerant)
         self.root = make_folder(run_dir / CHECKPOINTS)
         self.last_time = time.time()
@@ -242,8 +247,11 @@ class Checkpointer:
         rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
         checkpoints, so the k-th is in the same folder everywhere."""
         name = checkpoint_folder(self.count + 1, step)
-        if self.world.tolerant:  # ranks may have died: the parts are the survivors', renumbered
+        if self.world.tolerant and self.servers:  # ranks may have died: the parts are the survivors'
             self.world.fault_barrier()
+            self.fenced(f"checkpoint {name}")
+        elif self.world.tolerant:  # (the workers' communicator: a loss raises PeerLost, never shrinks it
+            self.world.agree()  # unnoticed, behind the workers' recovery)
             self.fenced(f"checkpoint {name}")
         self.count += 1
         make_folder(self.root / name)

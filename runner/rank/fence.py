@@ -136,6 +136,21 @@ class Fence:
             file.write(members + "\n")
         return True
 
+    def claim_next(self, members: list[str]) -> int:
+        """:meth:`claim` the next generation for ``members``; where that claim is this side's own (it names
+        every one of ``members``: made before another loss cut the recovery short), the one after it.
+        Returns the generation claimed, 0 when another side claimed it first (disabled: the next one)."""
+        while not self.claim(", ".join(members)):
+            path = self.dir / f"{GENERATION}.{self.generation + 1}"
+            try:
+                named = set(read_bytes(path, 1 << 16).decode(errors="replace").strip().split(", "))
+            except OSError:
+                return 0
+            if not set(members) <= named:
+                return 0
+            self.generation += 1
+        return self.generation + 1
+
     def advance(self) -> None:
         """This rank's membership moved to the next generation (claimed by its rank 0)."""
         self.generation += 1

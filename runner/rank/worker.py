@@ -163,7 +163,7 @@ def place(
         env["hierarchical"] = settle_hierarchy(workers, cfg.hardware.hierarchical)
     entry = latest_checkpoint(run_dir, comm.size) if cfg.resume else None
     part = load_part(run_dir, entry, comm.rank) if entry else None
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, entry, servers=servers)
     elastic = None
     if hosts is not None:
         elastic = Elastic(comm, workers, servers, run_dir, hosts, most_workers(cfg, comm), cfg.hardware.env)
@@ -217,7 +217,7 @@ def place_joined(
         torch.cuda.set_device(device)
     fence = Fence(run_dir, comm.tolerant)
     fence.generation = fence.current()  # spawned by the membership that holds the run folder now
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, None, fence)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, None, fence, cfg.rule.extra_ranks())
     return Rank(
         cfg,
         run_dir,
@@ -420,7 +420,8 @@ def fit(
             )
         reported, result = trainer.fit(steps, epochs, start_at)
         if trainer.recovery is not None:
-            rank.comm.fault_barrier()
+            lost = rank.comm.fault_barrier()
+            trainer.recovery.lost_at_end(trainer.survivors, lost, result["steps"])
             result.update(trainer.recovery.summary())
         final = trainer.rule.final_metrics()
         if final:

@@ -231,6 +231,8 @@ class Rule:
             except PeerLost:
                 living -= set(self.comm.lost_peers_ids()) - finished
                 asked &= living
+        if self.comm.tolerant:
+            self.comm.lost_peers()  # (acknowledged: a probe of any source fails while a loss is not)
         assert self.comm.iprobe() is None, "a message was left in flight"
 
     # -- helpers for rules that report a model other than the local one -----------------------------------

@@ -16,13 +16,14 @@ from runner.comm.membership import Membership
 from runner.comm.mpi import Comm
 from runner.comm.requests import BackgroundRequest, DistRequest, Request
 from tests.helpers.fakecomm import FakeComm, FakeCounter, FakeRequest, FakeWorld
+from tests.helpers.lossy import LossyComm, LossyCounter
 
 #: Each declared face, and the classes that must satisfy it.
 FACES = {
-    face.CommLike: [Comm, FakeComm],
-    face.CounterLike: [Counter, FakeCounter],
+    face.CommLike: [Comm, FakeComm, LossyComm],
+    face.CounterLike: [Counter, FakeCounter, LossyCounter],
     face.RequestLike: [Request, BackgroundRequest, DistRequest, FakeRequest],
-    face.MembershipLike: [Comm],
+    face.MembershipLike: [Comm, LossyComm],
 }
 
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from runner.comm.errors import PeerLost
 from runner.rank.fence import Fence, Partitioned, quorum
 from runner.rank.state import Position
 from runner.run_folder import LOGS, LOST, dumps, write_atomic
@@ -68,6 +70,14 @@ class Survivor(Protocol):
 
     def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: TextIO) -> None:
         """Record the loss in the run's records and on the console (the new rank 0 takes them over)."""
+
+
+@dataclass
+class Steps:
+    """The steps a survivor's state has applied (``done``), and whether it took them from another."""
+
+    done: int
+    adopted: bool = False
 
 
 class TooFewWorkers(RuntimeError):
@@ -113,21 +123,46 @@ class Recovery:
     def recover(self, trainer: Survivor, pos: Position, holding: bool, applied: bool) -> bool:
         """Collective over the surviving workers. ``holding``: the failure came inside a step, on a batch
         this rank had not finished (``applied``: its optimizer step was taken). Returns True when that batch
-        counts as done, False when it must be redone."""
+        counts as done, False when it must be redone.
+
+        A worker lost during the recovery itself (two lost at once, noticed one after the other) makes its
+        collectives fail: the survivors recover again, over the fewer, from the shrink on."""
         start = time.time()
         self.check_servers(pos.step)
+        before = [self.workers.launch_rank(r) for r in range(self.workers.size)]
         self.workers.revoke()
         trainer.abandon()
-        before = [self.workers.launch_rank(r) for r in range(self.workers.size)]
-        lost = self.workers.shrink()
-        if not lost:
-            raise RuntimeError(
-                "a communication call failed on a worker although no worker was lost (see the ranks' logs)"
-            ) from None
+        lost: list[int] = []
+        steps = Steps(pos.step + int(holding and applied))
+        while True:
+            lost += self.workers.shrink()
+            if not lost:
+                raise RuntimeError(
+                    "a communication call failed on a worker although no worker was lost (see the ranks' "
+                    "logs)"
+                ) from None
+            try:
+                self._go_on(trainer, pos, holding, steps, before, lost)
+                self.workers.agree()  # all leave the recovery, or all do it again (one saw a new loss)
+                break
+            except PeerLost:
+                self.check_servers(pos.step)
+                self.workers.revoke()
+        seconds = time.time() - start
+        self.seconds += seconds
+        self._record(trainer, lost, pos.step, start, seconds)
+        if self.heal:
+            self.heal_pending += self._to_replace(lost, pos.step)
+        return steps.adopted or applied
+
+    def _go_on(
+        self, trainer: Survivor, pos: Position, holding: bool, steps: Steps, before: list[int], lost: list
+    ) -> None:
+        """Collective over the survivors, once shrunk: go on or stop (a partition, too few workers), agree
+        on the step (synchronous rules), and rejoin."""
         self._go_on_or_stop(before)
-        adopted = False
-        if trainer.synchronous:
-            adopted = self._agree(trainer, pos, holding, pos.step + int(holding and applied))
+        if trainer.synchronous and (took := self._agree(trainer, pos, holding, steps.done)) is not None:
+            steps.done, steps.adopted = took, True  # (kept if the survivors recover again)
         if self.workers.size < self.min_workers:
             if trainer.synchronous:  # asynchronous workers stand at different steps: the last one stays
                 trainer.save(pos, False)
@@ -138,12 +173,17 @@ class Recovery:
             ) from None
         next_poll = self.workers.allreduce_values([trainer.agreement_after(pos.step)], "max")[0]
         trainer.rejoin(self.val_loader(self.workers.rank, self.workers.size), int(next_poll), before, lost)
-        seconds = time.time() - start
-        self.seconds += seconds
-        self._record(trainer, lost, pos.step, start, seconds)
-        if self.heal:
-            self.heal_pending += self._to_replace(lost, pos.step)
-        return adopted or applied
+
+    def lost_at_end(self, trainer: Survivor, lost: list[int], step: int) -> None:
+        """Collective over the surviving workers, after training: record the workers lost in the job's
+        closing barrier (``lost``: ids; the world is shrunk already, the workers' communicator is shrunk
+        here), so that the summary counts them."""
+        self.check_servers(step)
+        if not lost:
+            return
+        if self.workers is not self.world:
+            self.workers.shrink()
+        self._record(trainer, lost, step, time.time(), 0.0, "after training")
 
     def _go_on_or_stop(self, before: list[int]) -> None:
         """Collective over the survivors: raise :class:`Partitioned` unless they are the side of a possible
@@ -155,15 +195,15 @@ class Recovery:
             raise Partitioned(why) from None
         claimed = None
         if self.workers.rank == 0:
-            members = ", ".join(f"{r}@{self.hosts[r]}" for r in survivors)
-            claimed = self.fence.claim(members)
-        if not self.workers.broadcast_object(claimed, root=0):
+            claimed = self.fence.claim_next([f"{r}@{self.hosts[r]}" for r in survivors])
+        claimed = self.workers.broadcast_object(claimed, root=0)
+        if not claimed:
             raise Partitioned(
                 f"partitioned: another side claimed the run folder's membership generation "
                 f"{self.fence.generation + 1} first; this side ({len(survivors)} workers) stops without a "
                 "checkpoint"
             ) from None
-        self.fence.advance()
+        self.fence.generation = claimed
 
     def _to_replace(self, lost: list[int], step: int) -> int:
         """How many of ``lost`` to replace (heal): not a replacement that died before it trained (it joined
@@ -191,25 +231,27 @@ class Recovery:
                 "job ends; resume=RUN_DIR continues from the last checkpoint"
             ) from None
 
-    def _agree(self, trainer: Survivor, pos: Position, holding: bool, done: int) -> bool:
-        """Bring every survivor to the state of the most advanced one (``done``: steps applied); True if
-        this one took it. The loop counts a held batch as a step when this returns True."""
+    def _agree(self, trainer: Survivor, pos: Position, holding: bool, done: int) -> int | None:
+        """Bring every survivor to the state of the most advanced one (``done``: steps applied); the steps
+        of the state this one took, if it took one (the loop then counts a held batch as a step)."""
         w = self.workers
         top = int(w.allreduce_values([done], "max")[0])
         if not w.allreduce_values([float(done != top)], "max")[0]:
-            return False
+            return None
         src = int(w.allreduce_values([w.rank if done == top else w.size], "min")[0])
         state = trainer.share_state(w, src)
         where = w.broadcast_object((top, pos.epoch, pos.batch + top - pos.step), root=src)
         if done == top:
-            return False
+            return None
         trainer.adopt(state)
         pos.step, pos.epoch, pos.batch = where
         if holding:
             pos.step, pos.batch = pos.step - 1, pos.batch - 1
-        return True
+        return top
 
-    def _record(self, trainer: Survivor, lost: list[int], step: int, when: float, seconds: float) -> None:
+    def _record(
+        self, trainer: Survivor, lost: list[int], step: int, when: float, seconds: float, then: str = ""
+    ) -> None:
         for rank in lost:
             self.failures.append(
                 {"rank": rank, "host": self.hosts[rank], "step": step, "time": when, "cause": LOST_CAUSE}
@@ -217,11 +259,14 @@ class Recovery:
         if self.workers.rank != 0:
             return
         ranks = ", ".join(f"rank {r} ({self.hosts[r]})" for r in lost)
-        then = "; a replacement joins at the next agreement" if self.heal else ""
-        line = (
-            f"{ranks} lost at step {step}; continuing with {self.workers.size} workers "
-            f"(recovered in {seconds:.2f} s){then}"
-        )
+        if then:  # (the job ends: nothing to continue)
+            line = f"{ranks} lost at step {step}, {then}; {self.workers.size} workers at the end"
+        else:
+            then = "; a replacement joins at the next agreement" if self.heal else ""
+            line = (
+                f"{ranks} lost at step {step}; continuing with {self.workers.size} workers "
+                f"(recovered in {seconds:.2f} s){then}"
+            )
         trainer.record_failure(step, lost, seconds, line, self.terminal)
         lost_all = sorted({f["rank"] for f in self.failures})
         self.fence.check(str(self.run_dir / LOGS / LOST))

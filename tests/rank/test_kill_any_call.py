@@ -1,0 +1,83 @@
+"""Every rule survives a worker lost at any communication call, in process: randomized, seeds printed.
+
+Each rank of a ``hardware.fault_tolerance=continue`` job of 4 workers (and the rule's servers) is a thread
+running the worker's own code (tests/helpers/lossy_job.py) over an in-process ULFM (tests/helpers/lossy.py).
+A draw kills one worker, or two, each at a call drawn from all of its calls after start-up (a step's
+exchange, an agreement, a validation, the dealer's counter, a checkpoint, the job's end). The survivors
+must all end (no deadlock: a wait longer than the world's timeout fails), agree on who was lost and how
+many workers are left, and the synchronous rules' survivors on the step they end at (BSP's on the model
+itself, bit for bit).
+
+Seeds are drawn anew each run and printed on failure; ``MPITRAIN_KILL_SEEDS=1,2,3`` replays them. The same
+draws run for real (``mpirun``, SIGKILL, ``continue`` and ``heal``) in tests/jobs/test_kill_battery.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests.helpers.kill_battery import cases
+from tests.helpers.lossy_job import Killed, calls, config, job
+
+DRAWS = 3  # per rule and run
+
+
+def seeds() -> list[int]:
+    given = os.environ.get("MPITRAIN_KILL_SEEDS")
+    if given:
+        return [int(s) for s in given.split(",")]
+    return [random.randrange(10**6) for _ in range(DRAWS)]
+
+
+def draw(seed: int, spans: dict[int, range]) -> dict[int, int]:
+    """{launch rank: call} for one draw: one worker (any, rank 0 too), or two at once one time in three."""
+    rng = random.Random(seed)
+    victims = rng.sample(sorted(spans), 2 if rng.random() < 1 / 3 else 1)
+    return {v: rng.choice(spans[v]) for v in victims}
+
+
+def judge(case: str, results: list, deaths: dict[int, int], synchronous: bool) -> list[str]:
+    """What is wrong with a job's ends: empty when every survivor ended as it should."""
+    wrong = []
+    killed = {r for r, out in enumerate(results) if isinstance(out, Killed)}
+    if killed != set(deaths):  # (a call past the victim's run: an asynchronous rule's count varies)
+        return [f"void: ranks {sorted(killed)} died, {sorted(deaths)} drawn"]
+    ends = [out["result"] for out in results if isinstance(out, dict)]
+    lost = [sorted({f["rank"] for f in end["failures"]}) for end in ends]
+    if any(lr != sorted(deaths) for lr in lost):
+        wrong.append(f"the survivors recorded losses {lost}, {sorted(deaths)} died")
+    sizes = {end["workers_at_end"] for end in ends}
+    if sizes != {4 - len(deaths)}:
+        wrong.append(f"workers at the end {sizes}, {4 - len(deaths)} expected")
+    if synchronous and len({end["steps"] for end in ends}) != 1:
+        wrong.append(f"synchronous survivors ended at steps {[end['steps'] for end in ends]}")
+    params = [out["params"] for out in results if isinstance(out, dict)]
+    if not all(torch.isfinite(p).all() for p in params):
+        wrong.append("a survivor's model is not finite")
+    if case == "bsp" and not all(torch.equal(params[0], p) for p in params):
+        wrong.append("BSP's survivors hold different models")
+    return wrong
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_every_rule_survives_workers_lost_at_any_call(tmp_path, case):
+    torch.set_num_threads(1)
+    cfg = config(cases()[case])
+    spans = calls(cfg, tmp_path / "whole")
+    synchronous = not cfg.rule.asynchronous()
+    failed = []
+    for seed in seeds():
+        deaths = draw(seed, spans)
+        try:
+            results, _ = job(cfg, tmp_path / str(seed), deaths, timeout=20)
+            wrong = judge(case, results, deaths, synchronous)
+        except Exception as err:  # a survivor's error, or a deadlock (TimeoutError with every thread's place)
+            wrong = [f"{type(err).__name__}: {str(err)[:3000]}"]
+        if wrong:
+            failed.append(f"seed {seed}, deaths {deaths} (launch rank: call): {'; '.join(wrong)}")
+    replay = ",".join(f.split(",")[0].split()[1] for f in failed)
+    assert not failed, f"{case}: replay with MPITRAIN_KILL_SEEDS={replay}\n" + "\n".join(failed)
