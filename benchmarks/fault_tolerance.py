@@ -73,7 +73,7 @@ def recovery(
             f"train.epochs={epochs}",
             env=env,
         )
-        killed = float(stamp.read_text())
+        killed = min(map(float, stamp.read_text().split()))
         [failure] = summary["failures"]
         [event] = [r for r in records if r["kind"] == "failure"]
         offset = failure["time"] + failure_recovery(summary) - event["time"]  # wall = relative + offset

@@ -43,6 +43,10 @@ RESULT = {
             "first step with 3 workers",
         )
     ],
+    "kill_battery": [
+        rf"^\| bsp \| heal \| 1/1 \| 0 \| {NUM} \| {NUM} \| {NUM} \|$",
+        r"^1/1 draws survived$",
+    ],
     "scaling_model": [
         rf"^\| alexnet \| {kind} \| 1 \| 8 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$"
         for kind in ("staged MPI fp32", "NCCL fp32", "NCCL bf16")

@@ -10,7 +10,11 @@ that validates alone and sends worker 0 its results does); ``model.hold_rank=0 m
 rank 0 sleep a second at its first training forward call after the file appeared (the results it was sent
 wait for it meanwhile). ``model.die_at_val=N model.die_delay_s=S`` kills it ``S`` seconds after its N-th
 validation pass began (a thread's timer, wherever the process is then: within the validation's collectives,
-the epoch's records, or the next epoch), as a ``kill -9`` at a validation line does.
+the epoch's records, or the next epoch), as a ``kill -9`` at a validation line does; with ``die_at``, the
+delay instead runs from that training forward call (wherever the step, a validation or a checkpoint is
+then). ``model.also_rank=R`` has launch rank R die at the same moment (two workers lost at once);
+``model.join_rank=R model.join_delay_s=S`` has rank R die S seconds into the job's first growth (while a
+replacement joins). A worker spawned into the job (``--joined``) never dies.
 ``model.die_in=barrier model.die_in_call=K`` (with ``die_delay_s``) kills it instead that long after it
 entered its K-th call of that method of the communicator (:class:`runner.comm.mpi.Comm`), while it waits
 there for the others: a collective it has entered, which the others may complete without it.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +43,10 @@ _last_training = [True]
 
 
 def launch_rank() -> int:
+    """This process's launch rank; -1 for a worker spawned into the job (a replacement lives on: its own
+    world numbers it from 0, as if it were rank 0 of the launch)."""
+    if "--joined" in sys.argv:
+        return -1
     return int(os.environ.get("OMPI_COMM_WORLD_RANK", -1))
 
 
@@ -57,6 +66,8 @@ class Dies(torch.nn.Module):
         hold: tuple[int, float] = (-1, 0.0),
         at_val: tuple[int, float] = (0, 0.0),
         in_call: tuple[str | None, int] = (None, 0),
+        also: int = -2,
+        join: tuple[int, float] = (-1, 0.0),
     ):
         super().__init__()
         self.inner, self.rank, self.at, self.after_val = inner, rank, at, after_val
@@ -64,17 +75,20 @@ class Dies(torch.nn.Module):
         self.hold = hold  # (launch rank, seconds): that rank sleeps once, when the marker appeared
         self.at_val = at_val  # (N, seconds): on launch rank ``rank``, die that long after validation N began
         self.calls = self.calls_after_val = 0
-        if self.marker is not None and launch_rank() == rank:
+        self.ranks = {rank, also}  # the launch ranks that die (``also``: a second one, at the same moment)
+        if self.marker is not None and launch_rank() in self.ranks:
             die_on(self.marker)
-        if in_call[0] and launch_rank() == rank:
+        if in_call[0] and launch_rank() in self.ranks:
             die_in_call(in_call[0], in_call[1], at_val[1])
+        if join[0] >= 0 and launch_rank() == join[0]:
+            die_in_call("grow", 1, join[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             _validated[0] = True
             if _last_training[0]:
                 _passes[0] += 1
-                if self.at_val[0] and _passes[0] == self.at_val[0] and launch_rank() == self.rank:
+                if self.at_val[0] and _passes[0] == self.at_val[0] and launch_rank() in self.ranks:
                     die_later(self.at_val[1])
             if self.marker is not None and launch_rank() not in (self.rank, 0):
                 self.marker.touch()
@@ -85,7 +99,9 @@ class Dies(torch.nn.Module):
                 time.sleep(self.hold[1])
                 self.hold = (-1, 0.0)
             due = self.calls_after_val == self.after_val if self.after_val else self.calls == self.at
-            if due and launch_rank() == self.rank:
+            if due and launch_rank() in self.ranks and self.at_val[1] and not self.at_val[0]:
+                die_later(self.at_val[1])  # wherever this step, or what follows it, is then
+            elif due and launch_rank() in self.ranks:
                 die()
         _last_training[0] = self.training
         return self.inner(x)
@@ -94,7 +110,8 @@ class Dies(torch.nn.Module):
 def die() -> None:
     stamp = os.environ.get("MPITRAIN_KILL_STAMP")  # benchmarks/fault_tolerance.py: when
     if stamp:
-        Path(stamp).write_text(repr(time.time()))
+        with open(stamp, "a") as f:  # one line per kill
+            f.write(f"{time.time()!r}\n")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -122,10 +139,10 @@ def die_in_call(method: str, k: int, seconds: float) -> None:
     """Kill this process ``seconds`` after it entered its ``k``-th call of ``Comm.<method>``."""
     from runner.comm.mpi import Comm
 
-    if hasattr(Comm, "_dies_real"):  # (the model is built again: patched once)
+    if hasattr(Comm, f"_dies_{method}"):  # (the model is built again: patched once)
         return
     real, calls = getattr(Comm, method), [0]
-    Comm._dies_real = real
+    setattr(Comm, f"_dies_{method}", real)
 
     def wrapped(self, *args, **kwargs):
         calls[0] += 1
@@ -148,9 +165,12 @@ class DiesCNNConfig(CNNConfig):
     die_delay_s: float = 0.0
     die_in: str | None = None  # instead: die die_delay_s seconds into this method's die_in_call-th call
     die_in_call: int = 1
+    also_rank: int = -2  # a second launch rank that dies at the same moment (two workers lost at once)
+    join_rank: int = -1  # a launch rank that dies join_delay_s into the job's first growth (a replacement's)
+    join_delay_s: float = 0.0
 
     def build(self) -> torch.nn.Module:
         hold, at_val = (self.hold_rank, self.hold_s), (self.die_at_val, self.die_delay_s)
-        in_call = (self.die_in, self.die_in_call)
-        when = (self.die_at, self.die_after_val, self.val_marker, hold, at_val, in_call)
+        in_call, join = (self.die_in, self.die_in_call), (self.join_rank, self.join_delay_s)
+        when = (self.die_at, self.die_after_val, self.val_marker, hold, at_val, in_call, self.also_rank, join)
         return Dies(super().build(), self.die_rank, *when)
