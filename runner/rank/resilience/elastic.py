@@ -90,6 +90,9 @@ class Elastic:
         self.run_dir, self.hosts, self.max_workers, self.env = run_dir, hosts, max_workers, env
         self.joins: list[dict[str, Any]] = []  # every worker that joined: {rank, host, step, time}
         self.refusal: str | None = None  # why the last grow started fewer workers than asked for
+        #: Within MPI_Comm_spawn and the new workers' settling in: a rank lost then may leave another rank
+        #: waiting in the spawn for good (ULFM does not interrupt it), and the survivors' shrink with it.
+        self.spawning = False
 
     @property
     def room(self) -> int:
@@ -119,6 +122,7 @@ class Elastic:
             self.settle(world.rank)
             return []
         key = world.rank if world.rank < world.size - self.servers else SERVER_KEY + world.rank
+        self.spawning = True  # until the new workers are settled in (a loss meanwhile: Recovery.shrink)
         why = world.grow(spawn_argv(self.run_dir, first, self.env), want, key, os.getcwd())
         if why is not None:
             self.refusal = (
@@ -127,8 +131,10 @@ class Elastic:
                 f"{world.size - self.servers} workers"
             )
             self.settle(world.rank)
+            self.spawning = False
             return []
         self.settle(key)
+        self.spawning = False
         return list(range(first, first + want))
 
     def settle(self, key: int) -> None:

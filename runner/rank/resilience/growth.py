@@ -22,13 +22,14 @@ class Growth:
     def __init__(self, loop: Loop, recovery: Recovery | None):
         self.loop, self.recovery = loop, recovery
         self.due = 0  # workers to add at the next step's start
+        self.noted = 0  # the lost workers to replace when the workers agreed to grow
 
     def note(self, decision: Decision) -> None:
         """At an agreement: the workers to add at the next step's start (lost ones to replace, and those
         ``RUN_DIR/JOIN`` asks for); the same on every worker."""
         recovery = self.recovery
         if decision.polled and recovery is not None and recovery.elastic is not None:
-            self.due = decision.join + recovery.heal_pending
+            self.due, self.noted = decision.join + recovery.heal_pending, recovery.heal_pending
 
     def if_due(self, pos: Position, mid_epoch: bool) -> None:
         """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
@@ -41,8 +42,9 @@ class Growth:
         recovery = self.recovery
         loop.control.close()  # the agreement in flight (every worker started it)
         loop.rule.before_grow()
-        ids = recovery.elastic.grow(self.due)
-        self.due, recovery.heal_pending = 0, 0
+        # (workers lost since the agreement, in a growth they cut short: replaced too, the same on every one)
+        ids = recovery.elastic.grow(self.due + recovery.heal_pending - self.noted)
+        self.due, self.noted, recovery.heal_pending = 0, 0, 0
         self.welcome(pos, mid_epoch, joined=False)
         refusal = recovery.elastic.refusal
         if refusal and loop.workers.rank == 0:

@@ -1,0 +1,56 @@
+"""A worker lost while a replacement joins (``heal``): the job survives, or ends within seconds naming the
+cause; it never stalls.
+
+The loss comes while every living rank is in ``MPI_Comm_spawn``. When the spawn fails on every survivor,
+they recover and spawn again, for both lost workers. When it fails on some and not others, a survivor
+waits in the spawn for good (ULFM does not interrupt it) and the others in their shrink: the job stalled
+until the watchdog ended it (exit 4, a minute later, naming a rank instead of the cause). Now the
+survivors end it 3 s into their shrink, naming the loss during the growth."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+
+#: (rule, the first victim and its step, the second victim and its delay into the growth): moments that
+#: stalled (EASGD; the spawn takes about 2.5 s here) and one the survivors came through (BSP).
+DRAWS = [
+    (["rule=easgd"], 3, 7, 2, 2.205),
+    (["rule=bsp"], 0, 4, 1, 0.654),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("rule, first, step, second, delay", DRAWS, ids=["easgd", "bsp"])
+def test_a_worker_lost_while_a_replacement_joins_never_stalls(tmp_path, rule, first, step, second, delay):
+    t0 = time.monotonic()
+    run = run_cli(
+        tmp_path / "run",
+        "hydra.searchpath=[file://tests/conf]",
+        "model=dies",
+        "devices=4",
+        "hardware.oversubscribe=true",
+        "hardware.fault_tolerance=heal",
+        *rule,
+        "train.epochs=2",
+        f"model.die_rank={first}",
+        f"model.die_at={step}",
+        f"model.join_rank={second}",
+        f"model.join_delay_s={delay}",
+        "train.stall_timeout=60",  # a stall ends the job (exit 4) after 60 s, not the test's timeout
+        timeout=200,
+    )
+    wall = time.monotonic() - t0
+    summary = run.summary
+    if run.returncode == 0:
+        lost = sorted(f["rank"] for f in summary["failures"])
+        assert lost == sorted([first, second]), summary
+        assert len(summary["joins"]) == 2 and summary["workers_at_end"] == 4, summary  # both replaced
+    else:
+        assert run.returncode == 1, run.output
+        assert "was lost while the job grew" in run.output and "resume=RUN_DIR" in run.output, run.output
+        assert wall < 50, f"ended {wall:.0f} s after it started: a stall the watchdog ended?\n{run.output}"
