@@ -55,20 +55,27 @@ def battery(
 
 def table(outcomes: list[Outcome]) -> None:
     """Survived/draws and heal times per rule and mode (markdown)."""
-    print("\n| rule | mode | survived | void | healed median (s) | healed max (s) | recovery median (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| rule | mode | survived | ended, cause named | void | healed median (s) | healed max (s) "
+        "| of which the spawn, median (s) | recovery median (ms) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     keys = sorted({(o.draw.case, o.draw.mode) for o in outcomes})
     for case, mode in keys:
         drawn = [o for o in outcomes if (o.draw.case, o.draw.mode) == (case, mode)]
         mine = [o for o in drawn if not o.void]
         ok = [o for o in mine if not o.problems]
+        named = sum(o.named_end for o in mine)
         heals = [o.healed_s for o in ok if o.healed_s is not None]
+        spawns = [o.spawn_s for o in ok if o.spawn_s is not None]
         rec = [o.summary["recovery_time_s"] * 1e3 for o in ok if o.summary.get("recovery_time_s")]
         med = f"{statistics.median(heals):.2f}" if heals else "-"
         top = f"{max(heals):.2f}" if heals else "-"
         r = f"{statistics.median(rec):.1f}" if rec else "-"
         void = len(drawn) - len(mine)
-        print(f"| {case} | {mode} | {len(ok)}/{len(mine)} | {void} | {med} | {top} | {r} |")
+        spawn = f"{statistics.median(spawns):.2f}" if spawns else "-"
+        row = f"{len(ok)}/{len(mine)} | {named} | {void} | {med} | {top} | {spawn} | {r}"
+        print(f"| {case} | {mode} | {row} |")
 
 
 def main() -> None:

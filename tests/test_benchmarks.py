@@ -44,7 +44,7 @@ RESULT = {
         )
     ],
     "kill_battery": [
-        rf"^\| bsp \| heal \| 1/1 \| 0 \| {NUM} \| {NUM} \| {NUM} \|$",
+        rf"^\| bsp \| heal \| 1/1 \| 0 \| 0 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$",
         r"^1/1 draws survived$",
     ],
     "scaling_model": [

@@ -39,6 +39,8 @@ MODES = ("continue", "heal")
 #: The longest delay drawn after the last step or validation: the job's end (its checkpoint, the closing
 #: barrier) takes about this long, so a kill drawn later would come after the job ended.
 END_S = 0.06
+#: How the job's end names a loss during its growth that it could not come through (Recovery.shrink).
+GROWTH_END = "was lost while the job grew"
 BASE = (
     "hydra.searchpath=[file://tests/conf]",
     "model=dies",
@@ -123,9 +125,11 @@ class Outcome:
     summary: dict[str, Any] = field(default_factory=dict)
     killed_at: float | None = None  # the wall time of the first kill, when one came
     healed_s: float | None = None  # from the first kill to the end of the first step with every worker
+    spawn_s: float | None = None  # of which the growth itself (MPI_Comm_spawn, a new process's start-up)
     tail: str = ""
     problems: list[str] = field(default_factory=list)
     void: bool = False  # no kill came: the drawn moment was past the victim's run (a draw of nothing)
+    named_end: bool = False  # a loss during the growth ended the job, the cause named, within seconds
 
     def row(self) -> dict[str, Any]:
         s = self.summary
@@ -138,8 +142,10 @@ class Outcome:
             "joins": [(j["rank"], j["step"]) for j in s.get("joins", [])],
             "recovery_s": s.get("recovery_time_s"),
             "healed_s": self.healed_s,
+            "spawn_s": self.spawn_s,
             "problems": self.problems,
             "void": self.void,
+            "named_end": self.named_end,
         }
 
 
@@ -163,7 +169,7 @@ def run_draw(d: Draw, run_dir: Path, timeout: float = 240) -> Outcome:
     out.killed_at = min(map(float, stamp.read_text().split())) if stamp.is_file() else None
     out.problems += problems(d, out)
     if not out.problems and d.mode == "heal" and out.summary.get("joins"):
-        out.healed_s = healed(run_dir, out.summary, out.killed_at)
+        out.healed_s, out.spawn_s = healed(run_dir, out.summary, out.killed_at)
     return out
 
 
@@ -171,6 +177,8 @@ def problems(d: Draw, out: Outcome) -> list[str]:
     """What is wrong with ``out`` for draw ``d``: empty when every loss was survived as it should be."""
     found = []
     s = out.summary
+    if d.kind == "join" and out.returncode == 1 and GROWTH_END in out.tail:
+        out.named_end = True  # not survived: ended within seconds, the cause named (never a stall)
     if out.returncode != 0 or s.get("status") != "ok":
         found.append(f"exit {out.returncode}, status {s.get('status')}: {s.get('error', '')}")
     if out.killed_at is None:
@@ -188,13 +196,13 @@ def problems(d: Draw, out: Outcome) -> list[str]:
     return found
 
 
-def healed(run_dir: Path, summary: dict[str, Any], killed: float) -> float | None:
+def healed(run_dir: Path, summary: dict[str, Any], killed: float) -> tuple[float | None, float | None]:
     """From the kill (``killed``, wall time) to the end of the first step with every worker again (after
-    the last join); None if the run ended first."""
+    the last join; None if the run ended first), and the last growth's own time."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     joined = [r for r in records if r["kind"] == "joined"]
     if not joined:
-        return None
+        return None, None
     offset = summary["joins"][-1]["time"] - joined[-1]["time"]  # wall time = relative time + offset
     after = [r["time"] for r in records if r["kind"] == "step" and r["step"] > joined[-1]["step"]]
-    return (min(after) + offset - killed) if after else None
+    return (min(after) + offset - killed) if after else None, joined[-1]["seconds"]
