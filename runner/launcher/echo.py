@@ -165,3 +165,21 @@ class EchoFilter:
         if self.BINDING.match(text) or self.MORE_HELP.match(text):
             return b""
         return line
+
+
+def faults_line(summary: dict[str, Any]) -> str | None:
+    """How the job's faults ended, in one line (None without any): who was lost and when, who joined,
+    the workers at the end and the time the survivors spent recovering."""
+    failures, joins = summary.get("failures") or [], summary.get("joins") or []
+    if not failures and not joins:
+        return None
+    lost = ", ".join(f"rank {f['rank']} at step {f['step']}" for f in failures)
+    parts = [f"lost {lost}"] if lost else []
+    if joins:
+        parts.append("joined " + ", ".join(f"rank {j['rank']} at step {j['step']}" for j in joins))
+    ended = "survived" if summary.get("status") == "ok" else f"ended {summary.get('status')}"
+    seconds = summary.get("recovery_time_s") or 0.0
+    return (
+        f"faults: {'; '.join(parts)}; {ended} with {summary.get('workers_at_end')} workers at the end "
+        f"(recovering took {seconds:.2f} s)"
+    )

@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import run_folder
 from runner.folder_files import disk_fix, read_text
 from runner.hardware.base import Launch
+from runner.launcher.echo import faults_line
 from runner.launcher.failures import Failure, failure_report, unexplained
 from runner.launcher.supervise import Outcome, Supervisor
 from runner.results import final_and_best
@@ -409,4 +410,6 @@ def launch(
         summary.get("samples_per_s") or 0.0,
         100 * (summary.get("comm_fraction") or 0.0),
     )
+    if (faults := faults_line(summary)) is not None:
+        log.info("%s%s", tag, faults)
     return summary

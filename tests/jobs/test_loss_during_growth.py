@@ -50,6 +50,7 @@ def test_a_worker_lost_while_a_replacement_joins_never_stalls(tmp_path, rule, fi
         lost = sorted(f["rank"] for f in summary["failures"])
         assert lost == sorted([first, second]), summary
         assert len(summary["joins"]) == 2 and summary["workers_at_end"] == 4, summary  # both replaced
+        assert "survived with 4 workers at the end" in run.output, run.output  # the launcher's last line
     else:
         assert run.returncode == 1, run.output
         assert "was lost while the job grew" in run.output and "resume=RUN_DIR" in run.output, run.output

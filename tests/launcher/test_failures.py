@@ -478,3 +478,17 @@ def test_a_refusal_of_the_runners_names_no_internal_line_a_users_error_its_own()
         json.loads("{")
     except ValueError as err:  # passed through the user's code (this test): its line, not json's
         assert "(tests/launcher/test_failures.py:" in root_cause(err)
+
+
+def test_the_faults_line_says_who_was_lost_and_joined_and_how_the_job_ended():
+    from runner.launcher.echo import faults_line
+
+    lost = [{"rank": 2, "step": 19}, {"rank": 0, "step": 30}]
+    healed = {"status": "ok", "failures": lost, "joins": [{"rank": 4, "step": 20}], "workers_at_end": 3}
+    assert faults_line({**healed, "recovery_time_s": 0.034}) == (
+        "faults: lost rank 2 at step 19, rank 0 at step 30; joined rank 4 at step 20; survived with 3 "
+        "workers at the end (recovering took 0.03 s)"
+    )
+    ended = faults_line({"status": "failed", "failures": lost[:1], "workers_at_end": 3})
+    assert ended.startswith("faults: lost rank 2 at step 19; ended failed with 3 workers"), ended
+    assert faults_line({"status": "ok", "failures": [], "joins": []}) is None
