@@ -11,8 +11,9 @@ relies on:
 * a send to, or a receive or probe from, a dead rank fails; a receive or probe from any source fails while
   a dead member is not acknowledged (:meth:`LossyComm.lost_peers` acknowledges);
 * :meth:`LossyComm.revoke` makes every pending and later call on the communicator (and those split from it)
-  fail; :meth:`~LossyComm.agree` completes among the living, revoked or not, and fails on all of them
-  alike when a member died; :meth:`~LossyComm.shrink` gives the living a new communicator in place
+  fail; :meth:`~LossyComm.agree` completes among the living, revoked or not (a member recovering already,
+  in a shrink, counts as there), and fails on all of them alike when a member died;
+  :meth:`~LossyComm.shrink` gives the living a new communicator in place
   (ranks in order), :meth:`~LossyComm.fault_barrier` an agreement, then a shrink if a member died;
 * the shared counter (a window hosted by one rank) fails once its host died.
 
