@@ -98,6 +98,7 @@ class Dealer:
         self.epoch = 0
         self.last_position = -1  # the last counter position this worker drew
         self.again = False  # restarted: the epoch's chunks may not all be dealt (:meth:`reopen`)
+        self.members: list[int] | None = None  # the workers the counter's rows are for (None: as launched)
 
     def __len__(self) -> int:
         """Micro-batches of an epoch over all workers (each worker trains a share of them)."""
@@ -106,10 +107,13 @@ class Dealer:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def restart(self, counter: Counter, base: int, pending: list[int], rank: int) -> None:
-        """Deal anew from a fresh ``counter``: ``pending`` first, then ``base`` onwards (this worker now
-        ``rank``); the tickets this worker holds stay its own."""
-        self.counter, self.base, self.pending = counter, base, sorted(pending)
+    def restart(
+        self, counter: Counter, base: int, pending: list[int], rank: int, members: list[int] | None = None
+    ) -> None:
+        """Deal anew from a fresh ``counter`` (made for the workers ``members``, launch ranks by rank):
+        ``pending`` first, then ``base`` onwards (this worker now ``rank``); the tickets this worker holds
+        stay its own."""
+        self.counter, self.base, self.pending, self.members = counter, base, sorted(pending), members
         self.rank, self.last_position, self.again = rank, -1, True
         self._publish()
 
@@ -267,13 +271,17 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     (launch ranks, by old rank): a new counter over the survivors, which deals the tickets the lost
     workers held, then what was never drawn. Worker 0 held the counter; if it was lost, what it held is
     gone: returns a line saying so (else None)."""
-    host_alive = before[0] not in lost
-    slots = dealer.counter.snapshot() if host_alive and workers.rank == 0 else None
-    slots = workers.broadcast_object(slots)  # every survivor takes the same branch below
+    # the rows of worker 0's counter are by the members it was made for: ``before``, or fewer when the
+    # survivors dealt anew already in a recovery another loss cut short (then worker 0's view decides)
+    members = dealer.members or before
+    alive = {workers.launch_rank(r) for r in range(workers.size)}
+    held = (dealer.counter.snapshot(), members) if members[0] in alive and workers.rank == 0 else None
+    held = workers.broadcast_object(held)  # every survivor takes the same branch below
+    slots, members = held if held is not None else (None, members)
     note = None
     if slots is not None:
-        position, rows = slots[0], held_rows(slots, len(before))
-        returned = [t for r, launch in enumerate(before) if launch in lost for t in rows[r]]
+        position, rows = slots[0], held_rows(slots, len(members))
+        returned = [t for r, launch in enumerate(members) if launch not in alive for t in rows[r]]
     else:
         position, returned = max(workers.allgather_object(dealer.last_position)) + 1, []
         note = "the chunks lost worker 0 held (it held the counter) are not dealt again"
@@ -285,10 +293,11 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     counter = workers.counter(counter_slots(workers.size))
     if slots is not None:  # the validations by time claimed so far stay claimed
         if workers.rank == 0:
-            counter.put(claim_slot(workers.size), [slots[claim_slot(len(before))]])
+            counter.put(claim_slot(workers.size), [slots[claim_slot(len(members))]])
         workers.barrier()
     dealer.counter.close()
-    dealer.restart(counter, base, returned + carried + left, workers.rank)
+    ranks = [workers.launch_rank(r) for r in range(workers.size)]
+    dealer.restart(counter, base, returned + carried + left, workers.rank, ranks)
     return note
 
 
@@ -301,7 +310,7 @@ def regrow(dealer: Dealer, workers: Comm, joined: bool) -> None:
     counter = workers.counter(counter_slots(workers.size))
     if dealer.counter is not None:
         dealer.counter.close()
-    dealer.restart(counter, base, left, workers.rank)
+    dealer.restart(counter, base, left, workers.rank, [workers.launch_rank(r) for r in range(workers.size)])
 
 
 def lost_shard(plans: list[tuple[int, int] | None], rank: int) -> tuple[int, int]:

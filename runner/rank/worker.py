@@ -264,9 +264,25 @@ def serve(rank: Rank, model: nn.Module) -> None:
         rank.comm.barrier()  # in the start-up collectives (those are not recovered from)
     print(f"rank {rank.comm.rank}: server of {type(rule).__name__}")
     rule.serve()
-    if rank.hosts is not None:
-        rank.comm.fault_barrier()
-    rule.final_metrics()
+    final_metrics(rank.comm, rule, (lambda lost: None) if rank.hosts is not None else None)
+
+
+def final_metrics(
+    world: mpi.Comm, rule: Rule, noted: Callable[[list[int]], None] | None
+) -> dict[str, object]:
+    """Collective over all ranks after training: the rule's final metrics. Under fault tolerance (``noted``
+    is told the ranks lost) after a job-wide barrier, and again, by all alike, after one lost within."""
+    while True:
+        if noted is not None:
+            noted(world.fault_barrier())
+        try:
+            final = rule.final_metrics()
+            if noted is not None:
+                world.agree()  # (one may complete where another's fails)
+            return final
+        except mpi.PeerLost:
+            if noted is None:
+                raise
 
 
 def val_share(rank: Rank, data: Any) -> Callable[[int, int], Any]:
@@ -419,11 +435,11 @@ def fit(
                 f"resumed from the checkpoint after step {start_at.step} ({rank.entry['dir']})"
             )
         reported, result = trainer.fit(steps, epochs, start_at)
-        if trainer.recovery is not None:
-            lost = rank.comm.fault_barrier()
-            trainer.recovery.lost_at_end(trainer.survivors, lost, result["steps"])
-            result.update(trainer.recovery.summary())
-        final = trainer.rule.final_metrics()
+        recovery, steps_run = trainer.recovery, result["steps"]
+        noted = (lambda lost: recovery.lost_at_end(trainer.survivors, lost, steps_run)) if recovery else None
+        final = final_metrics(rank.comm, trainer.rule, noted)
+        if recovery is not None:
+            result.update(recovery.summary())
         if final:
             log.write("final", result["steps"], **final)
         swept = read_json(rank.run_dir / IDENTITY).get("swept", {})
