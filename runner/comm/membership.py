@@ -81,6 +81,13 @@ class Membership:
         group = self._c.Get_failed()
         return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
 
+    def failed_ids(self) -> list[int]:
+        """The ids (:meth:`launch_rank`) of the members this process knows died, not acknowledged (a local
+        call, safe beside another thread's call on this communicator)."""
+        group = self._c.Get_failed()
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
+        return [self.launch_rank(r) for r in ranks]
+
     def lost_peers_ids(self) -> list[int]:
         """:meth:`lost_peers`, as ids in the job (:meth:`launch_rank`)."""
         return [self.launch_rank(r) for r in self.lost_peers()]

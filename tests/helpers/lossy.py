@@ -230,6 +230,10 @@ class LossyComm(FakeComm):
     def lost_peers_ids(self) -> list[int]:
         return [self._g.ids[r] for r in self.lost_peers()]
 
+    def failed_ids(self) -> list[int]:
+        with self._w.cond:
+            return [self._g.ids[r] for r in self._g.dead()]
+
     def return_errors(self) -> None:
         self.tolerant = True
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +35,9 @@ import torch
 
 from runner.comm.mpi import SERVER_KEY
 from runner.comm.tags import GROW
+from runner.folder_files import write_text
 from runner.rules.base import split_roles
-from runner.run_folder import CONFIG_SHA_ENV, TTY_ENV
+from runner.run_folder import CONFIG_SHA_ENV, EXIT, TTY_ENV, rank_file
 
 if TYPE_CHECKING:
     from runner.comm import Comm
@@ -105,7 +107,10 @@ class Elastic:
         fewer than wanted)."""
         world = self.world
         if self.workers is not None:
-            self.workers.barrier()  # every worker is done with its calls on the world (a checkpoint's)
+            # every worker is done with its calls on the world (a checkpoint's); ULFM's agreement, not a
+            # barrier: one a worker lost in it had entered could let some go on to the spawn, the others
+            # to recover, each waiting for the other
+            self.workers.agree()
             for server in range(world.size - self.servers, world.size) if world.rank == 0 else []:
                 world.send(torch.zeros(1, dtype=torch.float64), server, GROW)  # after its other messages
         world.shrink()
@@ -123,19 +128,19 @@ class Elastic:
             return []
         key = world.rank if world.rank < world.size - self.servers else SERVER_KEY + world.rank
         self.spawning = True  # until the new workers are settled in (a loss meanwhile: Recovery.shrink)
-        why = world.grow(spawn_argv(self.run_dir, first, self.env), want, key, os.getcwd())
-        if why is not None:
-            self.refusal = (
-                f"could not start {want} worker(s) (MPI_Comm_spawn: {why}); give mpirun free slots "
-                "(hardware.oversubscribe=true, or hosts with spare slots); the job goes on with "
-                f"{world.size - self.servers} workers"
-            )
-            self.settle(world.rank)
-            self.spawning = False
-            return []
-        self.settle(key)
+        with SpawnWatch(world, self.hosts, self.run_dir):
+            why = world.grow(spawn_argv(self.run_dir, first, self.env), want, key, os.getcwd())
+            if why is not None:
+                self.refusal = (
+                    f"could not start {want} worker(s) (MPI_Comm_spawn: {why}); give mpirun free slots "
+                    "(hardware.oversubscribe=true, or hosts with spare slots); the job goes on with "
+                    f"{world.size - self.servers} workers"
+                )
+                self.settle(world.rank)
+            else:
+                self.settle(key)
         self.spawning = False
-        return list(range(first, first + want))
+        return [] if why is not None else list(range(first, first + want))
 
     def settle(self, key: int) -> None:
         """Collective over the world as it now is (a spawned worker calls it too, from :func:`arrive`):
@@ -159,6 +164,59 @@ class Elastic:
         who = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ids)
         workers = self.world.size - self.servers
         return f"{who} joined at step {step}; {workers} workers"
+
+
+#: How long a rank waits in the job's growth after it learnt of a loss before it ends the job: ULFM does not
+#: interrupt MPI_Comm_spawn, which a rank lost in it can leave waiting for good (a spawn that fails on every
+#: rank returns within about a second; a shrink takes milliseconds).
+SPAWN_GRACE_S = 3.0
+
+
+class SpawnWatch:
+    """While this rank grows the job (``with``): a loss it learns of, still in the growth
+    :data:`SPAWN_GRACE_S` later, ends the job with that cause named (:func:`stuck_in_spawn`), instead of
+    a stall the watchdog ends a minute later naming a rank that waits."""
+
+    def __init__(self, world: Comm, hosts: list[str], run_dir: Path):
+        self.world, self.hosts, self.run_dir = world, hosts, run_dir
+        self.done = threading.Event()
+
+    def __enter__(self) -> SpawnWatch:
+        threading.Thread(target=self._watch, name="spawn-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        seen: float | None = None
+        while not self.done.wait(0.25):
+            try:
+                lost = self.world.failed_ids()
+            except Exception:  # (the communicator replaced meanwhile: its growth ends now)
+                continue
+            if lost and seen is None:
+                seen = time.monotonic()
+            elif lost and time.monotonic() - seen >= SPAWN_GRACE_S and not self.done.is_set():
+                names = ", ".join(f"rank {i} ({self.hosts[i] if i < len(self.hosts) else '?'})" for i in lost)
+                stuck_in_spawn(self.run_dir, self.world.launch_rank(), names)
+
+
+def stuck_in_spawn(run_dir: Path, me: int, lost: str) -> None:
+    """End the job, naming a loss during its growth (from a thread: the main one waits in MPI)."""
+    from runner.comm import mpi
+
+    cause = (
+        f"{lost} was lost while the job grew (spawning a replacement), and {SPAWN_GRACE_S:g} s later this "
+        "rank still waited in MPI_Comm_spawn or with the ranks in it, which ULFM cannot interrupt: the "
+        "job ends; resume=RUN_DIR continues it from its last checkpoint"
+    )
+    try:
+        write_text(rank_file(run_dir, me, "error"), f"{cause}\n")
+    except OSError:
+        pass
+    print(f"rank {me} failed: {cause}", file=sys.stderr, flush=True)
+    mpi.abort(EXIT["failed"])
 
 
 def arrive(world: Comm, servers: int, run_dir: Path, max_workers: int, env: dict[str, str]) -> Elastic:

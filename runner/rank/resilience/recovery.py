@@ -25,7 +25,6 @@ all of them come here, wherever they were. Then, collectively over the survivors
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,19 +33,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from runner.comm.errors import PeerLost
-from runner.folder_files import write_text
 from runner.rank.fence import Fence, Partitioned, quorum
+from runner.rank.resilience.elastic import SPAWN_GRACE_S, stuck_in_spawn
 from runner.rank.state import Position
-from runner.run_folder import EXIT, LOGS, LOST, dumps, rank_file, write_atomic
+from runner.run_folder import LOGS, LOST, dumps, write_atomic
 
 if TYPE_CHECKING:
     from runner.comm import Comm
     from runner.rank.resilience.elastic import Elastic
-
-
-#: How long survivors of a loss during the job's growth wait in their shrink before ending the job (a shrink
-#: takes milliseconds; a spawn that failed on every rank returns within about a second).
-SPAWN_GRACE_S = 3.0
 
 
 class Survivor(Protocol):
@@ -187,11 +181,13 @@ class Recovery:
 
         A worker lost while the job grew may leave another rank waiting in ``MPI_Comm_spawn`` for good (ULFM
         does not interrupt it; seen when the spawn failed on some ranks and not on others), and this shrink
-        with it: past :data:`SPAWN_GRACE_S` the job ends with that cause named instead of stalling."""
+        with it: past :data:`~runner.rank.resilience.elastic.SPAWN_GRACE_S` the job ends with that cause
+        named instead of stalling."""
         if self.elastic is None or not self.elastic.spawning:
             return self.workers.shrink()
         lost = ", ".join(f"rank {i} ({self.hosts[i]})" for i in self.workers.lost_peers_ids())
-        timer = threading.Timer(SPAWN_GRACE_S, self._stuck_in_spawn, (lost or "a worker",))
+        me = self.world.launch_rank()
+        timer = threading.Timer(SPAWN_GRACE_S, stuck_in_spawn, (self.run_dir, me, lost or "a worker"))
         timer.daemon = True
         timer.start()
         try:
@@ -199,23 +195,6 @@ class Recovery:
         finally:
             timer.cancel()
             self.elastic.spawning = False
-
-    def _stuck_in_spawn(self, lost: str) -> None:
-        """End the job, naming why (a thread's timer: the main thread waits in the shrink)."""
-        from runner.comm import mpi
-
-        me = self.world.launch_rank()
-        cause = (
-            f"{lost} was lost while the job grew (spawning a replacement), and {SPAWN_GRACE_S:g} s later a "
-            "survivor still waited in MPI_Comm_spawn, which ULFM cannot interrupt: the job ends; "
-            "resume=RUN_DIR continues it from its last checkpoint"
-        )
-        try:
-            write_text(rank_file(self.run_dir, me, "error"), f"{cause}\n")
-        except OSError:
-            pass
-        print(f"rank {me} failed: {cause}", file=sys.stderr, flush=True)
-        mpi.abort(EXIT["failed"])
 
     def lost_at_end(self, trainer: Survivor, lost: list[int], step: int) -> None:
         """Collective over the surviving workers, after training: record the workers lost in the job's
