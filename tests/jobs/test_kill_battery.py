@@ -4,7 +4,8 @@ draws the victim, rank 0 included, and the moment: a step and a delay after it, 
 at once). Seeds are drawn anew each run and printed on failure; ``MPITRAIN_KILL_SEEDS=3,17`` replays them,
 as does ``python benchmarks/kill_battery.py --rules RULE --modes MODE --seeds SEED`` (its 20 draws per
 rule and mode are the benchmark). A worker lost while a replacement joins is drawn by the benchmark only:
-that case still stalls (issue 45).
+the job comes through it or ends within seconds naming it, not always survived
+(tests/jobs/test_loss_during_growth.py).
 
 A draw whose moment came after the victim's run ended killed nobody (void); another is drawn, up to
 :data:`ATTEMPTS` per run."""
