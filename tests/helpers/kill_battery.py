@@ -185,6 +185,9 @@ def problems(d: Draw, out: Outcome) -> list[str]:
         out.void = True  # (the drawn moment was past the victim's run): not a draw of a loss
         return found
     lost = sorted(f["rank"] for f in s.get("failures", []))
+    if not lost and not found and s.get("workers_at_end") == WORKERS:
+        out.void = True  # killed after its last collective (the job's results were whole): nothing to survive
+        return found
     if not set(lost) <= set(d.victims) or not lost:
         found.append(f"lost ranks recorded {lost}, killed {d.victims}")
     joined = len(s.get("joins", []))
