@@ -54,6 +54,14 @@ BASE = (
 )
 
 
+def seeds(count: int) -> list[int]:
+    """``count`` seeds drawn anew each run, or those ``MPITRAIN_KILL_SEEDS=3,17`` gives (a replay)."""
+    given = os.environ.get("MPITRAIN_KILL_SEEDS")
+    if given:
+        return [int(s) for s in given.split(",")]
+    return [random.randrange(10**6) for _ in range(count)]
+
+
 def cases() -> dict[str, list[str]]:
     """The rules as the battery runs them: each rule with its defaults, EASGD in both variants."""
     out = {}

@@ -12,22 +12,12 @@ A draw whose moment came after the victim's run ended killed nobody (void); anot
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 
-from tests.helpers.kill_battery import MODES, cases, draw, run_draw
+from tests.helpers.kill_battery import MODES, cases, draw, run_draw, seeds
 
 DRAWS = 2
 ATTEMPTS = 4
-
-
-def seeds() -> list[int]:
-    given = os.environ.get("MPITRAIN_KILL_SEEDS")
-    if given:
-        return [int(s) for s in given.split(",")]
-    return [random.randrange(10**6) for _ in range(ATTEMPTS)]
 
 
 @pytest.mark.slow
@@ -36,7 +26,7 @@ def seeds() -> list[int]:
 @pytest.mark.parametrize("case", sorted(cases()))
 def test_a_worker_killed_at_a_drawn_moment_is_survived(tmp_path, case, mode):
     failed, tried = [], 0
-    for seed in seeds():
+    for seed in seeds(ATTEMPTS):
         d = draw(case, mode, seed, join=False)
         out = run_draw(d, tmp_path / f"run{seed}", timeout=200)
         if out.void:

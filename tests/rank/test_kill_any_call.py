@@ -14,23 +14,15 @@ draws run for real (``mpirun``, SIGKILL, ``continue`` and ``heal``) in tests/job
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-from tests.helpers.kill_battery import cases
+from tests.helpers.kill_battery import cases, seeds
 from tests.helpers.lossy_job import Killed, calls, config, job
 
 DRAWS = 3  # per rule and run
-
-
-def seeds() -> list[int]:
-    given = os.environ.get("MPITRAIN_KILL_SEEDS")
-    if given:
-        return [int(s) for s in given.split(",")]
-    return [random.randrange(10**6) for _ in range(DRAWS)]
 
 
 def draw(seed: int, spans: dict[int, range]) -> dict[int, int]:
@@ -70,7 +62,7 @@ def test_every_rule_survives_workers_lost_at_any_call(tmp_path, case):
     spans = calls(cfg, tmp_path / "whole")
     synchronous = not cfg.rule.asynchronous()
     failed = []
-    for seed in seeds():
+    for seed in seeds(DRAWS):
         deaths = draw(seed, spans)
         try:
             results, _ = job(cfg, tmp_path / str(seed), deaths, timeout=20)
