@@ -1,15 +1,22 @@
 """The one-sided counter: int64 slots held by one rank, updated by any rank without the host's help
-(as mpi4py's ``util/sync.py``)."""
+(as mpi4py's ``util/sync.py``): in an MPI window (:class:`Counter`), or, for a fault-tolerant job on one
+node, in a locked file of the node's memory (:class:`FileCounter`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import fcntl
+import mmap
+import os
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from runner.comm.binding import MPI
-from runner.comm.errors import faulted
+from runner.comm.errors import PeerLost, faulted, faults
 
 if TYPE_CHECKING:
     from runner.comm.membership import Membership
@@ -93,3 +100,100 @@ class Counter:
         except MPI.Exception:
             pass  # a lost peer: the survivors make a new counter
         self._win = None
+
+
+def _memory_dir() -> str:
+    """Where a node's counter file lives: the node's memory (``/dev/shm``) where there is one."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+class FileCounter:
+    """:class:`Counter`'s values in a file of the node's memory, each update under a POSIX record lock: the
+    counter of a fault-tolerant job whose ranks share one node.
+
+    Open MPI's one-sided atomics over shared memory (``osc/sm``) take a spinlock in the host's segment for
+    every update; a process killed while it holds it (a worker SIGKILLed in a draw) leaves every other rank
+    spinning inside MPI for ever, where no failure is reported. The kernel drops a dead process's record
+    locks (and a forked loader process does not inherit them), so here a rank lost at any instant holds up
+    nobody. The file is unlinked once every rank opened it: nothing is left behind, whoever dies. Collective
+    over ``comm`` to make.
+    """
+
+    def __init__(self, comm: Membership, slots: int, host: int = 0):
+        self._comm, self.host, self.slots = comm, host, slots
+        self._thread_lock = threading.Lock()  # (record locks are per process: its threads take turns here)
+        path = None
+        if comm.rank == host:
+            fd, path = tempfile.mkstemp(prefix="mpitrain-counter-", dir=_memory_dir())
+            os.ftruncate(fd, 8 * slots)
+            os.close(fd)
+        try:
+            with faults(comm, "counter"):
+                path = comm._c.bcast(path, root=host)
+                try:
+                    self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:  # the host gave up on a lost peer and removed it
+                    raise PeerLost("counter: its file is gone (a peer was lost while it was made)") from None
+                comm._c.Barrier()
+        finally:
+            if comm.rank == host:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self._map = mmap.mmap(self._fd, 8 * slots)
+        self._slots: np.ndarray | None = np.frombuffer(self._map, dtype=np.int64)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[np.ndarray]:
+        assert self._slots is not None, "the counter was closed"
+        with self._thread_lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield self._slots
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def fetch_add(self, slot: int = 0, value: int = 1) -> int:
+        """Add ``value`` to ``slot`` atomically; the value it held before."""
+        with self._locked() as s:
+            old = int(s[slot])
+            s[slot] = old + value
+        return old
+
+    def fetch_max(self, slot: int, value: int) -> int:
+        """Raise ``slot`` to ``value`` atomically (if it is lower); the value it held before."""
+        with self._locked() as s:
+            old = int(s[slot])
+            s[slot] = max(old, value)
+        return old
+
+    def compare_and_swap(self, slot: int, compare: int, value: int) -> int:
+        """Replace ``slot`` by ``value`` if it holds ``compare``, atomically; the value it held before."""
+        with self._locked() as s:
+            old = int(s[slot])
+            if old == compare:
+                s[slot] = value
+        return old
+
+    def put(self, slot: int, values: Sequence[int]) -> None:
+        """Replace ``slot`` and the slots after it by ``values``, atomically."""
+        with self._locked() as s:
+            s[slot : slot + len(values)] = values
+
+    def read(self, slot: int = 0, count: int = 1) -> list[int]:
+        """``count`` values from ``slot`` on, read atomically."""
+        with self._locked() as s:
+            return s[slot : slot + count].tolist()
+
+    def snapshot(self) -> list[int]:
+        """The host only (as :meth:`Counter.snapshot`): every slot."""
+        assert self._comm.rank == self.host, "only the counter's host holds its slots"
+        return self.read(0, self.slots)
+
+    def close(self) -> None:
+        """End this rank's use of the counter (not collective: the survivors of a loss drop theirs)."""
+        if self._slots is None:
+            return
+        self._slots = None  # (the map cannot close while an array exports it)
+        self._map.close()
+        os.close(self._fd)

@@ -25,7 +25,7 @@ import torch
 
 from runner.comm.background import Background
 from runner.comm.binding import ANY_SOURCE, ANY_TAG, MPI, OPS, version
-from runner.comm.counter import Counter
+from runner.comm.counter import Counter, FileCounter
 from runner.comm.errors import F, PeerLost, faulted, faults
 from runner.comm.membership import GROWN_KEY, SERVER_KEY, Membership
 from runner.comm.requests import BackgroundRequest, DistRequest, Request, progress, wait_all
@@ -339,8 +339,15 @@ class Comm(Membership):
         """Collective: take part in a split of this communicator and keep nothing of it."""
         self._c.Split(color, key).Free()
 
-    def counter(self, slots: int = 1, host: int = 0) -> Counter:
-        """Collective: a :class:`Counter` of ``slots`` int64 values, all zero, held in ``host``'s memory."""
+    def counter(self, slots: int = 1, host: int = 0) -> Counter | FileCounter:
+        """Collective: a :class:`Counter` of ``slots`` int64 values, all zero, held in ``host``'s memory; a
+        :class:`FileCounter` when peers may die and all share one node (MPI's would hang the survivors of a
+        rank killed inside an update)."""
+        if self.tolerant:
+            with faults(self, "counter"):
+                one_node = self.local_size() == self.size
+            if one_node:
+                return FileCounter(self, slots, host)
         return Counter(self, slots, host)
 
     def local_size(self) -> int:

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from runner.comm import face
-from runner.comm.counter import Counter
+from runner.comm.counter import Counter, FileCounter
 from runner.comm.membership import Membership
 from runner.comm.mpi import Comm
 from runner.comm.requests import BackgroundRequest, DistRequest, Request
@@ -21,7 +21,7 @@ from tests.helpers.lossy import LossyComm, LossyCounter
 #: Each declared face, and the classes that must satisfy it.
 FACES = {
     face.CommLike: [Comm, FakeComm, LossyComm],
-    face.CounterLike: [Counter, FakeCounter, LossyCounter],
+    face.CounterLike: [Counter, FileCounter, FakeCounter, LossyCounter],
     face.RequestLike: [Request, BackgroundRequest, DistRequest, FakeRequest],
     face.MembershipLike: [Comm, LossyComm],
 }
