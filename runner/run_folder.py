@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 from pathlib import Path
 from typing import Any
@@ -100,10 +101,16 @@ def parse_number(text: str) -> int | None:
     return int(text) if _NUMBER.fullmatch(text) else None
 
 
+#: ``logs/rank<r>.stacks``; the signal that has a rank write them (:mod:`faulthandler`, any thread, in C).
+STACKS = "stacks"
+STACKS_SIGNAL = signal.SIGUSR2
+
+
 def rank_file_name(rank: int, kind: str) -> str:
     """``rank<r>.<kind>`` in ``logs/``: a rank's ``log`` (its output), ``error`` (its failure), ``beat``,
-    ``partitioned`` (it stopped on the minority side of a partition)."""
-    assert kind in ("log", "error", "beat", PARTITIONED), kind
+    ``partitioned`` (it stopped on the minority side of a partition), ``stacks`` (its threads' Python stacks,
+    written when the launcher found the job stalled)."""
+    assert kind in ("log", "error", "beat", PARTITIONED, STACKS), kind
     return f"rank{rank}.{kind}"
 
 

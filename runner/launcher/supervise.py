@@ -39,13 +39,15 @@ from runner.launcher import sweep_stop
 from runner.launcher.echo import EchoFilter
 from runner.launcher.progress import Bar, ProgressTap
 from runner.launcher.session_dir import session_dir
-from runner.launcher.watchdog import Stall, lost_servers, outliving, read_beats, stall_check
-from runner.run_folder import LOGS, MPIRUN_LOG, STOP, SUMMARY, write_atomic
+from runner.launcher.watchdog import Stall, ask_stacks, lost_servers, outliving, read_beats, stall_check
+from runner.run_folder import LOGS, MPIRUN_LOG, STACKS, STOP, SUMMARY, rank_file_name, write_atomic
 
 #: Seconds the ranks get, after the first stop signal, to checkpoint and exit before the job is killed.
 GRACE_S = 120.0
 #: Seconds between SIGTERM and SIGKILL when the launcher ends a job.
 TERM_TIMEOUT_S = 5.0
+#: Seconds the ranks are given to write their stacks (a signal handler's few writes) before the job is ended.
+STACKS_WAIT_S = 0.5
 #: Seconds between two readings of the heartbeats.
 WATCH_INTERVAL_S = 1.0
 #: A rank that failed with an error aborts the job (MPI_Abort); under ULFM (fault_tolerance=continue) the
@@ -336,7 +338,7 @@ class Supervisor:
         stall = stall_check(beats, now, self.launch_time, self.stall_timeout)
         if stall is not None:
             self.stall = stall
-            self._end(f"stalled: {stall.message}")
+            self._end(f"stalled: {stall.message}{self._stacks(beats)}")
             return
         warning = stall_check(beats, now, self.launch_time, self.stall_timeout / 2)
         if warning is not None and self.warned is None:
@@ -345,6 +347,13 @@ class Supervisor:
                 "progress (train.stall_timeout)"
             )
         self.warned = warning
+
+    def _stacks(self, beats: Mapping[int, dict | None]) -> str:
+        """What to add to the stall's line: where the ranks of this machine still running wait."""
+        asked = ask_stacks(beats, socket.gethostname())
+        time.sleep(STACKS_WAIT_S if asked else 0)
+        files = ", ".join(f"{LOGS}/{rank_file_name(r, STACKS)}" for r in asked)
+        return f" (where the ranks still running wait: {files})" if asked else ""
 
     def _end(self, reason: str, interrupted: bool = False) -> None:
         if interrupted:

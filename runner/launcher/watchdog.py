@@ -8,7 +8,9 @@ killed rank stops writing; a rank blocked in MPI keeps writing while its ``progr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.folder_files import read_text
-from runner.run_folder import LOST, parse_number, rank_file_name
+from runner.run_folder import LOST, STACKS_SIGNAL, parse_number, rank_file_name
 
 #: A rank whose heartbeat thread has not written for this long is stopped or dead, not merely waiting.
 NOT_RESPONDING_S = 10.0
@@ -98,6 +100,18 @@ def process_gone(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[:1] == ["Z"]
+
+
+def ask_stacks(beats: Mapping[int, Mapping[str, Any] | None], host: str) -> list[int]:
+    """Signal the ranks of ``host`` (this machine) still running to write their threads' stacks
+    (``logs/rank<r>.stacks``, :mod:`runner.rank.records.heartbeat`); the ranks asked."""
+    asked = []
+    for r, beat in sorted(beats.items()):
+        if beat is not None and beat.get("host") == host and not process_gone(beat["pid"]):
+            with contextlib.suppress(OSError):
+                os.kill(beat["pid"], STACKS_SIGNAL)
+                asked.append(r)
+    return asked
 
 
 def lost_servers(

@@ -402,6 +402,8 @@ def test_a_stopped_rank_ends_the_job_as_stalled_naming_it(job):
     assert f"rank 1 (host {os.uname().nodename}, pid {pid})" in warning, f"at half the timeout: {output}"
     assert f"job stalled: rank 1 (host {os.uname().nodename}, pid {pid}) not responding for " in output
     assert "(its last heartbeat: step " in output, "it had trained: its beat said so"
+    assert "(where the ranks still running wait: logs/rank0.stacks, logs/rank1.stacks)" in output, output
+    assert "worker.py" in (run.dir / "logs" / "rank0.stacks").read_text(), "rank 0's stack, in the runner"
     s = run.summary
     assert (s["status"], s["exit_status"], s["stalled_ranks"]) == ("stalled", 4, [1])
 

@@ -21,7 +21,8 @@ import runner.launcher.supervise
 import runner.launcher.watchdog
 from runner.launcher.echo import EchoFilter
 from runner.launcher.supervise import Supervisor
-from runner.launcher.watchdog import lost_servers, outliving, read_beats, stall_check
+from runner.launcher.watchdog import ask_stacks, lost_servers, outliving, read_beats, stall_check
+from runner.rank.records.heartbeat import Heartbeat
 
 ABORT = b"""--------------------------------------------------------------------------
 MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
@@ -334,6 +335,29 @@ def test_the_watchdog_ends_a_stalled_job_and_names_the_silent_rank(job, tmp_path
     ]
     assert len(warnings) == 1 and warnings[0].message.startswith("rank 1 (host h"), "one at half the timeout"
     assert "ending the job: stalled: rank 1" in caplog.text
+
+
+def test_a_stall_has_the_ranks_of_this_machine_still_running_write_where_they_wait(tmp_path):
+    (tmp_path / "logs").mkdir()
+    stacks = tmp_path / "logs" / "rank3.stacks"
+    here, beat = socket.gethostname(), Heartbeat(tmp_path, 3)
+    try:
+        others = {4: {"host": "elsewhere", "pid": os.getpid()}, 5: None}
+        assert ask_stacks({3: {"host": here, "pid": os.getpid()}, **others}, here) == [3]
+        deadline = time.time() + 5
+        while "test_a_stall_has" not in stacks.read_text() and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.close()
+    written = stacks.read_text()
+    assert "Thread 0x" in written and "heartbeat.py" in written, "every thread: the heartbeat's too"
+    assert "in test_a_stall_has_the_ranks_of_this_machine_still_running_write_where_they_wait" in written
+
+
+def test_a_rank_never_asked_leaves_no_stacks_file(tmp_path):
+    (tmp_path / "logs").mkdir()
+    Heartbeat(tmp_path, 0).close()
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["rank0.beat"]
 
 
 def test_a_job_whose_server_process_ended_is_ended_naming_it_after_the_grace(job, tmp_path, monkeypatch):

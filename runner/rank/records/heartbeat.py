@@ -8,6 +8,8 @@ GIL) while its progress time stands still, so the launcher can tell the stuck ra
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 import socket
@@ -16,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.run_folder import rank_file, write_atomic
+from runner.run_folder import STACKS, STACKS_SIGNAL, rank_file, write_atomic
 
 INTERVAL_S = 1.0
 
@@ -35,6 +37,11 @@ class Heartbeat:
         self.progress_time = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        # the launcher's signal when it found the job stalled: every thread's stack, written in C (a thread
+        # blocked inside MPI cannot run Python), to show where each rank waits
+        self._stacks_path = rank_file(run_dir, rank, STACKS)
+        self._stacks = self._stacks_path.open("w")
+        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True)
         self._write()
         self._thread.start()
 
@@ -70,3 +77,8 @@ class Heartbeat:
         self._thread.join(timeout=2 * INTERVAL_S)
         self.record["done"] = True
         self._write()
+        faulthandler.unregister(STACKS_SIGNAL)
+        self._stacks.close()
+        with contextlib.suppress(OSError):
+            if self._stacks_path.stat().st_size == 0:
+                self._stacks_path.unlink()
