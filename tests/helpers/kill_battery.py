@@ -54,11 +54,14 @@ BASE = (
 )
 
 
-def seeds(count: int) -> list[int]:
-    """``count`` seeds drawn anew each run, or those ``MPITRAIN_KILL_SEEDS=3,17`` gives (a replay)."""
-    given = os.environ.get("MPITRAIN_KILL_SEEDS")
-    if given:
+def seeds(count: int, fixed: bool = False) -> list[int]:
+    """``count`` seeds drawn anew each run (``fixed``: 0, 1, 2...; the same every run), those
+    ``MPITRAIN_KILL_SEEDS=3,17`` gives (a replay), or new ones with ``MPITRAIN_KILL_SEEDS=random``."""
+    given = os.environ.get("MPITRAIN_KILL_SEEDS", "")
+    if given and given != "random":
         return [int(s) for s in given.split(",")]
+    if fixed and given != "random":
+        return list(range(count))
     return [random.randrange(10**6) for _ in range(count)]
 
 
@@ -176,6 +179,9 @@ def run_draw(d: Draw, run_dir: Path, timeout: float = 240) -> Outcome:
     stamp = stamps / "kill"
     out.killed_at = min(map(float, stamp.read_text().split())) if stamp.is_file() else None
     out.problems += problems(d, out)
+    if out.summary.get("status") == "stalled":  # where each rank still running waited (the launcher asked)
+        stacks = sorted((run_dir / "logs").glob("rank*.stacks"))
+        out.tail += "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in stacks)
     if not out.problems and d.mode == "heal" and out.summary.get("joins"):
         out.healed_s, out.spawn_s = healed(run_dir, out.summary, out.killed_at)
     return out

@@ -1,11 +1,12 @@
-"""Every rule survives a worker killed (SIGKILL) at a moment drawn from the whole run, under ``continue``
-and ``heal``: real ``mpirun`` jobs of 4 workers, two draws per rule and mode (tests/helpers/kill_battery.py
-draws the victim, rank 0 included, and the moment: a step and a delay after it, a validation, two workers
-at once). Seeds are drawn anew each run and printed on failure; ``MPITRAIN_KILL_SEEDS=3,17`` replays them,
-as does ``python benchmarks/kill_battery.py --rules RULE --modes MODE --seeds SEED`` (its 20 draws per
-rule and mode are the benchmark). A worker lost while a replacement joins is drawn by the benchmark only:
-the job comes through it or ends within seconds naming it, not always survived
-(tests/jobs/test_loss_during_growth.py).
+"""Every rule survives a worker killed (SIGKILL) at a moment drawn from the whole run, under ``continue`` and
+``heal``: real ``mpirun`` jobs of 4 workers, one draw per rule and mode (tests/helpers/kill_battery.py draws
+the victim, rank 0 included, and the moment: a step and a delay after it, a validation, two workers at once).
+The seeds are fixed (0, then 1 and 2 where a draw was void), so CI runs the same draws each time;
+``MPITRAIN_KILL_SEEDS=random`` draws new ones and ``MPITRAIN_KILL_SEEDS=3,17`` replays, as does ``python
+benchmarks/kill_battery.py --rules RULE --modes MODE --seeds SEED``: its 20 new draws per rule and mode are
+where new failures are looked for. A stalled draw's message holds where each rank waited. A worker lost while
+a replacement joins is drawn by the benchmark only: the job comes through it or ends within seconds naming it,
+not always survived (tests/jobs/test_loss_during_growth.py).
 
 A draw whose moment came after the victim's run ended killed nobody (void); another is drawn, up to
 :data:`ATTEMPTS` per run."""
@@ -16,8 +17,8 @@ import pytest
 
 from tests.helpers.kill_battery import MODES, cases, draw, run_draw, seeds
 
-DRAWS = 2
-ATTEMPTS = 4
+DRAWS = 1
+ATTEMPTS = 3
 
 
 @pytest.mark.slow
@@ -26,14 +27,14 @@ ATTEMPTS = 4
 @pytest.mark.parametrize("case", sorted(cases()))
 def test_a_worker_killed_at_a_drawn_moment_is_survived(tmp_path, case, mode):
     failed, tried = [], 0
-    for seed in seeds(ATTEMPTS):
+    for seed in seeds(ATTEMPTS, fixed=True):
         d = draw(case, mode, seed, join=False)
         out = run_draw(d, tmp_path / f"run{seed}", timeout=200)
         if out.void:
             continue
         tried += 1
         if out.problems:
-            failed.append(f"{d.describe()}: {'; '.join(out.problems)}\n{out.tail[-2500:]}")
+            failed.append(f"{d.describe()}: {'; '.join(out.problems)}\n{out.tail[-6000:]}")
         if tried == DRAWS:
             break
     assert not failed, "replay with MPITRAIN_KILL_SEEDS=...:\n" + "\n\n".join(failed)
