@@ -54,7 +54,6 @@ class CommLike(Protocol):
     stats: CommStats
     tolerant: bool  # peers may die: calls raise runner.comm.errors.PeerLost
     cuda_aware: bool
-    scratch: dict[Any, Any]  # the 16-bit exchange's buffers (runner/comm/wire.py)
 
     # -- tensors --------------------------------------------------------------------------------------
     def routes(self, t: torch.Tensor) -> bool: ...

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.comm.binding import MPI
 from runner.comm.errors import FAULTS, faulted
+from runner.comm.routes import load as load_routes
 from runner.comm.tags import WATCH
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ class Membership:
     tolerant: bool
     ids: list[int] | None
     grown: bool
-    scratch: dict[Any, Any]
+    routes_tried: list[Any]
     dist: Any
     _children: list[Any]
     _node_comm: Any
@@ -113,7 +114,8 @@ class Membership:
             self._c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
         self.ids = self._c.allgather(mine)
-        self._children, self._node_comm, self.scratch = [], None, {}
+        self._children, self._node_comm = [], None
+        self.routes_tried = load_routes()  # (what routes kept was for the old communicator)
         if self.dist is not None:  # the transport's group follows: a new one over the new ranks
             self.dist.rebuild(self)
 

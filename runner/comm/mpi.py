@@ -18,7 +18,7 @@ import atexit
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,8 +31,11 @@ from runner.comm.membership import GROWN_KEY, SERVER_KEY, Membership
 from runner.comm.requests import BackgroundRequest, DistRequest, Request, progress, wait_all
 from runner.comm.routes import choose as choose_route
 from runner.comm.routes import load as load_routes
+from runner.comm.routes.base import Route
 from runner.comm.staging import Buffers, cuda_aware_mpi
 from runner.comm.stats import CommStats, Transfer, clock, outermost, owe, share
+
+R = TypeVar("R", bound=Route)
 
 __all__ = [
     "ANY_SOURCE",
@@ -106,7 +109,6 @@ class Comm(Membership):
         self._background: Background | None = None
         self._node_comm: Any = None
         self._children: list[Comm] = []
-        self.scratch: dict[Any, Any] = {}  # runner/comm/wire.py's 16-bit buffers
         self.tolerant = False  # peers may die (return_errors): every MPI error raises PeerLost
         self.ids: list[int] | None = None  # each rank's id in the job, once processes were spawned into it
         self.grown = False  # processes were spawned into it (then MPI_Finalize is not called at the end)
@@ -156,6 +158,10 @@ class Comm(Membership):
             self._node_list = [links.node(self.launch_rank(r)) for r in range(self.size)]
             self._nodes_of = (self._c, links)
         return self._node_list
+
+    def route(self, kind: type[R]) -> R:
+        """This communicator's own route object of class ``kind`` (to give it what it keeps for it)."""
+        return next(r for r in self.routes_tried if isinstance(r, kind))
 
     def route_for(self, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None = None) -> Any:
         """The route that performs ``op`` of ``tensors`` (:mod:`runner.comm.routes`)."""

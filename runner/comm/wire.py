@@ -37,9 +37,12 @@ def wire_dtype(name: str) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def allreduce(
+    comm: Comm, t: torch.Tensor, dtype: torch.dtype, kept: dict[Any, Any] | None = None
+) -> torch.Tensor:
     """In-place sum of the floating-point tensor ``t`` over ``comm`` with 16-bit ``dtype`` traffic (see
-    above), accumulated in float32 (float64 for a float64 ``t``)."""
+    above), accumulated in float32 (float64 for a float64 ``t``); ``kept``: the buffers of earlier calls,
+    by size (the route's own; a model's buckets or tensors have few sizes)."""
     n = comm.size
     if n == 1:
         return t
@@ -49,7 +52,7 @@ def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     chunk = -(-numel // n)
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     device = t.device if comm.routes(t) else torch.device("cpu")  # NCCL: on the GPU; MPI: staged
-    send, recv, part = _scratch(comm, n * chunk, chunk, dtype, acc, device)
+    send, recv, part = _buffers({} if kept is None else kept, n * chunk, chunk, dtype, acc, device)
     send[:numel].copy_(flat)
     send[numel:].zero_()
     comm.alltoall(send, recv)
@@ -65,17 +68,17 @@ def allreduce(comm: Comm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _scratch(
-    comm: Comm, total: int, chunk: int, dtype: torch.dtype, acc: torch.dtype, device: torch.device
+def _buffers(
+    kept: dict[Any, Any], total: int, chunk: int, dtype: torch.dtype, acc: torch.dtype, device: torch.device
 ) -> Any:
-    """Buffers for one size on ``device``, kept by the communicator (a model's buckets or tensors have few
-    sizes): on the host for MPI, on the GPU for the NCCL transport (:meth:`Comm.routes`)."""
+    """Buffers for one size on ``device``, made once into ``kept``: on the host for MPI, on the GPU for the
+    NCCL transport (:meth:`Comm.routes`)."""
     key = (total, dtype, acc, device)
-    if key not in comm.scratch:
+    if key not in kept:
         new = functools.partial(torch.empty, device=device)
-        comm.scratch[key] = (
+        kept[key] = (
             new(total, dtype=dtype),
             new(total, dtype=dtype),
             (new(chunk, dtype=dtype), new(chunk, dtype=acc), new(chunk, dtype=acc)),
         )
-    return comm.scratch[key]
+    return kept[key]

@@ -87,7 +87,7 @@ def test_each_communicator_has_the_declared_attributes(protocol, cls):
 def test_a_fake_communicator_satisfies_the_face_at_run_time():
     fake = FakeWorld(2).comms[0]
     assert isinstance(fake, face.CommLike) and not isinstance(fake, face.MembershipLike)
-    assert attributes(face.CommLike) == ["cuda_aware", "rank", "scratch", "size", "stats", "tolerant"]
+    assert attributes(face.CommLike) == ["cuda_aware", "rank", "size", "stats", "tolerant"]
 
 
 def test_a_changed_signature_is_seen():

@@ -11,7 +11,7 @@ import torch
 
 from runner.comm.links import Links
 from runner.comm.routes import ROUTES
-from runner.comm.routes.hierarchical import KEY, Hierarchical, Hosts, library_does_it, settle
+from runner.comm.routes.hierarchical import Hierarchical, Hosts, library_does_it, settle
 from runner.comm.stats import CommStats
 from runner.hardware.cpu import CPUConfig
 from tests.comm.test_comm import run_job
@@ -44,8 +44,16 @@ def test_it_is_registered_once_before_mpi_itself():
 
 def stand_in(size: int = 4, tolerant: bool = False, links: Links | None = None, dist=None):  # noqa: ANN001
     """A communicator that cannot do MPI: enough for the decisions made before asking where ranks are."""
+    own = Hierarchical()
     return SimpleNamespace(
-        rank=0, size=size, tolerant=tolerant, dist=dist, stats=CommStats(links=links), scratch={}, _c=None
+        rank=0,
+        size=size,
+        tolerant=tolerant,
+        dist=dist,
+        stats=CommStats(links=links),
+        _c=None,
+        own=own,
+        route=lambda kind: own,
     )
 
 
@@ -60,7 +68,7 @@ def stand_in(size: int = 4, tolerant: bool = False, links: Links | None = None, 
 )
 def test_where_it_cannot_apply_auto_is_off_and_on_says_why(comm, why):
     assert settle(comm, "auto") == "off" and settle(comm, "off") == "off"
-    assert KEY not in comm.scratch
+    assert comm.own.hosts is None
     with pytest.raises(ValueError, match=rf"hardware.hierarchical=on: .*{why}.*hierarchical=auto"):
         settle(comm, "on")
 
@@ -82,15 +90,17 @@ def test_the_route_takes_nothing_of_a_communicator_it_was_not_settled_on():
     t = torch.ones(8)
     comm = stand_in()
     comm.buffers = SimpleNamespace(cuda_aware=False)
-    assert not Hierarchical().takes(comm, "allreduce", (t,), None)
-    comm.scratch[KEY] = SimpleNamespace(mpi="old")  # made for a communicator since replaced
+    route = comm.own
+    assert not route.takes(comm, "allreduce", (t,), None)
+    route.hosts = SimpleNamespace(mpi="old")  # made for a communicator since replaced
     comm._c = "new"
-    assert not Hierarchical().takes(comm, "allreduce", (t,), None)
-    comm.scratch[KEY].mpi = "new"
-    assert Hierarchical().takes(comm, "allreduce", (t,), None)
-    assert not Hierarchical().takes(comm, "allreduce", (t,), torch.bfloat16)
-    assert not Hierarchical().takes(comm, "allreduce", (torch.ones(8, dtype=torch.int32),), None)
-    assert Hierarchical().performs("allreduce") and not Hierarchical().performs("iallreduce")
+    assert not route.takes(comm, "allreduce", (t,), None)
+    route.hosts.mpi = "new"
+    assert route.takes(comm, "allreduce", (t,), None)
+    assert not Hierarchical().takes(comm, "allreduce", (t,), None), "another communicator's route: not set"
+    assert not route.takes(comm, "allreduce", (t,), torch.bfloat16)
+    assert not route.takes(comm, "allreduce", (torch.ones(8, dtype=torch.int32),), None)
+    assert route.performs("allreduce") and not route.performs("iallreduce")
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ def bare_comm(nodes: list[int], links: Links, rank: int = 0) -> Comm:
     comm = Comm.__new__(Comm)
     comm._c, comm.rank, comm.size = FakeMpi(), rank, len(nodes)
     comm.stats, comm.routes_tried = CommStats(links=links), [Wire16(), Instant()]
-    comm.tolerant, comm.scratch, comm.dist, comm.buffers = False, {}, None, Buffers(False)
+    comm.tolerant, comm.dist, comm.buffers = False, None, Buffers(False)
     comm._nodes_of, comm._node_list = (comm._c, links), list(nodes)
     return comm
 

@@ -56,6 +56,14 @@ def test_each_call_takes_the_first_route_that_takes_it(op, size, dist, wire, n, 
     assert chosen(op, size, dist, wire, n) == route
 
 
+def test_each_communicator_has_route_objects_of_its_own():
+    """What a route keeps (16-bit buffers, the hierarchical exchange's sub-communicators) is for one
+    communicator: two communicators, or one replaced after a loss, never share it."""
+    first, second = routes.load(), routes.load()
+    assert [type(r) for r in first] == [type(r) for r in second]
+    assert not any(a is b for a, b in zip(first, second, strict=True))
+
+
 def test_seconds_are_counted_once_and_bytes_by_one_table():
     stats = CommStats()
     with clock(stats):

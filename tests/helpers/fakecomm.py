@@ -137,7 +137,6 @@ class FakeComm:
         self._g, self._w = group, group.world
         self.rank, self.size, self.stats = rank, group.size, stats
         self._seq = 0
-        self.scratch: dict[Any, Any] = {}
 
     def routes(self, t: torch.Tensor) -> bool:
         """No ``torch.distributed`` transport here: every tensor is combined in memory."""

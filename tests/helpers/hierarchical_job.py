@@ -11,7 +11,7 @@ import sys
 import torch
 
 from runner.comm.mpi import init
-from runner.comm.routes.hierarchical import KEY, Hierarchical, library_does_it, settle
+from runner.comm.routes.hierarchical import Hierarchical, library_does_it, settle
 
 #: Tensor lengths: fewer values than ranks, odd, and over two segments between hosts.
 SIZES = (1, 3, 7, 1001, 600_001)
@@ -92,7 +92,7 @@ def main() -> None:
         mode = settle(c, "on", host)
     except ValueError as err:
         assert not applies and "hardware.hierarchical=on" in str(err), err
-        assert settle(c, "auto", host) == "off" and KEY not in c.scratch
+        assert settle(c, "auto", host) == "off" and c.route(Hierarchical).hosts is None
         if c.rank == 0:
             print(f"hierarchical: not taken on {layout}", flush=True)
         return

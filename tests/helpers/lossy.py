@@ -201,7 +201,7 @@ class LossyComm(FakeComm):
                 g.meetings[key] = _LossyGroup(self._w, [i for r, i in enumerate(g.ids) if r not in dead])
             new = g.meetings[key]
         self._g, self.rank, self.size = new, new.ids.index(mine), new.size
-        self._seq, self._meetings, self.scratch = 0, {}, {}
+        self._seq, self._meetings = 0, {}
         return [g.ids[r] for r in dead]
 
     def fault_barrier(self) -> list[int]:

@@ -2,7 +2,9 @@
 the first route that takes a call performs it (:func:`choose`).
 
 Adding a route is one new file, a :class:`~runner.comm.routes.base.Route` subclass, and one line in
-:data:`ROUTES`, before the routes it should be tried before. It imports no route until one is chosen.
+:data:`ROUTES`, before the routes it should be tried before. It imports no route until one is chosen. Each
+communicator has route objects of its own (:func:`load`), which keep what they made for it (the 16-bit
+exchange's buffers, the hierarchical exchange's sub-communicators).
 """
 
 from __future__ import annotations
@@ -27,17 +29,15 @@ ROUTES = [
 
 
 def load(names: tuple[str, ...] | None = None) -> list[Route]:
-    """The routes of ``names`` (default: :data:`ROUTES` as it is now), one object each, in order."""
-    return list(_load(tuple(ROUTES) if names is None else names))
+    """New objects of the routes of ``names`` (default: :data:`ROUTES` as it is now), in order: a
+    communicator's own."""
+    return [_route_class(name)() for name in (ROUTES if names is None else names)]
 
 
-@functools.lru_cache(maxsize=8)
-def _load(names: tuple[str, ...]) -> tuple[Route, ...]:
-    routes = []
-    for name in names:
-        module, _, cls = name.rpartition(".")
-        routes.append(getattr(importlib.import_module(module), cls)())
-    return tuple(routes)
+@functools.lru_cache(maxsize=32)
+def _route_class(name: str) -> type[Route]:
+    module, _, cls = name.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
 
 
 def choose(

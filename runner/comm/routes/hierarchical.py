@@ -8,13 +8,13 @@ doubling. Between two hosts the leaders swap their sums in segments, both ways a
 slower on the test nodes (benchmarks/README.md, "Hierarchical exchange"): a reduce-scatter inside the host
 and the shards all-reduced in parallel by every rank (each host's link carries as much, in more flows).
 
-The sub-communicators are made once, collectively, by :func:`settle` when the rank starts, and kept in the
-communicator's ``scratch``; a communicator whose members may change (fault tolerance), whose tensors travel
-on ``torch.distributed``, or whose links are emulated (``simulate.ranks_per_node``: those price the flat
-ring) never takes this route, and ``auto`` leaves the exchange to MPI where MPI's own is hierarchical
-(Open MPI 5's coll/han). It performs the blocking all-reduce of float32 and float64 CPU tensors (CUDA ones
-staged through host memory without CUDA-aware MPI); the background thread's queued all-reduces come here
-too (it runs blocking ones); the non-blocking ``iallreduce`` stays flat (docs/hardware.md, "Hierarchical
+The sub-communicators are made once, collectively, by :func:`settle` when the rank starts, and kept by the
+communicator's own :class:`Hierarchical` route; a communicator whose members may change (fault tolerance),
+whose tensors travel on ``torch.distributed``, or whose links are emulated (``simulate.ranks_per_node``: those
+price the flat ring) never takes this route, and ``auto`` leaves the exchange to MPI where MPI's own is
+hierarchical (Open MPI 5's coll/han). It performs the blocking all-reduce of float32 and float64 CPU tensors
+(CUDA ones staged through host memory without CUDA-aware MPI); the background thread's queued all-reduces come
+here too (it runs blocking ones); the non-blocking ``iallreduce`` stays flat (docs/hardware.md, "Hierarchical
 exchange"). The bytes counted for it are the flat all-reduce's ``2(N-1)/N`` of the buffer per rank
 (:mod:`runner.comm.stats`): the leaders send more, the others less.
 """
@@ -31,13 +31,10 @@ import torch
 
 from runner.comm.binding import MPI, OPS
 from runner.comm.routes.base import Carrier, Route
-from runner.hardware.base import HIERARCHICAL
 
 if TYPE_CHECKING:
     from runner.comm.mpi import Comm
 
-#: The key of a communicator's :class:`Hosts` in its ``scratch``.
-KEY = "hierarchical"
 #: The element types it reduces, as MPI's.
 DTYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
 #: Values per message between two hosts (1 MB of float32).
@@ -111,12 +108,12 @@ def library_does_it(environ: dict[str, str] | None = None, library: str | None =
 
 
 def settle(comm: Comm, mode: str, host: int | None = None) -> str:
-    """Collective over ``comm``: whether its all-reduces take the hierarchical route (``mode``: auto, on,
-    off; ``auto`` leaves the exchange to MPI where MPI's own is hierarchical, :func:`library_does_it`);
-    ``on``, ``off`` or ``mpi`` (MPI's own), recorded in the run's versions. ``on`` that cannot apply raises
-    ValueError.
+    """Collective over ``comm``: whether its all-reduces take the hierarchical route.
+
+    ``mode``: auto, on or off, as ``hardware.hierarchical`` declares and checks them; ``auto`` leaves the
+    exchange to MPI where MPI's own is hierarchical (:func:`library_does_it`). Returns ``on``, ``off`` or
+    ``mpi`` (MPI's own), recorded in the run's versions; ``on`` that cannot apply raises ValueError.
     ``host``: this rank's host as a number (default: the ranks that share memory are a host)."""
-    assert mode in HIERARCHICAL, mode
     if mode == "off" or comm.size == 1:
         why = None if mode == "off" else "the job has one worker"
     else:
@@ -140,7 +137,7 @@ def settle(comm: Comm, mode: str, host: int | None = None) -> str:
         )
     if hosts is None or why is not None:
         return "off"
-    comm.scratch[KEY] = hosts
+    comm.route(Hierarchical).hosts = hosts
     if comm.rank == 0:
         print(f"hierarchical exchange: {hosts.describe()}, one leader per host")
     return "on"
@@ -160,19 +157,24 @@ def split_hosts(comm: Comm, host: int | None = None) -> Hosts:
 
 
 class Hierarchical(Route):
-    """Blocking all-reduces of float tensors on a communicator :func:`settle` set the exchange on."""
+    """Blocking all-reduces of float tensors on a communicator :func:`settle` set the exchange on (it gave
+    this, the communicator's own route, the :class:`Hosts`)."""
+
+    def __init__(self) -> None:
+        self.hosts: Hosts | None = None
 
     def takes(
         self, comm: Carrier, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None
     ) -> bool:
-        hosts = getattr(comm, "scratch", {}).get(KEY)
+        hosts = self.hosts
         if hosts is None or wire is not None or hosts.mpi is not comm._c:
             return False
         t = tensors[0]
         return t.dtype in DTYPES and (t.device.type == "cpu" or not comm.buffers.cuda_aware)
 
     def allreduce(self, comm: Carrier, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
-        hosts: Hosts = comm.scratch[KEY]  # type: ignore[attr-defined]
+        hosts = self.hosts
+        assert hosts is not None, "taken only once settled"
         buf, staged = comm.buffers.get(t)
         if hosts.node.Get_rank() == 0:
             hosts.node.Reduce(MPI.IN_PLACE, buf, op=OPS[op], root=0)

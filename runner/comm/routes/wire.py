@@ -4,7 +4,7 @@ own routes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.comm.routes.base import Carrier, Route
 from runner.comm.wire import allreduce as wire_allreduce
@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 
 
 class Wire16(Route):
-    """All-reduces in 16 bits, summed in float32."""
+    """All-reduces in 16 bits, summed in float32; it keeps its buffers, by size, for its communicator."""
+
+    def __init__(self) -> None:
+        self.kept: dict[Any, Any] = {}
 
     def takes(
         self, comm: Carrier, op: str, tensors: tuple[torch.Tensor, ...], wire: torch.dtype | None
@@ -24,4 +27,4 @@ class Wire16(Route):
     def allreduce(self, comm: Carrier, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
         assert op == "sum", "16-bit exchange sums"
         assert wire is not None
-        wire_allreduce(comm, t, wire)  # type: ignore[arg-type]
+        wire_allreduce(comm, t, wire, self.kept)  # type: ignore[arg-type]
