@@ -104,6 +104,8 @@ class _Images(BatchedData):
 class CIFAR10Config(DataConfig):
     """CIFAR-10's python-version batch files; ``shape`` and ``num_classes`` are fixed."""
 
+    PATHS = ("root",)
+
     root: str = MISSING  # the folder holding data_batch_1..5 and test_batch
     shape: list[int] = field(default_factory=lambda: list(SHAPE))
     num_classes: int = CLASSES

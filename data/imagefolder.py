@@ -109,6 +109,8 @@ class ImageFolderConfig(DataConfig):
     ``num_classes`` the number of class folders of ``train/``, listed when the config is checked: leave them
     unset (a value given must match)."""
 
+    PATHS = ("root",)
+
     root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg
     image_size: int = 224  # side of the square crops
     resize: int | None = None  # shorter side before cropping; None: image_size × 256/224

@@ -135,6 +135,8 @@ class ShakespeareCharConfig(DataConfig):
     (the vocabulary's size) are outputs, read from the text when the config is checked: leave them unset (a
     value given must match)."""
 
+    PATHS = ("root", "file")
+
     root: str | None = None  # folder of input.txt (tinyshakespeare, fetched if absent); None: cache_folder()
     file: str | None = None  # a UTF-8 text of your own instead of tinyshakespeare (then leave root unset)
     block_size: int = 64  # characters per window: inputs and targets are [block_size]

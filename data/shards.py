@@ -114,6 +114,8 @@ class ShardsConfig(DataConfig):
     """A shard folder. ``shape`` ([C, crop or H, crop or W]) and ``num_classes`` are what the shards hold,
     read from ``meta.json`` when the config is checked: leave them unset (a value given must match)."""
 
+    PATHS = ("root",)
+
     root: str = MISSING  # a folder written by `python -m runner.data.convert SRC DST`
     crop: int | None = None  # random (training) or centre (validation) crop to this side; None: stored size
     shape: list[int] = from_files("shape")

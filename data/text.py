@@ -29,6 +29,8 @@ class TextConfig(DataConfig):
     """``shape`` is [tokens per text] and ``num_classes`` the number of distinct labels of the training
     file (checked when the data set is built); ``vocab_size`` counts padding and unknown too."""
 
+    PATHS = ("train_file", "val_file")
+
     train_file: str = MISSING
     val_file: str | None = None  # None: hold out val_fraction of the training file
     val_fraction: float = 0.1

@@ -87,6 +87,8 @@ class TokensConfig(DataConfig):
     ``num_classes`` and ``vocab_size`` are outputs, read from ``meta.json`` when the config is checked: leave
     them unset (a value given must match); without a meta.json, ``vocab_size`` is a setting."""
 
+    PATHS = ("root",)
+
     root: str = MISSING  # a folder holding train.bin, val.bin and meta.json (nanoGPT's prepare.py layout)
     dtype: str = "uint16"  # of the token ids in the .bin files: uint16 | uint32
     block_size: int = 64  # tokens per window: inputs and targets are [block_size]

@@ -117,7 +117,7 @@ def _prepare(
     checked = validate(cfg)
     launch = checked.hardware.plan_launch(checked.world_size, run_dir, reserve=reserve, share=share)
     try:
-        _write_run_folder(cfg, run_dir, ident, launch)
+        _write_run_folder(cfg, run_dir, ident, launch, checked.data.absolute_paths())
     except BaseException:
         if launch.lease is not None:
             launch.lease.release()
@@ -125,8 +125,11 @@ def _prepare(
     return launch, checked
 
 
-def _write_run_folder(cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None, launch: Launch) -> None:
+def _write_run_folder(
+    cfg: DictConfig, run_dir: Path, ident: dict[str, Any] | None, launch: Launch, paths: dict[str, str]
+) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["data"].update(paths)  # relative paths made absolute: the folder reads the same files anywhere
     resolved["hardware"].update(threads_per_rank=launch.threads, bind=launch.bind)
     if "launcher" in resolved["hardware"]:
         resolved["hardware"]["launcher"] = launch.launcher

@@ -20,12 +20,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import pkgutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -195,9 +196,23 @@ class DataConfig:
     default ``${mpitrain_data:KEY}`` (:meth:`files_outputs`). Where it takes them as settings
     (``synthetic``), they are inputs."""
 
+    #: The keys that name files or folders: the launcher writes them absolute into the run folder's
+    #: config.yaml (read from the folder the command ran in), so eval=, resume= and sample read the same
+    #: files from anywhere.
+    PATHS: ClassVar[tuple[str, ...]] = ()
+
     shape: list[int] = field(default_factory=lambda: [1, 8, 8])
     num_classes: int = 10
     assignment: str = "auto"  # static, dynamic, or auto: dynamic for asynchronous rules (rank/assignment.py)
+
+    def absolute_paths(self) -> dict[str, str]:
+        """Those of :data:`PATHS` given relative, made absolute from the current folder."""
+        out = {}
+        for key in self.PATHS:
+            value = getattr(self, key)
+            if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)):
+                out[key] = os.path.abspath(value)
+        return out
 
     def dynamic(self, asynchronous: bool) -> bool:
         """Whether the workers take chunks from a shared counter (``dynamic``) rather than fixed shards;

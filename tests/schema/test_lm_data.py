@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from runner.data import shakespeare_char, tokens
 from runner.data.shakespeare_char import SHA256, SIZE, URL, ShakespeareCharConfig, cache_folder
@@ -312,3 +313,21 @@ def test_a_run_folder_s_config_fetches_and_writes_nothing(tmp_path):
     finally:
         READING_RUN_FOLDER.reset(token)
     assert not where.parent.exists()
+
+
+def test_a_relative_data_path_is_written_absolute_into_the_run_folder(tmp_path, monkeypatch):
+    """``data.root=corpus`` given in one folder: the run folder's config.yaml names the same files from
+    any folder (eval=, resume=, runner.sample run elsewhere)."""
+    from runner.launcher.launch import prepare
+    from tests.conftest import compose_config
+
+    ids = np.arange(1000, dtype="uint16") % 50
+    write_tokens(tmp_path / "corpus", ids, ids[:100], {"vocab_size": 50})
+    monkeypatch.chdir(tmp_path)
+    prepare(compose_config(["data=tokens", "data.root=corpus", "data.block_size=16", *LM]), tmp_path / "run")
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert written["data"]["root"] == str(tmp_path / "corpus")
+    given = ["data=shakespeare_char", f"data.file={CORPUS}", "data.root=null", *LM]
+    if CORPUS.is_file():  # an absolute path stays as given
+        prepare(compose_config(given), tmp_path / "run2")
+        assert yaml.safe_load((tmp_path / "run2" / "config.yaml").read_text())["data"]["file"] == str(CORPUS)
