@@ -56,7 +56,7 @@ from runner.lazy import lazy_import
 from runner.rules.base import RuleContext, no_grad
 from runner.rules.diloco import DiLoCo, DiLoCoConfig, outer_sgd
 from runner.rules.fragments import block_fragments, layout
-from runner.schema import one_of, require
+from runner.schema import ModelConfig, one_of, require
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +79,18 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
     quantize: str = "none"
     stagger: bool = True
     fragment_by: str = "size"
+
+    def check_model(self, model: ModelConfig) -> None:
+        """``fragment_by: blocks``: the model (built on the meta device: no memory, no data) has blocks, at
+        least one per fragment. A model that cannot be built so is checked by the ranks, at build."""
+        if self.fragment_by != "blocks":
+            return
+        try:
+            with torch.device("meta"):
+                built = model.build()
+        except Exception:  # noqa: BLE001 (its own code may need data or a device: the ranks check it then)
+            return
+        block_fragments(built, self.fragments)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -134,6 +134,9 @@ class RuleConfig:
     def check_devices(self, devices: int) -> None:
         """Checks that involve the number of workers; raise ValueError through :func:`require`."""
 
+    def check_model(self, model: ModelConfig) -> None:
+        """Checks that involve the model; raise ValueError naming the key and the fix."""
+
     def asynchronous(self) -> bool:
         """Whether the workers train without stepping together (then they may take the data dynamically)."""
         return False

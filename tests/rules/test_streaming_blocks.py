@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from models.cnn import CNNConfig
 from models.gpt import GPTConfig
 from runner.rules.streaming_diloco import StreamingDiLoCoConfig
+from tests.conftest import checked_config
 from tests.helpers.fakecomm import FakeWorld
 from tests.helpers.rule_math import DT, assert_close, build, sgd
 
@@ -204,6 +205,34 @@ def test_a_model_without_blocks_or_with_fewer_blocks_than_fragments_is_refused(m
 
     with pytest.raises(ValueError, match=match):
         FakeWorld(1).run(main)
+
+
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        (["model=cnn"], r"rule\.fragment_by='blocks' is invalid: the model \(CNN\)"),
+        (
+            [
+                "model=gpt",
+                "task=language_model",
+                "data=synthetic",
+                "data.shape=[16]",
+                "data.num_classes=32",
+                "model.vocab_size=32",
+                "model.n_layer=2",
+                "model.n_head=2",
+                "model.n_embd=16",
+                "model.block_size=16",
+            ],
+            r"rule\.fragments=4 is invalid: the model has 2 blocks",
+        ),
+    ],
+)
+def test_the_launcher_refuses_blocks_the_model_lacks_before_any_process_starts(given, match):
+    rule = ["rule=streaming_diloco", "rule.fragment_by=blocks", "rule.fragments=4", "rule.inner_steps=8"]
+    with pytest.raises(ValueError, match=match):
+        checked_config([*rule, *given])
+    checked_config([*rule, *given, "rule.fragment_by=size"])  # the same with ranges: taken
 
 
 def test_bounds_follow_the_buffers_in_the_order_the_flat_tensors_meet_their_types():
