@@ -51,7 +51,7 @@ from runner.rank.placement import choose_transport, place_rank
 from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.meter import Meter
 from runner.rank.records.metrics import MetricsLog
-from runner.rank.records.output import redirect_output, root_cause
+from runner.rank.records.output import end_job, redirect_output, root_cause
 from runner.rank.resilience.elastic import Elastic, arrive
 from runner.rank.resilience.recovery import Recovery
 from runner.rank.saved_model import save_model
@@ -535,22 +535,14 @@ def stop_partitioned(err: Partitioned, run_dir: Path, rank: int, log_file: TextI
 def fail(err: BaseException, run_dir: Path, rank: int, log_file: TextIO) -> None:
     """Name the failure (``logs/rank<r>.error``, the rank's log, stderr) and abort the job with its status:
     3 diverged, a SystemExit's own code, else 1."""
-    cause = root_cause(err)
-    try:
-        write_text(rank_file(run_dir, rank, "error"), f"{cause}\n\n{traceback.format_exc()}")
-    except OSError as io:
-        print(f"rank {rank}: could not write its error file: {io}", file=sys.stderr)
     log_file.write(traceback.format_exc())
-    print(f"rank {rank} failed: {cause}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
     if isinstance(err, Diverged):
         status = EXIT["diverged"]
     elif isinstance(err, SystemExit) and isinstance(err.code, int) and err.code:
         status = err.code
     else:
         status = EXIT["failed"]
-    mpi.abort(status)
+    end_job(run_dir, rank, root_cause(err), status, traceback.format_exc())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ stall watchdog is set to 60 s, so a hang ends the job (exit 4) instead of the ca
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -75,7 +76,15 @@ def cases() -> dict[str, list[str]]:
     return out
 
 
-ASYNCHRONOUS = {"asgd", "easgd-async", "async_diloco", "gosgd"}
+@functools.cache
+def asynchronous(case: str) -> bool:
+    """Whether the case's rule steps its workers apart (the rule config says so, as for the data's
+    assignment)."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+
+    return OmegaConf.to_object(compose_config(cases()[case]).rule).asynchronous()
 
 
 @dataclass
@@ -101,7 +110,7 @@ def draw(case: str, mode: str, seed: int, join: bool = True) -> Draw:
     kinds = {"step": 5, "validation": 2, "two": 2, "join": 2 if mode == "heal" and join else 0}
     kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
     victim = rng.randrange(WORKERS)
-    last = ASYNCHRONOUS_LAST if case in ASYNCHRONOUS else STEPS
+    last = ASYNCHRONOUS_LAST if asynchronous(case) else STEPS
     at = rng.randint(1, last)
     delay = round(rng.uniform(0.0, 0.3 if at < last - 1 else END_S), 3)  # (near the end: before it ends)
     moment = [f"model.die_at={at}", f"model.die_delay_s={delay}"]

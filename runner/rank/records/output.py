@@ -1,7 +1,8 @@
 """Where a rank's output goes, and how its failure is named in one line.
 
 Rank 0 writes to its log file and to the terminal (mpirun forwards it to the launcher); the other ranks only
-to their log files. :func:`root_cause` is the line the launcher shows for a failed rank.
+to their log files. :func:`root_cause` is the line the launcher shows for a failed rank; :func:`end_job`
+names it and ends the job.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
-from runner.folder_files import make_folder, open_in_folder
+from runner.folder_files import make_folder, open_in_folder, write_text
 from runner.run_folder import LOGS, rank_file
 
 
@@ -103,3 +104,19 @@ def from_loader_process(text: str) -> str:
     process = head.strip().removeprefix("Caught ").split(" in ", 1)[-1].rstrip(".")
     last = lines[-1].strip() if lines else head.strip()
     return f"{last} ({where}in {process})"
+
+
+def end_job(run_dir: Path, rank: int, cause: str, status: int, detail: str = "") -> None:
+    """Name this rank's failure (``logs/rank<r>.error``: ``cause``, then ``detail``; a line on stderr, which
+    the launcher shows) and abort the job with ``status``. Callable from any thread (the main one may be
+    blocked in MPI)."""
+    from runner.comm import mpi
+
+    try:
+        write_text(rank_file(run_dir, rank, "error"), f"{cause}\n" + (f"\n{detail}" if detail else ""))
+    except OSError as io:
+        print(f"rank {rank}: could not write its error file: {io}", file=sys.stderr)
+    print(f"rank {rank} failed: {cause}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi.abort(status)

@@ -35,9 +35,9 @@ import torch
 
 from runner.comm.mpi import SERVER_KEY
 from runner.comm.tags import GROW
-from runner.folder_files import write_text
+from runner.rank.records.output import end_job
 from runner.rules.base import split_roles
-from runner.run_folder import CONFIG_SHA_ENV, EXIT, TTY_ENV, rank_file
+from runner.run_folder import CONFIG_SHA_ENV, EXIT, TTY_ENV
 
 if TYPE_CHECKING:
     from runner.comm import Comm
@@ -204,19 +204,12 @@ class SpawnWatch:
 
 def stuck_in_spawn(run_dir: Path, me: int, lost: str) -> None:
     """End the job, naming a loss during its growth (from a thread: the main one waits in MPI)."""
-    from runner.comm import mpi
-
     cause = (
         f"{lost} was lost while the job grew (spawning a replacement), and {SPAWN_GRACE_S:g} s later this "
         "rank still waited in MPI_Comm_spawn or with the ranks in it, which ULFM cannot interrupt: the "
         "job ends; resume=RUN_DIR continues it from its last checkpoint"
     )
-    try:
-        write_text(rank_file(run_dir, me, "error"), f"{cause}\n")
-    except OSError:
-        pass
-    print(f"rank {me} failed: {cause}", file=sys.stderr, flush=True)
-    mpi.abort(EXIT["failed"])
+    end_job(run_dir, me, cause, EXIT["failed"])
 
 
 def arrive(world: Comm, servers: int, run_dir: Path, max_workers: int, env: dict[str, str]) -> Elastic:
