@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
+import runner.launcher.job_output
 import runner.launcher.supervise
 import runner.launcher.watchdog
+import runner.launcher.watches
 from runner.launcher.echo import EchoFilter
 from runner.launcher.supervise import Supervisor
 from runner.launcher.watchdog import ask_stacks, lost_servers, outliving, read_beats, stall_check
+from runner.launcher.watches import Watches
 from runner.rank.records.heartbeat import Heartbeat
 
 ABORT = b"""--------------------------------------------------------------------------
@@ -303,7 +306,7 @@ def test_a_stop_signal_asks_the_ranks_to_stop_and_the_job_goes_on_until_they_do(
 
 
 def test_a_job_that_does_not_stop_within_the_grace_period_is_ended(job, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner.launcher.supervise, "GRACE_S", 1.0)
+    monkeypatch.setattr(runner.launcher.watches, "GRACE_S", 1.0)
     signal_when_ready(tmp_path, signal.SIGTERM)
     start = time.time()
     outcome = job("ignore").run()
@@ -363,7 +366,7 @@ def test_a_rank_never_asked_leaves_no_stacks_file(tmp_path):
 def test_a_job_whose_server_process_ended_is_ended_naming_it_after_the_grace(job, tmp_path, monkeypatch):
     """A worker blocked where MPI does not report the server's loss keeps beating: the launcher sees the
     server's process gone and ends the job SERVER_LOSS_GRACE_S later, long before the stall watchdog."""
-    monkeypatch.setattr(runner.launcher.supervise, "SERVER_LOSS_GRACE_S", 1.0)
+    monkeypatch.setattr(runner.launcher.watches, "SERVER_LOSS_GRACE_S", 1.0)
     outcome = job("server_dies", stall_timeout=30.0, servers=(1,)).run()
     ended = time.time()
     gone = float((tmp_path / "server_gone").read_text())
@@ -402,7 +405,7 @@ def test_an_mpirun_outliving_the_jobs_summary_is_ended_after_the_grace(job, tmp_
     its summary (status 0 here), not by the launcher's SIGTERM. PRRTE starts its launch agents (ssh) in
     process groups of their own, in mpirun's session: they end too (killing mpirun's group alone left them
     running, holding the job's output, which the launcher then waited for twice TERM_TIMEOUT_S)."""
-    monkeypatch.setattr(runner.launcher.supervise, "SUMMARY_GRACE_S", 0.6)
+    monkeypatch.setattr(runner.launcher.watches, "SUMMARY_GRACE_S", 0.6)
     (tmp_path / "summary.json").write_text('{"status": "failed"}')  # a previous job's: not this one's end
     os.utime(tmp_path / "summary.json", (time.time() - 60, time.time() - 60))
     outcome = job("agent").run()
@@ -423,9 +426,9 @@ def test_once_every_rank_ended_mpirun_outliving_the_summary_is_ended_sooner(
 ):
     """Once no rank runs (their heartbeats ended, here: none beat), mpirun is ended ENDED_GRACE_S after
     rank 0's summary, not SUMMARY_GRACE_S; a rank elsewhere still beating (writing its files) holds it."""
-    monkeypatch.setattr(runner.launcher.supervise, "SUMMARY_GRACE_S", 1.5)
-    monkeypatch.setattr(runner.launcher.supervise, "ENDED_GRACE_S", 0.3)
-    monkeypatch.setattr(runner.launcher.supervise, "WATCH_INTERVAL_S", 0.2)
+    monkeypatch.setattr(runner.launcher.watches, "SUMMARY_GRACE_S", 1.5)
+    monkeypatch.setattr(runner.launcher.watches, "ENDED_GRACE_S", 0.3)
+    monkeypatch.setattr(runner.launcher.watches, "WATCH_INTERVAL_S", 0.2)
     outcome = job(mode).run()
     waited = time.time() - float((tmp_path / "summary.json_time").read_text())
     assert outcome.after_summary and outcome.returncode == 0, outcome
@@ -440,16 +443,16 @@ def test_each_watch_reads_the_heartbeats_once(tmp_path, monkeypatch):
     """Before the job's summary the server and stall checks, after it the outliving and stall checks, share
     one reading of the heartbeats per watch (one file per rank, every second)."""
     readings = []
-    real = runner.launcher.supervise.read_beats
-    monkeypatch.setattr(runner.launcher.supervise, "read_beats", lambda *a: readings.append(1) or real(*a))
-    supervisor = Supervisor(["true"], tmp_path, 2, 60.0, servers=(1,))
-    supervisor.launch_time = time.time() - 1
+    real = runner.launcher.watches.read_beats
+    monkeypatch.setattr(runner.launcher.watches, "read_beats", lambda *a: readings.append(1) or real(*a))
+    watches = Watches(tmp_path, 2, time.time() - 1, 60.0, (1,), lambda pid: False, print)
     (tmp_path / "logs").mkdir()
-    supervisor._watch_beats(time.time())
+    now = time.time()
+    assert watches.tick(now) is None
     (tmp_path / "summary.json").write_text("{}")
-    for _ in range(2):  # the watch that sees the summary, then one after it
-        supervisor._watch_beats(time.time())
-    assert supervisor.summary_since is not None and supervisor.ending_since is None
+    for later in (2, 4):  # the watch that sees the summary, then one after it
+        assert watches.tick(now + later) is None
+    assert watches.summary.since is not None
     assert readings == [1, 1, 1]
 
 
@@ -465,7 +468,7 @@ def test_a_full_disk_under_mpirun_log_neither_hangs_nor_silences_the_job(
 ):
     """Writing the log fails (the disk is full): said once, and the job's output is still drained (a
     job whose pipe is not read blocks forever) and shown."""
-    monkeypatch.setattr(runner.launcher.supervise, "open_in_folder", lambda path, mode: FullDisk())
+    monkeypatch.setattr(runner.launcher.job_output, "open_in_folder", lambda path, mode: FullDisk())
     outcome = job("chatty").run()
     assert outcome.returncode == 0
     assert (

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 from hydra.core.utils import JobReturn, JobStatus
 
+import runner.launcher.job_output
 import runner.launcher.supervise
+import runner.launcher.watches
 from runner.launcher import outcomes, sweep_stop
 from runner.launcher.launch import JobEnded
 from runner.launcher.sweep_resume import end_point, read_manifest
@@ -170,7 +172,7 @@ def test_a_signal_that_reached_the_point_and_its_sweep_counts_once(job, tmp_path
     """A Ctrl-C that reached a point's process and its sweeping process is one stop request, not two.
 
     The worker may read the sweep's stop before its own signal; two would end the job at once."""
-    monkeypatch.setattr(runner.launcher.supervise, "GRACE_S", 1.0)
+    monkeypatch.setattr(runner.launcher.watches, "GRACE_S", 1.0)
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     sweep_stop.follow(sweep, elsewhere=True)
