@@ -1,4 +1,4 @@
-"""The ``logger`` group (runner/schema/logger/, runner/rank/records/tracking.py): every logger's records read
+"""The ``logger`` group (runner/schema/logger/, runner/rank/records/tracking/): every logger's records read
 back through the tool that shows them. TensorBoard's HParams table as its own backend computes it, MLflow's
 runs through ``MlflowClient``, an offline W&B run from its transaction log."""
 
@@ -296,7 +296,7 @@ def test_an_option_that_cannot_be_imported_is_left_out_of_the_compared_keys(monk
     """Every rule's keys are found by importing every rule module; one that cannot be imported here (a
     package it needs is missing) is left out, not the cause of a run's failure (TensorBoard's tracker must
     start)."""
-    from runner.rank.records import tracking
+    from runner.rank.records.tracking import run_info as tracking
 
     real = tracking.schema_of
 

@@ -1,4 +1,5 @@
-"""TensorBoard event files in the run folder's ``tb/`` (the default logger; rank/records/tracking.py)."""
+"""TensorBoard event files in the run folder's ``tb/`` (the default logger;
+rank/records/tracking/tensorboard_tracker.py)."""
 
 from __future__ import annotations
 
