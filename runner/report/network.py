@@ -1,6 +1,6 @@
 """The network as an axis: for a sweep over ``simulate.link_gbps``, which rule reached the target first at
 each link speed (a sentence per speed), and the data of the crossover plot (each rule's time to target
-against bandwidth, drawn by :func:`runner.report.plots.crossover_figure`).
+against bandwidth, drawn by :func:`runner.report.crossover_plot.crossover_figure`).
 
 A *series* is what the sweep varied besides the link speed and the seed (the rule, named by its value alone
 when it is the only other key); a *cell* is a series at one speed: a point of :mod:`.confidence` (its

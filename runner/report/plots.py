@@ -1,4 +1,5 @@
-"""The report's plots (PNG, matplotlib's Agg canvas; no pyplot, no display) and its HTML page.
+"""The report's plots (PNG, matplotlib's Agg canvas; no pyplot, no display); the HTML page that shows them
+is :mod:`runner.report.page`.
 
 matplotlib is imported inside the functions: :mod:`runner.report.write` is imported by the launcher at the
 end of a multirun, and a launch that writes no report should not pay for it.
@@ -6,15 +7,16 @@ end of a multirun, and a launch that writes no report should not pay for it.
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.report import network, verdict
+from runner.report import network
 from runner.report.confidence import REPEAT_KEYS
+from runner.report.crossover_plot import crossover_figure
+from runner.report.figure import figure, log_scale, palette
 from runner.report.runs import finite_or_none
-from runner.report.table import Report, explanation, headlines, table
+from runner.report.table import Report
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -33,8 +35,6 @@ PLOTS = (
     "rule_metrics",
     "workers",
 )
-#: A plot's axis is logarithmic when its positive values span more than this factor.
-LOG_SPAN = 100.0
 #: Per-epoch metrics of the rules, plotted over steps when a run recorded them: key -> (title, y label).
 RULE_METRICS = {
     "center_distance": ("EASGD: distance of the workers to the center", "RMS distance to the center"),
@@ -97,20 +97,6 @@ def heatmap_grid(report: Report) -> Grid | None:
     return Grid(rk, ck, rows, cols, values, status)
 
 
-def _figure(width: float, height: float) -> Figure:
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def _colors(n: int) -> list[Any]:
-    from matplotlib import colormaps
-
-    if n <= 10:
-        return [colormaps["tab10"](i) for i in range(n)]
-    return [colormaps["viridis"](i / max(1, n - 1)) for i in range(n)]
-
-
 #: The most characters of a run's name a plot shows (legends and bar labels): a longer one (runs of separate
 #: folders, named by every key that differs) keeps its start and end around an ellipsis, so it cannot crush
 #: the plot; the tables and report.csv keep the whole name.
@@ -139,7 +125,7 @@ def _curves(report: Report, colors: dict[str, Any]) -> Figure | None:
     series = [(run, vals) for run, vals in series if vals]
     if not series:
         return None
-    fig = _figure(13, 5.2 + 0.22 * ((len(series) + 1) // (1 if len(series) <= 4 else 2)))
+    fig = figure(13, 5.2 + 0.22 * ((len(series) + 1) // (1 if len(series) <= 4 else 2)))
     left, right = fig.subplots(1, 2, sharey=True)
     for run, vals in series:
         style = {
@@ -186,7 +172,7 @@ def _heatmap(report: Report) -> tuple[str, Figure] | None:
     norm = "log" if log_scale(list(data.flat)) else "linear"
     filled = sum(s is not None for row in grid.status for s in row)
     sparse = 2 * filled < len(grid.rows) * len(grid.cols) and _numeric(grid.rows + grid.cols)
-    fig = _figure(7.5, 5.5) if sparse else _figure(max(5.5, 1.4 * len(grid.cols) + 3), len(grid.rows) + 2)
+    fig = figure(7.5, 5.5) if sparse else figure(max(5.5, 1.4 * len(grid.cols) + 3), len(grid.rows) + 2)
     axes = fig.subplots()
     cells = [(i, j, v) for i, row in enumerate(grid.values) for j, v in enumerate(row)]
     if sparse:
@@ -224,17 +210,11 @@ class Panel:
     title: str = ""
 
 
-def log_scale(values: list[Any]) -> bool:
-    """Whether ``values`` need a log axis: their positive values span more than :data:`LOG_SPAN` times."""
-    positive = [v for v in map(finite_or_none, values) if v is not None and v > 0]
-    return bool(positive) and max(positive) > LOG_SPAN * min(positive)
-
-
 def _bars(report: Report, colors: dict[str, Any], panels: list[Panel], title: str) -> Figure:
     """Horizontal bars, a row per run and a panel (sharing the rows) per :class:`Panel`; a log axis where
     the values span orders of magnitude."""
     runs = report.runs
-    fig = _figure(10 if len(panels) == 1 else 13, 1.6 + 0.45 * len(runs))
+    fig = figure(10 if len(panels) == 1 else 13, 1.6 + 0.45 * len(runs))
     ys = list(range(len(runs)))[::-1]
     for axes, panel in zip(fig.subplots(1, len(panels), sharey=True, squeeze=False)[0], panels, strict=True):
         known = [v for v in panel.values if v is not None and v > 0]
@@ -305,7 +285,7 @@ def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
     present = [k for k in RULE_METRICS if any(k in r for run in report.runs for r in run.kind("epoch"))]
     if not present:
         return None
-    fig = _figure(7 * len(present), 5.2)
+    fig = figure(7 * len(present), 5.2)
     for axes, key in zip(fig.subplots(1, len(present), squeeze=False)[0], present, strict=True):
         series = [(run, _points(run, key)) for run in report.runs]
         for run, points in series:
@@ -343,7 +323,7 @@ def _workers(report: Report, colors: dict[str, Any]) -> Figure | None:
     series = [(run, worker_counts(run)) for run in report.runs]
     if not any(points for _, points in series):
         return None
-    fig = _figure(7, 4.2)
+    fig = figure(7, 4.2)
     axes = fig.subplots()
     for run, points in series:
         if points:
@@ -370,80 +350,12 @@ def _log_y(axes: Axes, values: list[float], ylabel: str) -> None:
     axes.set_ylabel(ylabel + (" (log scale)" if log else ""))
 
 
-def crossover_figure(cross: network.Crossover) -> Figure:
-    """The crossover plot: a line per series through its time to target at each link speed (log x axis;
-    log y where the times span orders of magnitude), a cross at the top where it did not reach the
-    target, and free links apart, in a narrow panel of their own on the right."""
-    speeds = [g for g in cross.speeds if g is not None]
-    free = None in cross.speeds
-    fig = _figure(9.5 if free else 8, 5.6)
-    if free:
-        axes, apart = fig.subplots(1, 2, sharey=True, width_ratios=[5, 1])
-    else:
-        axes, apart = fig.subplots(), None
-    colors = dict(zip(cross.series, _colors(len(cross.series)), strict=True))
-    for series in cross.series:
-        cells = [c for g in speeds if (c := cross.cells.get((series, g))) is not None]
-        _draw_cells(axes, cells, series, colors[series])
-        if apart is not None and (cell := cross.cells.get((series, None))) is not None:
-            _draw_cells(apart, [cell], f"{series}: {network.FREE}", colors[series], x=0.0)
-    times = [c.seconds for c in cross.cells.values() if c.seconds is not None]
-    log = log_scale(times)
-    axes.set_xscale("log")
-    axes.set_xticks(speeds, [f"{g:g}" for g in speeds])
-    axes.set_yscale("log" if log else "linear")
-    if not log:
-        axes.set_ylim(0, max(times, default=1.0) * 1.15)
-    axes.set_xlabel("emulated link bandwidth per node (Gbit/s, log scale)")
-    axes.set_ylabel("time to target from the start of training (s)" + " (log scale)" * log)
-    axes.grid(alpha=0.3, which="both")
-    if any(c.seconds is None for c in cross.cells.values()):
-        axes.plot([], [], "x", color="grey", label="not reached (drawn at the top)")
-    if apart is not None:
-        apart.set_xticks([0], [network.FREE])
-        apart.set_xlim(-1, 1)
-        apart.grid(alpha=0.3)
-        apart.set_title("links free", fontsize=10)
-    axes.legend(fontsize=9)
-    crossing = "; no crossover in this range" if network.no_crossover(cross) else ""
-    fig.suptitle(f"Time to {cross.target} against link bandwidth, per rule{crossing}", fontsize=12)
-    return fig
-
-
-def _draw_cells(
-    axes: Axes, cells: list[network.Cell], label: str, color: object, x: float | None = None
-) -> None:
-    """One series' line through the cells that reached the target (gid: ``label``) and a cross at the
-    top of the axes for each that did not (gid: ``label: not reached``); ``x`` for all, else each speed."""
-    from matplotlib.transforms import blended_transform_factory
-
-    def at(cell: network.Cell) -> float:
-        return x if x is not None else cell.gbps or 0.0
-
-    hit = [c for c in cells if c.seconds is not None]
-    if hit or x is None:
-        line = axes.plot([at(c) for c in hit], [c.seconds for c in hit], marker="o", color=color, gid=label)
-        line[0].set_label(label if x is None else "_" + label)
-    missed = [at(c) for c in cells if c.seconds is None]
-    if missed:
-        top = blended_transform_factory(axes.transData, axes.transAxes)
-        axes.plot(
-            missed,
-            [0.97] * len(missed),
-            "x",
-            color=color,
-            markersize=9,
-            transform=top,
-            gid=f"{label}: not reached",
-        )
-
-
 def figures(report: Report) -> dict[str, Figure | None]:
     """The report's figures by name (of :data:`PLOTS`; None: nothing to draw). Bars need two runs (and
     bytes per step two that differ in it); the heatmap a sweep over exactly two keys; rule metrics a run
     that recorded them; the crossover a sweep over link speeds (:mod:`runner.report.network`)."""
     runs = report.runs
-    colors = dict(zip((r.name for r in runs), _colors(len(runs)), strict=True))
+    colors = dict(zip((r.name for r in runs), palette(len(runs)), strict=True))
     drawn: dict[str, Figure | None] = {"curves": _curves(report, colors)}
     cross = network.crossover(report)
     drawn["crossover"] = None if cross is None else crossover_figure(cross)
@@ -469,57 +381,3 @@ def write_plots(report: Report) -> list[Path]:
             fig.savefig(path, dpi=100)
             written.append(path)
     return written
-
-
-def _html_table(header: list[str], cells: list[list[str]], classes: list[str], text_columns: int) -> str:
-    """An HTML table, a row's class each (``bad``: red); its first ``text_columns`` aligned left."""
-    e = html.escape
-    rows = ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
-    for row, kind in zip(cells, classes, strict=True):
-        tds = "".join(f"<td{'' if i < text_columns else ' class=n'}>{e(c)}</td>" for i, c in enumerate(row))
-        rows.append(f"<tr class='{kind}'>{tds}</tr>")
-    return "\n".join([*rows, "</table>"])
-
-
-STYLE = """body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse}
-td,th{border:1px solid #ccc;padding:4px 8px}td.n{text-align:right}th{background:#eee}
-tr.bad td{color:#a00}p.warn{color:#a60}img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
-
-
-def page(report: Report, plots: list[Path]) -> str:
-    """report.html: the table, the runs that did not end ok and the plots (relative paths); static."""
-    e = html.escape
-    header, cells = table(report)
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Report: {e(report.title)}</title>"]
-    parts.append(f"<style>{STYLE}</style></head><body><h1>Report: {e(report.title)}</h1>")
-    (bold, numbers), *more = headlines(report)
-    parts.append(f"<p><b>{e(bold)}</b> {e(numbers)}</p>")
-    parts += [f"<p>{e(b)} {e(n)}</p>" for b, n in more]
-    parts += [f"<p>{e(text)}</p>" for text in verdict.paragraphs(report.standing)]
-    if (cross := network.crossover(report)) is not None:
-        parts.append(f"<h2>{e(network.HEADING)}</h2>")
-        parts.append("<ul>" + "".join(f"<li>{e(t)}</li>" for t in network.section(cross)) + "</ul>")
-        parts += [f"<p class=warn><b>{e(report.load_note)}</b></p>"] if report.load_note else []
-        parts.append(f"<p>{e(network.explanation(cross))}</p>")
-        header_cross, cells_cross = network.grid(cross)
-        parts.append(_html_table(header_cross, cells_cross, ["ok"] * len(cells_cross), 1))
-    if report.repeated:
-        parts.append("<h2>Points (mean over seeds)</h2>")
-        kinds = ["ok" if p.ok else "bad" for p in report.points]
-        parts.append(_html_table(*verdict.points_table(report.standing), kinds, 1))
-    if report.repeated or cross is not None:
-        parts.append("<h2>Runs</h2>")
-    parts.append(f"<p>{e(explanation(report))}</p>")
-    if report.load_note:
-        parts.append(f"<p class=warn><b>{e(report.load_note)}</b></p>")
-    parts.append(_html_table(header, cells, ["ok" if run.ok else "bad" for run in report.runs], 2))
-    if report.failed:
-        parts.append("<h2>Runs that did not end ok</h2><ul>")
-        for r in report.failed:
-            parts.append(f"<li><b>{e(r.name)}</b> ({e(r.status)}, {e(str(r.dir))}): {e(r.cause or '')}</li>")
-        parts.append("</ul>")
-    if plots:
-        parts.append("<h2>Plots</h2>")
-        parts += [f"<p><img src='{e(p.name)}' alt='{e(p.stem)}'></p>" for p in plots]
-    parts.append("</body></html>\n")
-    return "\n".join(parts)

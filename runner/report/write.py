@@ -23,7 +23,8 @@ def write_report(
     default the folder given, if one was; else ``report`` beside the first of them. ``metric`` None: the
     runs' ``train.monitor`` (``monitor`` in their summary.json; ``val_acc`` for runs older than it). Raises
     NoRuns (a folder without run folders) or ValueError (a metric no run recorded)."""
-    from runner.report.plots import page, write_plots
+    from runner.report.page import page
+    from runner.report.plots import write_plots
 
     runs, keys = load_runs(dirs)
     if metric is None:

@@ -456,7 +456,8 @@ def test_bytes_are_per_worker_and_step_so_rules_are_told_apart_and_equal_ones_no
 
 
 def test_axes_are_logarithmic_where_values_span_orders_of_magnitude(tmp_path):
-    from runner.report.plots import figures, log_scale
+    from runner.report.figure import log_scale
+    from runner.report.plots import figures
 
     assert log_scale([0.01, 5.0]) and not log_scale([0.1, 0.3, None, 0, -1, "x", float("nan")])
     sweep = tmp_path / "sweep"

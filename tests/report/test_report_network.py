@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.report.crossover_plot import crossover_figure
 from runner.report.network import HEADING, crossover, grid, section, sentences
-from runner.report.plots import crossover_figure
 from runner.report.runs import load_runs
 from runner.report.table import markdown, score
 from runner.report.write import write_report
