@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from runner.rank.assembly import Rank, build, build_model
 from runner.rank.checkpoint import Checkpointer
-from runner.rank.worker import Rank, build, build_model, fit, serve
+from runner.rank.worker import fit, serve
 from runner.rules.base import split_roles
 from runner.run_folder import LOGS
 from tests.conftest import checked_config

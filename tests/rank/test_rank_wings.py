@@ -1,6 +1,6 @@
 """The ranks' side by concern: the resilience wing (runner/rank/resilience/: recovery, growth, the survivor
-protocol) is a door only the loop and the worker open; read from the code with the layout test's import
-walker. No process is started."""
+protocol) is a door only the loop and the worker (with its assembly) open; read from the code with the
+layout test's import walker. No process is started."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.test_layout import imports, modules
 
 WING = "runner.rank.resilience"
 #: The modules outside the wing that may import it.
-DOORS = {"runner.rank.loop", "runner.rank.worker"}
+DOORS = {"runner.rank.loop", "runner.rank.worker", "runner.rank.assembly"}
 
 
 def importers(mods: dict) -> dict[str, list[str]]:
@@ -31,7 +31,7 @@ def test_only_the_loop_and_the_worker_import_the_resilience_wing():
     assert any(name.startswith(WING + ".") for name in mods), "the wing is where the walker looks"
     found = importers(mods)
     assert set(found) <= DOORS, {k: v for k, v in found.items() if k not in DOORS}
-    assert found.keys() == DOORS, "the walker sees the loop's and the worker's imports"
+    assert found.keys() == DOORS, "the walker sees the loop's, the worker's and its assembly's imports"
 
 
 def test_a_module_that_imports_the_wing_is_named(tmp_path):
