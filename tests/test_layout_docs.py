@@ -4,6 +4,8 @@ gone), and its hook table names every hook a rule can override. Read from the fi
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 from tests.test_layout import ROOT, SOURCES, modules
 
@@ -124,3 +126,22 @@ def test_the_hook_table_names_every_hook_and_no_other():
     assert {"Rule.after_backward", "Rule.serve", "RuleConfig.extra_ranks"} <= hooks
     assert not hooks - named, f"hooks missing from docs/layout.md's hook table: {sorted(hooks - named)}"
     assert not named - hooks, f"docs/layout.md's hook table names no such hook: {sorted(named - hooks)}"
+
+
+#: Modules whose docstrings follow the summary-line rule (ruff's D205: one summary line, a blank line, then
+#: the rest); a module joins when it is written or reworked, until every one does (issue 47).
+SUMMARY_LINE_MODULES = (
+    "runner/launcher/watches.py",
+    "runner/launcher/job_output.py",
+    "runner/rank/assembly.py",
+    "runner/rank/records/tracking",
+    "runner/report/page.py",
+    "runner/report/figure.py",
+    "runner/report/crossover_plot.py",
+)
+
+
+def test_the_reworked_modules_docstrings_open_with_one_summary_line():
+    argv = [sys.executable, "-m", "ruff", "check", "--select", "D205", "--output-format", "concise"]
+    proc = subprocess.run([*argv, *SUMMARY_LINE_MODULES], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

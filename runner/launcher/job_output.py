@@ -38,9 +38,10 @@ class JobOutput:
         self.bar.above(lambda: _log(text))
 
     def copy(self, fd: int) -> None:
-        """Copy what ``fd`` (the job's output) gives to mpirun.log and, filtered, to the terminal, until it
-        ends. A log that cannot be written (full disk) is reported once and dropped; the pipe is drained
-        regardless, so the job never blocks on its output."""
+        """Copy what ``fd`` (the job's output) gives to mpirun.log and, filtered, to the terminal.
+
+        It copies until the output ends. A log that cannot be written (full disk) is reported once and
+        dropped; the pipe is drained regardless, so the job never blocks on its output."""
         log: BinaryIO | None
         try:
             log = open_in_folder(self.log_path, "ab")  # (never through a link)

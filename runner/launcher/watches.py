@@ -59,8 +59,9 @@ class Ending:
 
 
 class StopRequests:
-    """The stop requests, this launcher's signals or its sweep's (:mod:`runner.launcher.sweep_stop`): the
-    first writes ``RUN_DIR/STOP`` (the ranks checkpoint and stop after their step); a second, or
+    """The stop requests, this launcher's signals or its sweep's (:mod:`runner.launcher.sweep_stop`).
+
+    The first writes ``RUN_DIR/STOP`` (the ranks checkpoint and stop after their step); a second, or
     :data:`GRACE_S` without the job ending, ends it. ``closed``: the job is being ended (nothing written)."""
 
     def __init__(self, run_dir: Path, say: Callable[[str], None]):
@@ -123,9 +124,10 @@ class ErrorFiles:
 
 
 class SummaryWatch:
-    """An mpirun that outlives the job's final summary.json by :data:`SUMMARY_GRACE_S`, or by
-    :data:`ENDED_GRACE_S` once none of the job's ranks is running (``alive``: whether a pid of this
-    machine is a running rank)."""
+    """An mpirun that outlives the job's final summary.json.
+
+    It is ended :data:`SUMMARY_GRACE_S` after the summary, or :data:`ENDED_GRACE_S` once none of the job's
+    ranks is running (``alive``: whether a pid of this machine is a running rank)."""
 
     def __init__(self, run_dir: Path, launch_time: float, alive: Callable[[int], bool]):
         self.path, self.launch_time, self.alive = run_dir / SUMMARY, launch_time, alive
@@ -160,8 +162,9 @@ class SummaryWatch:
 
 
 class ServerWatch:
-    """A server rank whose process ended, with no rank's error file within :data:`SERVER_LOSS_GRACE_S`: a
-    worker blocked where MPI does not report the loss would otherwise wait for the stall watchdog."""
+    """A server rank whose process ended, with no rank's error file within :data:`SERVER_LOSS_GRACE_S`.
+
+    A worker blocked where MPI does not report the loss would otherwise wait for the stall watchdog."""
 
     def __init__(self, servers: Sequence[int]):
         self.servers = tuple(servers)
@@ -179,8 +182,10 @@ class ServerWatch:
 
 
 class StallWatch:
-    """Ranks without progress for ``timeout`` seconds: a warning at half of it, the ending at it, with the
-    stacks of the ranks of this machine still running (where each waits)."""
+    """Ranks without progress for ``timeout`` seconds.
+
+    A warning at half of it, the ending at it, with the stacks of the ranks of this machine still running
+    (where each waits)."""
 
     def __init__(self, timeout: float, launch_time: float, say: Callable[[str], None]):
         self.timeout, self.launch_time, self.say = timeout, launch_time, say
@@ -208,9 +213,10 @@ class StallWatch:
 
 
 class Watches:
-    """The watches of one job, every :data:`WATCH_INTERVAL_S`, with one reading of the heartbeats between
-    those that read them: the summary's after it; before it, the servers' (while no rank failed with an
-    error); and the stall watchdog's (``stall_timeout`` None: none)."""
+    """The watches of one job, every :data:`WATCH_INTERVAL_S`.
+
+    One reading of the heartbeats serves those that read them: the summary's after it; before it, the
+    servers' (while no rank failed with an error); and the stall watchdog's (``stall_timeout`` None: none)."""
 
     def __init__(
         self,

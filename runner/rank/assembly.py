@@ -1,5 +1,7 @@
-"""A rank's parts, assembled: what it knows once placed (:class:`Rank`), its model, and a worker's
-loaders, dealer, records, agreement and trainer (:func:`build`), each given what it uses.
+"""A rank's parts, assembled.
+
+What it knows once placed (:class:`Rank`), its model, and a worker's loaders, dealer, records, agreement and
+trainer (:func:`build`), each given what it uses.
 
 :mod:`runner.rank.worker` places the rank and runs it; this module builds what it runs.
 """
@@ -37,9 +39,11 @@ ASYNC_CONTROL_INTERVAL = 16
 
 @dataclass
 class Rank:
-    """What a rank knows once placed: its config and folder, its communicators (``workers`` None on a
-    server rank), device, the checkpoint it resumes from (``entry``, and ``part``, its own part of it),
-    its streams, and what it found of the machine (``env``, ``topology``)."""
+    """What a rank knows once placed.
+
+    Its config and folder, its communicators (``workers`` None on a server rank), device, the checkpoint it
+    resumes from (``entry``, and ``part``, its own part of it), its streams, and what it found of the
+    machine (``env``, ``topology``)."""
 
     cfg: Config
     run_dir: Path
@@ -70,8 +74,9 @@ def build_model(rank: Rank) -> nn.Module:
 
 
 def val_share(rank: Rank, data: Any) -> Callable[[int, int], Any]:
-    """``(r, n) ->`` the loader of share ``r`` of ``n`` of the validation data: this worker's, and the
-    survivors' new shares after a worker is lost."""
+    """``(r, n) ->`` the loader of share ``r`` of ``n`` of the validation data.
+
+    This worker's, and the survivors' new shares after a worker is lost."""
     batch, pin = rank.cfg.train.val_batch_size, rank.device.type == "cuda" and not data.resident
     return lambda r, n: data.val_loader(r, n, batch, pin_memory=pin)
 
@@ -89,8 +94,10 @@ def dealer(rank: Rank, data: Any) -> Dealer | None:
 
 
 def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:
-    """This worker's training and validation loaders, and the optimizer steps of an epoch (under dynamic
-    assignment, an epoch's chunks per worker); refuses a setting the data cannot serve."""
+    """This worker's training and validation loaders, and the optimizer steps of an epoch.
+
+    Under dynamic assignment, an epoch's steps are its chunks per worker. Refuses a setting the data cannot
+    serve."""
     train, workers, pin = rank.cfg.train, rank.workers, rank.device.type == "cuda" and not data.resident
     dealt = dealer(rank, data)
     pair = (
@@ -169,8 +176,9 @@ def build(rank: Rank, model: nn.Module) -> tuple[Trainer, int, int]:
 
 
 def records(rank: Rank, rule: Rule, steps: int, dealt: Dealer | None = None) -> Records:
-    """The worker's records (rank 0 writes them), its meter, and the workers' agreement on checkpoints and
-    stops (:func:`agreement`); a resumed run continues its records from the checkpoint's."""
+    """The worker's records (rank 0 writes them), its meter, and the workers' agreement (:func:`agreement`).
+
+    A resumed run continues its records from the checkpoint's."""
     cfg, comm, entry = rank.cfg, rank.comm, rank.entry
     resume = (entry.get("metrics_lines", 0), entry["step"], entry.get("elapsed", 0.0)) if entry else None
     log = MetricsLog(rank.run_dir, enabled=comm.rank == 0, resume=resume, loggers=cfg.logger)
@@ -190,10 +198,11 @@ def records(rank: Rank, rule: Rule, steps: int, dealt: Dealer | None = None) -> 
 
 
 def agreement(rank: Rank, rule: Rule, dealt: Dealer | None) -> Control:
-    """The workers' agreement on checkpoints and stops: posted on the dealer's counter (a :class:`Board`)
-    where they never wait on each other (dynamic assignment, a rule whose workers validate alone), else an
-    all-reduce after every step (an interval of them, asynchronous rules; at meetings, dynamic
-    assignment)."""
+    """The workers' agreement on checkpoints and stops.
+
+    Posted on the dealer's counter (a :class:`Board`) where they never wait on each other (dynamic assignment,
+    a rule whose workers validate alone), else an all-reduce after every step (an interval of them,
+    asynchronous rules; at meetings, dynamic assignment)."""
     if dealt is not None and rule.solo_validation:
         return Board(rank.workers, rank.run_dir, rank.checkpointer, lambda: dealt.counter)
     part = rank.part

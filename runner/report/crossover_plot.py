@@ -1,5 +1,6 @@
-"""The crossover plot: each rule's time to target against the emulated link bandwidth
-(:mod:`runner.report.network` computes it)."""
+"""The crossover plot.
+
+Each rule's time to target against the emulated link bandwidth (:mod:`runner.report.network` computes it)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ if TYPE_CHECKING:
 
 
 def crossover_figure(cross: network.Crossover) -> Figure:
-    """The crossover plot: a line per series through its time to target at each link speed (log x axis;
-    log y where the times span orders of magnitude), a cross at the top where it did not reach the
-    target, and free links apart, in a narrow panel of their own on the right."""
+    """The crossover plot.
+
+    A line per series through its time to target at each link speed (log x axis; log y where the times span
+    orders of magnitude), a cross at the top where it did not reach the target, and free links apart, in a
+    narrow panel of their own on the right."""
     speeds = [g for g in cross.speeds if g is not None]
     free = None in cross.speeds
     fig = figure(9.5 if free else 8, 5.6)
@@ -56,8 +59,10 @@ def crossover_figure(cross: network.Crossover) -> Figure:
 def _draw_cells(
     axes: Axes, cells: list[network.Cell], label: str, color: object, x: float | None = None
 ) -> None:
-    """One series' line through the cells that reached the target (gid: ``label``) and a cross at the
-    top of the axes for each that did not (gid: ``label: not reached``); ``x`` for all, else each speed."""
+    """One series' line through the cells that reached the target (gid.
+
+    ``label``) and a cross at the top of the axes for each that did not (gid: ``label: not reached``); ``x``
+    for all, else each speed."""
     from matplotlib.transforms import blended_transform_factory
 
     def at(cell: network.Cell) -> float:

@@ -1,5 +1,7 @@
-"""What every plot of the report shares: its canvas (matplotlib's Agg, imported when a figure is made),
-its colours, and when an axis goes logarithmic."""
+"""What every plot of the report shares.
+
+Its canvas (matplotlib's Agg, imported when a figure is made), its colours, and when an axis goes
+logarithmic."""
 
 from __future__ import annotations
 

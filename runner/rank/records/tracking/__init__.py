@@ -62,10 +62,12 @@ TRACKERS: dict[str, Callable[[Any, RunInfo], Tracker]] = {
 
 
 class Trackers:
-    """The trackers of the loggers chosen, on the writing rank: each call goes to every tracker still
-    recording. An optional tracker that fails (at its start too) is named in one line on this rank's
-    output (its log, and the terminal for rank 0) with the cause, and records nothing more; training goes
-    on. A failure of a tracker that is not optional (TensorBoard, in the run folder) is raised."""
+    """The trackers of the loggers chosen, on the writing rank.
+
+    Each call goes to every tracker still recording. An optional tracker that fails (at its start too) is
+    named in one line on this rank's output (its log, and the terminal for rank 0) with the cause, and
+    records nothing more; training goes on. A failure of a tracker that is not optional (TensorBoard, in
+    the run folder) is raised."""
 
     def __init__(self, loggers: dict[str, LoggerConfig | dict], run: RunInfo):
         self.live: dict[str, Tracker] = {}

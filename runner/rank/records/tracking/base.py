@@ -7,8 +7,10 @@ from typing import Any
 
 
 class Tracker:
-    """One logger's records of the run, on the writing rank. ``optional``: a failure of this tracker is
-    named and leaves it out, rather than ending the run (:class:`Trackers`)."""
+    """One logger's records of the run, on the writing rank.
+
+    ``optional``: a failure of this tracker is named and leaves it out, rather than ending the run
+    (:class:`Trackers`)."""
 
     optional = True
 

@@ -34,15 +34,18 @@ ARTIFACTS = "mlartifacts"
 
 
 def default_store(run: RunInfo) -> str:
-    """MLflow's store when no tracking URI is given: :data:`STORE` in the sweep folder, so that one
-    ``mlflow ui`` shows a sweep's runs together, or in a single run's folder; never the working folder
-    (MLflow's own default), which a run does not own."""
+    """MLflow's store when no tracking URI is given.
+
+    :data:`STORE` in the sweep folder, so that one ``mlflow ui`` shows a sweep's runs together, or in a single
+    run's folder; never the working folder (MLflow's own default), which a run does not own."""
     return f"sqlite:///{(run.sweep if run.sweep is not None else run.dir).resolve() / STORE}"
 
 
 def sqlite_file(uri: str) -> Path | None:
-    """The file of a local SQLite store's URI (``sqlite:///path``), else None. A new experiment there
-    keeps its artifacts beside it (:data:`ARTIFACTS`), not in MLflow's default ``./mlruns``."""
+    """The file of a local SQLite store's URI (``sqlite:///path``), else None.
+
+    A new experiment there keeps its artifacts beside it (:data:`ARTIFACTS`), not in MLflow's default
+    ``./mlruns``."""
     if not uri.startswith("sqlite:///") or uri.startswith("sqlite:///:memory:"):
         return None
     return Path(uri.removeprefix("sqlite:///").split("?", 1)[0]).resolve()
@@ -50,8 +53,10 @@ def sqlite_file(uri: str) -> Path | None:
 
 @contextmanager
 def store_lock(store: Path | None) -> Iterator[None]:
-    """Hold a lock beside the SQLite file ``store`` (None: no lock): sweep points starting at once would
-    each make its tables, and all but one fail (``duplicate column name``)."""
+    """Hold a lock beside the SQLite file ``store`` (None.
+
+    No lock): sweep points starting at once would each make its tables, and all but one fail (``duplicate
+    column name``)."""
     if store is None:
         yield
         return
@@ -130,7 +135,8 @@ class MLflowTracker(Tracker):
             self.client.log_batch(self.run_id, tags=[RunTag(k, v[:PARAM_CHARS]) for k, v in tags.items()])
 
     def _params(self, logged: set[str]) -> None:
-        """The config flattened, the compared keys and the swept values (a group's option too:
+        """The config flattened, the compared keys and the swept values (a group's option too.
+
         ``rule=easgd``) as params; a continued run logs only those it lacks (MLflow refuses to change a
         param)."""
         from mlflow.entities import Param

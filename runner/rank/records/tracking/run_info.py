@@ -36,11 +36,13 @@ NOT_APPLICABLE = "n/a"
 
 @dataclass
 class RunInfo:
-    """What every tracker knows of the run: its folder, name and swept values (``run.json``), its config
-    (``config.yaml``, resolved), its sweep folder (None for a single run), and ``resume_step``: the
-    checkpoint's step a resumed run continues after (None when it starts); ``continued``: earlier records
-    of this run exist (a resume, or a survivor taking the records over); ``schemas``: the config's
-    ``_schemas_`` (``group -> module.Class``), which name the options chosen."""
+    """What every tracker knows of the run.
+
+    Its folder, name and swept values (``run.json``), its config (``config.yaml``, resolved), its sweep folder
+    (None for a single run), and ``resume_step``: the checkpoint's step a resumed run continues after
+    (None when it starts); ``continued``: earlier records of this run exist (a resume, or a survivor
+    taking the records over); ``schemas``: the config's ``_schemas_`` (``group -> module.Class``), which
+    name the options chosen."""
 
     dir: Path
     name: str
@@ -80,8 +82,10 @@ class RunInfo:
 
 
 def option(run: RunInfo, group: str) -> str:
-    """The option ``group`` is set to, as users select it (``easgd``; a class of the user's: its
-    ``_target_``); from the swept value, else ``_schemas_``; ``?`` when neither says."""
+    """The option ``group`` is set to, as users select it (``easgd``.
+
+    A class of the user's: its ``_target_``); from the swept value, else ``_schemas_``; ``?`` when neither
+    says."""
     path = run.schemas.get(group)
     if path == TARGET_NODE:
         return str((run.config.get(group) or {}).get("_target_", "?"))
@@ -101,10 +105,11 @@ def leaves(node: Any, prefix: str) -> dict[str, Any]:
 
 
 def compared(run: RunInfo) -> dict[str, Any]:
-    """The keys every run records for comparison, varied or not, in order: the named groups' options
-    (:data:`NAMED`), the rule's keys, :data:`COMPARED`, every other swept key, then every other rule's keys
-    as :data:`NOT_APPLICABLE` (so a table over runs of several rules has no blank). A key the config
-    lacks is None."""
+    """The keys every run records for comparison, varied or not, in order.
+
+    The named groups' options (:data:`NAMED`), the rule's keys, :data:`COMPARED`, every other swept key, then
+    every other rule's keys as :data:`NOT_APPLICABLE` (so a table over runs of several rules has no
+    blank). A key the config lacks is None."""
     out: dict[str, Any] = {group: option(run, group) for group in NAMED}
     rule = run.config.get("rule")
     if isinstance(rule, dict):
@@ -121,14 +126,17 @@ def compared(run: RunInfo) -> dict[str, Any]:
 
 
 def kind(hint: Any) -> str:
-    """How a field of this type is recorded as an hparam: ``bool``, ``number`` (int or float), else ``text``
-    (a string, a list, or a type that admits None: one run's None would make the column text anyway)."""
+    """How a field of this type is recorded as an hparam.
+
+    ``bool``, ``number`` (int or float), else ``text`` (a string, a list, or a type that admits None: one
+    run's None would make the column text anyway)."""
     return "bool" if hint is bool else "number" if hint in (int, float) else "text"
 
 
 def schema_kinds(classes: list[type], prefix: str) -> dict[str, str]:
-    """``prefix.key -> kind`` over the fields of the schema dataclasses ``classes`` (a group's options): a key
-    that every one declares as a bool, or every one as a number, keeps that kind; any other is text (a
+    """``prefix.key -> kind`` over the fields of the schema dataclasses ``classes`` (a group's options).
+
+    A key that every one declares as a bool, or every one as a number, keeps that kind; any other is text (a
     key some option lacks reads :data:`NOT_APPLICABLE` there, which is text)."""
     seen: dict[str, list[str]] = {}
     for cls in classes:
@@ -141,8 +149,10 @@ def schema_kinds(classes: list[type], prefix: str) -> dict[str, str]:
 
 @functools.cache
 def option_schemas(group: str) -> tuple[type, ...]:
-    """The schema dataclasses of a group's options (its package's modules that define one; one that cannot
-    be imported here, for want of a package it needs, is left out rather than fail the run's records)."""
+    """The schema dataclasses of a group's options (its package's modules that define one.
+
+    One that cannot be imported here, for want of a package it needs, is left out rather than fail the run's
+    records)."""
     found = []
     for name in option_modules(group):
         try:
@@ -156,12 +166,13 @@ def option_schemas(group: str) -> tuple[type, ...]:
 
 @functools.cache
 def hparam_kinds() -> dict[str, str]:
-    """``compared key -> kind`` (:func:`kind`) of every compared key a schema declares: the named groups'
-    options (text), every rule's keys, and :data:`COMPARED`. TensorBoard types an hparam from all the runs
-    it finds and, over two types, makes it text while each run keeps its own: a filter of that column then
-    drops the runs whose value is a number, and sorting by it fails. So each key is recorded with one type
-    in every run, whichever rule, hardware or optimizer the run chose: ``rule.alpha`` (``float | None``,
-    EASGD's alone) as text (``0.5``, ``n/a``), ``optim.lr`` as a number."""
+    """``compared key -> kind`` (:func:`kind`) of every compared key a schema declares.
+
+    The named groups' options (text), every rule's keys, and :data:`COMPARED`. TensorBoard types an hparam
+    from all the runs it finds and, over two types, makes it text while each run keeps its own: a filter
+    of that column then drops the runs whose value is a number, and sorting by it fails. So each key is
+    recorded with one type in every run, whichever rule, hardware or optimizer the run chose:
+    ``rule.alpha`` (``float | None``, EASGD's alone) as text (``0.5``, ``n/a``), ``optim.lr`` as a number."""
     kinds = {group: "text" for group in NAMED}
     kinds.update(schema_kinds(list(option_schemas("rule")), "rule"))
     hints = typing.get_type_hints(Config)
@@ -180,9 +191,11 @@ def hparam_kinds() -> dict[str, str]:
 
 
 def trial_name(run: RunInfo) -> str:
-    """The run as TensorBoard's HParams table names its trial: what it is first (its name, after the
-    rule when the sweep did not vary it: ``rule=easgd,rule.alpha=0.5``), then where it is (the sweep
-    folder's date, time and point: ``2026-01-01/11-00-00/0``), so runs of two sweeps never merge."""
+    """The run as TensorBoard's HParams table names its trial.
+
+    What it is first (its name, after the rule when the sweep did not vary it: ``rule=easgd,rule.alpha=0.5``),
+    then where it is (the sweep folder's date, time and point: ``2026-01-01/11-00-00/0``), so runs of two
+    sweeps never merge."""
     label = [] if run.name == "defaults" else [run.name]
     if "rule" not in run.swept:
         label.insert(0, f"rule={option(run, 'rule')}")
@@ -191,8 +204,10 @@ def trial_name(run: RunInfo) -> str:
 
 
 def folder_name(name: str) -> str:
-    """``name`` as one folder name: no ``/``, at most :data:`NAME_BYTES` bytes (a longer one is cut and
-    ends with a hash of the whole, so names stay distinct)."""
+    """``name`` as one folder name.
+
+    No ``/``, at most :data:`NAME_BYTES` bytes (a longer one is cut and ends with a hash of the whole, so
+    names stay distinct)."""
     safe = name.replace("/", "_").replace("\0", "_").lstrip(".") or "run"
     if len(safe.encode()) <= NAME_BYTES:
         return safe

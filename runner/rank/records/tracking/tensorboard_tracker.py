@@ -1,5 +1,6 @@
-"""TensorBoard's tracker: event files in ``RUN_DIR/tb/<run name>/``, the compared keys as hparams, the
-outcome as scalars."""
+"""TensorBoard's tracker.
+
+Event files in ``RUN_DIR/tb/<run name>/``, the compared keys as hparams, the outcome as scalars."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ OUTCOME_KEYS = ("final_val_loss", "steps", "steps_to_target", "time_to_target_s"
 
 
 class EventFile:
-    """TensorBoard events, written synchronously through tensorboardX's event writer and flushed every
-    ``flush_secs``. (tensorboardX's ``SummaryWriter`` writes from a thread which, when the disk is full,
-    dies and leaves the training process blocked on its queue; here the error reaches the rank.)
-    ``purge_step`` makes TensorBoard drop the earlier events of this folder from that step on (a resume).
+    """TensorBoard events, written synchronously through tensorboardX's event writer.
+
+    They are flushed every ``flush_secs``. (tensorboardX's ``SummaryWriter`` writes from a thread which, when
+    the disk is full, dies and leaves the training process blocked on its queue; here the error reaches the
+    rank.) ``purge_step`` makes TensorBoard drop the earlier events of this folder from that step on (a
+    resume).
     """
 
     def __init__(self, logdir: Path, purge_step: int | None = None, flush_secs: float = 10.0):
@@ -57,7 +60,8 @@ class EventFile:
             self.flush()
 
     def session(self, **info: Any) -> None:
-        """One of the HParams plugin's records (``HParamsPluginData``), given as its one field:
+        """One of the HParams plugin's records (``HParamsPluginData``), given as its one field.
+
         ``session_start_info=`` or ``session_end_info=``."""
         from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
         from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
@@ -78,8 +82,10 @@ class EventFile:
 
 
 def tensorboard_dir(run_dir: Path, name: str) -> Path:
-    """Where the run's event files go: ``tb/<run name>/`` (TensorBoard shows the folder as the run's name),
-    or ``tb/`` itself for a run folder whose events are there already (written before run names)."""
+    """Where the run's event files go.
+
+    ``tb/<run name>/`` (TensorBoard shows the folder as the run's name), or ``tb/`` itself for a run folder
+    whose events are there already (written before run names)."""
     tb = run_dir / TENSORBOARD
     if any(tb.glob("events.out.tfevents.*")):
         return tb
@@ -87,10 +93,12 @@ def tensorboard_dir(run_dir: Path, name: str) -> Path:
 
 
 def session_start(values: dict[str, Any], group: str) -> Any:
-    """The HParams plugin's session start: ``values`` as its hparams, each of the kind its key is given in
-    every run (:func:`hparam_kinds`; a text key's value as text: ``0.5``, ``n/a``, ``null``); a key no
-    schema declares (a swept ``+model.width``) as its value is (a value neither bool, number nor string as
-    JSON text: ``null``, ``[1]``); ``group`` as its trial's name."""
+    """The HParams plugin's session start.
+
+    ``values`` as its hparams, each of the kind its key is given in every run (:func:`hparam_kinds`; a text
+    key's value as text: ``0.5``, ``n/a``, ``null``); a key no schema declares (a swept ``+model.width``)
+    as its value is (a value neither bool, number nor string as JSON text: ``null``, ``[1]``); ``group``
+    as its trial's name."""
     from tensorboardX.proto.plugin_hparams_pb2 import SessionStartInfo
 
     info = SessionStartInfo(group_name=group, start_time_secs=time.time())
@@ -117,9 +125,10 @@ def session_end(status: str) -> Any:
 
 
 def outcome(summary: dict[str, Any], monitor: str | None) -> dict[str, float]:
-    """The run's outcome from ``summary.json`` as :data:`OUTCOME` tags: final and best of the monitored
-    metric (``monitor``; None: the summary's, else val_acc when recorded, else val_loss), then
-    :data:`OUTCOME_KEYS` recorded."""
+    """The run's outcome from ``summary.json`` as :data:`OUTCOME` tags.
+
+    Final and best of the monitored metric (``monitor``; None: the summary's, else val_acc when recorded, else
+    val_loss), then :data:`OUTCOME_KEYS` recorded."""
     monitor = monitor or summary.get("monitor")
     if not monitor:
         monitor = "val_acc" if summary.get("final_val_acc") is not None else "val_loss"
@@ -129,8 +138,10 @@ def outcome(summary: dict[str, Any], monitor: str | None) -> dict[str, float]:
 
 
 class TensorBoardTracker(Tracker):
-    """Every record's numbers as scalars (tag ``<kind>/<key>``), the compared keys as the run's hparams,
-    and the outcome (:func:`outcome`) with the session's end when the run ends."""
+    """TensorBoard's records of the run: scalars, hparams and the outcome.
+
+    Every record's numbers as scalars (tag ``<kind>/<key>``), the compared keys as the run's hparams, and
+    the outcome (:func:`outcome`) with the session's end when the run ends."""
 
     optional = False
 
