@@ -105,7 +105,10 @@ def run(
         start_at, mid_epoch = trainer.growth.welcome(Position(), False, joined=True)
         print(f"rank {comm.launch_rank()}: joined the job at step {start_at.step} as worker {comm.rank}")
     reported, result = fit(rank, trainer, epochs, steps, start_at)
-    finish(rank, trainer, reported, result, time.time() - start)
+    wall = time.time() - start
+    finish(rank, trainer, reported, result, wall)
+    if rank.hosts is not None and written_by_the_lost(rank.comm, trainer, result):
+        finish(rank, trainer, reported, result, wall)  # by the lowest survivor, now rank 0
     trainer.log.finish()  # the summary and model to the loggers (MLflow, W&B)
     trainer.close()
 
@@ -220,6 +223,8 @@ def serve(rank: Rank, model: nn.Module) -> None:
     print(f"rank {rank.comm.rank}: server of {type(rule).__name__}")
     rule.serve()
     final_metrics(rank.comm, rule, (lambda lost: None) if rank.hosts is not None else None)
+    if rank.hosts is not None:
+        rank.comm.fault_barrier()  # the job's last meeting (written_by_the_lost)
 
 
 def final_metrics(
@@ -301,6 +306,23 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
         "worker_wall_time_s": wall,
     }
     write_summary(run_dir, "preempted" if trainer.preempted else "ok", **fields)
+
+
+def written_by_the_lost(world: mpi.Comm, trainer: Trainer, result: dict[str, Any]) -> bool:
+    """Fault tolerance, after :func:`finish`: whether the rank that wrote summary.json was lost before the
+    job's last meeting (collective over all ranks, servers too), so that it must be written again.
+
+    Rank 0 writes it after the last collective of training; killed then, it takes the run's results with it
+    while the survivors, who saw no loss, end as if all were well. So every rank meets once more after it;
+    those lost are recorded (``lost at step N, after training``) and ``result`` takes them."""
+    writer = world.launch_rank(0)
+    lost = world.fault_barrier()
+    if writer not in lost:
+        return False
+    assert trainer.recovery is not None
+    trainer.recovery.lost_at_end(trainer.survivors, lost, result["steps"])
+    result.update(trainer.recovery.summary())
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

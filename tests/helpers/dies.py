@@ -136,8 +136,15 @@ def die_later(seconds: float) -> None:
 
 
 def die_in_call(method: str, k: int, seconds: float) -> None:
-    """Kill this process ``seconds`` after it entered its ``k``-th call of ``Comm.<method>``."""
+    """Kill this process ``seconds`` after it entered its ``k``-th call of ``Comm.<method>``; ``summary``:
+    as it is about to write summary.json (after the last collective of training: the writer's last task)."""
     from runner.comm.mpi import Comm
+
+    if method == "summary":  # (the worker runs as ``python -m runner.rank.worker``: its module is __main__)
+        for name in ("__main__", "runner.rank.worker"):
+            if hasattr(module := sys.modules.get(name), "write_summary"):
+                module.write_summary = lambda *args, **kwargs: die()
+        return
 
     if hasattr(Comm, f"_dies_{method}"):  # (the model is built again: patched once)
         return
@@ -164,7 +171,7 @@ class DiesCNNConfig(CNNConfig):
     die_at_val: int = 0  # N > 0 instead: die die_delay_s seconds after its N-th validation pass began
     die_delay_s: float = 0.0
     die_in: str | None = None  # instead: die die_delay_s seconds into this method's die_in_call-th call
-    die_in_call: int = 1
+    die_in_call: int = 1  # (die_in=summary: as it is about to write summary.json)
     also_rank: int = -2  # a second launch rank that dies at the same moment (two workers lost at once)
     join_rank: int = -1  # a launch rank that dies join_delay_s into the job's first growth (a replacement's)
     join_delay_s: float = 0.0

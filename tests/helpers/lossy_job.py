@@ -20,7 +20,7 @@ import torch
 
 from runner.rank.assembly import Rank, build, build_model
 from runner.rank.checkpoint import Checkpointer
-from runner.rank.worker import fit, serve
+from runner.rank.worker import fit, serve, written_by_the_lost
 from runner.rules.base import split_roles
 from runner.run_folder import LOGS
 from tests.conftest import checked_config
@@ -51,7 +51,8 @@ def config(rule: list[str]) -> Any:
 
 
 def rank_main(comm: Any, cfg: Any, run_dir: Path) -> dict[str, Any] | None:
-    """One rank, as ``runner.rank.worker.run`` does it after placement: a server serves, a worker trains."""
+    """One rank, as ``runner.rank.worker.run`` does it after placement: a server serves, a worker trains
+    and meets the others once more at the end."""
     hosts = ["local"] * comm.size
     workers = split_roles(comm, cfg.rule.extra_ranks())
     streams = (io.StringIO(), io.StringIO())
@@ -67,6 +68,7 @@ def rank_main(comm: Any, cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     comm.barrier()  # every rank is past the start-up collectives (as run() does under fault tolerance)
     comm._w.started[comm.launch_rank()] = comm._w.calls[comm.launch_rank()]  # (those are not survived)
     _, result = fit(rank, trainer, epochs, steps)
+    written_by_the_lost(comm, trainer, result)  # the last meeting, after summary.json (not written here)
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     return {"result": result, "params": params, "worker": workers.rank, "console": streams[1].getvalue()}
 

@@ -229,3 +229,27 @@ def test_a_lost_asgd_server_ends_the_job_naming_it(tmp_path):
     assert proc.returncode == 1, out
     assert "server rank 4 (" in out and "was lost at step" in out, out
     assert read_checkpoint_index(run_dir), "the checkpoints written before are kept"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("rule", ["bsp", "asgd"])
+def test_rank_0_lost_as_it_writes_the_summary_leaves_the_summary_to_a_survivor(tmp_path, rule):
+    """Rank 0 writes summary.json after the last collective of training: killed then (the battery drew it:
+    ASGD, rank 0 killed 0.27 s after its last step), the survivors saw no loss and ended; the launcher found
+    no summary. Now every rank meets once more after it, and the lowest survivor writes it, the loss in it."""
+    run = run_cli(
+        tmp_path / "run",
+        *TOLERANT,
+        f"rule={rule}",
+        "model.die_rank=0",
+        "model.die_in=summary",
+        "model.die_at=0",
+        "train.epochs=1",
+        timeout=240,
+    )
+    assert run.returncode == 0, run.output
+    s = run.summary
+    assert s["status"] == "ok" and s["workers_at_end"] == 3, s
+    assert [(f["rank"], f["step"]) for f in s["failures"]] == [(0, s["steps"])], s["failures"]
+    assert re.search(r"rank 0 \(\S+\) lost at step \d+, after training; 3 workers at the end", run.output)
