@@ -78,3 +78,21 @@ def test_a_process_killed_while_it_holds_the_lock_holds_up_nobody(counter):
     start = time.monotonic()
     assert counter.fetch_add() == 1 and counter.read() == [2]
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_under_mpi_a_rank_killed_while_all_draw_leaves_the_others_drawing():
+    """A real ULFM job of 3 ranks on one node: the communicator picks the file counter, rank 1 is killed
+    0.3 s into a tight loop of draws, and ranks 0 and 2 go on drawing (each value once, in order) a second
+    past it (tests/helpers/counter_kill_job.py)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, mpirun_argv
+
+    job = str(ROOT / "tests" / "helpers" / "counter_kill_job.py")
+    argv = mpirun_argv(3, "--with-ft", "ulfm", sys.executable, job, "0.3", "auto")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert "survivors drew" in proc.stdout and "FileCounter" in proc.stdout, proc.stdout + proc.stderr
