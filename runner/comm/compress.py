@@ -1,4 +1,4 @@
-"""Compressed sums with error feedback (``rule.compress=int8|topk``): fewer bytes than an all-reduce.
+"""Compressed sums with error feedback (``rule.compress``): fewer bytes than an all-reduce.
 
 An all-reduce cannot sum int8 values that carry different scales, nor sparse vectors, so each kind travels
 over the all-to-all and all-gather calls of the communicator, and its bytes are counted by those calls as they
@@ -16,6 +16,12 @@ really travel (:mod:`runner.comm.stats`):
   int32 indices, by all-gather (sparse vectors do not add up in place); every rank adds them up in rank
   order, the same bits everywhere. Each rank sends (N−1)·k·(4 + 4) bytes, N·ratio of a float32 all-reduce's
   (0.04 at N = 4 and 1%); ratios above 1/N would send more than the all-reduce.
+* **top-k in 2 bits** (``topk_2bit``, :mod:`runner.comm.sparse`): per chunk of 4,096 values its
+  ⌈ratio·4096⌉ largest |values|, 2-byte offsets and 2-bit values (sign and one of two levels per chunk), by
+  all-gather: (N−1)·ratio·(2 + 1/4) bytes per value plus 8 per chunk (SparseLoCo's code).
+* **signs** (``sign``, :mod:`runner.comm.sparse`): every value's sign in one bit, one float32 scale (the mean
+  |value|) per 256 values, by all-gather: (N−1)·(1/8 + 4/256) bytes per value, 0.035·(N−1) of float32's
+  (1-bit SGD, Seide et al. 2014, with its error feedback).
 
 **Error feedback** (Seide et al. 2014; Karimireddy et al. 2019, arXiv 1901.09847): what a rank did not send
 is added to its next tensor. :class:`Compressed` keeps each rank's residual e (same size as the tensor):
@@ -48,7 +54,10 @@ else:
 #: of each rank's chunk to whole blocks, large enough that one scale is not spent on a few values.
 BLOCK = 256
 
-KINDS = ("none", "int8", "topk")
+KINDS = ("none", "int8", "topk", "topk_2bit", "sign")
+
+#: The codes of the kinds that travel as chunked sparse codes (:mod:`runner.comm.sparse`): (chunk, bits).
+CHUNKED = {"topk_2bit": (4096, 2), "sign": (BLOCK, 1)}
 
 
 def check(compress: str, topk_ratio: float, comm_dtype: str) -> None:
@@ -204,9 +213,16 @@ class Compressed:
     the sum); both None without error feedback."""
 
     def __init__(self, kind: str, like: torch.Tensor, size: int, ratio: float = 0.01, feedback: bool = True):
-        assert kind in ("int8", "topk"), kind
+        assert kind in KINDS[1:], kind
         self.kind, self.size = kind, size
         self.k = topk_count(like.numel(), ratio)
+        self.code = None
+        if kind in CHUNKED:
+            from runner.comm.sparse import SparseCode
+
+            chunk, bits = CHUNKED[kind]
+            chunk = min(chunk, like.numel())  # (a small tensor is one chunk)
+            self.code = SparseCode(chunk, chunk if kind == "sign" else topk_count(chunk, ratio), bits)
         self.residual = torch.zeros_like(like).view(-1) if feedback else None
         chunk = int8_chunk(like.numel(), size)
         self.owner = (
@@ -218,7 +234,22 @@ class Compressed:
         residual)."""
         if self.kind == "int8":
             return int8_allreduce(comm, t, BLOCK, self.residual, self.owner)
+        if self.code is not None:
+            return self._sparse(comm, t)
         return topk_allreduce(comm, t, self.k, self.residual)
+
+    @_no_grad
+    def _sparse(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`allreduce` by :func:`runner.comm.sparse.sparse_allgather` (one rank alone: ``t`` as is)."""
+        from runner.comm.sparse import sparse_allgather
+
+        if comm.size == 1:
+            return t
+        a = t + self.residual.view_as(t) if self.residual is not None else t
+        total, mine = sparse_allgather(comm, a, self.code)
+        if self.residual is not None:
+            self.residual.copy_((a - mine).view(-1))
+        return t.copy_(total)
 
     def state(self) -> list[torch.Tensor]:
         """The error feedback's tensors (for checkpoints), cloned; empty without error feedback."""

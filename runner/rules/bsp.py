@@ -21,16 +21,18 @@ mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode
 ``comm_dtype: bf16|fp16`` sends the gradients (or parameters) in 16 bits with float32 sums
 (runner/comm/wire.py): half the bytes; validation's averages stay in float32.
 
-``compress: int8|topk`` (``mode: grads`` only) sends each bucket compressed, with error feedback
-(runner/comm/compress.py): each worker adds its residual e_i to its bucket a_i = g_i/N + e_i, sends c(a_i) and
-keeps e_i ← a_i − c(a_i), and every worker steps with Σ_i c(a_i). ``int8``: blocks of 256 values with one
-float32 scale each, summed by a reduce-scatter with re-quantization (an all-to-all of the int8 chunks, each
-rank sums its chunk and quantizes the sum again, keeping that rounding as its own residual, an all-gather):
-2(N−1)/N·(1 + 4/256) bytes per value, 0.254 of float32's. ``topk``: the k = ⌈``topk_ratio``·numel⌉ largest
-|values| of each bucket (the bucket, not each tensor: one message a bucket, and error feedback gives the
-layers that lose now their turn later), by all-gather of int32 indices and float32 values: N·ratio of
-float32's bytes. ``error_feedback: false`` drops what was not sent. A compressed bucket is exchanged after
-backward (``overlap: none``; ``auto`` resolves to it), with the blocking calls.
+``compress: int8|topk|topk_2bit|sign`` (``mode: grads`` only) sends each bucket compressed, with error
+feedback (runner/comm/compress.py): each worker adds its residual e_i to its bucket a_i = g_i/N + e_i, sends
+c(a_i) and keeps e_i ← a_i − c(a_i), and every worker steps with Σ_i c(a_i). ``int8``: blocks of 256 values
+with one float32 scale each, summed by a reduce-scatter with re-quantization (an all-to-all of the int8
+chunks, each rank sums its chunk and quantizes the sum again, keeping that rounding as its own residual, an
+all-gather): 2(N−1)/N·(1 + 4/256) bytes per value, 0.254 of float32's. ``topk``: the k =
+⌈``topk_ratio``·numel⌉ largest |values| of each bucket (the bucket, not each tensor: one message a bucket, and
+error feedback gives the layers that lose now their turn later), by all-gather of int32 indices and float32
+values: N·ratio of float32's bytes. ``topk_2bit`` (per chunk of 4,096 its ⌈ratio·4096⌉ largest, 2-bit values)
+and ``sign`` (1-bit signs, a scale per 256 values) travel as chunked codes by all-gather
+(runner/comm/sparse.py). ``error_feedback: false`` drops what was not sent. A compressed bucket is exchanged
+after backward (``overlap: none``; ``auto`` resolves to it), with the blocking calls.
 
 ``lr_scaling: linear`` multiplies the learning rate by N (the global batch is N times larger), reached by a
 linear warm-up from the base rate over ``warmup_epochs`` epochs (Goyal et al. 2017): :meth:`BSP.lr_factor`,

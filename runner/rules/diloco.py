@@ -31,15 +31,17 @@ statistics), so that validating does not change the training trajectory.
 
 Exchange: every mean of the workers goes through :meth:`DiLoCo._mean_of_workers`; with ``comm_dtype:
 bf16|fp16`` the outer step's parameters travel in 16 bits (float32 sums, the same bits on every worker).
-``compress: int8|topk`` sends each worker's outer gradient Δ_i = x_start − x_i compressed instead, with error
-feedback (runner/comm/compress.py): the worker adds its residual e_i, sends c(Δ_i + e_i), keeps
-e_i ← Δ_i + e_i − c(Δ_i + e_i), and every worker takes Δ = (1/N) Σ_i c(Δ_i + e_i). ``int8``: blocks of 256
-values with one float32 scale each, summed by a reduce-scatter with re-quantization (all-to-all of the int8
-chunks, each rank sums its chunk, quantizes the sum again and keeps that rounding as its own residual,
+``compress: int8|topk|topk_2bit|sign`` sends each worker's outer gradient Δ_i = x_start − x_i compressed
+instead, with error feedback (runner/comm/compress.py): the worker adds its residual e_i, sends c(Δ_i + e_i),
+keeps e_i ← Δ_i + e_i − c(Δ_i + e_i), and every worker takes Δ = (1/N) Σ_i c(Δ_i + e_i). ``int8``: blocks of
+256 values with one float32 scale each, summed by a reduce-scatter with re-quantization (all-to-all of the
+int8 chunks, each rank sums its chunk, quantizes the sum again and keeps that rounding as its own residual,
 all-gather): 2(N−1)/N·(1 + 4/256) bytes per value, 0.254 of float32's. ``topk``: the k =
 ⌈``topk_ratio``·numel⌉ largest |values| of each flat buffer (the whole model, one message), by all-gather of
-int32 indices and float32 values: N·ratio of float32's bytes. ``error_feedback: false`` drops what was not
-sent. The BatchNorm statistics and mid-round validation's means still travel in float32.
+int32 indices and float32 values: N·ratio of float32's bytes. ``topk_2bit`` and ``sign``: chunked codes by
+all-gather (runner/comm/sparse.py; rule=sparseloco is DiLoCo with the former and a decaying error feedback in
+place of the outer momentum). ``error_feedback: false`` drops what was not sent. The BatchNorm statistics and
+mid-round validation's means still travel in float32.
 The only other parameter traffic is two exact broadcasts from worker 0: at build (all workers start from
 worker 0's model, whatever ``train.same_init``) and on recovery.
 

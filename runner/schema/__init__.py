@@ -137,6 +137,10 @@ class RuleConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Checks that involve the model; raise ValueError naming the key and the fix."""
 
+    def check_optim(self, optim: Any) -> None:
+        """Checks that involve the optimizer (``optim``'s schema object, e.g. a rule that needs Adam's
+        moments); raise ValueError naming the key and the fix."""
+
     def asynchronous(self) -> bool:
         """Whether the workers train without stepping together (then they may take the data dynamically)."""
         return False

@@ -138,6 +138,8 @@ def validate(cfg: DictConfig) -> Config:
         checked.rule.check_devices(checked.devices)
     with collected("", problems):
         checked.rule.check_model(checked.model)
+    with collected("", problems):
+        checked.rule.check_optim(checked.optim)
     with collected("simulate.", problems):
         checked.simulate.check_devices(checked.devices, checked.rule.extra_ranks())
     for check in TRAINING_CHECKS:
