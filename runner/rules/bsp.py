@@ -53,6 +53,7 @@ from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext
+from runner.rules.period import PeriodicConfig, Periods, rate
 from runner.schema import RuleConfig, one_of, require
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ else:
 
 
 @dataclass
-class BSPConfig(RuleConfig):
+class BSPConfig(PeriodicConfig, RuleConfig):
     mode: str = "grads"
     bucket_mb: float = 4.0
     overlap: str = "auto"
@@ -96,6 +97,10 @@ class BSPConfig(RuleConfig):
         one_of("overlap", self.overlap, ("auto", "thread", "nonblocking", "none"))
         require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "bucket size in MB must be > 0 (e.g. 4)")
         require(self.avg_freq >= 1, "avg_freq", self.avg_freq, "average every N >= 1 steps")
+        if self.mode == "grads":
+            self.fixed_period(
+                "mode=grads averages the gradients every step (the period is rule.mode=params' avg_freq)"
+            )
         require(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "must be >= 0")
         require(
             self.comm_dtype == "fp32" or self.overlap != "nonblocking",
@@ -146,6 +151,7 @@ class BSP(Rule):
             self.comm.keep(bucket.buffer)
         self.compressed = self._compressors()
         self.next_launch = 0
+        self.periods = Periods(cfg, cfg.avg_freq)  # mode=params: ``rule.period_schedule`` of avg_freq
         self.hold = False  # a micro-batch before the last of an accumulated step: gradients stay local
         if grads and self.overlap != "none":
             for p in params:
@@ -263,7 +269,7 @@ class BSP(Rule):
 
     # -- mode: params ----------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
-        if self.flat is not None and (step + 1) % self.cfg.avg_freq == 0:
+        if self.flat is not None and self.periods.due(step, rate(self.optimizer)):
             self._average(self.flat.buffers, self.wire)
 
     def eval_models(self) -> dict[str, torch.nn.Module]:
@@ -277,13 +283,14 @@ class BSP(Rule):
     # -- error feedback in checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``compress`` with error feedback: this worker's residuals (and its chunks' of the sums), with the
-        number of workers they were made for."""
-        return feedback_state(self.compressed, self.comm.size)
+        number of workers they were made for; ``mode: params``: where its period schedule stands."""
+        return {**feedback_state(self.compressed, self.comm.size), "periods": self.periods.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the saved residuals where they fit (the same compression and number of workers); else start
         from none, as after a change of workers."""
         load_feedback(self.compressed, state, self.comm.size)
+        self.periods.load_state_dict(state.get("periods"))
 
     # -- lost workers --------------------------------------------------------------------------------------
     def abandon(self) -> None:

@@ -45,6 +45,9 @@ mid-round validation's means still travel in float32.
 The only other parameter traffic is two exact broadcasts from worker 0: at build (all workers start from
 worker 0's model, whatever ``train.same_init``) and on recovery.
 
+``period_schedule: qsr|list`` changes H from round to round (runner/rules/period.py: QSR's
+H = max(H_base, ⌊(α/η)²⌋) as the rate decays, or listed lengths); ``inner_steps`` is H_base.
+
 Lost workers (``hardware.fault_tolerance=continue``): the survivors take worker 0's x_start, momentum buffer
 and outer-step count (an exchange may have completed on some survivors only). If all of them had finished
 the round's H steps (the loss broke its exchange), they take the outer step over themselves; otherwise they
@@ -62,6 +65,7 @@ from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
+from runner.rules.period import PeriodicConfig, Periods, rate
 from runner.schema import RuleConfig, require
 
 if TYPE_CHECKING:
@@ -71,7 +75,7 @@ else:
 
 
 @dataclass
-class DiLoCoConfig(RuleConfig):
+class DiLoCoConfig(PeriodicConfig, RuleConfig):
     inner_steps: int = 10
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
@@ -139,6 +143,8 @@ class DiLoCo(Rule):
         self.start = [x.clone() for x in self.flat.buffers]
         self.momentum = [torch.zeros_like(x) for x in self.start] if cfg.outer_momentum > 0 else []
         self.round_step = 0
+        self.periods = Periods(cfg, cfg.inner_steps)  # (``rule.period_schedule``: this round's length)
+        self.periods.length(rate(self.optimizer))
         self.outer_steps = 0
         self.delta_norm = 0.0
         self.eval_model: torch.nn.Module | None = None
@@ -172,7 +178,7 @@ class DiLoCo(Rule):
 
     def after_step(self, step: int) -> None:
         self.round_step += 1
-        if self.round_step == self.cfg.inner_steps:
+        if self.round_step == self.periods.current:
             self.outer_step()
 
     @no_grad
@@ -192,6 +198,7 @@ class DiLoCo(Rule):
         for b, m in zip(stats, means[k:], strict=True):
             b.copy_(m)
         self.round_step = 0
+        self.periods.length(rate(self.optimizer))
         self.outer_steps += 1
         self.delta_norm = (
             sum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in deltas) ** 0.5
@@ -225,8 +232,10 @@ class DiLoCo(Rule):
         return {"": self.eval_model}
 
     def metrics(self) -> dict[str, float]:
-        """Outer steps so far and the norm of the last pseudo-gradient Δ (equal on all workers)."""
-        return {"outer_steps": self.outer_steps, "pseudo_grad_norm": self.delta_norm}
+        """Outer steps so far, the norm of the last pseudo-gradient Δ (equal on all workers), and with a
+        period schedule the current round's length."""
+        scheduled = {"period": self.periods.current} if self.cfg.period_schedule != "constant" else {}
+        return {"outer_steps": self.outer_steps, "pseudo_grad_norm": self.delta_norm, **scheduled}
 
     def final_metrics(self) -> dict[str, object]:
         return {"outer_steps": self.outer_steps}
@@ -238,6 +247,7 @@ class DiLoCo(Rule):
             "start": [x0.clone() for x0 in self.start],
             "momentum": [b.clone() for b in self.momentum],
             "round_step": self.round_step,
+            "periods": self.periods.state_dict(),
             "outer_steps": self.outer_steps,
             "delta_norm": self.delta_norm,
         }
@@ -250,6 +260,7 @@ class DiLoCo(Rule):
         ):
             mine.copy_(saved)
         self.round_step, self.outer_steps = state["round_step"], state["outer_steps"]
+        self.periods.load_state_dict(state.get("periods"))
         self.delta_norm = state["delta_norm"]
         load_feedback(self.compressed, state, self.workers.size)
 
@@ -274,10 +285,11 @@ class DiLoCo(Rule):
         self.compressed = self._compressors()
         for t in [*self.start, *self.momentum]:
             self.workers.broadcast(t, root=0)
-        self.outer_steps, self.delta_norm = self.workers.broadcast_object(
-            (self.outer_steps, self.delta_norm), root=0
+        self.outer_steps, self.delta_norm, periods = self.workers.broadcast_object(
+            (self.outer_steps, self.delta_norm, self.periods.state_dict()), root=0
         )
-        if self.workers.allreduce_values([self.round_step], "min")[0] == self.cfg.inner_steps:
+        self.periods.load_state_dict(periods)
+        if self.workers.allreduce_values([self.round_step], "min")[0] == self.periods.current:
             self.outer_step()
             return
         stats = float_buffers(self.model)

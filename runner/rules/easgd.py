@@ -35,6 +35,7 @@ from runner.comm.tags import EASGD_EXCHANGE as EXCHANGE
 from runner.comm.tags import EASGD_FETCH as FETCH
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
+from runner.rules.period import PeriodicConfig, Periods, rate
 from runner.schema import RuleConfig, one_of, require
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ DEFAULT_BETA = 0.9
 
 
 @dataclass
-class EASGDConfig(RuleConfig):
+class EASGDConfig(PeriodicConfig, RuleConfig):
     alpha: float | None = None
     beta: float | None = None
     tau: int = 10
@@ -119,6 +120,7 @@ class EASGD(Rule):
         self.synchronous = not cfg.asynchronous()
         self.solo_validation = cfg.asynchronous()  # worker 0 fetches the center alone
         self.exchanges = 0
+        self.periods = Periods(cfg, cfg.tau)  # (``rule.period_schedule`` of tau)
         self.served = 0
         self.center_model, self.center = self._init_center()
         self.local = None if self.is_server else FlatTensors(self.model.parameters())
@@ -137,7 +139,7 @@ class EASGD(Rule):
 
     # -- workers -------------------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
-        if (step + 1) % self.cfg.tau == 0:
+        if self.periods.due(step, rate(self.optimizer)):
             self.exchange()
 
     @no_grad
@@ -209,6 +211,7 @@ class EASGD(Rule):
             "center": [c.clone() for c in self.center.buffers],
             "exchanges": self.exchanges,
             "served": self.served,
+            "periods": self.periods.state_dict(),
         }
 
     @no_grad
@@ -216,6 +219,7 @@ class EASGD(Rule):
         for c, saved in zip(self.center.buffers, state["center"], strict=True):
             c.copy_(saved)
         self.exchanges, self.served = state["exchanges"], state["served"]
+        self.periods.load_state_dict(state.get("periods"))
 
     def grow(self, joined: bool) -> None:
         """The new workers took worker 0's center (sync: its replica); ``alpha`` is the configured one for
