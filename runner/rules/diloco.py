@@ -45,6 +45,8 @@ mid-round validation's means still travel in float32.
 The only other parameter traffic is two exact broadcasts from worker 0: at build (all workers start from
 worker 0's model, whatever ``train.same_init``) and on recovery.
 
+``outer_momentum_warmup: W`` raises μ linearly from 0 over the first W outer steps (μ·r/W at step r, 0-based;
+Pier, arXiv 2511.17849: a momentum that starts full amplifies the first, largest pseudo-gradients).
 ``period_schedule: qsr|list`` changes H from round to round (runner/rules/period.py: QSR's
 H = max(H_base, ⌊(α/η)²⌋) as the rate decays, or listed lengths); ``inner_steps`` is H_base.
 
@@ -80,6 +82,7 @@ class DiLoCoConfig(PeriodicConfig, RuleConfig):
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
     nesterov: bool = True
+    outer_momentum_warmup: int = 0
     compress: str = "none"
     topk_ratio: float = 0.01
     error_feedback: bool = True
@@ -113,17 +116,36 @@ class DiLoCoConfig(PeriodicConfig, RuleConfig):
             "set rule.nesterov=false for outer SGD without momentum",
         )
 
+        require(
+            self.outer_momentum_warmup >= 0 and (self.outer_momentum_warmup == 0 or self.outer_momentum > 0),
+            "outer_momentum_warmup",
+            self.outer_momentum_warmup,
+            "outer steps over which the outer momentum rises from 0 to rule.outer_momentum (> 0), >= 0 "
+            "(0: from the first)",
+        )
+
+    def momentum_at(self, outer_steps: int) -> float:
+        """μ of the outer step after ``outer_steps`` earlier ones: ``outer_momentum``, reached linearly
+        from 0 over ``outer_momentum_warmup`` steps (Pier, arXiv 2511.17849)."""
+        warmup = self.outer_momentum_warmup
+        return self.outer_momentum * min(1.0, outer_steps / warmup) if warmup else self.outer_momentum
+
     def build(self, ctx: RuleContext) -> DiLoCo:
         return DiLoCo(self, ctx)
 
 
 @no_grad
 def outer_sgd(
-    cfg: DiLoCoConfig, start: list[torch.Tensor], momentum: list[torch.Tensor], deltas: list[torch.Tensor]
+    cfg: DiLoCoConfig,
+    start: list[torch.Tensor],
+    momentum: list[torch.Tensor],
+    deltas: list[torch.Tensor],
+    mu: float | None = None,
 ) -> None:
     """The outer step in place: each x_start of ``start`` takes Δ of ``deltas`` as its gradient, with its
-    buffer of ``momentum`` (empty when μ = 0), as torch.optim.SGD does (the module's docstring)."""
-    mu = cfg.outer_momentum
+    buffer of ``momentum`` (empty when μ = 0), as torch.optim.SGD does (the module's docstring); ``mu``:
+    this step's μ, if not ``outer_momentum`` (a warm-up)."""
+    mu = cfg.outer_momentum if mu is None else mu
     for i, (x0, delta) in enumerate(zip(start, deltas, strict=True)):
         step = delta
         if mu > 0:
@@ -192,7 +214,7 @@ class DiLoCo(Rule):
         else:
             means = self._mean_of_workers(self.flat.buffers, self.wire) + self._mean_of_workers(stats)
             deltas = [x0 - m for x0, m in zip(self.start, means[:k], strict=True)]
-        outer_sgd(self.cfg, self.start, self.momentum, deltas)
+        outer_sgd(self.cfg, self.start, self.momentum, deltas, self.cfg.momentum_at(self.outer_steps))
         for x, x0 in zip(self.flat.buffers, self.start, strict=True):
             x.copy_(x0)
         for b, m in zip(stats, means[k:], strict=True):

@@ -115,6 +115,16 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
             self.fragment_alpha,
             "the share of the local parameters kept at a merge, in [0, 1) (0: take the outer result)",
         )
+        self.fixed_period(
+            "Streaming DiLoCo places its fragments' exchanges within a fixed period of inner_steps"
+        )
+        require(
+            self.outer_momentum_warmup == 0,
+            "outer_momentum_warmup",
+            self.outer_momentum_warmup,
+            "Streaming DiLoCo's fragments take their outer steps in turn with the configured momentum: set "
+            "rule.outer_momentum_warmup=0 (rule=diloco takes it)",
+        )
         one_of("quantize", self.quantize, ("none", "int8"))
         require(
             self.compress == "none",

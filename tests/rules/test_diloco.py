@@ -320,3 +320,32 @@ def test_local_sgd_settings_follow_bsp_params_averaging_under_mpirun(cli):
         assert_params_close(params_of(diloco.dir / name), params_of(bsp.dir / name), atol=1e-6)
     moved, start = params_of(bsp.dir / "model.pt"), dict(initial_model(overrides).named_parameters())
     assert max((moved[k] - start[k]).abs().max().item() for k in moved) > 1e-3, "BSP did not train"
+
+
+def test_outer_momentum_warmup_raises_mu_from_zero_by_hand():
+    """Warm-up over 2 outer steps to μ = 0.9: the three outer steps take μ = 0, 0.45, 0.9 (Nesterov), the
+    buffer following b ← μ_r·b + Δ; without the warm-up the first step already differs."""
+    cfg = DiLoCoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9, outer_momentum_warmup=2)
+    ranks = run(cfg)
+    start, buf = params(mlp()), torch.zeros_like(params(mlp()))
+    for r, last in enumerate(range(H - 1, H * ROUNDS, H)):
+        mu = [0.0, 0.45, 0.9][r]
+        delta = start - sum(rank[0][last, "stepped"] for rank in ranks) / len(ranks)
+        if mu > 0:
+            buf = mu * buf + delta
+        start = start - 0.7 * (delta + mu * buf if mu > 0 else delta)
+        assert_close(ranks[0][0][last, "synced"], start)
+    plain_cfg = DiLoCoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9)
+    first = run(plain_cfg)[0][0][H - 1, "synced"]
+    assert (first - ranks[0][0][H - 1, "synced"]).abs().max() > 1e-3
+
+
+def test_outer_momentum_warmup_is_refused_without_momentum_and_by_streaming():
+    from runner.rules.streaming_diloco import StreamingDiLoCoConfig
+
+    with pytest.raises(ValueError, match="outer_momentum_warmup"):
+        DiLoCoConfig(outer_momentum=0.0, nesterov=False, outer_momentum_warmup=3)
+    with pytest.raises(ValueError, match="outer_momentum_warmup"):
+        StreamingDiLoCoConfig(outer_momentum_warmup=3)
+    with pytest.raises(ValueError, match="period_schedule"):
+        StreamingDiLoCoConfig(period_schedule="list", period_list=[4])
