@@ -2,8 +2,9 @@
 
 The job's ranks are grouped into emulated nodes by rank order (ranks ``0 .. r-1`` on node 0, ``r .. 2r-1``
 on node 1...), each node with one link of ``gbps``. A collective or message that crosses a node boundary
-costs ``latency + bytes / bandwidth``, where ``bytes`` is what its algorithm moves over the busiest node
-link it crosses (the slowest, as every link is as fast):
+costs ``steps × latency + bytes / bandwidth``: ``steps`` are the rounds its algorithm takes one after the
+other, each paying the one-way latency (:func:`latency_steps`), and ``bytes`` what it moves over the busiest
+node link it crosses (the slowest, as every link is as fast):
 
 - all-reduce (a ring in rank order): 2(N-1)/N of the buffer on each ring edge that leaves a node;
 - broadcast: the buffer once per receiving node, all of it out of the root's node;
@@ -12,13 +13,20 @@ link it crosses (the slowest, as every link is as fast):
 - the 16-bit exchange's all-reduce (:mod:`runner.comm.wire`): its all-to-all and its all-gather, as they move;
 - a point-to-point message: the message, if sender and receiver are on different nodes.
 
-Nothing crosses when every rank of the communicator is on one node. The communicator spends the seconds
-after the real operation (:mod:`runner.comm.stats`), where the real one on this machine is nearly free.
+The algorithms are those the bytes above assume, for every size: an all-reduce over a ring pays 2(N−1)
+latencies (a reduce-scatter and an all-gather of N−1 rounds each), an all-gather over a ring and a pairwise
+all-to-all N−1, a binomial-tree broadcast ⌈log₂ N⌉, a message one. Open MPI's ``tuned`` component takes other
+algorithms for small buffers (recursive doubling for a small all-reduce: ⌈log₂ N⌉ rounds of the whole buffer),
+so the model overprices the latency of small all-reduces by up to 2(N−1)/⌈log₂ N⌉ (1.5× at N = 4; a DiLoCo or
+BSP exchange of a model is large: ring). Nothing crosses when every rank of the communicator is on one node.
+The communicator spends the seconds after the real operation (:mod:`runner.comm.stats`), where the real one on
+this machine is nearly free.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,14 +55,15 @@ class Links:
         """The emulated node of the job's ``rank``."""
         return rank // self.ranks_per_node
 
-    def seconds(self, nbytes: float) -> float:
-        """What moving ``nbytes`` over one link costs: latency plus transfer; nothing for no bytes."""
-        return self.latency_s + 8 * nbytes / (self.gbps * 1e9) if nbytes > 0 else 0.0
+    def seconds(self, nbytes: float, steps: int = 1) -> float:
+        """What moving ``nbytes`` over one link in ``steps`` rounds costs: a latency a round plus the
+        transfer; nothing for no bytes."""
+        return steps * self.latency_s + 8 * nbytes / (self.gbps * 1e9) if nbytes > 0 else 0.0
 
     def collective(self, op: str, nodes: Sequence[int], nbytes: int) -> float:
         """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes`` (each
         rank's node, in the communicator's rank order)."""
-        return self.seconds(crossing(op, nodes, nbytes))
+        return self.seconds(crossing(op, nodes, nbytes), latency_steps(op, len(nodes)))
 
     def wire_allreduce(self, nodes: Sequence[int], numel: int, itemsize: int) -> float:
         """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes: an
@@ -89,6 +98,16 @@ def crossing(op: str, nodes: Sequence[int], nbytes: int) -> float:
         return max(m * (n - m) for m in per_node.values()) / n * nbytes
     assert op == "allgather", op
     return ring_edges(nodes) * (n - 1) * nbytes
+
+
+def latency_steps(op: str, n: int) -> int:
+    """Rounds collective ``op`` takes over ``n`` ranks, one after the other (the module's docstring)."""
+    if op in ALLREDUCES:
+        return 2 * (n - 1)
+    if op == "broadcast":
+        return max(1, math.ceil(math.log2(n)))
+    assert op in ("alltoall", "allgather"), op
+    return n - 1
 
 
 def ring_edges(nodes: Sequence[int]) -> int:

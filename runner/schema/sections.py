@@ -190,7 +190,8 @@ class SimulateConfig:
 
     Emulated links (:mod:`runner.comm.links`): the job's ranks, in rank order, make nodes of
     ``ranks_per_node`` each, whose links carry ``link_gbps`` Gbit/s; every message or collective that
-    crosses a node boundary costs ``link_latency_ms`` plus its bytes over the bandwidth, spent after the
+    crosses a node boundary costs ``link_latency_ms`` per round of its algorithm (a ring all-reduce of N
+    ranks: 2(N-1)) plus its bytes over the bandwidth, spent after the
     real operation (slept, or spun with ``spin``). Either one unset leaves the links free, with a warning
     when the other is set (a sweep may include the point without links). The latency's default, 0.05 ms,
     is a one-way TCP message between hosts on one Ethernet switch (tens of microseconds), the transport

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runner.comm.links import Links, crossing, emulated, ring_edges
+from runner.comm.links import Links, crossing, emulated, latency_steps, ring_edges
 from runner.comm.mpi import Comm
 from runner.comm.requests import BackgroundRequest, DistRequest
 from runner.comm.routes.base import Route
@@ -43,8 +43,31 @@ SLOW = Links(ranks_per_node=1, gbps=0.008, latency_s=1e-3)
 )
 def test_bytes_over_the_busiest_link_per_collective(op, nodes, expected):
     assert crossing(op, nodes, MB) == pytest.approx(expected)
-    cost = 1e-3 + expected / 1e6 if expected else 0.0
+    cost = latency_steps(op, len(nodes)) * 1e-3 + expected / 1e6 if expected else 0.0
     assert SLOW.collective(op, nodes, MB) == pytest.approx(cost)
+
+
+@pytest.mark.parametrize(
+    "op, n, steps",
+    [
+        ("allreduce", 4, 6),  # a ring: reduce-scatter and all-gather, N-1 rounds each
+        ("allreduce_background", 8, 14),
+        ("allgather", 4, 3),
+        ("alltoall", 4, 3),  # pairwise
+        ("broadcast", 4, 2),  # a binomial tree
+        ("broadcast", 5, 3),
+        ("broadcast", 2, 1),
+    ],
+)
+def test_each_collective_pays_a_latency_per_round_of_its_algorithm(op, n, steps):
+    assert latency_steps(op, n) == steps
+
+
+def test_a_ring_all_reduce_at_100_ms_and_4_ranks_pays_six_latencies_not_one():
+    """100 ms one way, a buffer small enough to ignore its transfer: 6 × 100 ms."""
+    slow_rtt = Links(ranks_per_node=1, gbps=100.0, latency_s=0.1)
+    assert slow_rtt.collective("allreduce", [0, 1, 2, 3], 8) == pytest.approx(0.6, rel=1e-6)
+    assert slow_rtt.message(0, 1, 8) == pytest.approx(0.1, rel=1e-6)
 
 
 def test_ring_edges_and_nodes_by_rank_order():
@@ -58,11 +81,11 @@ def test_messages_cross_only_between_nodes_and_the_16_bit_exchange_moves_half():
     assert SLOW.message(0, 1, MB) == pytest.approx(1e-3 + 1.0)
     assert SLOW.message(0, 1, 0) == 0.0
     # 1000 bf16 values over 4 nodes: chunks of 250; the all-to-all sends 3/4 of 2000 bytes, the all-gather
-    # 3 chunks of 500 bytes: 3000 bytes, half of the float32 ring's 6000, and two latencies
-    assert SLOW.wire_allreduce([0, 1, 2, 3], 1000, 2) == pytest.approx(2e-3 + 3000 / 1e6)
-    assert SLOW.collective("allreduce", [0, 1, 2, 3], 4000) == pytest.approx(1e-3 + 6000 / 1e6)
+    # 3 chunks of 500 bytes: 3000 bytes, half of the float32 ring's 6000, and 3 + 3 latencies as the ring's
+    assert SLOW.wire_allreduce([0, 1, 2, 3], 1000, 2) == pytest.approx(6e-3 + 3000 / 1e6)
+    assert SLOW.collective("allreduce", [0, 1, 2, 3], 4000) == pytest.approx(6e-3 + 6000 / 1e6)
     # 1001 values: the padded buffer (4 chunks of 251) travels
-    assert SLOW.wire_allreduce([0, 1, 2, 3], 1001, 2) == pytest.approx(2e-3 + (0.75 * 2008 + 3 * 502) / 1e6)
+    assert SLOW.wire_allreduce([0, 1, 2, 3], 1001, 2) == pytest.approx(6e-3 + (0.75 * 2008 + 3 * 502) / 1e6)
 
 
 class Instant(Route):
@@ -111,7 +134,7 @@ def bare_comm(nodes: list[int], links: Links, rank: int = 0) -> Comm:
 
 #: 0.5 ms latency, 80 Mbit/s: a 100 kB float32 all-reduce over 2 nodes costs 0.5 + 10 ms.
 FAST = Links(ranks_per_node=1, gbps=0.08, latency_s=5e-4)
-COST = 5e-4 + 4e5 * 8 / 0.08e9 / 4  # 100,000 bytes: 2(N-1)/N = 1 of it crosses
+COST = 2 * 5e-4 + 4e5 * 8 / 0.08e9 / 4  # 100,000 bytes: 2(N-1)/N = 1 of it crosses, 2(N-1) = 2 latencies
 
 
 def test_a_blocking_call_spends_its_cost_after_the_operation_once():
@@ -126,7 +149,9 @@ def test_a_blocking_call_spends_its_cost_after_the_operation_once():
     comm.allreduce(t, wire=torch.bfloat16)  # an all-to-all and an all-gather inside: paid once, by the outer
     expected = FAST.wire_allreduce([0, 1], 25_000, 2)
     assert comm.stats.emulated_seconds == pytest.approx(expected, rel=0.05)
-    assert expected == pytest.approx(2 * 5e-4 + 50_000 * 8 / 0.08e9)  # half the bytes, two latencies
+    assert expected == pytest.approx(
+        2 * 5e-4 + 50_000 * 8 / 0.08e9
+    )  # half the bytes, (N-1) + (N-1) latencies
 
 
 def test_nested_timed_blocks_pay_only_the_outermost_call_s_cost():
