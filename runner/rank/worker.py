@@ -107,7 +107,7 @@ def run(
     reported, result = fit(rank, trainer, epochs, steps, start_at)
     wall = time.time() - start
     finish(rank, trainer, reported, result, wall)
-    if rank.hosts is not None and written_by_the_lost(rank.comm, trainer, result):
+    if rank.hosts is not None and lost_after_summary(rank.comm, trainer, result):
         finish(rank, trainer, reported, result, wall)  # by the lowest survivor, now rank 0
     trainer.log.finish()  # the summary and model to the loggers (MLflow, W&B)
     trainer.close()
@@ -224,7 +224,7 @@ def serve(rank: Rank, model: nn.Module) -> None:
     rule.serve()
     final_metrics(rank.comm, rule, (lambda lost: None) if rank.hosts is not None else None)
     if rank.hosts is not None:
-        rank.comm.fault_barrier()  # the job's last meeting (written_by_the_lost)
+        rank.comm.fault_barrier()  # the job's last meeting (lost_after_summary)
 
 
 def final_metrics(
@@ -308,18 +308,19 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
     write_summary(run_dir, "preempted" if trainer.preempted else "ok", **fields)
 
 
-def written_by_the_lost(world: mpi.Comm, trainer: Trainer, result: dict[str, Any]) -> bool:
-    """Fault tolerance, after :func:`finish`: whether the rank that wrote summary.json was lost before the
-    job's last meeting (collective over all ranks, servers too), so that it must be written again.
+def lost_after_summary(world: mpi.Comm, trainer: Trainer, result: dict[str, Any]) -> bool:
+    """Fault tolerance, after :func:`finish`: whether a worker was lost before the job's last meeting
+    (collective over all ranks, servers too), so that summary.json must be written again.
 
-    Rank 0 writes it after the last collective of training; killed then, it takes the run's results with it
-    while the survivors, who saw no loss, end as if all were well. So every rank meets once more after it;
-    those lost are recorded (``lost at step N, after training``) and ``result`` takes them."""
-    writer = world.launch_rank(0)
+    Rank 0 writes it after the last collective of training; a rank killed then is in no record, and if it
+    was rank 0 it takes the run's results with it while the survivors, who saw no loss, end as if all were
+    well. So every rank meets once more after it; those lost are recorded (``lost at step N, after
+    training``), ``result`` takes them, and rank 0 of the survivors (the lowest) writes the summary again."""
     lost = world.fault_barrier()
-    if writer not in lost:
-        return False
     assert trainer.recovery is not None
+    lost = [i for i in lost if i not in trainer.recovery.server_ids]  # (a server has served its last)
+    if not lost:
+        return False
     trainer.recovery.lost_at_end(trainer.survivors, lost, result["steps"])
     result.update(trainer.recovery.summary())
     return True

@@ -20,7 +20,7 @@ import torch
 
 from runner.rank.assembly import Rank, build, build_model
 from runner.rank.checkpoint import Checkpointer
-from runner.rank.worker import fit, serve, written_by_the_lost
+from runner.rank.worker import fit, lost_after_summary, serve
 from runner.rules.base import split_roles
 from runner.run_folder import LOGS
 from tests.conftest import checked_config
@@ -68,7 +68,7 @@ def rank_main(comm: Any, cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     comm.barrier()  # every rank is past the start-up collectives (as run() does under fault tolerance)
     comm._w.started[comm.launch_rank()] = comm._w.calls[comm.launch_rank()]  # (those are not survived)
     _, result = fit(rank, trainer, epochs, steps)
-    written_by_the_lost(comm, trainer, result)  # the last meeting, after summary.json (not written here)
+    lost_after_summary(comm, trainer, result)  # the last meeting, after summary.json (not written here)
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     return {"result": result, "params": params, "worker": workers.rank, "console": streams[1].getvalue()}
 

@@ -79,3 +79,16 @@ def test_every_rule_survives_workers_lost_at_any_call(tmp_path, case):
     replay = ",".join(f.split(",")[0].split()[1] for f in failed)
     assert not failed, f"{case}: replay with MPITRAIN_KILL_SEEDS={replay}\n" + "\n".join(failed)
     assert tried, f"{case}: every draw was void (its calls came after the victims' runs)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["bsp", "diloco"])
+def test_a_worker_lost_at_the_closing_meeting_is_recorded(tmp_path, case):
+    """Worker 3 killed at its last call, the job's closing meeting after summary.json: the survivors record
+    it (``after training``) and end with 3 workers, rank 0's records open or closed alike."""
+    torch.set_num_threads(1)
+    cfg = config(cases()[case])
+    spans = calls(cfg, tmp_path / "whole")
+    deaths = {3: spans[3][-1]}
+    results, _ = job(cfg, tmp_path / "killed", deaths, timeout=20)
+    assert judge(case, results, deaths, synchronous=True) == []

@@ -72,6 +72,11 @@ class MetricsLog:
         when = time.time() if at is None else at
         record = {"kind": kind, "step": step, "time": round(when - self.start, 4), **values}
         try:
+            if self.file.closed:  # a late record (a worker lost at the job's closing meeting): the file only
+                with open_in_folder(self.dir / METRICS, "a") as late:
+                    late.write(dumps(record) + "\n")
+                self.lines += 1
+                return
             self.file.write(dumps(record) + "\n")
             self.lines += 1
             self.trackers.call("write", kind, step, scalars(values))
