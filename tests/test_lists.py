@@ -20,15 +20,17 @@ TITLES = {
     "asgd": "ASGD",
     "async_diloco": "async DiLoCo",
     "bsp": "BSP",
+    "desloc": "DES-LOC",
     "diloco": "DiLoCo",
     "easgd": "EASGD",
     "gosgd": "GoSGD",
+    "sparta": "SPARTA",
     "streaming_diloco": "Streaming DiLoCo",
 }
 
 
 def rules() -> list[str]:
-    return [m for m in option_modules("rule") if m not in ("base", "fragments")]
+    return [m for m in option_modules("rule") if m not in ("base", "fragments", "period")]
 
 
 def text(path: str) -> str:

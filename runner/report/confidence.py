@@ -36,6 +36,8 @@ SCORED = {
     "gosgd": "the consensus Σ a_i·x_i (the workers' weighted mean)",
     "diloco": "the workers' mean",
     "streaming_diloco": "the workers' mean",
+    "sparta": "the workers' mean",
+    "desloc": "the workers' mean",
 }
 #: A rule's other validated models, by record prefix (``worker_mean_val_acc``): their name in the report.
 OTHERS = {"worker_mean": "workers' mean model"}

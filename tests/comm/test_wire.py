@@ -66,6 +66,8 @@ SETTINGS = {
     "async_diloco": {"": ({"inner_steps": 1, "dynamic_steps": False}, 16, False)},
     "diloco": {"": ({"inner_steps": 2}, 16, True)},
     "streaming_diloco": {"": ({"inner_steps": 2, "fragments": 2}, 16, False)},  # staggered: never all alike
+    "desloc": {"": ({"param_period": 2}, 16, True)},
+    "sparta": {"all": ({"fraction": 1.0}, 6, True), "half": ({"fraction": 0.5}, 16, False)},
 }
 
 
