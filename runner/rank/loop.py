@@ -207,7 +207,9 @@ class Trainer:
         Called by :meth:`tolerant`: they come after the last checkpoint's job-wide barrier, which goes on
         without a lost worker, while the workers' communicator still holds it."""
         v, fp16 = self.validator, self.scaler is not None
-        outcome = Outcome(v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count)
+        outcome = Outcome(
+            v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count, v.val_bytes
+        )
         results = summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
         settle(self.workers)  # (fault tolerance) all go on to the job-wide barrier after training, or none
         return results

@@ -77,18 +77,21 @@ class Validator:
         self.solo_got = 0  # worker 0: those it received
         self.solo_seen: set[tuple[int, float]] = set()  # worker 0: their (sender's rank, time)
         self.val_asked = 0  # train.val_every_s: the last validation by time asked for (or claimed)
+        self.val_bytes = 0.0  # sent validating (the rule's mean models, the sums): bytes_sent_validating
 
     def validate(self, epoch: int, step: int, done: float | None = None, **extra: Any) -> nn.Module:
         """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
         reports (the first). ``done``: the part of the epoch trained, for a validation within it."""
         self.guard.check()  # (a model past a non-finite step is not validated: the run ends at that step)
         record: dict[str, float] = {}
+        sent = self.workers.stats.bytes_sent
         models = self.rule.eval_models()
         first = next(iter(models))
         self.reported_prefix = f"{first}_" if first else ""
         for name, model in models.items():
             prefix = f"{name}_" if name else ""
             record.update({f"{prefix}val_{k}": v for k, v in self.evaluate(model).items()})
+        self.val_bytes += self.workers.stats.bytes_sent - sent
         self.history.append(record)
         self.log.write("val", step, epoch=epoch, **extra, **record)
         where = f"epoch {epoch}" + (f" ({done:.0%})" if done is not None else "")
@@ -192,7 +195,9 @@ class Validator:
         self.guard.check()
         if self.whole_val is None:
             self.whole_val = self.val_share(0, 1)
+        sent = self.workers.stats.bytes_sent
         model = self.rule.solo_model()
+        self.val_bytes += self.workers.stats.bytes_sent - sent
         sums = validation_sums(model, self.whole_val, self.task, self.device, self.cfg.precision)
         self.model.train()
         results = self.task.results(sums)

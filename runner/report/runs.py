@@ -127,7 +127,8 @@ class Run:
         sent, devices = finite_or_none(s.get("bytes_sent")), finite_or_none(s.get("devices"))
         self.bytes_per_worker = None if sent is None or not devices else sent / devices
         steps = _worker_steps(s, devices, self.records)
-        self.bytes_per_step = None if sent is None or steps <= 0 else sent / steps
+        validating = finite_or_none(s.get("bytes_sent_validating")) or 0.0  # (the training's bytes: without)
+        self.bytes_per_step = None if sent is None or steps <= 0 else (sent - validating) / steps
         self.load = Load.of(s.get("load"))
 
     @property

@@ -87,4 +87,4 @@ def test_rule_trains_the_gpt_on_shakespeare_chars_with_4_workers(cli, rule, sett
     # ends within it once validated at each of them under dynamic assignment: GoSGD's 41)
     assert len(run.records("val")) <= 8, [r["step"] for r in run.records("val")]
     assert s["tokens_per_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["samples_per_s"] * BLOCK), s
-    assert s["bytes_sent"] > 0, s
+    assert s["bytes_sent"] > 0 and 0 <= s["bytes_sent_validating"] < s["bytes_sent"], s

@@ -434,9 +434,12 @@ def test_bytes_are_per_worker_and_step_so_rules_are_told_apart_and_equal_ones_no
     make_run(sweep / "1", ["rule=easgd"], [0.5, 0.9], bytes_sent=8e6)  # 2 × 20 steps
     make_run(sweep / "2", ["rule=asgd"], [0.5, 0.9], bytes_sent=4e6, steps_per_worker=[30, 10])
     make_run(sweep / "3", ["rule=diloco"], [0.5, 0.9], bytes_sent=2e6, steps=40, resumed_from_step=30)
+    # validating sent half of SPARTA's bytes (the mean model each time): the training's are the rest
+    make_run(sweep / "4", ["rule=sparta"], [0.5, 0.9], bytes_sent=8e6, bytes_sent_validating=4e6)
     report = report_of(sweep)
     per_step = {r.name: r.bytes_per_step for r in report.runs}
-    assert per_step == {"rule=bsp": 1e5, "rule=easgd": 2e5, "rule=asgd": 1e5, "rule=diloco": 1e5}
+    expected = {"rule=bsp": 1e5, "rule=easgd": 2e5, "rule=asgd": 1e5, "rule=diloco": 1e5, "rule=sparta": 1e5}
+    assert per_step == expected
     totals = {r.bytes_per_worker for r in report.runs if r.name in ("rule=bsp", "rule=easgd")}
     assert totals == {4e6}  # their totals alone do not tell them apart
     bars = figures(report)["bytes_per_worker"]

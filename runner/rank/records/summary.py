@@ -26,6 +26,7 @@ class Outcome:
     stopped_early: int | None
     fp16: bool
     val_count: float | None = None
+    val_bytes: float = 0.0  # bytes this worker sent validating (the rule's models made, the sums)
 
 
 def summary(
@@ -55,6 +56,7 @@ def summary(
         "data_wait_fraction": rates["data_frac"],
         "compute_fraction": rates["compute_frac"],
         "bytes_sent": workers.allreduce_values([workers.stats.bytes_sent])[0],
+        "bytes_sent_validating": workers.allreduce_values([outcome.val_bytes])[0],  # (in bytes_sent)
         "steps_per_worker": workers.allgather_object(steps),  # dynamic assignment: unequal
         "skipped_steps": guard.skipped,
         "validations": outcome.history,
