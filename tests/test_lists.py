@@ -24,6 +24,7 @@ TITLES = {
     "diloco": "DiLoCo",
     "easgd": "EASGD",
     "gosgd": "GoSGD",
+    "sparseloco": "SparseLoCo",
     "sparta": "SPARTA",
     "streaming_diloco": "Streaming DiLoCo",
 }

@@ -63,15 +63,15 @@ class SparseCode:
         """Bytes of one offset: none when dense, 1 for chunks up to 256, else 2."""
         return 0 if self.dense else (1 if self.chunk <= 256 else 2)
 
-    def value_bytes(self, itemsize: int) -> int:
-        """Bytes of one chunk's k values and scales (``itemsize``: the tensor's for ``bits=32``)."""
-        if self.bits == 32:
-            return self.k * itemsize
-        return -(-self.k * self.bits // 8) + 4 * (2 if self.bits == 2 else 1)
-
     def nbytes(self, numel: int, itemsize: int = 4) -> int:
-        """Bytes of one rank's code of a tensor of ``numel`` values."""
-        return self.chunks(numel) * (self.k * self.index_bytes() + self.value_bytes(itemsize))
+        """Bytes of one rank's code of a tensor of ``numel`` values (``itemsize``: its type's, for
+        ``bits=32``): the offsets, the values (narrow ones packed across chunks) and the scales."""
+        rows = self.chunks(numel)
+        if self.bits == 32:
+            values = rows * self.k * itemsize
+        else:
+            values = -(-rows * self.k * self.bits // 8) + 4 * rows * (2 if self.bits == 2 else 1)
+        return rows * self.k * self.index_bytes() + values
 
     # -- coding ------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ SCORED = {
     "streaming_diloco": "the workers' mean",
     "sparta": "the workers' mean",
     "desloc": "the workers' mean",
+    "sparseloco": "the workers' mean",
 }
 #: A rule's other validated models, by record prefix (``worker_mean_val_acc``): their name in the report.
 OTHERS = {"worker_mean": "workers' mean model"}

@@ -286,7 +286,6 @@ class DiLoCo(Rule):
         self.delta_norm = state["delta_norm"]
         load_feedback(self.compressed, state, self.workers.size)
 
-    @no_grad
     @property
     def ready_to_grow(self) -> bool:
         """New workers join at the start of a round (they take worker 0's x_start and momentum)."""

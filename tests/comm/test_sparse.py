@@ -108,6 +108,15 @@ def test_the_exchange_gives_every_rank_the_sum_of_the_codes_and_counts_its_bytes
         assert sent == (n - 1) * code.nbytes(numel, 8)
 
 
+@pytest.mark.parametrize("bits", [1, 2])
+def test_narrow_values_are_packed_across_chunks_and_counted_exactly(bits):
+    """k·bits not a multiple of 8 (3 values of 2 bits a chunk): the packed values run on across chunks, and
+    ``nbytes`` is what is sent."""
+    code = SparseCode(chunk=16, k=3, bits=bits)
+    decoded(code, tensor(100))  # (asserts the payload's size is nbytes)
+    assert code.nbytes(100) == 7 * 3 + -(-7 * 3 * bits // 8) + 4 * 7 * (2 if bits == 2 else 1)
+
+
 def test_one_rank_alone_keeps_its_tensor_and_sends_nothing():
     x = tensor(300)
     total, mine = FakeWorld(1).run(lambda comm: (*sparse_allgather(comm, x, SparseCode(64, 4, 2)),))[0]

@@ -86,6 +86,8 @@ KILLED = {
     "gosgd": {"": (["train.max_steps=1000"], 3)},
     # outer steps every 5 local steps: 4 epochs of 10 (its default, for long jobs) ended at 0.925 once
     "async_diloco": {"": (["rule.inner_steps=5"], 2)},
+    # 64 of 4,096 values a round converge too slowly for 4 cosine epochs (0.84): these test the losses
+    "sparseloco": {"": (["rule.topk=4096"], 2)},
 }
 
 

@@ -84,6 +84,7 @@ def _tensors(state):
 #: is fixed. GoSGD has none: its pushes cross the threads in any order (its own tests below). DiLoCo in rounds
 #: of 5: cut mid-round, an outer step after the resumption (tests/rules/test_diloco.py cuts rounds of 2 too).
 DETERMINISTIC = {
+    "sparseloco": {"": (3, {"inner_steps": 5, "chunk": 16, "topk": 4})},
     "desloc": {"": (3, {"param_period": 2, "momentum_period": 4, "variance_period": 4})},
     "easgd": {
         "sync": (3, {"alpha": 0.3, "tau": 2}),

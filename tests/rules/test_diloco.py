@@ -349,3 +349,22 @@ def test_outer_momentum_warmup_is_refused_without_momentum_and_by_streaming():
         StreamingDiLoCoConfig(outer_momentum_warmup=3)
     with pytest.raises(ValueError, match="period_schedule"):
         StreamingDiLoCoConfig(period_schedule="list", period_list=[4])
+
+
+def test_new_workers_join_only_at_a_round_s_start():
+    """``ready_to_grow`` is a property that is false mid-round (it once was a method: always true)."""
+
+    def main(comm):
+        model = mlp()
+        optimizer = sgd(model)
+        rule = build(comm, DiLoCoConfig(inner_steps=2), model, optimizer)
+        seen = []
+        for step, (x, y) in enumerate(batches(comm.rank, 4)):
+            seen.append(rule.ready_to_grow)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            rule.after_step(step)
+        return seen
+
+    assert FakeWorld(2).run(main)[0] == [True, False, True, False]
