@@ -52,6 +52,10 @@ RESULT = {
         for kind in ("staged MPI fp32", "NCCL fp32", "NCCL bf16")
     ],
     # the cells are right-aligned: under 100 s a total is padded after "="
+    "heldout_accuracy": [
+        rf"^digits   one process\s+{NUM}\s+{NUM}$",
+        rf"^digits   asgd\s+{NUM}\s+[+-]{NUM}\s+{NUM}$",
+    ],
     "images_per_5120": [rf"^googlenet-2b\s+{NUM}\s+{NUM} =\s+{NUM} \+\s+{NUM} \({NUM}\)\s+{NUM}$"],
     "lm_step": [
         rf"^\| plain \| {NUM} \| [\d,]+ \| 1\.00 \|$",

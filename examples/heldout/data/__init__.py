@@ -1,0 +1,1 @@
+"""This project's data sets: plain torch Datasets, nothing from the runner."""

@@ -1,0 +1,1 @@
+"""This project's models: plain torch nn.Modules, nothing from the runner."""
