@@ -20,6 +20,7 @@ TITLES = {
     "asgd": "ASGD",
     "async_diloco": "async DiLoCo",
     "bsp": "BSP",
+    "demo": "DeMo",
     "desloc": "DES-LOC",
     "diloco": "DiLoCo",
     "easgd": "EASGD",

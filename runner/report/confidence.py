@@ -39,6 +39,7 @@ SCORED = {
     "sparta": "the workers' mean",
     "desloc": "the workers' mean",
     "sparseloco": "the workers' mean",
+    "demo": "the workers' model (the same on every worker)",
 }
 #: A rule's other validated models, by record prefix (``worker_mean_val_acc``): their name in the report.
 OTHERS = {"worker_mean": "workers' mean model"}

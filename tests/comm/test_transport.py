@@ -129,6 +129,7 @@ RULES = {
     "bsp": {"grads": SHORT, "bf16": [*SHORT, "rule.comm_dtype=bf16"], "params": [*SHORT, "rule.mode=params"]},
     "diloco": {"": [*SHORT, "rule.inner_steps=3"]},
     "sparseloco": {"": [*SHORT, "rule.inner_steps=3"]},
+    "demo": {"": [*SHORT, "optim.momentum=0", "optim.lr=0.001"]},
     "desloc": {"": [*SHORT, "rule.param_period=3", "rule.momentum_period=6", "rule.variance_period=6"]},
     "easgd": {"sync": [*SHORT, "rule.tau=3"], "async": [*ASYNC, "rule.variant=async"]},
     "asgd": {"": ASYNC},

@@ -67,6 +67,7 @@ SETTINGS = {
     "diloco": {"": ({"inner_steps": 2}, 16, True)},
     "streaming_diloco": {"": ({"inner_steps": 2, "fragments": 2}, 16, False)},  # staggered: never all alike
     "desloc": {"": ({"param_period": 2}, 16, True)},
+    "demo": {"": ({"topk": 64, "bits": 32, "sign": False}, 6, True)},
     "sparseloco": {"": ({"inner_steps": 2, "chunk": 64, "topk": 64, "bits": 32}, 16, True)},
     "sparta": {"all": ({"fraction": 1.0}, 6, True), "half": ({"fraction": 0.5}, 16, False)},
 }

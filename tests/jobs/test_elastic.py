@@ -134,6 +134,7 @@ KILLED = {
     "async_diloco": {"": (["rule.inner_steps=5"], 2)},
     # 64 of 4,096 values a round converge too slowly for 4 cosine epochs (0.84): these test the losses
     "sparseloco": {"": (["rule.topk=4096"], 2)},
+    "demo": {"": (["optim.momentum=0", "optim.lr=0.001"], 2)},  # plain SGD at a sign step's rate
 }
 
 

@@ -22,7 +22,13 @@ WAVE = [SEARCH, "model=wave_mlp", "data=wave"]
 #: to its noise (variance 0.01; predicting the mean: about 0.83).
 ACCURACY, MSE = 0.9, 0.03
 #: Per rule, what its run needs beyond the defaults: ASGD's server is a third rank on 2 cores.
-EXTRA = per_rule({rule: ["hardware.oversubscribe=true"] for rule in ("asgd", "async_diloco")}, default=[])
+EXTRA = per_rule(
+    {
+        **{rule: ["hardware.oversubscribe=true"] for rule in ("asgd", "async_diloco")},
+        "demo": ["optim.momentum=0", "optim.lr=0.001"],  # plain SGD at a sign step's rate
+    },
+    default=[],
+)
 
 
 def run_example(run_dir: Path, *overrides: str, timeout: float = 120) -> Run:

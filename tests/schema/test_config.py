@@ -44,6 +44,7 @@ NEEDS = {
     "gpt2": ["data=synthetic", "data.shape=[64]", "model.vocab_size=50257"],
     "dataset": ["model=mlp", "data.shape=[4]", "data.num_classes=3"],  # then asks for data.train._target_
     "shakespeare_char": ["model=gpt", f"data.root={SHAKESPEARE}"],
+    "demo": ["optim.momentum=0"],  # (DeMo holds the momentum: plain SGD applies its steps)
 }
 
 
@@ -173,7 +174,7 @@ def test_each_rule_option_is_its_module_s_schema_and_its_defaults_validate(rule)
 
     cls = schema_of("rule", rule)
     assert issubclass(cls, RuleConfig) and cls.__module__ == f"runner.rules.{rule}"
-    assert isinstance(validate(_compose(f"rule={rule}")).rule, cls)
+    assert isinstance(validate(_compose(f"rule={rule}", *NEEDS.get(rule, []))).rule, cls)
 
 
 def test_every_rule_module_is_an_option():
@@ -207,15 +208,21 @@ from runner.schema.config import validate
 import runner.launcher.launch
 register()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
-    for rule in sys.argv[2:]:
-        validate(compose(config_name="config", overrides=[f"rule={rule}"]))
+    for overrides in sys.argv[2:]:
+        validate(compose(config_name="config", overrides=overrides.split()))
 print(sorted(m for m in ("torch", "sklearn", "numpy", "mpi4py") if m in sys.modules))
 """
 
 
 def test_the_launcher_imports_no_torch_sklearn_or_mpi():
     """Composing and checking the default job with every rule imports none of torch, scikit-learn, MPI."""
-    argv = [sys.executable, "-c", IMPORTS, str(CONF), *rules()]
+    argv = [
+        sys.executable,
+        "-c",
+        IMPORTS,
+        str(CONF),
+        *(" ".join([f"rule={r}", *NEEDS.get(r, [])]) for r in rules()),
+    ]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
