@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers.kill_battery import NEEDS
 from tests.helpers.rules import rules
 
 pytestmark = [
@@ -37,6 +38,7 @@ def test_every_rule_trains_on_gpus_shared_by_two_ranks(cli, rule):
     run = cli(
         "hardware=gpu",
         f"rule={rule}",
+        *NEEDS.get(rule, []),
         "devices=2",
         "hardware.gpus_per_node=1",
         "hardware.ranks_per_gpu=3",  # asgd adds a server rank
@@ -101,6 +103,7 @@ def test_every_rule_runs_on_the_nccl_transport_with_one_worker(cli, rule):
     run = cli(
         "hardware=gpu",
         f"rule={rule}",
+        *NEEDS.get(rule, []),
         "devices=1",
         "hardware.gpus_per_node=1",
         "hardware.ranks_per_gpu=2",
