@@ -109,3 +109,25 @@ def test_help_names_every_rule_group_and_the_hardware_keys():
         line = next((ln for ln in done.stdout.splitlines() if ln.strip().startswith(key)), "")
         assert line.strip() != key, f"--help does not explain {key}: {line!r}"
     assert "See README.md" not in done.stdout and "docs/index.md" in done.stdout
+
+
+def test_the_configuration_page_lists_every_rule_with_every_key():
+    """docs/configuration.md's rule table: a row per rule naming each key of its schema (the period
+    schedule's keys, shared by the periodic rules, once above the table)."""
+    from dataclasses import fields
+
+    from runner.schema import schema_of
+
+    body = text("docs/configuration.md").split("## `rule`", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)`.*$", body, re.MULTILINE)}
+    shared = {"comm_dtype", "period_schedule", "qsr_alpha", "period_list"}
+    assert all(f"`{key}`" in body for key in shared - {"comm_dtype"}), "the period schedule's keys"
+    missing = {}
+    for rule in rules():
+        keys = {f.name for f in fields(schema_of("rule", rule))} - shared
+        if rule == "streaming_diloco":  # (DiLoCo's keys, said so)
+            keys -= {f.name for f in fields(schema_of("rule", "diloco"))}
+        absent = sorted(k for k in keys if f"`{k}`" not in rows.get(rule, ""))
+        if rule not in rows or absent:
+            missing[rule] = absent or "no row"
+    assert not missing, f"docs/configuration.md's rule table lacks {missing}"
