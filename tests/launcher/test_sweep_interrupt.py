@@ -77,6 +77,10 @@ def test_a_point_in_a_process_of_its_own_records_signals_between_its_jobs(tmp_pa
     sweep_stop.follow(tmp_path, elsewhere=True)
     assert sweep_stop.requested() == []
     os.kill(os.getpid(), signal.SIGINT)
+    waited = 0  # (the handler runs in the main thread, which pytest-xdist's worker may not be running now)
+    while not sweep_stop.requested() and waited < 500:
+        time.sleep(0.01)
+        waited += 1
     assert sweep_stop.requested() == ["SIGINT"]
     (tmp_path / STOP_FILE).write_text("SIGINT\nSIGINT\n")  # the sweeping process had two
     assert sweep_stop.requested() == ["SIGINT", "SIGINT"]
