@@ -29,6 +29,8 @@ SETTINGS = {
     "diloco": {"": ["rule.inner_steps=4"]},
     "async_diloco": {"": ["rule.inner_steps=4"]},
     "streaming_diloco": {"": ["rule.inner_steps=4", "rule.fragments=2"]},
+    "sparseloco": {"": ["rule.inner_steps=4"]},
+    "demo": {"": ["optim.momentum=0", "optim.lr=0.001"]},  # plain SGD at a sign step's rate
 }
 
 
