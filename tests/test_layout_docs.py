@@ -138,6 +138,8 @@ SUMMARY_LINE_MODULES = (
     "runner/report/page.py",
     "runner/report/figure.py",
     "runner/report/crossover_plot.py",
+    "runner/rules/period.py",
+    "runner/comm/sparse.py",
 )
 
 

@@ -64,8 +64,10 @@ class SparseCode:
         return 0 if self.dense else (1 if self.chunk <= 256 else 2)
 
     def nbytes(self, numel: int, itemsize: int = 4) -> int:
-        """Bytes of one rank's code of a tensor of ``numel`` values (``itemsize``: its type's, for
-        ``bits=32``): the offsets, the values (narrow ones packed across chunks) and the scales."""
+        """Bytes of one rank's code of a tensor of ``numel`` values.
+
+        ``itemsize``: its type's, for ``bits=32``. The offsets, the values (narrow ones packed across
+        chunks) and the scales."""
         rows = self.chunks(numel)
         if self.bits == 32:
             values = rows * self.k * itemsize
@@ -121,9 +123,11 @@ class SparseCode:
 
 
 def sparse_allgather(comm: CommLike, x: torch.Tensor, code: SparseCode) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ``code`` of its flat ``x``, all-gathered: the sum of all ranks' decoded codes (in rank
-    order: the same bits on every rank) and this rank's own decoded code (for error feedback). One rank alone
-    sends nothing and keeps ``x`` as it is (both are copies of it), as the other compressed exchanges do."""
+    """Every rank's ``code`` of its flat ``x``, all-gathered: the decoded codes' sum and this rank's own.
+
+    The sum is taken in rank order (the same bits on every rank); this rank's own code is for error feedback.
+    One rank alone sends nothing and keeps ``x`` as it is (both are copies of it), as the other compressed
+    exchanges do."""
     with torch.no_grad():
         if comm.size == 1:
             return x.clone(), x.clone()

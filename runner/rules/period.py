@@ -33,8 +33,10 @@ SCHEDULES = ("constant", "qsr", "list")
 
 @dataclass
 class PeriodicConfig:
-    """The keys of a period schedule (the module's docstring), mixed into a rule's schema before its
-    ``RuleConfig`` base (``class DiLoCoConfig(PeriodicConfig, RuleConfig)``): not a schema of its own."""
+    """The keys of a period schedule (the module's docstring), mixed into a periodic rule's schema.
+
+    It comes before the ``RuleConfig`` base (``class DiLoCoConfig(PeriodicConfig, RuleConfig)``) and is not
+    a schema of its own."""
 
     period_schedule: str = "constant"
     qsr_alpha: float = 0.0
@@ -97,6 +99,7 @@ class Periods:
 
     def due(self, step: int, lr: float) -> bool:
         """Whether an exchange ends global step ``step`` (0-based); if so the next round begins at ``lr``.
+
         ``constant`` keeps the multiples of the base period (as the rules always did)."""
         if self.kind == "constant":
             return (step + 1) % self.base == 0
