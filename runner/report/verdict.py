@@ -154,8 +154,8 @@ def final_behind(standing: Standing) -> str | None:
     noise: the ranking is by the best, ``model.pt`` holds the final model."""
     behind = []
     for p in standing.points:
-        if p.best is None or p.final is None:
-            continue
+        if p.best is None or p.final is None or (p.best.n < 2 and not p.resolution):
+            continue  # (one run of a metric that counts nothing, a loss: its noise is unknown)
         margin = p.final.low - p.best.high if not standing.maximize else p.best.low - p.final.high
         if margin > p.resolution + EPSILON:
             behind.append(f"{p.name} (best {p.best.text()}, final {p.final.text()})")

@@ -265,3 +265,16 @@ def test_a_run_whose_saved_final_model_fell_behind_its_ranked_best_is_named(tmp_
     said = [line for line in text.splitlines() if line.startswith("Ranked by best val_acc, but")]
     assert len(said) == 1, text
     assert "rule=diloco (best 0.9972, final 0.9667)" in said[0] and "rule=bsp" not in said[0]
+
+
+def test_one_run_of_a_loss_is_not_said_to_fall_behind_by_more_than_noise(tmp_path):
+    """A loss counts no items (no validation sample's worth) and one run has no spread: its noise is
+    unknown, so a final 0.0007 above its best (DeMo's on the GPT) is not called more than noise."""
+    from runner.report.confidence import Point, Spread
+    from runner.report.verdict import final_behind
+
+    point = Point("rule=demo", [], Spread.of([1.9341]), Spread.of([1.9348]), rule="demo")
+    standing = type("Standing", (), {"points": [point], "maximize": False, "metric": "val_loss"})()
+    assert final_behind(standing) is None
+    point.resolution = 1e-4  # (as if one item were worth 1e-4: then it is more than noise)
+    assert "rule=demo (best 1.9341, final 1.9348)" in final_behind(standing)
