@@ -74,13 +74,17 @@ def test_a_point_in_a_process_of_its_own_records_signals_between_its_jobs(tmp_pa
     """A joblib worker records a Ctrl-C between two points, and starts no further point.
 
     Ended by it, the worker would break its pool, which then kills the points running in the others."""
-    sweep_stop.follow(tmp_path, elsewhere=True)
-    assert sweep_stop.requested() == []
-    os.kill(os.getpid(), signal.SIGINT)
-    waited = 0  # (the handler runs in the main thread, which pytest-xdist's worker may not be running now)
-    while not sweep_stop.requested() and waited < 500:
-        time.sleep(0.01)
-        waited += 1
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as a fresh process has it; an
+    try:  # xdist worker's, or one an earlier test left, is not the default, and would be left alone)
+        sweep_stop.follow(tmp_path, elsewhere=True)
+        assert sweep_stop.requested() == []
+        os.kill(os.getpid(), signal.SIGINT)
+        waited = 0  # (the handler runs in the main thread, between two of its bytecodes)
+        while not sweep_stop.requested() and waited < 500:
+            time.sleep(0.01)
+            waited += 1
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert sweep_stop.requested() == ["SIGINT"]
     (tmp_path / STOP_FILE).write_text("SIGINT\nSIGINT\n")  # the sweeping process had two
     assert sweep_stop.requested() == ["SIGINT", "SIGINT"]
