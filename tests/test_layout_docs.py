@@ -140,6 +140,10 @@ SUMMARY_LINE_MODULES = (
     "runner/report/crossover_plot.py",
     "runner/rules/period.py",
     "runner/comm/sparse.py",
+    "runner/rules/sparta.py",
+    "runner/rules/desloc.py",
+    "runner/rules/sparseloco.py",
+    "runner/rules/demo.py",
 )
 
 

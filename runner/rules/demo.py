@@ -145,8 +145,9 @@ def dct_matrix(n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -
 
 
 class _Buffer:
-    """The gradients of the parameters of one dtype and device in one flat buffer (``p.grad`` are views of it
-    from the first step on), this worker's momentum over it, and the directions not yet applied."""
+    """The gradients of one dtype and device in one flat buffer, this worker's momentum, pending directions.
+
+    ``p.grad`` are views of the buffer from the first step on; the directions are those not yet applied."""
 
     def __init__(self, params: list[torch.nn.Parameter], chunk: int, delay: int):
         self.params = params
@@ -209,8 +210,9 @@ class DeMo(Rule):
                 self.workers.broadcast(t.data, root=0)
 
     def _code_bytes(self) -> int:
-        """Bytes of one worker's code per step (all buffers; 32-bit codes in ``comm_dtype``'s width); each
-        worker sends it to the N − 1 others."""
+        """Bytes of one worker's code per step (all buffers; 32-bit codes in ``comm_dtype``'s width).
+
+        Each worker sends it to the N − 1 others."""
         wire = None if self.wire is None else self.wire.itemsize
         return sum(self.code.nbytes(b.numel, wire or b.grad.element_size()) for b in self.buffers)
 
@@ -219,8 +221,9 @@ class DeMo(Rule):
 
     @no_grad
     def after_backward(self, step: int) -> None:
-        """Exchange this step's extracted components, then write the direction into the gradients. All
-        communication comes first: a failed exchange (a lost worker) leaves the momenta as they were."""
+        """Exchange this step's extracted components, then write the direction into the gradients.
+
+        All communication comes first: a failed exchange (a lost worker) leaves the momenta as they were."""
         results = [self._exchange(b) for b in self.buffers]
         for b, (momentum, direction, ok) in zip(self.buffers, results, strict=True):
             b.momentum.copy_(torch.where(ok, momentum, b.momentum))
@@ -283,13 +286,17 @@ class DeMo(Rule):
 
     @no_grad
     def grow(self, joined: bool) -> None:
-        """A new worker took worker 0's model, delayed directions and exchange count (the same on every
-        worker) and momentum: it starts its own momentum empty instead. The means are over all from now on."""
+        """A new worker starts its own momentum empty; the means are over all from now on.
+
+        It took worker 0's model, delayed directions and exchange count (the same on every worker) and
+        momentum; the momentum is each worker's own."""
         super().grow(joined)
         if joined:
             for b in self.buffers:
                 b.momentum.zero_()
 
     def recover(self) -> None:
-        """Nothing to repair: parameters and delayed directions are alike on every survivor (the module's
-        docstring), each momentum stays its own, and the means are over the survivors from now on."""
+        """Nothing to repair; the means are over the survivors from now on.
+
+        Parameters and delayed directions are alike on every survivor (the module's docstring), and each
+        momentum stays its own."""

@@ -124,8 +124,9 @@ def known_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
 
 
 class _Packed:
-    """Tensors of one kind copied into one flat buffer per dtype and device, to be all-reduced and written
-    back (the optimizer's state tensors are replaced by its ``load_state_dict``, so they are not views)."""
+    """Tensors of one kind copied into one flat buffer per dtype and device, all-reduced and written back.
+
+    Copies, not views: the optimizer's ``load_state_dict`` replaces its state tensors."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -191,8 +192,10 @@ class DesLoc(Rule):
 
     @no_grad
     def average(self, params: bool, moments: bool, variances: bool) -> None:
-        """Set the kinds of state asked for to the workers' mean: all communication first, then the writes,
-        so that a failed all-reduce (a lost worker) leaves every tensor as it was."""
+        """Set the kinds of state asked for to the workers' mean.
+
+        All communication first, then the writes, so that a failed all-reduce (a lost worker) leaves every
+        tensor as it was."""
         xs = [*self.flat.buffers, *float_buffers(self.model)] if params else []
         k = len(self.flat.buffers) if params else 0
         asked = ((MOMENTS, moments), (VARIANCES, variances))
@@ -221,8 +224,9 @@ class DesLoc(Rule):
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
-        """Where the parameters were just averaged the workers' model; mid-period a copy set to the
-        workers' mean (parameters and statistics, in float32)."""
+        """Where the parameters were just averaged the workers' model; mid-period the workers' mean.
+
+        The mean is a copy (parameters and statistics, in float32)."""
         if self.local_steps % self.cfg.param_period == 0 or self.workers.size == 1:
             return {"": self.model}
         if self.eval_model is None:
@@ -245,8 +249,9 @@ class DesLoc(Rule):
         return {**self.metrics(), "local_steps": self.local_steps}
 
     def state_dict(self) -> dict[str, Any]:
-        """The step count and the averages so far; the local parameters and moments are saved with the
-        model and the optimizer."""
+        """The step count and the averages so far.
+
+        The local parameters and moments are saved with the model and the optimizer."""
         return {"local_steps": self.local_steps, "syncs": list(self.syncs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -258,8 +263,9 @@ class DesLoc(Rule):
         return self.local_steps % self.cfg.param_period == 0
 
     def recover(self) -> None:
-        """The survivors take worker 0's step count and average every kind of state over themselves (an
-        average may have completed on some of them only); the extra average is not counted."""
+        """The survivors take worker 0's step count and average every kind of state over themselves.
+
+        An average may have completed on some of them only; the extra average is not counted."""
         self.local_steps, self.syncs = self.workers.broadcast_object((self.local_steps, self.syncs), root=0)
         syncs = list(self.syncs)
         self.average(True, True, True)

@@ -121,8 +121,10 @@ class SparseLoCoConfig(PeriodicConfig, RuleConfig):
         )
 
     def diloco(self) -> DiLoCoConfig:
-        """The settings DiLoCo's rounds run with: the keys the two share, and its outer SGD without momentum
-        nor ``compress`` (the error feedback and the sparse code take their places)."""
+        """The settings DiLoCo's rounds run with.
+
+        The keys the two share, and its outer SGD without momentum nor ``compress`` (the error feedback and
+        the sparse code take their places)."""
         shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name in DILOCO_KEYS}
         return DiLoCoConfig(**shared, outer_momentum=0.0, nesterov=False)
 
@@ -131,8 +133,9 @@ class SparseLoCoConfig(PeriodicConfig, RuleConfig):
 
 
 class ErrorFeedback:
-    """One flat buffer's decaying error feedback e and its sparse exchange, in the place DiLoCo's
-    ``compress`` exchanges take (:class:`runner.comm.compress.Compressed`)."""
+    """One flat buffer's decaying error feedback e and its sparse exchange.
+
+    It takes the place DiLoCo's ``compress`` exchanges have (:class:`runner.comm.compress.Compressed`)."""
 
     def __init__(self, like: torch.Tensor, code: SparseCode, decay: float, wire: torch.dtype | None):
         self.residual = torch.zeros_like(like)
@@ -200,8 +203,9 @@ class SparseLoCo(DiLoCo):
             c.residual.copy_(saved)
 
     def grow(self, joined: bool) -> None:
-        """A new worker's error feedback and bytes count start at zero (it came with worker 0's); the others
-        keep theirs."""
+        """A new worker's error feedback and bytes count start at zero; the others keep theirs.
+
+        (It came with worker 0's.)"""
         kept = self.compressed
         super().grow(joined)  # (DiLoCo's: fresh error feedback)
         if joined:

@@ -102,8 +102,9 @@ def mask_size(fraction: float, numel: int) -> int:
 
 
 def draw_masks(fraction: float, sizes: list[int], seed: int, exchange: int) -> list[torch.Tensor | None]:
-    """The indices averaged at exchange number ``exchange``, per flat buffer of ``sizes`` entries, drawn in
-    order from one generator of (``seed``, ``exchange``); None for a buffer averaged whole."""
+    """The indices averaged at exchange number ``exchange``, per flat buffer of ``sizes`` entries.
+
+    Drawn in order from one generator of (``seed``, ``exchange``); None for a buffer averaged whole."""
     generator = torch.Generator().manual_seed(seed * SEED_STRIDE + exchange)
     masks: list[torch.Tensor | None] = []
     for n in sizes:
@@ -134,8 +135,9 @@ class Sparta(Rule):
 
     @no_grad
     def _take_worker_0_model(self) -> None:
-        """All workers start from worker 0's parameters and buffers: SPARTA would pull models that start
-        apart together only slowly."""
+        """All workers start from worker 0's parameters and buffers.
+
+        SPARTA would pull models that start apart together only slowly."""
         if self.workers.size > 1 and not self.joined:  # joined: worker 0's model comes with the state
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 self.workers.broadcast(t.data, root=0)
@@ -150,8 +152,10 @@ class Sparta(Rule):
 
     @no_grad
     def exchange(self) -> None:
-        """Average this exchange's entries: all communication first, then the writes, so that a failed
-        all-reduce (a lost worker) changes nothing."""
+        """Average this exchange's entries.
+
+        All communication first, then the writes, so that a failed all-reduce (a lost worker) changes
+        nothing."""
         n = self.workers.size
         if n > 1:
             masks = self.masks(self.exchanges)
@@ -198,8 +202,9 @@ class Sparta(Rule):
         return {"exchanges": self.exchanges, "mask_entries": self.entries}
 
     def state_dict(self) -> dict[str, Any]:
-        """The exchange count (the masks to come) and where the period schedule stands; the model and
-        optimizer are saved with them."""
+        """The exchange count (the masks to come) and where the period schedule stands.
+
+        The model and optimizer are saved with them."""
         return {"exchanges": self.exchanges, "periods": self.periods.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -212,9 +217,10 @@ class Sparta(Rule):
         self.exchanges = self.workers.broadcast_object(self.exchanges, root=0)
 
     def recover(self) -> None:
-        """The survivors take worker 0's exchange count and period schedule (an exchange may have completed
-        on some only), so that they draw the same masks; each keeps its own model. From now on the mean is
-        over them."""
+        """The survivors take worker 0's exchange count and period schedule, so they draw the same masks.
+
+        An exchange may have completed on some only. Each keeps its own model; from now on the mean is over
+        them."""
         self.exchanges, periods = self.workers.broadcast_object(
             (self.exchanges, self.periods.state_dict()), root=0
         )
