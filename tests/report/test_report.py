@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from runner.launcher.callbacks import SweepReport
@@ -247,8 +248,8 @@ def test_a_real_two_by_two_sweep_leaves_its_report(tmp_path):
         summary = json.loads((sweep / str(job) / "summary.json").read_text())
         assert summary["status"] == "ok" and summary["rule"] == "easgd"
         assert summary["load"]["cpus"] >= 1 and summary["load"]["start"] >= 0 and summary["load"]["end"] >= 0
-        config = (sweep / str(job) / "config.yaml").read_text()
-        combos.add((config.split("alpha: ")[1].split()[0], config.split("lr: ")[1].split()[0]))
+        config = yaml.safe_load((sweep / str(job) / "config.yaml").read_text())
+        combos.add((str(config["rule"]["alpha"]), str(config["optim"]["lr"])))
     assert combos == {("0.1", "0.01"), ("0.1", "0.05"), ("0.5", "0.01"), ("0.5", "0.05")}
     assert sorted((float(r["rule.alpha"]), float(r["optim.lr"])) for r in rows) == [
         (0.1, 0.01),
