@@ -6,6 +6,7 @@ and the communication layer only for type hints: importing a rule starts neither
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class Rule:
         self.grow_job = ctx.grow
         self.wire = wire_dtype(comm_dtype)  # the 16-bit type exchanges travel in (None: as they are)
         self._mean: tuple[torch.nn.Module, FlatTensors] | None = None
+        self._mean_copy: tuple[torch.nn.Module, FlatTensors] | None = None
 
     def serve(self) -> None:
         """Server ranks only: serve the workers until all of them are done."""
@@ -248,6 +250,22 @@ class Rule:
             self.workers.allreduce(m)
         self._average_buffers_into(model)
         return model, flat
+
+    @no_grad
+    def _workers_mean_copy(self, flat: FlatTensors) -> tuple[torch.nn.Module, FlatTensors]:
+        """A copy of the model (made once) set to the workers' mean: of ``flat`` (this worker's trainable
+        parameters) and of the float buffers (BatchNorm statistics); its other state this worker's. The
+        copy's model and flat buffers; this worker's model is left as it is."""
+        if self._mean_copy is None:
+            model = copy.deepcopy(self.model)
+            self._mean_copy = model, FlatTensors(p for p in model.parameters() if p.requires_grad)
+        model, copied = self._mean_copy
+        model.load_state_dict(self.model.state_dict())
+        mine = [*flat.buffers, *float_buffers(self.model)]
+        for target, local in zip([*copied.buffers, *float_buffers(model)], mine, strict=True):
+            target.copy_(local)
+            self.workers.allreduce(target).div_(self.workers.size)
+        return model, copied
 
     @no_grad
     def _average(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> None:

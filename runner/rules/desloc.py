@@ -45,7 +45,6 @@ state and step count, and their moments are worker 0's until the next moment ave
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -163,8 +162,6 @@ class DesLoc(Rule):
         self._take_worker_0_model()
         self.local_steps = 0
         self.syncs = [0, 0, 0]  # averages of the parameters, first moments, second moments so far
-        self.eval_model: torch.nn.Module | None = None
-        self.eval_flat: FlatTensors | None = None
 
     @no_grad
     def _take_worker_0_model(self) -> None:
@@ -229,16 +226,7 @@ class DesLoc(Rule):
         The mean is a copy (parameters and statistics, in float32)."""
         if self.local_steps % self.cfg.param_period == 0 or self.workers.size == 1:
             return {"": self.model}
-        if self.eval_model is None:
-            self.eval_model = copy.deepcopy(self.model)
-            self.eval_flat = FlatTensors(p for p in self.eval_model.parameters() if p.requires_grad)
-        means = self._means([*self.flat.buffers, *float_buffers(self.model)])
-        self.eval_model.load_state_dict(self.model.state_dict())
-        for target, mean in zip(
-            [*self.eval_flat.buffers, *float_buffers(self.eval_model)], means, strict=True
-        ):
-            target.copy_(mean)
-        return {"": self.eval_model}
+        return {"": self._workers_mean_copy(self.flat)[0]}
 
     def metrics(self) -> dict[str, float]:
         """The averages of each kind so far (equal on all workers)."""

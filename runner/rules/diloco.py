@@ -58,7 +58,6 @@ restart the round from x_start, each discarding its local steps of the round (fe
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -169,8 +168,6 @@ class DiLoCo(Rule):
         self.periods.length(rate(self.optimizer))
         self.outer_steps = 0
         self.delta_norm = 0.0
-        self.eval_model: torch.nn.Module | None = None
-        self.eval_flat: FlatTensors | None = None
         self.compressed = self._compressors()
 
     def _compressors(self) -> list[Compressed]:
@@ -241,17 +238,7 @@ class DiLoCo(Rule):
         """At a round boundary the workers' model; mid-round a copy set to the workers' mean."""
         if self.round_step == 0 or self.workers.size == 1:
             return {"": self.model}
-        if self.eval_model is None:
-            self.eval_model = copy.deepcopy(self.model)
-            self.eval_flat = FlatTensors(p for p in self.eval_model.parameters() if p.requires_grad)
-        stats = float_buffers(self.model)
-        means = self._mean_of_workers([*self.flat.buffers, *stats])
-        self.eval_model.load_state_dict(self.model.state_dict())
-        for target, mean in zip(
-            [*self.eval_flat.buffers, *float_buffers(self.eval_model)], means, strict=True
-        ):
-            target.copy_(mean)
-        return {"": self.eval_model}
+        return {"": self._workers_mean_copy(self.flat)[0]}
 
     def metrics(self) -> dict[str, float]:
         """Outer steps so far, the norm of the last pseudo-gradient Δ (equal on all workers), and with a

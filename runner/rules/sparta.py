@@ -44,12 +44,11 @@ saved with it).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.flat import FlatTensors, float_buffers
+from runner.comm.flat import FlatTensors
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, no_grad
 from runner.rules.period import PeriodicConfig, Periods, rate
@@ -130,8 +129,6 @@ class Sparta(Rule):
         self.exchanges = 0
         self.periods = Periods(cfg, cfg.interval)  # (``rule.period_schedule`` of interval)
         self.spread = float("nan")
-        self.eval_model: torch.nn.Module | None = None
-        self.eval_flat: FlatTensors | None = None
 
     @no_grad
     def _take_worker_0_model(self) -> None:
@@ -178,21 +175,13 @@ class Sparta(Rule):
         n = self.workers.size
         if n == 1:
             return {"": self.model}
-        if self.eval_model is None:
-            self.eval_model = copy.deepcopy(self.model)
-            self.eval_flat = FlatTensors(p for p in self.eval_model.parameters() if p.requires_grad)
-        self.eval_model.load_state_dict(self.model.state_dict())
-        mine = [*self.flat.buffers, *float_buffers(self.model)]
-        targets = [*self.eval_flat.buffers, *float_buffers(self.eval_model)]
-        for t, m in zip(targets, mine, strict=True):
-            t.copy_(m)
-            self.workers.allreduce(t).div_(n)
+        model, mean = self._workers_mean_copy(self.flat)
         sq = sum(
             float((x.double() - m.double()).pow(2).sum())
-            for x, m in zip(self.flat.buffers, self.eval_flat.buffers, strict=True)
+            for x, m in zip(self.flat.buffers, mean.buffers, strict=True)
         )
         self.spread = (self.workers.allreduce_values([sq])[0] / n) ** 0.5
-        return {"": self.eval_model}
+        return {"": model}
 
     def metrics(self) -> dict[str, float]:
         """Exchanges so far, entries averaged per exchange, the spread at the last validation."""
