@@ -377,7 +377,7 @@ class Trainer:
             self.recovery.check_servers(step)
         settle(self.workers)  # a worker lost in its job-wide part: all take the checkpoint again, or go on
         self.guard.checkpointed = step
-        self.meter.echo(f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})")
+        self.meter.echo(self.pace.checkpoint_words(step, pos))
 
     def restore(self, part: dict[str, Any]) -> Position:
         """Take this rank's part of a checkpoint (as :meth:`save` wrote it); returns where training stood."""

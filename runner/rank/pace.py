@@ -112,6 +112,10 @@ class Static:
         """The step a checkpoint is named by."""
         return pos.step
 
+    def checkpoint_words(self, step: int, pos: Position) -> str:
+        """The console's line for a checkpoint after ``step``."""
+        return f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})"
+
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
         interval = self.loop.control.interval
@@ -266,6 +270,12 @@ class Dynamic:
     def checkpoint_step(self, pos: Position) -> int:
         """The step a checkpoint is named by: rank 0's (each worker is at its own)."""
         return int(self.loop.workers.broadcast_object(pos.step))
+
+    def checkpoint_words(self, step: int, pos: Position) -> str:
+        """The console's line for a checkpoint after worker 0's ``step``: the progress bar counts the run's
+        steps (all workers' chunks), which a fast worker 0 is ahead of and a slow one behind."""
+        run, total = self.loop.meter.shown_step, self.loop.meter.total_steps
+        return f"checkpoint after step {step} (worker 0's own steps; the run's: {run} of {total})"
 
     def agreement_after(self, step: int) -> int:
         """The next agreement: the workers agree at meetings, counted."""

@@ -20,7 +20,9 @@ import pytest
 
 from runner.comm import CommStats
 from runner.launcher.progress import ERASE, Bar, ProgressTap
+from runner.rank.pace import Dynamic, Static
 from runner.rank.records.meter import Display, Meter, display, progress_record
+from runner.rank.state import Position
 from runner.run_folder import PROGRESS_RECORD, TTY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,6 +207,24 @@ def test_the_runs_end_is_shown_when_another_worker_trained_its_last_chunk(monkey
     out = terminal.getvalue() if tty == "0" else drawn(terminal.getvalue()).decode()
     shown = [tuple(map(int, m)) for m in re.findall(r"step (\d+)/(\d+)", out)]
     assert shown[-1] == (10, 10) and shown.count((10, 10)) == 1, shown
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_dynamic_runs_checkpoint_line_names_worker_0s_step_and_the_bars(progress):
+    """Under dynamic assignment a checkpoint is named by worker 0's own steps while the bar counts the
+    run's: the line says both, so `step 10/10` beside `checkpoint after step 4` is no puzzle (GoSGD showed
+    `step 220/220` and `checkpoint after step 216`). Static: the checkpoint's step is the bar's."""
+    meter = Meter(CommStats(), 2, 10, SimpleNamespace(write=lambda *a, **k: None), 5, progress=progress)
+    for shown in (1, 4, 7, 9):
+        for _ in meter.batches([0]):
+            meter.step_done(shown, 0, 0.5, 8, 0.1, shown)
+    meter.reach(10, 0)
+    pace = Dynamic.__new__(Dynamic)
+    pace.loop = SimpleNamespace(meter=meter)
+    words = pace.checkpoint_words(4, Position(4, 0, 1))
+    assert words == "checkpoint after step 4 (worker 0's own steps; the run's: 10 of 10)"
+    static = Static.__new__(Static).checkpoint_words(4, Position(4, 0, 4))
+    assert static == "checkpoint after step 4 (epoch 0, batch 4)"  # the form tests/jobs read
 
 
 def test_nothing_drawn_with_progress_off(monkeypatch):

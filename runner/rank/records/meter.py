@@ -183,6 +183,7 @@ class Meter:
         self._loss: float | torch.Tensor | None = None  # the last step's, for progress shown between steps
         self._peek = Peek()
         self._shown = 0  # the last step shown
+        self._progress = 0  # the run's progress, in steps (shown or not)
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         """The timings, their losses read (a host synchronisation)."""
@@ -194,6 +195,11 @@ class Meter:
         self.total, self.epoch, self.window = (Timing(**state[k]) for k in ("total", "epoch", "window"))
         self._resumed = mid_epoch
         self._start, self._first_step = time.monotonic(), step
+
+    @property
+    def shown_step(self) -> int:
+        """The run's progress in steps, as the bar shows it."""
+        return self._progress
 
     def replan(self, total_steps: int) -> None:
         """The run will take ``total_steps`` steps after all (survivors of a lost worker: longer epochs)."""
@@ -244,12 +250,14 @@ class Meter:
             self.log.write("step", step, epoch=epoch, loss=mean, lr=lr, **rates)
             self.window = Timing()
         self._loss = loss
+        self._progress = step if shown is None else shown
         if self.display.mode != "none":
             self._show(step if shown is None else shown, epoch, loss)
 
     def reach(self, step: int, epoch: int) -> None:
         """The run's progress stands at ``step`` (dynamic assignment: every worker has trained the chunks
         up to the epoch's end, wherever this worker's own last chunk was)."""
+        self._progress = max(self._progress, step)
         if self.display.mode != "none" and self._loss is not None and step > self._shown:
             self._show(step, epoch, self._loss)
 
