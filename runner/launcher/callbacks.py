@@ -18,7 +18,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from runner.launcher import outcomes
+from runner.launcher import outcomes, sweep_stop
 
 log = logging.getLogger("runner")
 
@@ -61,6 +61,9 @@ class SweepReport(Callback):
                 report = write_report([sweep_dir], self.metric, self.target)
             except NoRuns:
                 if quiet_if_empty:
+                    return
+                if sweep_stop.requested():  # (the last line gives the resume= command)
+                    log.info("no sweep report: the sweep was stopped before any of its points ran")
                     return
                 raise
             if quiet_if_empty:

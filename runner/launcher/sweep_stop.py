@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,30 @@ def taking_signals(sweep_dir: Path, total: int) -> Iterator[None]:
                 reset()
 
 
+@contextmanager
+def held_from_new_processes(spawns: bool) -> Iterator[None]:
+    """While a launcher starts processes of its own for the points (``spawns``: joblib's workers), they
+    start with the stop signals blocked, held for them until their point follows the sweep (:func:`follow`).
+
+    Otherwise a Ctrl-C while a worker still imports would end it, and its pool with it (the pattern of
+    bpo-33613, which loky's resource tracker uses for itself). This process still hears the signals: a thread
+    started before they are blocked takes them, and Python runs their handlers in the main thread."""
+    if not spawns or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # (multiprocessing's resource tracker, once started by the launcher, would unblock them in this thread:
+    # started first, it is not started again)
+    resource_tracker.ensure_running()
+    done = threading.Event()
+    threading.Thread(target=done.wait, name="stop-signals", daemon=True).start()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (inherited by the threads and
+    try:  # processes started from here on)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        done.set()
+
+
 def follow(sweep_dir: Path, elsewhere: bool) -> None:
     """In a point's process: follow the stop of the sweep in ``sweep_dir``.
 
@@ -111,6 +136,7 @@ def follow(sweep_dir: Path, elsewhere: bool) -> None:
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
                 signal.signal(signum, _on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # (held since it started: taken now)
 
 
 def heard(name: str) -> str | None:

@@ -183,7 +183,10 @@ class MpitrainSweeper(BasicSweeper):
                     log.warning("sweep.fail_fast: %s; the sweep starts no further point", why)
                     break
                 self.validate_batch_is_legal(batch)
-                returns.append(self.launcher.launch(sweep_stop.UntilStopped(batch), initial_job_idx=start))
+                with sweep_stop.held_from_new_processes(spawns=self._spawns_workers()):
+                    returns.append(
+                        self.launcher.launch(sweep_stop.UntilStopped(batch), initial_job_idx=start)
+                    )
             if sweep_stop.requested():
                 sweep_stop.record_unstarted(sweep_dir, jobs, list(arguments))
         for results in returns:
@@ -193,6 +196,10 @@ class MpitrainSweeper(BasicSweeper):
                 else:  # a point that raised (run elsewhere) ends the sweep as Hydra's would
                     _ = result.return_value
         return returns
+
+    def _spawns_workers(self) -> bool:
+        """Whether the launcher runs the points in worker processes it starts on this machine (joblib's)."""
+        return type(self.launcher).__name__ == "JoblibLauncher"
 
     @staticmethod
     def _take_stopped(result: JobReturn, sweep: list[str]) -> None:
