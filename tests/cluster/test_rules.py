@@ -15,7 +15,7 @@ import pytest
 from runner.rank.assignment import Chunks
 from runner.run_folder import BINDINGS
 from tests.cluster.conftest import mpitrain
-from tests.helpers.rules import variants
+from tests.helpers.rules import needs, variants
 from tests.helpers.traced import OVERRIDES as TRACED
 
 pytestmark = pytest.mark.cluster
@@ -30,7 +30,7 @@ SETTINGS = {
     "async_diloco": {"": ["rule.inner_steps=4"]},
     "streaming_diloco": {"": ["rule.inner_steps=4", "rule.fragments=2"]},
     "sparseloco": {"": ["rule.inner_steps=4"]},
-    "demo": {"": ["optim.momentum=0", "optim.lr=0.001"]},  # plain SGD at a sign step's rate
+    "demo": {"": needs("demo")},
 }
 
 

@@ -17,7 +17,7 @@ from runner.hardware.gpu import GPUConfig
 from runner.rank.placement import choose_transport, nccl_shares_gpus
 from runner.run_folder import MODEL
 from tests.conftest import ROOT, checked_config, mpirun_argv
-from tests.helpers.rules import variants
+from tests.helpers.rules import needs, variants
 
 JOB = ROOT / "tests" / "helpers" / "transport_job.py"
 
@@ -129,7 +129,7 @@ RULES = {
     "bsp": {"grads": SHORT, "bf16": [*SHORT, "rule.comm_dtype=bf16"], "params": [*SHORT, "rule.mode=params"]},
     "diloco": {"": [*SHORT, "rule.inner_steps=3"]},
     "sparseloco": {"": [*SHORT, "rule.inner_steps=3"]},
-    "demo": {"": [*SHORT, "optim.momentum=0", "optim.lr=0.001"]},
+    "demo": {"": [*SHORT, *needs("demo")]},
     "desloc": {"": [*SHORT, "rule.param_period=3", "rule.momentum_period=6", "rule.variance_period=6"]},
     "easgd": {"sync": [*SHORT, "rule.tau=3"], "async": [*ASYNC, "rule.variant=async"]},
     "asgd": {"": ASYNC},

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.rules import rules
+from tests.helpers.rules import needs, rules
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
@@ -66,15 +66,11 @@ def seeds(count: int, fixed: bool = False) -> list[int]:
     return [random.randrange(10**6) for _ in range(count)]
 
 
-#: Overrides a rule needs on the battery's job (DeMo: plain SGD at a sign step's rate, docs/rules.md).
-NEEDS = {"demo": ["optim.momentum=0", "optim.lr=0.001"]}
-
-
 def cases() -> dict[str, list[str]]:
     """The rules as the battery runs them: each rule with its defaults, EASGD in both variants."""
     out = {}
     for rule in rules():
-        out[rule] = [f"rule={rule}", *NEEDS.get(rule, [])]
+        out[rule] = [f"rule={rule}", *needs(rule)]
         if rule == "easgd":
             out["easgd-async"] = ["rule=easgd", "rule.variant=async"]
     return out

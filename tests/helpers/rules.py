@@ -17,6 +17,17 @@ RULE_CONF = Path(__file__).resolve().parents[2] / "conf" / "rule"
 T = TypeVar("T")
 
 
+#: What a rule needs beside the default job's settings to train it (a rule not named needs nothing): DeMo
+#: holds the momentum itself, so plain SGD applies its sign steps, at a sign step's rate (docs/rules.md).
+#: Every cross-rule table takes a rule's needs from here (:func:`needs`).
+NEEDS: dict[str, tuple[str, ...]] = {"demo": ("optim.momentum=0", "optim.lr=0.001")}
+
+
+def needs(rule: str) -> list[str]:
+    """The overrides ``rule`` needs beside the default job's (:data:`NEEDS`)."""
+    return list(NEEDS.get(rule, ()))
+
+
 def rules() -> list[str]:
     """The rules a user can select (``rule=NAME``): the options ``conf/rule/*.yaml``, sorted."""
     found = sorted(p.stem for p in RULE_CONF.glob("*.yaml"))

@@ -27,7 +27,7 @@ from runner.rules.gosgd import GoSGDConfig
 from tests.conftest import run_cli
 from tests.helpers import rule_math as rm
 from tests.helpers.fakecomm import FakeWorld
-from tests.helpers.rules import variants
+from tests.helpers.rules import needs, variants
 
 
 def grown(cfg, phase1, seed: int = 0):
@@ -134,7 +134,7 @@ KILLED = {
     "async_diloco": {"": (["rule.inner_steps=5"], 2)},
     # 64 of 4,096 values a round converge too slowly for 4 cosine epochs (0.84): these test the losses
     "sparseloco": {"": (["rule.topk=4096"], 2)},
-    "demo": {"": (["optim.momentum=0", "optim.lr=0.001"], 2)},  # plain SGD at a sign step's rate
+    "demo": {"": (needs("demo"), 2)},
 }
 
 

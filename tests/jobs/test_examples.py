@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, Run, cli_argv
-from tests.helpers.rules import per_rule, rules
+from tests.helpers.rules import needs, per_rule, rules
 
 PROJECT = ROOT / "examples" / "my_project"
 SEARCH = "hydra.searchpath=[file://conf]"
@@ -25,7 +25,7 @@ ACCURACY, MSE = 0.9, 0.03
 EXTRA = per_rule(
     {
         **{rule: ["hardware.oversubscribe=true"] for rule in ("asgd", "async_diloco")},
-        "demo": ["optim.momentum=0", "optim.lr=0.001"],  # plain SGD at a sign step's rate
+        "demo": needs("demo"),
     },
     default=[],
 )

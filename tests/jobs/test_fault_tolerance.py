@@ -18,7 +18,7 @@ import torch
 from runner.hardware.mpirun import check_ulfm, find_mpirun
 from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, checkpoint_part, read_checkpoint_index
 from tests.conftest import checked_config, run_cli
-from tests.helpers.rules import variants
+from tests.helpers.rules import needs, variants
 
 TOLERANT = [
     "hydra.searchpath=[file://tests/conf]",
@@ -88,7 +88,7 @@ KILLED = {
     "async_diloco": {"": (["rule.inner_steps=5"], 2)},
     # 64 of 4,096 values a round converge too slowly for 4 cosine epochs (0.84): these test the losses
     "sparseloco": {"": (["rule.topk=4096"], 2)},
-    "demo": {"": (["optim.momentum=0", "optim.lr=0.001"], 2)},  # plain SGD at a sign step's rate
+    "demo": {"": (needs("demo"), 2)},
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.rules import per_rule, rules
+from tests.helpers.rules import needs, per_rule, rules
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
@@ -18,9 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 #: runs, against the bar of 0.93), so they decay it: with a cosine schedule ASGD ended at 0.994 in 3 of 3 runs
 #: of 8 epochs, GoSGD at 0.969-0.972 in 3 runs of 5. DiLoCo needs its rounds.
 EPOCHS = per_rule({"asgd": 8, "diloco": 10, "async_diloco": 10}, default=5)
-#: DeMo holds the momentum and steps by signs: plain SGD at a sign step's rate (docs/rules.md)
-DEMO = ["optim.momentum=0", "optim.lr=0.001"]
-EXTRA = per_rule({"asgd": ["schedule=cosine"], "gosgd": ["schedule=cosine"], "demo": DEMO}, default=[])
+COSINE = per_rule({"asgd": ["schedule=cosine"], "gosgd": ["schedule=cosine"]}, default=[])
+EXTRA = {rule: [*needs(rule), *extra] for rule, extra in COSINE.items()}
 BAR = per_rule({"diloco": 0.97}, default=0.93)
 SERVERS = per_rule({"asgd": 1, "async_diloco": 1}, default=0)  # ranks beside the 4 workers
 

@@ -15,7 +15,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from runner.schema.config import validate
 from tests.conftest import CONF, ROOT, compose_config
-from tests.helpers.rules import rules
+from tests.helpers.rules import NEEDS as NEEDS_OF_RULES
+from tests.helpers.rules import needs, rules
 
 
 def _compose(*overrides: str):
@@ -44,7 +45,7 @@ NEEDS = {
     "gpt2": ["data=synthetic", "data.shape=[64]", "model.vocab_size=50257"],
     "dataset": ["model=mlp", "data.shape=[4]", "data.num_classes=3"],  # then asks for data.train._target_
     "shakespeare_char": ["model=gpt", f"data.root={SHAKESPEARE}"],
-    "demo": ["optim.momentum=0"],  # (DeMo holds the momentum: plain SGD applies its steps)
+    **{rule: needs(rule) for rule in NEEDS_OF_RULES},
 }
 
 
