@@ -268,13 +268,25 @@ class Rule:
         return model, copied
 
     @no_grad
-    def _average(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> None:
-        """Set each of ``tensors`` to its mean over the workers (sent in ``wire``'s type, if given). Reduced
-        in a copy, so that a failed all-reduce (a lost worker) leaves them as they were."""
+    def _mean_of_workers(
+        self, tensors: list[torch.Tensor], wire: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
+        """The workers' mean of each of ``tensors``, as new tensors, sent in ``wire``'s type if given.
+
+        ``tensors`` are left as they were, also when an all-reduce fails (a lost worker)."""
+        means = []
         for t in tensors:
             total = t.clone()
             self.workers.allreduce(total, wire=wire)
-            t.copy_(total.mul_(1.0 / self.workers.size))
+            means.append(total.div_(self.workers.size))
+        return means
+
+    @no_grad
+    def _average(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> None:
+        """Set each of ``tensors`` to its mean over the workers (sent in ``wire``'s type, if given). Reduced
+        in a copy, so that a failed all-reduce (a lost worker) leaves them as they were."""
+        for t, mean in zip(tensors, self._mean_of_workers(tensors, wire), strict=True):
+            t.copy_(mean)
 
     @no_grad
     def _average_buffers_into(self, target: torch.nn.Module) -> None:
@@ -283,7 +295,7 @@ class Rule:
         n = self.workers.size
         for mine, theirs in zip(float_buffers(self.model), float_buffers(target), strict=True):
             theirs.copy_(mine)
-            self.workers.allreduce(theirs).mul_(1.0 / n)
+            self.workers.allreduce(theirs).div_(n)
         for mine, theirs in zip(self.model.buffers(), target.buffers(), strict=True):
             if not mine.is_floating_point():
                 theirs.copy_(mine)

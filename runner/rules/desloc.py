@@ -198,10 +198,10 @@ class DesLoc(Rule):
         asked = ((MOMENTS, moments), (VARIANCES, variances))
         kinds = [_Packed(self._state(names) if due else []) for names, due in asked]
         if self.workers.size > 1:
-            means = self._means(xs[:k], self.wire) + self._means(xs[k:])
+            means = self._mean_of_workers(xs[:k], self.wire) + self._mean_of_workers(xs[k:])
             for packed in kinds:
                 for flat in packed.buffers:
-                    self.workers.allreduce(flat).mul_(1.0 / self.workers.size)
+                    self.workers.allreduce(flat).div_(self.workers.size)
             for x, mean in zip(xs, means, strict=True):
                 x.copy_(mean)
             for packed in kinds:
@@ -209,15 +209,6 @@ class DesLoc(Rule):
         self.syncs[0] += int(params)
         for i, packed in enumerate(kinds, start=1):
             self.syncs[i] += int(bool(packed.groups))
-
-    def _means(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> list[torch.Tensor]:
-        """The workers' mean of each of ``tensors`` as new tensors (sent in ``wire``'s type, if given)."""
-        means = []
-        for t in tensors:
-            total = t.clone()
-            self.workers.allreduce(total, wire=wire)
-            means.append(total.mul_(1.0 / self.workers.size))
-        return means
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:

@@ -29,7 +29,7 @@ BatchNorm statistics are averaged over the workers at every outer step. Validati
 reports the workers' (identical) model; mid-round, a separate copy set to the workers' mean (parameters and
 statistics), so that validating does not change the training trajectory.
 
-Exchange: every mean of the workers goes through :meth:`DiLoCo._mean_of_workers`; with ``comm_dtype:
+Exchange: every mean of the workers goes through :meth:`Rule._mean_of_workers`; with ``comm_dtype:
 bf16|fp16`` the outer step's parameters travel in 16 bits (float32 sums, the same bits on every worker).
 ``compress: int8|topk|topk_2bit|sign`` sends each worker's outer gradient Δ_i = x_start − x_i compressed
 instead, with error feedback (runner/comm/compress.py): the worker adds its residual e_i, sends c(Δ_i + e_i),
@@ -180,20 +180,6 @@ class DiLoCo(Rule):
         if self.workers.size > 1 and not self.joined:  # joined: worker 0's model comes with the state
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 self.workers.broadcast(t.data, root=0)
-
-    @no_grad
-    def _mean_of_workers(
-        self, tensors: list[torch.Tensor], wire: torch.dtype | None = None
-    ) -> list[torch.Tensor]:
-        """The workers' mean of each of ``tensors``, as new tensors, sent in ``wire``'s 16-bit type if given
-        (``rule.comm_dtype``: the outer step's parameters; statistics and validation stay float32).
-        ``tensors`` are left as they were, also when an all-reduce fails (a lost worker)."""
-        means = []
-        for t in tensors:
-            total = t.clone()
-            self.workers.allreduce(total, wire=wire)
-            means.append(total.div_(self.workers.size))
-        return means
 
     def after_step(self, step: int) -> None:
         self.round_step += 1

@@ -162,7 +162,7 @@ class Sparta(Rule):
                 self.workers.allreduce(chosen, wire=self.wire)
                 sums.append(chosen)
             for x, idx, total in zip(self.flat.buffers, masks, sums, strict=True):
-                mean = total.mul_(1.0 / n)
+                mean = total.div_(n)
                 if idx is None:
                     x.copy_(mean)
                 else:
