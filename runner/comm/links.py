@@ -1,17 +1,20 @@
 """Emulated links between nodes (``simulate.ranks_per_node``, ``simulate.link_gbps``, ``link_latency_ms``).
 
 The job's ranks are grouped into emulated nodes by rank order (ranks ``0 .. r-1`` on node 0, ``r .. 2r-1``
-on node 1...), each node with one link of ``gbps``. A collective or message that crosses a node boundary
-costs ``steps × latency + bytes / bandwidth``: ``steps`` are the rounds its algorithm takes one after the
-other, each paying the one-way latency (:func:`latency_steps`), and ``bytes`` what it moves over the busiest
-node link it crosses (the slowest, as every link is as fast):
+on node 1...), each node with a link of its own: the same ``gbps`` and latency for every node, or one
+value per node (a node past the list, such as a rule's server or a worker that joined later, takes the
+list's last value). A collective or message that crosses a node boundary costs ``steps × latency +``
+the slowest node link's ``bytes / bandwidth``: ``steps`` are the rounds its algorithm takes one after the
+other (:func:`latency_steps`), each paying the largest one-way latency of the nodes it spans (a round ends
+when its slowest crossing ends), and each node's link carries its own share of the bytes
+(:func:`link_bytes`), in each direction (a link is full duplex):
 
-- all-reduce (a ring in rank order): 2(N-1)/N of the buffer on each ring edge that leaves a node;
-- broadcast: the buffer once per receiving node, all of it out of the root's node;
-- all-to-all (pairwise): a node of m ranks sends m(N-m)/N of each rank's buffer out;
-- all-gather (a ring): N-1 times each rank's buffer on each ring edge that leaves a node;
+- all-reduce (a ring in rank order): 2(N-1)/N of the buffer on each ring edge that leaves the node;
+- broadcast: all of it out of the root's node (rank 0's), once per receiving node; a receiving node once;
+- all-to-all (pairwise): a node of m ranks sends m(N-m)/N of each rank's buffer out, and gets as much;
+- all-gather (a ring): N-1 times each rank's buffer on each ring edge that leaves the node;
 - the 16-bit exchange's all-reduce (:mod:`runner.comm.wire`): its all-to-all and its all-gather, as they move;
-- a point-to-point message: the message, if sender and receiver are on different nodes.
+- a point-to-point message: the message over the slower of its two nodes' links, the larger latency.
 
 The algorithms are those the bytes above assume, for every size: an all-reduce over a ring pays 2(N−1)
 latencies (a reduce-scatter and an all-gather of N−1 rounds each), an all-gather over a ring and a pairwise
@@ -41,29 +44,48 @@ ALLREDUCES = ("allreduce", "iallreduce", "allreduce_background")
 @dataclass(frozen=True)
 class Links:
     """Nodes of ``ranks_per_node`` ranks each, with links of ``gbps`` Gbit/s and ``latency_s`` per crossing
-    operation; ``spin``: the wait is spent busy on the CPU instead of sleeping (``simulate.spin``)."""
+    round (one value for every node, or one per node); ``spin``: the wait is spent busy on the CPU instead
+    of sleeping (``simulate.spin``)."""
 
     ranks_per_node: int
-    gbps: float
-    latency_s: float
+    gbps: float | tuple[float, ...]
+    latency_s: float | tuple[float, ...]
     spin: bool = False
 
     def __post_init__(self) -> None:
-        assert self.ranks_per_node >= 1 and self.gbps > 0 and self.latency_s >= 0, self
+        rates, latencies = _values(self.gbps), _values(self.latency_s)
+        assert self.ranks_per_node >= 1 and rates and latencies, self
+        assert min(rates) > 0 and min(latencies) >= 0, self
 
     def node(self, rank: int) -> int:
         """The emulated node of the job's ``rank``."""
         return rank // self.ranks_per_node
 
-    def seconds(self, nbytes: float, steps: int = 1) -> float:
-        """What moving ``nbytes`` over one link in ``steps`` rounds costs: a latency a round plus the
-        transfer; nothing for no bytes."""
-        return steps * self.latency_s + 8 * nbytes / (self.gbps * 1e9) if nbytes > 0 else 0.0
+    def rate(self, node: int) -> float:
+        """Node ``node``'s link in Gbit/s."""
+        return _of(self.gbps, node)
+
+    def latency(self, node: int) -> float:
+        """Node ``node``'s one-way latency in seconds."""
+        return _of(self.latency_s, node)
+
+    def seconds(self, nbytes: float, steps: int = 1, node: int = 0) -> float:
+        """What moving ``nbytes`` over node ``node``'s link in ``steps`` rounds costs: a latency a round plus
+        the transfer; nothing for no bytes."""
+        return self.over({node: nbytes}, steps)
+
+    def over(self, by_node: dict[int, float], steps: int) -> float:
+        """Seconds of ``steps`` rounds that move ``by_node[n]`` bytes over node ``n``'s link (0: none)."""
+        crossed = [n for n, b in by_node.items() if b > 0]
+        if not crossed:
+            return 0.0
+        latency = max(self.latency(n) for n in by_node)
+        return steps * latency + max(8 * by_node[n] / (self.rate(n) * 1e9) for n in crossed)
 
     def collective(self, op: str, nodes: Sequence[int], nbytes: int) -> float:
         """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes`` (each
         rank's node, in the communicator's rank order)."""
-        return self.seconds(crossing(op, nodes, nbytes), latency_steps(op, len(nodes)))
+        return self.over(link_bytes(op, nodes, nbytes), latency_steps(op, len(nodes)))
 
     def wire_allreduce(self, nodes: Sequence[int], numel: int, itemsize: int) -> float:
         """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes: an
@@ -82,22 +104,39 @@ class Links:
 
     def message(self, node: int, peer: int, nbytes: int) -> float:
         """Seconds of a point-to-point message of ``nbytes`` between ranks on nodes ``node`` and ``peer``."""
-        return self.seconds(nbytes) if node != peer else 0.0
+        return self.over({node: nbytes, peer: nbytes}, 1) if node != peer else 0.0
+
+
+def _values(value: float | tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(value) if isinstance(value, tuple) else (value,)
+
+
+def _of(value: float | tuple[float, ...], node: int) -> float:
+    """``value`` for ``node``: the one value, or the node's (past the list: its last)."""
+    if not isinstance(value, tuple):
+        return value
+    return value[min(node, len(value) - 1)]
+
+
+def link_bytes(op: str, nodes: Sequence[int], nbytes: int) -> dict[int, float]:
+    """Bytes collective ``op`` of ``nbytes`` per rank moves over each node's link, each way (the module's
+    docstring); every node of the communicator is named, 0 where nothing crosses."""
+    n, per_node = len(nodes), collections.Counter(nodes)
+    if len(per_node) < 2:
+        return dict.fromkeys(per_node, 0.0)
+    if op in ALLREDUCES or op == "allgather":
+        per_edge = 2 * (n - 1) / n * nbytes if op in ALLREDUCES else (n - 1) * nbytes
+        return {node: edges * per_edge for node, edges in leaving_edges(nodes).items()}
+    if op == "broadcast":
+        root = nodes[0]
+        return {node: (len(per_node) - 1 if node == root else 1) * nbytes for node in per_node}
+    assert op == "alltoall", op
+    return {node: m * (n - m) / n * nbytes for node, m in per_node.items()}
 
 
 def crossing(op: str, nodes: Sequence[int], nbytes: int) -> float:
     """Bytes collective ``op`` of ``nbytes`` per rank moves over the busiest node link (0: none crossed)."""
-    n, per_node = len(nodes), collections.Counter(nodes)
-    if len(per_node) < 2:
-        return 0.0
-    if op in ALLREDUCES:
-        return ring_edges(nodes) * 2 * (n - 1) / n * nbytes
-    if op == "broadcast":
-        return (len(per_node) - 1) * nbytes
-    if op == "alltoall":
-        return max(m * (n - m) for m in per_node.values()) / n * nbytes
-    assert op == "allgather", op
-    return ring_edges(nodes) * (n - 1) * nbytes
+    return max(link_bytes(op, nodes, nbytes).values(), default=0.0)
 
 
 def latency_steps(op: str, n: int) -> int:
@@ -110,17 +149,25 @@ def latency_steps(op: str, n: int) -> int:
     return n - 1
 
 
-def ring_edges(nodes: Sequence[int]) -> int:
-    """The most edges of the ring over ranks in order (rank i to i+1, the last to the first) that leave
-    one node: 1 where each node's ranks are consecutive."""
+def leaving_edges(nodes: Sequence[int]) -> dict[int, int]:
+    """For each node, the edges of the ring over ranks in order (rank i to i+1, the last to the first)
+    that leave it."""
     n = len(nodes)
     leaving = collections.Counter(nodes[i] for i in range(n) if nodes[i] != nodes[(i + 1) % n])
-    return max(leaving.values(), default=0)
+    return {node: leaving.get(node, 0) for node in dict.fromkeys(nodes)}
+
+
+def ring_edges(nodes: Sequence[int]) -> int:
+    """The most edges of the ring over ranks in order that leave one node: 1 where each node's ranks are
+    consecutive."""
+    return max(leaving_edges(nodes).values(), default=0)
 
 
 def emulated(simulate: SimulateConfig) -> Links | None:
     """The links ``simulate`` asks to emulate (``simulate.ranks_per_node`` and ``link_gbps``), or None."""
     if not simulate.links():
         return None
-    assert simulate.ranks_per_node and simulate.link_gbps
-    return Links(simulate.ranks_per_node, simulate.link_gbps, simulate.link_latency_ms / 1e3, simulate.spin)
+    assert simulate.ranks_per_node and simulate.link_gbps is not None
+    gbps, latency_ms = simulate.per_node("link_gbps"), simulate.per_node("link_latency_ms")
+    latency_s = tuple(ms / 1e3 for ms in latency_ms) if isinstance(latency_ms, tuple) else latency_ms / 1e3
+    return Links(simulate.ranks_per_node, gbps, latency_s, simulate.spin)

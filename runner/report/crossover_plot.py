@@ -20,7 +20,7 @@ def crossover_figure(cross: network.Crossover) -> Figure:
     A line per series through its time to target at each link speed (log x axis; log y where the times span
     orders of magnitude), a cross at the top where it did not reach the target, and free links apart, in a
     narrow panel of their own on the right."""
-    speeds = [g for g in cross.speeds if g is not None]
+    speeds = [g for g in cross.speeds if isinstance(g, float)]  # (a link per node has no place on the axis)
     free = None in cross.speeds
     fig = figure(9.5 if free else 8, 5.6)
     if free:
@@ -66,7 +66,7 @@ def _draw_cells(
     from matplotlib.transforms import blended_transform_factory
 
     def at(cell: network.Cell) -> float:
-        return x if x is not None else cell.gbps or 0.0
+        return x if x is not None else network.slowest(cell.gbps)
 
     hit = [c for c in cells if c.seconds is not None]
     if hit or x is None:

@@ -9,7 +9,9 @@ times tie by the report's noise rule (:func:`.confidence.tie`): their spreads ov
 within one validation interval of each other, the time between the validation that reached the target and
 the one before it (the crossing lies somewhere in it; the larger of the two cells'). Runs whose links are
 free (``simulate.link_gbps`` or ``simulate.ranks_per_node`` unset) are the speed None, "free links", shown
-apart. Nothing of this is written unless the runs differ in ``simulate.link_gbps``.
+apart; a link per node (``simulate.link_gbps=[1,1,1,0.05]``) is a speed of its own, a tuple, ordered by its
+slowest link and left out of the plot's bandwidth axis. Nothing of this is written unless the runs differ in
+``simulate.link_gbps``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ LINK_KEY = "simulate.link_gbps"
 NODES_KEY = "simulate.ranks_per_node"
 #: The rule every other one is measured against.
 BASELINE = "bsp"
+#: A run's link speed: Gbit/s for every node, one per node, or None (free links).
+Speed = float | tuple[float, ...] | None
 #: How the runs without links are called.
 FREE = "free links"
 #: The report's section on it.
@@ -52,7 +56,7 @@ class Cell:
     or None where it did not reach the target."""
 
     series: str
-    gbps: float | None
+    gbps: Speed
     point: Point
     time: Point | None
 
@@ -70,20 +74,31 @@ class Crossover:
     metric: str
     target: str
     series: list[str]
-    speeds: list[float | None]
-    cells: dict[tuple[str, float | None], Cell]
+    speeds: list[Speed]
+    cells: dict[tuple[str, Speed], Cell]
     maximize: bool
 
-    def at(self, gbps: float | None) -> list[Cell]:
+    def at(self, gbps: Speed) -> list[Cell]:
         """The cells at link speed ``gbps``, in the series' order."""
         return [c for s in self.series if (c := self.cells.get((s, gbps))) is not None]
 
 
-def speed_of(run: Run) -> float | None:
-    """``run``'s link speed in Gbit/s, None where its links are free (no bandwidth, or no nodes)."""
-    gbps = finite_or_none((run.lookup(LINK_KEY) or (None, ""))[0])
+def speed_of(run: Run) -> Speed:
+    """``run``'s link speed in Gbit/s (a tuple: one per node), None where its links are free (no bandwidth,
+    or no nodes)."""
+    value = (run.lookup(LINK_KEY) or (None, ""))[0]
     nodes = finite_or_none((run.lookup(NODES_KEY) or (None, ""))[0])
+    if isinstance(value, (list, tuple)):
+        each = [finite_or_none(v) for v in value]
+        gbps: Speed = None if not each or None in each else tuple(v for v in each if v is not None)
+    else:
+        gbps = finite_or_none(value)
     return None if gbps is None or not nodes else gbps
+
+
+def slowest(gbps: Speed) -> float:
+    """The slowest link of ``gbps`` (0 for free links)."""
+    return min(gbps) if isinstance(gbps, tuple) else gbps or 0.0
 
 
 def series_name(run: Run) -> str:
@@ -120,20 +135,22 @@ def crossover(report: Scored) -> Crossover | None:
     (swept, two speeds at least, free links counting as one) and it has a target."""
     if LINK_KEY not in report.keys or report.target is None:
         return None
-    cells: dict[tuple[str, float | None], Cell] = {}
+    cells: dict[tuple[str, Speed], Cell] = {}
     for point in report.points:
         first = point.runs[0]
         key = (series_name(first), speed_of(first))
         cells.setdefault(key, Cell(*key, point, _time(point)))
-    speeds = sorted({g for _, g in cells}, key=lambda g: (g is None, g or 0.0))
+    speeds = sorted({g for _, g in cells}, key=lambda g: (g is None, slowest(g), isinstance(g, tuple)))
     if len(speeds) < 2:
         return None
     series = sorted({s for s, _ in cells}, key=lambda s: (s != BASELINE, s))
     return Crossover(report.metric, report.target_text(), series, speeds, cells, report.maximize)
 
 
-def speed_text(gbps: float | None) -> str:
-    """``0.1 Gbit/s``, or ``free links`` for None."""
+def speed_text(gbps: Speed) -> str:
+    """``0.1 Gbit/s``, ``1/1/0.05 Gbit/s by node``, or ``free links`` for None."""
+    if isinstance(gbps, tuple):
+        return "/".join(f"{g:g}" for g in gbps) + " Gbit/s by node"
     return FREE if gbps is None else f"{gbps:g} Gbit/s"
 
 
@@ -160,7 +177,7 @@ def _final(cell: Cell) -> str:
     return "—" if cell.point.final is None else f"{cell.point.final.mean:.4f}"
 
 
-def sentence(cross: Crossover, gbps: float | None) -> str:
+def sentence(cross: Crossover, gbps: Speed) -> str:
     """The sentence for link speed ``gbps``: the series that reached the target first and by how much (its
     time over the runner-up's and BSP's), a tie within noise, or that none reached it."""
     cells, where = cross.at(gbps), f"At {speed_text(gbps)}" if gbps is not None else "With free links"
@@ -237,7 +254,7 @@ def section(cross: Crossover) -> list[str]:
     return sentences(cross) + ([no_cross] if (no_cross := no_crossover(cross)) else [])
 
 
-def firsts(cross: Crossover) -> list[tuple[float | None, list[str]]]:
+def firsts(cross: Crossover) -> list[tuple[Speed, list[str]]]:
     """The series first to the target at each link speed (several: a tie; none: none reached it)."""
     return [(gbps, [c.series for c in _leaders(cross.at(gbps))[0]]) for gbps in cross.speeds]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,21 @@ class SweepConfig:
         )
 
 
+def _numbers(value: Any, ok: Callable[[float], bool]) -> bool:
+    """Whether ``value`` is a finite number, or a non-empty list of them, each ``ok``."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return bool(values) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v) for v in values
+    )
+
+
+def _shown(value: Any) -> str:
+    """A number or a list of them as the command line gives it (``0.1``, ``[1,1,0.05]``)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(f"{v:g}" for v in value) + "]"
+    return f"{value:g}"
+
+
 @dataclass
 class SimulateConfig:
     """Conditions imposed on a healthy job to study the rules under them: ``straggler_ranks`` (worker
@@ -192,7 +208,9 @@ class SimulateConfig:
     ``ranks_per_node`` each, whose links carry ``link_gbps`` Gbit/s; every message or collective that
     crosses a node boundary costs ``link_latency_ms`` per round of its algorithm (a ring all-reduce of N
     ranks: 2(N-1)) plus its bytes over the bandwidth, spent after the
-    real operation (slept, or spun with ``spin``). Either one unset leaves the links free, with a warning
+    real operation (slept, or spun with ``spin``). Each of the two is one value for every node or a list
+    of one per node (``[1,1,1,0.05]``: the fourth node at 50 Mbit/s); a node past the list (a rule's
+    server, a worker that joined) takes its last value. Either one unset leaves the links free, with a warning
     when the other is set (a sweep may include the point without links). The latency's default, 0.05 ms,
     is a one-way TCP message between hosts on one Ethernet switch (tens of microseconds), the transport
     Open MPI takes between nodes without InfiniBand."""
@@ -202,8 +220,8 @@ class SimulateConfig:
     jitter_ms: float = 0.0
     spin: bool = False
     ranks_per_node: int | None = None
-    link_gbps: float | None = None
-    link_latency_ms: float = 0.05
+    link_gbps: Any = None  # a number, or a list of one per emulated node
+    link_latency_ms: Any = 0.05  # the same
 
     def __post_init__(self) -> None:
         require(
@@ -234,18 +252,27 @@ class SimulateConfig:
             self.ranks_per_node,
             "ranks per emulated node, >= 1 (e.g. simulate.ranks_per_node=1: a node per rank), or null: none",
         )
+        gbps, latency = self.link_gbps, self.link_latency_ms
         require(
-            self.link_gbps is None or (math.isfinite(self.link_gbps) and self.link_gbps > 0),
+            gbps is None or _numbers(gbps, lambda v: v > 0),
             "link_gbps",
-            self.link_gbps,
-            "each emulated node's link in Gbit/s, > 0 (e.g. simulate.link_gbps=0.1, 100 Mbit/s), or null",
+            gbps,
+            "each emulated node's link in Gbit/s, > 0: one for all (e.g. simulate.link_gbps=0.1, 100 "
+            "Mbit/s), one per node (simulate.link_gbps=[1,1,1,0.05]), or null",
         )
         require(
-            math.isfinite(self.link_latency_ms) and self.link_latency_ms >= 0,
+            _numbers(latency, lambda v: v >= 0),
             "link_latency_ms",
-            self.link_latency_ms,
-            "milliseconds per operation that crosses a node boundary, >= 0 (e.g. 0.05)",
+            latency,
+            "one-way milliseconds per round of an operation that crosses a node boundary, >= 0: one for "
+            "all (e.g. 0.05) or one per node (simulate.link_latency_ms=[1,1,1,40])",
         )
+
+    def per_node(self, key: str) -> float | tuple[float, ...]:
+        """``link_gbps`` or ``link_latency_ms`` as :class:`runner.comm.links.Links` takes it: a number, or a
+        tuple of one per node."""
+        value = getattr(self, key)
+        return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
 
     def links(self) -> bool:
         """Whether links between emulated nodes are emulated (both ``ranks_per_node`` and ``link_gbps``)."""
@@ -280,6 +307,8 @@ class SimulateConfig:
             f"only workers may straggle: name ranks in 0..{devices - 1} (devices={devices}){served}",
         )
         ranks = devices + servers
+        if self.links():
+            self._check_lists(-(-ranks // (self.ranks_per_node or 1)), ranks, servers)
         require(
             not self.links() or (self.ranks_per_node or 0) < ranks,
             "ranks_per_node",
@@ -287,6 +316,20 @@ class SimulateConfig:
             f"it puts all {ranks} ranks on one emulated node, so no link is crossed: give a node fewer "
             "ranks (e.g. simulate.ranks_per_node=1, a node per rank), or simulate.link_gbps=null: no links",
         )
+
+    def _check_lists(self, nodes: int, ranks: int, servers: int) -> None:
+        """A list of one value per node names no node the job lacks."""
+        served = f" (its {servers} server rank(s) after the workers included)" if servers else ""
+        for key in ("link_gbps", "link_latency_ms"):
+            value = getattr(self, key)
+            require(
+                not isinstance(value, (list, tuple)) or len(value) <= nodes,
+                key,
+                value,
+                f"{len(value) if isinstance(value, (list, tuple)) else 1} values, one per emulated node, "
+                f"but the job's {ranks} ranks{served} make {nodes} nodes of simulate.ranks_per_node="
+                f"{self.ranks_per_node}: give at most {nodes} (a node past the list takes its last value)",
+            )
 
     def warning(self) -> str | None:
         """What to tell about a setting that slows no rank although half of it is given."""
@@ -307,7 +350,7 @@ class SimulateConfig:
             )
         if self.link_gbps is not None and not self.ranks_per_node:
             return (
-                f"simulate.link_gbps={self.link_gbps:g} with no simulate.ranks_per_node: the ranks are on no "
-                "emulated nodes, no link is emulated (set e.g. simulate.ranks_per_node=1)"
+                f"simulate.link_gbps={_shown(self.link_gbps)} with no simulate.ranks_per_node: the ranks are "
+                "on no emulated nodes, no link is emulated (set e.g. simulate.ranks_per_node=1)"
             )
         return None

@@ -56,19 +56,26 @@ def make_link_sweep(root: Path, cells: dict = CELLS, seeds: tuple[int, ...] = ()
     sweep = root / "sweep"
     sweep.mkdir(parents=True)
     rules = ",".join(dict.fromkeys(r for r, _ in cells))
-    speeds = ",".join(dict.fromkeys("null" if g is None else str(g) for _, g in cells))
+    speeds = ",".join(dict.fromkeys(_speed(g) for _, g in cells))
     task = [f"rule={rules}", f"{LINK}={speeds}", "simulate.ranks_per_node=1"]
     task += [f"train.seed={','.join(map(str, seeds))}"] if seeds else []
     (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": task}}}))
     n = 0
     for (rule, gbps), value in cells.items():
         for seed, (accs, every) in zip(seeds or (None,), value if seeds else [value], strict=True):
-            speed = "null" if gbps is None else gbps
+            speed = _speed(gbps)
             extra = [] if seed is None else [f"train.seed={seed}"]
             overrides = [f"rule={rule}", f"{LINK}={speed}", "simulate.ranks_per_node=1", *extra]
             make_run(sweep / str(n), overrides, accs, every)
             n += 1
     return sweep
+
+
+def _speed(gbps) -> str:
+    """A link speed as an override's value: ``0.1``, ``[1,1,0.05]`` (one per node), ``null``."""
+    if isinstance(gbps, tuple):
+        return "[" + ",".join(f"{g:g}" for g in gbps) + "]"
+    return "null" if gbps is None else str(gbps)
 
 
 def report_of(sweep: Path, target: float | None = 0.95):
@@ -230,3 +237,18 @@ def test_no_warning_for_the_free_links_point_the_command_asked_for(cli):
     assert "no link is emulated" not in asked.output
     forgotten = cli("simulate.ranks_per_node=1", "train.max_steps=2", "devices=1")
     assert forgotten.returncode == 0 and "no link is emulated" in forgotten.output, forgotten.output
+
+
+def test_a_link_per_node_is_a_network_of_its_own_named_by_its_links_and_ordered_by_the_slowest(tmp_path):
+    """One node at 50 Mbit/s beside three at 1 Gbit/s: not free links, not 1 Gbit/s; its sentence names
+    each node's link, it comes between 0.01 and 0.1 Gbit/s (its slowest), and the plot's bandwidth axis
+    leaves it out."""
+    one_slow = (1.0, 1.0, 1.0, 0.05)
+    cells = {k: v for k, v in CELLS.items() if k[1] in (0.01, 0.1)}
+    cells |= {("bsp", one_slow): ([LOW] * 6 + [HIGH], 1.0), ("diloco", one_slow): ([LOW, HIGH], 1.0)}
+    cross = crossover(report_of(make_link_sweep(tmp_path, cells)))
+    assert cross.speeds == [0.01, one_slow, 0.1]
+    said = sentences(cross)[1]
+    assert said.startswith("At 1/1/1/0.05 Gbit/s by node") and "diloco" in said, said
+    figure = crossover_figure(cross)
+    assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == ["0.01", "0.1"]
