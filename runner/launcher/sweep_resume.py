@@ -359,7 +359,7 @@ def resumed_argv(argv: list[str]) -> list[str] | None:
         )
     rest = [a for a in argv if a not in given and a not in ("-m", "--multirun")]
     mine = {override_key(a) for a in rest if "=" in a}
-    check_changes(path, mine)
+    check_changes(path, mine, swept_keys(list(recorded.hydra.overrides.task)))
     own = ("resume", "hydra.mode", "hydra.sweep.dir", "hydra/sweeper", "hydra.sweeper.resume", *mine)
     check_foreign(path, recorded, rest, mine)
     task = [restored_override(o) for o in recorded.hydra.overrides.task if override_key(o) not in own]
@@ -390,11 +390,29 @@ def check_foreign(path: Path, recorded: DictConfig, rest: list[str], mine: set[s
         )
 
 
-def check_changes(path: Path, keys: set[str]) -> None:
+def swept_keys(task: list[str]) -> set[str]:
+    """The keys a sweep's recorded overrides ``task`` vary (``optim.lr=0.1,0.2``, ``range(...)``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return {
+        o.get_key_element().lstrip("+~")
+        for o in OverridesParser.create().parse_overrides(task)
+        if o.is_sweep_override()
+    }
+
+
+def check_changes(path: Path, keys: set[str], swept: set[str]) -> None:
     """Refuse overrides given with ``resume=SWEEP_DIR`` that would make its points differ: only the sweep's
-    own keys (``sweep.*``), Hydra's (the launcher's) and those a resumed run may change are taken."""
+    own keys (``sweep.*``), Hydra's (the launcher's) and those a resumed run may change are taken, and
+    none the sweep varies (each point's value is its own: a new one would be filed under the old)."""
     from runner.launcher.resume import SAFE_TO_CHANGE
 
+    for key in sorted(keys & swept):
+        raise ValueError(
+            f"{key}: cannot change when resuming the sweep {path}: the sweep varies it (each point has its "
+            "own value, and a point run with another would be kept as the one it was); drop it, or start a "
+            "new sweep over the values you want"
+        )
     for key in sorted(keys):
         if not changeable(key):
             raise ValueError(

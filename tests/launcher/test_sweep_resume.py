@@ -191,6 +191,12 @@ def test_resume_of_a_sweep_folder_is_its_own_command_line(tmp_path):
     assert resumed_argv(["train.max_steps=20"]) is None
     with pytest.raises(ValueError, match="optim.momentum: cannot change when resuming the sweep"):
         resumed_argv([f"resume={sweep}", "optim.momentum=0.5"])
+    recorded["hydra"]["overrides"]["task"].append("simulate.link_gbps=0.1,null")  # a key resumed runs may
+    OmegaConf.save(OmegaConf.create(recorded), sweep / SWEEP_CONFIG)  # change, but this sweep varies it
+    for varied in ("simulate.link_gbps=1", "optim.lr=0.3"):  # (the new point was kept as the old one)
+        with pytest.raises(ValueError, match=f"{varied.split('=')[0]}: .* the sweep varies it"):
+            resumed_argv([f"resume={sweep}", varied])
+    assert "simulate.ranks_per_node=1" in resumed_argv([f"resume={sweep}", "simulate.ranks_per_node=1"])
     (tmp_path / "run").mkdir()
     assert resumed_argv([f"resume={tmp_path / 'run'}"]) is None  # a run's folder: resumed as before
     recorded["hydra"]["sweeper"]["_target_"] = (
