@@ -146,6 +146,7 @@ class Trainer:
             self.model, self.optimizer, self.rule, cfg.on_nonfinite, keep, fp16, self.meter.echo, rank
         )
         self.preempted = False
+        self.cut: Position | None = None  # where train.max_steps ended the run within an epoch
         self.first_step = 0
         self.last_loss: float | torch.Tensor = float("nan")  # the last step's, left on the device (detached)
         self.prefetch = Prefetch(self.device)
@@ -185,6 +186,10 @@ class Trainer:
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
             pace.end_of_epoch(epoch)
+            if pace.cut_short(
+                pos, max_steps
+            ):  # (its final checkpoint is there: a longer resume goes on in it)
+                self.cut = Position(pos.step, pos.epoch, pos.batch)
             pos.batch = 0
             if no_improvement(v.history, v.reported_prefix + self.monitor, self.cfg.early_stop):
                 self.stopped_early = epoch
@@ -325,7 +330,9 @@ class Trainer:
         self.control.close()
         self.validator.gather()  # a run stopped within an epoch
         if not self.preempted:
-            self.save(Position(pos.step, max(epochs, start.epoch), 0), True)
+            if self.cut is not None:  # the epoch's timing was counted: a resumed run counts the rest alone
+                self.meter.epoch = type(self.meter.epoch)()
+            self.save(self.cut or Position(pos.step, max(epochs, start.epoch), 0), True)
         settle(self.workers)  # (fault tolerance) all go on to the rule's last messages and results, or none
         self.rule.finish()
 

@@ -68,6 +68,10 @@ class Static:
     def before_step(self, pos: Position) -> bool:
         return False
 
+    def cut_short(self, pos: Position, max_steps: int) -> bool:
+        """Whether ``train.max_steps`` ended the run before the epoch's last batch."""
+        return pos.step >= max_steps and pos.batch < len(self.loop.train_loader) // self.loop.cfg.accumulate
+
     def start_step(self) -> None:
         pass
 
@@ -198,6 +202,10 @@ class Dynamic:
         return shown
 
     def at_step_end(self, pos: Position, max_steps: int) -> bool:
+        return False
+
+    def cut_short(self, pos: Position, max_steps: int) -> bool:
+        """(What is left to deal is in the checkpoint's dealing state.)"""
         return False
 
     def end_of_span(self, pos: Position) -> bool:

@@ -206,3 +206,21 @@ def test_skip_drops_a_non_finite_step_on_every_rank_and_trains_on(tmp_path):
     assert stopped.returncode == 3 and stopped.summary["status"] == "diverged"
     assert "at step 5 on rank" in stopped.summary["error"]
     assert "no checkpoint was written before it" in stopped.summary["error"], "none was: none is kept"
+
+
+def test_a_run_ended_by_max_steps_within_an_epoch_resumes_longer_from_there(tmp_path):
+    """train.max_steps=10 of a 45-step epoch, then resume= with train.max_steps=30: epoch 0 goes on from
+    batch 10, not skipped (its final checkpoint was named epoch 1, batch 0), and the model is the one a run
+    of 30 steps makes, bit for bit (one rank: no BatchNorm statistics averaged at the extra epoch end)."""
+    args = ("devices=1", "train.log_every=5", "hardware.bind=none")
+    whole = run_cli(tmp_path / "whole", *args, "train.max_steps=30", timeout=240)
+    assert whole.returncode == 0, whole.output
+    cut = run_cli(tmp_path / "cut", *args, "train.max_steps=10", timeout=240)
+    assert "checkpoint after step 10 (epoch 0, batch 10)" in cut.output, cut.output
+    again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", "train.max_steps=30", timeout=240)
+    assert again.returncode == 0, again.output
+    resumed = Run(again.proc, tmp_path / "cut")
+    assert models_equal(whole.dir / "model.pt", resumed.dir / "model.pt") == []
+    vals = [(r["epoch"], r["step"]) for r in resumed.records("val")]
+    assert vals == [(0, 10), (0, 30)], vals  # the cut's end, then the run's (an epoch is 45 steps on 1 rank)
+    assert resumed.records("val")[-1]["val_acc"] == whole.records("val")[-1]["val_acc"]
