@@ -193,10 +193,26 @@ def sentence(cross: Crossover, gbps: Speed) -> str:
         times = _and([f"{c.series} {_s(c.seconds)}" for c in first])
         text = f"{where}, {_and([c.series for c in first])} tie in reaching {cross.target} first ({times}: "
         text += f"within one validation interval, {_s(max(c.time.resolution for c in first))}, of each other)"
+        text += _too_coarse(first)
     else:
         text = f"{where}, {lead.series} reached {cross.target} first, in {_s(lead.seconds)}"
     text += _ratios(cells, first, runner_up)
     return text + f"; final {cross.metric} {_finals(cells, first)}."
+
+
+def _too_coarse(first: list[Cell]) -> str:
+    """Where a tied cell reached the target at its first validation (its interval is all of its time, so
+    the tie says only that the validations came too late to tell): that, and the fix."""
+    early = [
+        c.series for c in first if c.time is not None and c.time.resolution >= (c.seconds or 0.0) * 0.999
+    ]
+    if not early:
+        return ""
+    return (
+        f", {_and(early)} reaching it at {'its' if len(early) == 1 else 'their'} first validation: too few "
+        "validations to tell them apart (validate more often, e.g. train.val_every=0.25, or set a harder "
+        "target)"
+    )
 
 
 def _ratios(cells: list[Cell], first: list[Cell], runner_up: Cell | None) -> str:
@@ -282,7 +298,11 @@ def headline(cross: Crossover) -> tuple[str, str]:
     for gbps, names in firsts(cross):
         who = "none reached it" if not names else names[0] if len(names) == 1 else f"a tie of {_and(names)}"
         parts.append(f"{speed_text(gbps)}: {who}")
-    crossing = "no crossover in this range" if no_crossover(cross) else "the lines cross"
+    reached = [g for g, names in firsts(cross) if g is not None and names]
+    if len(reached) < 2:  # (one speed, or none, where any reached it: nothing crosses or stays apart)
+        crossing = "the target was reached at fewer than two emulated link speeds: no crossover to tell"
+    else:
+        crossing = "no crossover in this range" if no_crossover(cross) else "the lines cross"
     return f"First to {cross.target}, by link speed: {'; '.join(parts)}", f"({crossing})"
 
 

@@ -215,6 +215,9 @@ def test_the_headline_and_the_console_line_answer_what_the_sweep_varied(tmp_path
     other = report_of(make_link_sweep(tmp_path / "b", crossing))
     assert "(the lines cross)" in markdown(other, []).splitlines()[2]
     assert not any(s.startswith("No crossover") for s in section(crossover(other)))
+    one_speed = {k: v for k, v in CELLS.items() if k[1] in (0.1, None)}  # one emulated speed and free links
+    alone = markdown(report_of(make_link_sweep(tmp_path / "c", one_speed)), []).splitlines()[2]
+    assert "(the target was reached at fewer than two emulated link speeds: no crossover to tell)" in alone
 
 
 def test_the_wall_time_caveat_stands_by_the_times_to_target_where_loads_differed(tmp_path):
@@ -252,3 +255,13 @@ def test_a_link_per_node_is_a_network_of_its_own_named_by_its_links_and_ordered_
     assert said.startswith("At 1/1/1/0.05 Gbit/s by node") and "diloco" in said, said
     figure = crossover_figure(cross)
     assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == ["0.01", "0.1"]
+
+
+def test_a_tie_of_rules_that_reached_the_target_at_their_first_validation_says_to_validate_more(tmp_path):
+    """diloco 1.75 s and bsp 9.55 s tie by the noise rule (bsp's crossing lies anywhere in its first 9.55
+    s); the sentence says the validations came too late to tell, and the fix."""
+    cells = {("bsp", 0.1): ([HIGH], 9.55), ("diloco", 0.1): ([HIGH], 1.75)}
+    cells |= {("bsp", 1): ([LOW, HIGH], 1.0), ("diloco", 1): ([LOW, HIGH], 0.9)}
+    said = sentences(crossover(report_of(make_link_sweep(tmp_path, cells))))
+    assert "diloco and bsp reaching it at their first validation: too few validations" in said[0], said[0]
+    assert "train.val_every=0.25" in said[0] and "first validation" not in said[1], said[1]
