@@ -22,7 +22,10 @@ def from_files(key: str) -> Any:
 
 
 def _files_output(key: str, _parent_: Any) -> Any:
-    return OmegaConf.get_type(_parent_).files_outputs(_parent_)[key]
+    from runner.schema import raising
+
+    with raising():  # (what the files lack is said once, by the data set's own checks: not as model.root)
+        return OmegaConf.get_type(_parent_).files_outputs(_parent_)[key]
 
 
 OmegaConf.register_new_resolver(RESOLVER, _files_output, replace=True)

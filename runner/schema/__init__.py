@@ -77,6 +77,17 @@ class ConfigErrors(ValueError):
 
 
 @contextmanager
+def raising() -> Iterator[None]:
+    """Within, :func:`require` raises, also inside :func:`collected` (a check made on the way to another
+    key's value, which it must not be counted against: a data set's files read for a model's shape)."""
+    token = _FAILED.set(None)
+    try:
+        yield
+    finally:
+        _FAILED.reset(token)
+
+
+@contextmanager
 def collected(prefix: str, problems: list[str]) -> Iterator[None]:
     """Run checks that may each fail without stopping the others: every :func:`require` failed within is
     added to ``problems`` as ``prefix`` + its message, once per setting (a key's later checks of the same

@@ -184,8 +184,9 @@ def test_shards_fill_in_their_shape_and_class_count(image_tree, tmp_path):
 def test_shards_reject_bad_input(image_tree, tmp_path):
     with pytest.raises(ValueError, match="root.*missing train_x.npy.*data.convert"):
         ShardsConfig(root=str(tmp_path))
-    with pytest.raises(ValueError, match=r"data\.root=.*missing train_x\.npy"):
+    with pytest.raises(ValueError, match=r"data\.root=.*missing train_x\.npy") as refused:
         checked_config(["data=shards", f"data.root={tmp_path}", "model=resnet18"])
+    assert "model.root" not in str(refused.value), "said once, as data.root (the model's shape read it)"
     root = tmp_path / "s"
     convert(image_tree, root, size=12)
     with pytest.raises(ValueError, match=r"data\.num_classes=4 .*3 classes: use data\.num_classes=3"):
