@@ -18,6 +18,14 @@ from runner.schema import ConfigErrors
 #: Hydra's messages this module rewords.
 CANNOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
 NOT_FOUND = re.compile(r"Could not find '([^']+)/([^'/]+)'")
+APPENDED = re.compile(r"An item is already at '([^']+)'")
+AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^']+)'")
+#: OmegaConf's type refusals, and what to give instead.
+WANTED = {
+    "could not be converted to Float": "a number",
+    "could not be converted to Integer": "a whole number",
+    "is not a valid bool": "true or false",
+}
 #: A key a config of the defaults list (a recipe) sets, which the option chosen instead does not have.
 SETS_UNKNOWN = re.compile(r"In '([^'/]+)/([^']+)': ConfigKeyError.*full_key: (\S+)\s+object_type=(\w+)", re.S)
 
@@ -32,6 +40,10 @@ def explain(err: BaseException, argv: list[str]) -> str:
         every = every_mistake(argv)
     except Exception:  # (the one line is still right)
         every = []
+    if AMBIGUOUS.search(
+        str(err)
+    ):  # (the others compose each sweep's first value: this one is not among them)
+        every = [first, *every]
     return str(ConfigErrors(every)) if len(every) > 1 else first
 
 
@@ -111,11 +123,56 @@ def _explain_one(err: BaseException, argv: list[str]) -> str:
         return _no_option(group, option, argv)
     if merging := re.match(r"Error merging override (\S+)", text):  # a value of the wrong type
         reason = str(err.__cause__ or "").strip().splitlines()[:1] or text.splitlines()[1:2]
-        return f"{merging.group(1)}: {reason[0] if reason else 'cannot be merged'}"
+        return f"{merging.group(1)}: {reason[0] if reason else 'cannot be merged'}" + _wanted(
+            merging.group(1), reason[0] if reason else "", argv
+        )
+    if appended := APPENDED.search(text):
+        key = appended.group(1)
+        given = next((a for a in argv if a.lstrip("+").split("=", 1)[0] == key), f"{key}=VALUE")
+        return (
+            f"+{key}: {key} is a key already, so it takes no '+' (that adds a new key): {given.lstrip('+')}"
+        )
+    if ambiguous := AMBIGUOUS.search(text):
+        given = ambiguous.group(1)
+        key, values = given.split("=", 1)
+        return (
+            f"{given}: several values are a sweep: add -m (python -m runner -m {given}); one list value is "
+            f"written {key}=[{values}], and text with a comma is quoted: {key}='{values}'"
+        )
     lines = [line.strip() for line in text.splitlines() if line.strip()][:1]  # not OmegaConf's full_key...
     if err.__cause__ is not None and str(err.__cause__).strip():  # OmegaConf's reason, as Hydra shows it
         lines.append(str(err.__cause__).strip().splitlines()[0])
     return "; ".join(lines) if lines else type(err).__name__
+
+
+def _wanted(override: str, reason: str, argv: list[str]) -> str:
+    """After OmegaConf's type refusal of ``override``: what the key takes, with its default as the
+    example (``; give a number, e.g. optim.lr=0.1``); nothing where the refusal is not a type's."""
+    wanted = next((w for said, w in WANTED.items() if said in reason), None)
+    if wanted is None:
+        return ""
+    key = override.lstrip("+~").split("=", 1)[0]
+    example = _default_of(key, argv)
+    return f"; give {wanted}" + (f", e.g. {key}={example}" if example is not None else "")
+
+
+def _default_of(key: str, argv: list[str]) -> Any:
+    """``key``'s value in the config the command line's other overrides compose to (None: none)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from runner.launcher.register import register
+
+    register()
+    rest = [a for a in _composable(argv) if a.lstrip("+~").split("=", 1)[0] != key]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            value = OmegaConf.select(compose(config_name=PRIMARY, overrides=rest), key)
+    except Exception:
+        return None
+    return str(value).lower() if isinstance(value, bool) else value
 
 
 def search_folders(argv: list[str]) -> list[Path]:
@@ -254,7 +311,8 @@ def _unknown(key: str, argv: list[str]) -> str | None:
     keys = [k for k in node if k != "_target_"]
     close = difflib.get_close_matches(name, keys, n=1)
     hint = f" (did you mean {parent}.{close[0]}?)" if close else ""
+    listed = f"the keys of {parent} are: {', '.join(keys)}" if keys else f"{parent} lists no keys yet"
     return (
-        f"{key}: no such key{hint}; the keys of {parent} are: {', '.join(keys)}; an argument of your own "
-        f"that the option does not list yet is added with +{key}=VALUE"
+        f"{key}: no such key{hint}; {listed}; an argument of your own that the option does not list yet "
+        f"is added with +{key}=VALUE"
     )

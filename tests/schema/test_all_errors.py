@@ -116,11 +116,17 @@ def test_composition_and_value_mistakes_are_named_together_each_with_its_hint():
     assert len(lines) == 5, lines
     assert "(did you mean train?)" in lines[0]
     assert lines[1].startswith("rule.alfa: not an option of BSPConfig")
-    assert lines[2].startswith("optim.lr=abc: ") and "Float" in lines[2]
+    assert lines[2].startswith("optim.lr=abc: ") and lines[2].endswith("; give a number, e.g. optim.lr=0.05")
     assert lines[3].startswith("model.hiden: not an option of CNNConfig")
     assert lines[4] == alone("checkpoint.keep=0")
     own = every_mistake(["model=custom", "model._target_=torch.nn.Linear", "model.hiden=3"])
     assert len(own) == 1 and "+model.hiden=VALUE" in own[0], own
+    assert "model lists no keys yet;" in own[0], own  # (not "the keys of model are: ;")
+    [plus, flag] = every_mistake(["+train.epochs=3", "hardware.oversubscribe=maybe"])
+    assert plus.endswith(
+        "train.epochs is a key already, so it takes no '+' (that adds a new key): train.epochs=3"
+    )
+    assert flag.endswith("give true or false, e.g. hardware.oversubscribe=false"), flag
 
 
 @pytest.mark.slow
@@ -129,6 +135,20 @@ def test_a_group_choice_that_is_not_found_is_named_and_its_keys_not_blamed():
 
     lines = every_mistake(["data=licence", "optim.lr=0.1", "rule=easgd", "rule.alpha=0.3"])
     assert len(lines) == 1 and lines[0].startswith("data=licence: no such option"), lines
+
+
+@pytest.mark.slow
+def test_several_values_without_m_are_named_with_the_other_mistakes(tmp_path):
+    """A single run given a sweep's values: Hydra's "Ambiguous value" alone hid the other mistakes."""
+    argv = ["optim.lr=0.1,0.2", "trian.epochs=3", "devices=two", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "3 settings are invalid:" in done.stderr, done.stderr
+    assert "optim.lr=0.1,0.2: several values are a sweep: add -m (python -m runner -m optim.lr=0.1,0.2)" in (
+        done.stderr
+    )
+    assert "(did you mean train?)" in done.stderr and "give a whole number, e.g. devices=2" in done.stderr
 
 
 @pytest.mark.slow
