@@ -71,14 +71,19 @@ def every_mistake(argv: list[str]) -> list[str]:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             return compose(config_name=PRIMARY, overrides=trial)
 
+    unchosen: set[str] = set()  # groups whose choice failed: their keys were meant for that option
     for override in choices + [a for a in given if a not in choices]:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.split(".", 1)[0] in unchosen and "." in key:
+            continue
         try:
             composed([*good, override])
         except Exception as err:
             lines.append(_explain_one(err, [*good, override]))
+            unchosen |= {key} if override in choices else set()
         else:
             good.append(override)
-    mine = {override_key(a) for a in given}
+    mine = {k for a in given if (k := override_key(a)).split(".", 1)[0] not in unchosen}
     token = READING_RUN_FOLDER.set(True)  # (checks only: no data set fetches its files here)
     try:
         validate(composed(good))

@@ -20,7 +20,15 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.run_folder import CONFIG_SHA_ENV
-from runner.schema import GROUPS, READING_RUN_FOLDER, collected, option_name, raise_problems, require
+from runner.schema import (
+    GROUPS,
+    READING_RUN_FOLDER,
+    collected,
+    option_name,
+    raise_problems,
+    require,
+    schema_of,
+)
 from runner.schema.logger import DEFAULT_LOGGERS, as_loggers
 from runner.schema.sections import CheckpointConfig, SimulateConfig, SweepConfig, TrainConfig
 from runner.schema.target import of_node
@@ -101,11 +109,31 @@ def check_keys(node: DictConfig, path: str = "") -> None:
                     hint = TARGET_HINTS.get(path.rstrip("."), hint)
                 raise ValueError(
                     f"{path}{key}: not an option of {cls.__name__} ({hint}); the keys are: {', '.join(known)}"
+                    + ("" if close else _other_options(path.rstrip("."), str(key)))
                 )
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
             check_keys(child, f"{path}{key}.")
+
+
+def _other_options(group: str, key: str) -> str:
+    """For a key the chosen option of ``group`` lacks: the other options that have it, or one close to it
+    (``; rule.alpha is a key of rule=easgd``); nothing for a key no option has, or outside the groups."""
+    if group not in GROUPS:
+        return ""
+    conf = Path(__file__).resolve().parents[1] / "conf" / group
+    holders: dict[str, list[str]] = {}
+    for option in sorted(p.stem for p in conf.glob("*.yaml")):
+        try:  # (an option whose schema is its own module: the rules', for one)
+            fields = [f.name for f in dataclasses.fields(schema_of(group, option))]
+        except (ImportError, ValueError, TypeError):
+            continue
+        match = key if key in fields else next(iter(difflib.get_close_matches(key, fields, n=1)), None)
+        if match is not None:
+            holders.setdefault(match, []).append(f"{group}={option}")
+    said = [f"{group}.{k} is a key of {', '.join(options)}" for k, options in sorted(holders.items())]
+    return "; " + "; ".join(said) if said else ""
 
 
 def validate(cfg: DictConfig) -> Config:

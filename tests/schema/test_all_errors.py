@@ -135,6 +135,16 @@ def test_a_group_choice_that_is_not_found_is_named_and_its_keys_not_blamed():
 
     lines = every_mistake(["data=licence", "optim.lr=0.1", "rule=easgd", "rule.alpha=0.3"])
     assert len(lines) == 1 and lines[0].startswith("data=licence: no such option"), lines
+    lines = every_mistake(["rule=dilco", "rule.inner_step=5", "optim.lr=-1"])  # (not checked against BSP)
+    assert [line.split(":")[0] for line in lines] == ["rule=dilco", "optim.lr=-1.0 is invalid"], lines
+
+
+def test_a_key_the_chosen_rule_lacks_names_the_rules_that_have_it():
+    from runner.schema.config import _other_options
+
+    assert _other_options("rule", "alfa") == "; rule.alpha is a key of rule=easgd"
+    assert _other_options("rule", "inner_step").startswith("; rule.inner_steps is a key of rule=async_diloco")
+    assert _other_options("rule", "zzz") == "" and _other_options("train", "alfa") == ""
 
 
 @pytest.mark.slow
