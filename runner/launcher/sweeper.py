@@ -222,6 +222,8 @@ class MpitrainSweeper(BasicSweeper):
         parsed = parser.parse_overrides([*self._parse_config(), *arguments])
         grid = zipped_grid(parsed, list(self.config.sweep.zip or ()))
         self.total = len(grid)
+        if self.hydra_context.config_loader is not None:
+            check_values(grid, self.point_config, list(arguments))
         if not self.resume:
             OmegaConf.save(self.config, sweep_dir / SWEEP_CONFIG)
             text = provenance.sweep_text(OmegaConf.select(self.config, "hydra.overrides", default={}))
@@ -242,6 +244,42 @@ class MpitrainSweeper(BasicSweeper):
         with open_dict(cfg):
             del cfg["hydra"]
         return cfg
+
+
+def check_values(grid: list[list[str]], composed: Any, sweep: list[str]) -> None:
+    """Every point's values checked before the first starts (a bad value of the last point was found
+    hours later): a ValueError with a line per problem, naming the points it is found in where not all.
+    ``composed``: the config a point's overrides compose to. What only a point's run can tell (a path the
+    data set fetches, its interpolations of Hydra's node) is left to it."""
+    from runner.schema import READING_RUN_FOLDER, ConfigErrors
+    from runner.schema.config import validate
+
+    found: dict[str, list[str]] = {}
+    level, token = log.level, READING_RUN_FOLDER.set(True)
+    log.setLevel(logging.ERROR)  # (each point's warnings are said when it runs)
+    try:
+        for overrides in grid:
+            try:
+                validate(composed(list(overrides)))
+                continue
+            except ConfigErrors as err:
+                problems = err.problems
+            except ValueError as err:
+                problems = [str(err).strip()]
+            except Exception:  # (said by the point itself when it runs)
+                continue
+            for problem in problems:
+                found.setdefault(problem, []).append(identity(list(overrides), sweep)["name"])
+    finally:
+        log.setLevel(level)
+        READING_RUN_FOLDER.reset(token)
+    if found:
+        raise ConfigErrors(
+            [
+                p if len(names) == len(grid) else f"{p} (point {', '.join(names)})"
+                for p, names in found.items()
+            ]
+        )
 
 
 def register_sweeper() -> None:

@@ -99,11 +99,11 @@ def stamps(folder: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path):
-    """Sweeps of points refused before launch (``devices=0``: no mpirun). One ends in the folder; a second
-    sweep of other points there is refused, and so is its resume while another process holds the folder;
-    the first sweep's files stay as they were (no report written over its own)."""
+    """Sweeps of points refused before launch (no such mpirun). One ends in the folder; a second sweep of
+    other points there is refused, and so is its resume while another process holds the folder; the first
+    sweep's files stay as they were (no report written over its own)."""
     sweep = tmp_path / "sweep"
-    first = cli("-m", f"hydra.sweep.dir={sweep}", "devices=0")
+    first = cli("-m", f"hydra.sweep.dir={sweep}", "hardware.mpirun=/nonexistent/mpirun")
     assert first.returncode == 2 and (sweep / "report.md").is_file(), first.stdout + first.stderr
     before = {k: v for k, v in stamps(sweep).items() if k != SWEEP_LOCK}
 

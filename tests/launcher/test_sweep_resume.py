@@ -261,12 +261,13 @@ def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_fail_fast_stops_a_sweep_at_its_first_point_not_ok(tmp_path):
-    """Point 0 is invalid (devices=0, refused before anything starts): point 1 is not started."""
-    run = cli("-m", f"hydra.sweep.dir={tmp_path}", "devices=0,1", "sweep.fail_fast=true", "train.max_steps=1")
+    """Point 0 is invalid (no such mpirun, refused as it starts): point 1 is not started. (A bad value is
+    refused before any point starts: the sweep's own check.)"""
+    mpirun = "hardware.mpirun=/nonexistent/mpirun,null"
+    run = cli("-m", f"hydra.sweep.dir={tmp_path}", mpirun, "sweep.fail_fast=true", "train.max_steps=1")
     assert run.returncode == 2, run.stdout + run.stderr
-    assert (
-        "[devices=1] not started: sweep.fail_fast, and point 0 (devices=0) invalid" in run.stdout + run.stderr
-    )
+    said = "[hardware.mpirun=null] not started: sweep.fail_fast, and point 0 (hardware.mpirun=/nonexistent/"
+    assert f"{said}mpirun) invalid" in run.stdout + run.stderr
     assert not (tmp_path / "1" / CONFIG).exists()
     assert {n: p["state"] for n, p in read_manifest(tmp_path).items()} == {"0": "invalid", "1": "pending"}
 
@@ -431,3 +432,27 @@ def test_fail_fast_launches_nothing_after_a_launch_with_a_point_not_ok(tmp_path,
     zipped = fake_sweeper(tmp_path / "zip", zip=["optim.lr", "train.seed"])
     zipped.sweep(["optim.lr=1,2", "train.seed=3,4"])
     assert zipped.launcher.launches == [(0, [["optim.lr=1", "train.seed=3"], ["optim.lr=2", "train.seed=4"]])]
+
+
+def test_every_points_values_are_checked_before_the_first_starts():
+    """A bad value of the sweep's last point was found when that point started, after the others had run;
+    each problem is named with the points it is found in (all of them: no list)."""
+    from runner.launcher.sweeper import check_values
+    from tests.conftest import compose_config
+
+    grid = [["optim.lr=0.1", "rule=bsp"], ["optim.lr=-1", "rule=bsp"], ["optim.lr=0.1", "rule=demo"]]
+    with pytest.raises(ValueError) as refused:
+        check_values(grid, compose_config, ["optim.lr=0.1,-1", "rule=bsp,demo"])
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "2 settings are invalid:", lines
+    assert lines[1].startswith("  - optim.lr=-1.0 is invalid") and lines[1].endswith(
+        "(point optim.lr=-1,rule=bsp)"
+    )
+    assert "rule=demo keeps the momentum itself" in lines[2] and lines[2].endswith(
+        "(point optim.lr=0.1,rule=demo)"
+    )
+    check_values([["optim.lr=0.1"], ["optim.lr=0.2"]], compose_config, ["optim.lr=0.1,0.2"])  # none: no error
+    with pytest.raises(ValueError, match=r"^train.epochs=0 is invalid: .*=10\)$"):  # in every point: no list
+        check_values(
+            [["train.epochs=0", "optim.lr=0.1"], ["train.epochs=0", "optim.lr=0.2"]], compose_config, []
+        )

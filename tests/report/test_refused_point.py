@@ -56,14 +56,23 @@ def test_a_refused_point_is_listed_as_refused_with_its_reason(tmp_path):
 
 @pytest.mark.slow
 def test_a_sweep_reports_its_refused_point(tmp_path):
-    """A real sweep whose one point is refused (``devices=0``; no job starts): exit 2, and the report
-    names the point as refused, with the launcher's reason."""
-    argv = [sys.executable, "-m", "runner", "-m", f"hydra.sweep.dir={tmp_path}", "devices=0"]
+    """A real sweep whose one point is refused as it starts (no such mpirun; no job starts; a bad value is
+    refused before any point, by the sweep): exit 2, and the report names the point as refused, with the
+    launcher's reason."""
+    argv = [
+        sys.executable,
+        "-m",
+        "runner",
+        "-m",
+        f"hydra.sweep.dir={tmp_path}",
+        "hardware.mpirun=/nonexistent/mpirun",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert json.loads((tmp_path / "sweep.json").read_text())["points"]["0"]["error"] == REASON
+    reason = json.loads((tmp_path / "sweep.json").read_text())["points"]["0"]["error"]
+    assert reason.startswith("hardware.mpirun='/nonexistent/mpirun' was not found"), reason
     assert (
-        f"(invalid, `{tmp_path / '0'}`): refused before it started: {REASON}"
+        f"(invalid, `{tmp_path / '0'}`): refused before it started: {reason}"
         in (tmp_path / "report.md").read_text()
     )
