@@ -109,6 +109,8 @@ def test_help_names_every_rule_group_and_the_hardware_keys():
         line = next((ln for ln in done.stdout.splitlines() if ln.strip().startswith(key)), "")
         assert line.strip() != key, f"--help does not explain {key}: {line!r}"
     assert "See README.md" not in done.stdout and "docs/index.md" in done.stdout
+    pages = sorted(p.stem for p in (ROOT / "docs").glob("*.md") if p.stem != "index")
+    assert all(re.search(rf"\b{re.escape(p)}\b", done.stdout) for p in pages), "--help lists every page"
 
 
 def test_the_configuration_page_lists_every_rule_with_every_key():
@@ -131,3 +133,26 @@ def test_the_configuration_page_lists_every_rule_with_every_key():
         if rule not in rows or absent:
             missing[rule] = absent or "no row"
     assert not missing, f"docs/configuration.md's rule table lacks {missing}"
+
+
+def test_every_place_that_lists_the_compress_kinds_names_them_all():
+    """``rule.compress``'s kinds (runner/comm/compress.py's KINDS) in the rules' tables of rules.md and
+    configuration.md (rules.md's BSP row named int8 and topk only, though BSP takes all four)."""
+    from runner.comm.compress import KINDS
+
+    kinds = [k for k in KINDS if k != "none"]
+    rows = [
+        ln
+        for path in ("docs/rules.md", "docs/configuration.md")
+        for ln in text(path).splitlines()
+        if ln.startswith("| `compress` | `none`") or ("`compress` none (" in ln)
+    ]
+    assert len(rows) >= 3, rows  # BSP's and DiLoCo's in rules.md, the configuration page's
+    for row in rows:
+        assert all(f"`{k}`" in row or re.search(rf"\b{k}\b", row) for k in kinds), row
+
+
+def test_the_configuration_page_has_a_section_per_group():
+    body = text("docs/configuration.md")
+    missing = [g for g in conf_groups() if f"## `{g}`" not in body]
+    assert missing == [], f"docs/configuration.md has no section for {missing}"

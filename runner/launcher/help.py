@@ -172,8 +172,16 @@ def help_hardware(*, _root_: DictConfig) -> str:
     return _rows(rows)
 
 
+def help_pages() -> str:
+    """The documentation's pages (``${mpitrain_help_pages:}``), from ``docs/`` beside the package."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    pages = sorted(p.stem for p in docs.glob("*.md") if p.stem != "index")
+    return f"the pages: {', '.join(pages)}" if pages else "in the repository's docs/ folder"
+
+
 def register_help() -> None:
     """Register the help's resolvers (idempotent); before ``hydra.main`` composes the help config."""
     OmegaConf.register_new_resolver("mpitrain_help_groups", help_groups, replace=True)
     OmegaConf.register_new_resolver("mpitrain_help_keys", help_keys, replace=True)
     OmegaConf.register_new_resolver("mpitrain_help_hardware", help_hardware, replace=True)
+    OmegaConf.register_new_resolver("mpitrain_help_pages", help_pages, replace=True)
