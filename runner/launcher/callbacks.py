@@ -69,9 +69,10 @@ class SweepReport(Callback):
             if quiet_if_empty:
                 log.info("the sweep did not complete: reporting the runs it has")
             log.info(
-                "sweep report: %s (%d runs; %s)",
+                "sweep report: %s (%d run%s; %s)",
                 sweep_dir / "report.html",
                 len(report.runs),
+                "" if len(report.runs) == 1 else "s",
                 verdict_line(report),
             )
         except Exception as err:  # a report is a convenience: it must not fail the sweep

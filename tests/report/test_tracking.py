@@ -416,11 +416,14 @@ def test_the_launcher_and_the_default_logger_import_no_mlflow_or_wandb(tmp_path)
 
 # -- MLflow, in-process --------------------------------------------------------------------------------------
 @needs("mlflow")
-def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_the_run(tmp_path):
+def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_the_run(
+    tmp_path, monkeypatch
+):
     from runner.rank.records.metrics import MetricsLog
     from runner.schema.logger.mlflow import MLflowConfig
 
     uri = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
     run_dir = fake_run(tmp_path / "sweep" / "0", {"optim.lr": 0.05}, ["rule=easgd", "optim.lr=0.05"])
     launched = time.time() - 30.0  # the launcher wrote config.yaml 30 s before rank 0 recorded (start-up)
     os.utime(run_dir / "config.yaml", (launched, launched))
@@ -436,6 +439,7 @@ def test_mlflow_records_params_metrics_summary_and_model_and_a_resume_continues_
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id)}
     assert artifacts == {"config.yaml", "summary.json", "model.pt"}
     assert not (run_dir / "tb").exists(), "logger=[mlflow] alone writes no TensorBoard events"
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true", "MLflow's telemetry only where the user asks"
 
     log = MetricsLog(
         run_dir, enabled=True, loggers={"mlflow": MLflowConfig(tracking_uri=uri)}, resume=(3, 4, 1.0)

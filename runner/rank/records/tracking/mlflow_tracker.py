@@ -77,6 +77,8 @@ class MLflowTracker(Tracker):
         uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_store(run)
         if uri.startswith("file:"):  # chosen: MLflow 3 asks for it to be allowed
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # MLflow's usage telemetry (a file in the home folder, messages out) only where the user asks for it
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.tracking import MlflowClient
 
         self.cfg, self.run = cfg, run
