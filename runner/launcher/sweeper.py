@@ -24,7 +24,7 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -199,7 +199,12 @@ class MpitrainSweeper(BasicSweeper):
 
     def _spawns_workers(self) -> bool:
         """Whether the launcher runs the points in worker processes it starts on this machine (joblib's)."""
-        return type(self.launcher).__name__ == "JoblibLauncher"
+        if type(self.launcher).__name__ != "JoblibLauncher":
+            return False
+        joblib_log = logging.getLogger("hydra_plugins.hydra_joblib_launcher._core")
+        if not joblib_log.filters:  # its settings' repr, a line of joblib's internals, is not for the user
+            joblib_log.addFilter(lambda record: not record.getMessage().startswith("Joblib.Parallel("))
+        return True
 
     @staticmethod
     def _take_stopped(result: JobReturn, sweep: list[str]) -> None:
@@ -207,9 +212,10 @@ class MpitrainSweeper(BasicSweeper):
 
         A point that raised (run elsewhere: preempted, as the stop asked, or failed before it) counts for
         the exit status."""
-        try:
-            _ = result.return_value
-        except Exception as err:
+        if result.status != JobStatus.FAILED:
+            return
+        err = result._return_value  # (its return_value writes "Error executing job ..." for a preemption)
+        if isinstance(err, Exception):
             status = str(getattr(err, "status", "failed"))
             name = identity(list(result.overrides), sweep)["name"]
             outcomes.NOT_OK.append((name, status, EXIT.get(status, EXIT["failed"])))

@@ -372,6 +372,7 @@ def test_one_ctrl_c_stops_a_joblib_sweep_and_resume_finishes_it(tmp_path):
     joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
     code, out, ended = interrupt(sweep, *joblib, *POINTS, *JOB, running=("0", "1"))
     assert_stopped(sweep, code, out, ended, ("0", "1"))
+    assert "Error executing job" not in out and "Joblib.Parallel(" not in out, out  # (preempted, as asked)
     assert_resumed(sweep, ("0", "1"))
 
 
