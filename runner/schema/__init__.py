@@ -52,7 +52,8 @@ def require(ok: bool, key: str, value: Any, hint: str) -> None:
     record it and go on to the next check."""
     if ok:
         return
-    setting = f"{key}={value!r}"
+    shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+    setting = f"{key}={shown}"  # (as the command line writes it: null, true)
     failed = _FAILED.get()
     if failed is None:
         raise ValueError(f"{setting} is invalid: {hint}")

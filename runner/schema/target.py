@@ -48,7 +48,8 @@ class Target:
         path, args = node[TARGET], {k: v for k, v in node.items() if k != TARGET}
         if not isinstance(path, str) or "." not in path or not all(path.split(".")):
             raise ValueError(
-                f"{key}._target_={path!r} is invalid: a dotted path to a class, e.g. my_project.models.Net"
+                f"{key}._target_={'null' if path is None else repr(path)} is invalid: a dotted path to a "
+                "class, e.g. my_project.models.Net"
             )
         module, rest, package = find_module(path)
         if not module or (package and "." in rest):

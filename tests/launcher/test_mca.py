@@ -74,7 +74,7 @@ def test_the_command_line_carries_booleans_and_lists_as_open_mpi_reads_them():
     [
         (
             "+hardware.mca.mpi_ft_detector=null",
-            r"hardware\.mca\.mpi_ft_detector=None is invalid: give a value",
+            r"hardware\.mca\.mpi_ft_detector=null is invalid: give a value",
         ),
         ("+hardware.mca.btl_tcp={if_include: eth0}", r"hardware\.mca\.btl_tcp=.*btl_tcp_if_include=eth0"),
         ("hardware.mca.btl=[]", r"hardware\.mca\.btl=\[\] is invalid: an empty list"),

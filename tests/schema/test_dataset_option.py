@@ -50,7 +50,7 @@ TRAIN = f"data.train._target_={BLOBS}"
             r"tests\.helpers\.plain_data is a module: name a class",
         ),
         ([TRAIN, "data.val._target_=nowhere.Val"], r"data\.val\._target_=.*no module 'nowhere'"),
-        ([TRAIN, "+data.val.size=3"], r"data\.val\._target_=None is invalid"),
+        ([TRAIN, "+data.val.size=3"], r"data\.val\._target_=null is invalid"),
         ([TRAIN, "+data.train.base={_target_: nowhere.Set}"], r"data\.train\.base\._target_=.*no module"),
         ([TRAIN, "+data.train._partial_=true"], r"data\.train\._partial_ is not supported.*~data\.train"),
         ([TRAIN, "data.val_fraction=1.5"], r"data\.val_fraction=1\.5.*\(0, 1\)"),

@@ -142,9 +142,9 @@ def test_block_size_is_the_window_or_at_least_it():
 
 
 def test_yaml_option_needs_a_vocabulary_then_composes_and_builds():
-    with pytest.raises(ValueError, match=r"model\.vocab_size=None is invalid: .*data=shakespeare_char"):
+    with pytest.raises(ValueError, match=r"model\.vocab_size=null is invalid: .*data=shakespeare_char"):
         checked_config(["model=gpt", "data=synthetic", "data.shape=[12]"])
-    with pytest.raises(ValueError, match=r"vocab_size=None is invalid: .*or set model\.vocab_size"):
+    with pytest.raises(ValueError, match=r"vocab_size=null is invalid: .*or set model\.vocab_size"):
         GPTConfig([12], 10, vocab_size=None)
     cfg = checked_config(["model=gpt", *TOKENS]).model
     assert cfg == GPTConfig([12], 10, vocab_size=100)  # the class's defaults: nanoGPT's CPU recipe

@@ -117,7 +117,7 @@ def test_no_network_says_what_to_download_where(tmp_path):
     with pytest.raises(ValueError) as refused:
         checked_config(["data=shakespeare_char", *LM])
     told = str(refused.value)
-    assert told.startswith("data.root=None is invalid: ") and "\n" not in told, told
+    assert told.startswith("data.root=null is invalid: ") and "\n" not in told, told
     assert f"fetching it failed (<urlopen error no network here>): download {URL} to {where}" in told, told
     assert not where.parent.exists() or not list(where.parent.iterdir()), "nothing written"
 
@@ -273,7 +273,7 @@ def test_tokens_without_meta_json(tmp_path):
         checked_config(["data=tokens", f"data.root={root}", *LM])
     told = str(refused.value)
     assert re.fullmatch(
-        r"data\.vocab_size=None is invalid: .* holds meta\.pkl, which is not read .* write .*meta\.json as "
+        r"data\.vocab_size=null is invalid: .* holds meta\.pkl, which is not read .* write .*meta\.json as "
         r"\{\"vocab_size\": N\}, or set data\.vocab_size=N",
         told,
     ), told

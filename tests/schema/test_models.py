@@ -187,9 +187,9 @@ def test_one_pixel_less_than_the_minimum_fails_in_torch(cfg, size):
 
 
 def test_lstm_needs_token_sequences_from_text_data(tmp_path):
-    with pytest.raises(ValueError, match=r"model\.vocab_size=None is invalid: model=lstm reads token ids"):
+    with pytest.raises(ValueError, match=r"model\.vocab_size=null is invalid: model=lstm reads token ids"):
         checked_config(["model=lstm"])  # digits: images, no vocabulary
-    with pytest.raises(ValueError, match=r"model\.vocab_size=None .*use data=text"):
+    with pytest.raises(ValueError, match=r"model\.vocab_size=null .*use data=text"):
         checked_config(["model=lstm", "data=synthetic", "data.shape=[12]"])
     with pytest.raises(
         ValueError, match=r"model\.input_shape=\[3, 8, 8\] is invalid: the LSTM reads sequences"

@@ -5,8 +5,8 @@ After the survivors of a lost worker have recovered (:mod:`runner.rank.resilienc
 of their next step (or epoch) every living rank, servers included, grows the job collectively
 (:meth:`Elastic.grow`):
 
-1. the workers meet (each is done with its calls on the world), worker 0 tells each server (a message
-   after all of its others), and the world is shrunk to the living;
+1. the workers meet (each is done with its calls on the world), every worker tells each server (a message
+   after all of its others; the first starts the server's part), and the world is shrunk to the living;
 2. ``MPI_Comm_spawn`` starts the new workers (``python -m runner.rank.worker RUN_DIR --joined ID``: ids
    are never reused, so a replacement has its own log and heartbeat) on the slots mpirun was given, and
    ``MPI_Intercomm_merge`` brings them in; the world is reordered workers first (survivors, then the new
@@ -111,8 +111,11 @@ class Elastic:
             # barrier: one a worker lost in it had entered could let some go on to the spawn, the others
             # to recover, each waiting for the other
             self.workers.agree()
-            for server in range(world.size - self.servers, world.size) if world.rank == 0 else []:
-                world.send(torch.zeros(1, dtype=torch.float64), server, GROW)  # after its other messages
+            # every worker tells each server (after its other messages), not worker 0 alone: one lost after
+            # the agreement would leave the servers serving while the others wait for them in the shrink
+            # (the server grows at the first; the others' stay on the world it replaces)
+            for server in range(world.size - self.servers, world.size):
+                world.send(torch.zeros(1, dtype=torch.float64), server, GROW)
         world.shrink()
         first = len(self.hosts)
         room, asked_for = self.room, want
