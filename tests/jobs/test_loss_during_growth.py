@@ -16,16 +16,19 @@ import pytest
 from tests.conftest import run_cli
 
 #: (rule, the first victim and its step, the second victim and its delay into the growth): moments that
-#: stalled (EASGD; the spawn takes about 2.5 s here) and one the survivors came through (BSP).
+#: stalled (EASGD; the spawn takes about 2.5 s here), one the survivors came through (BSP), and ASGD's
+#: world rank 0 lost after the workers' agreement, when it alone told the server to grow (the kill
+#: battery's asgd heal seed 38: stalled 2 of 2 with the server serving and the workers in their shrink).
 DRAWS = [
     (["rule=easgd"], 3, 7, 2, 2.205),
     (["rule=bsp"], 0, 4, 1, 0.654),
+    (["rule=asgd"], 0, 3, 1, 0.328),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.parametrize("rule, first, step, second, delay", DRAWS, ids=["easgd", "bsp"])
+@pytest.mark.parametrize("rule, first, step, second, delay", DRAWS, ids=["easgd", "bsp", "asgd"])
 def test_a_worker_lost_while_a_replacement_joins_never_stalls(tmp_path, rule, first, step, second, delay):
     t0 = time.monotonic()
     run = run_cli(
