@@ -22,13 +22,16 @@ from typing import Protocol
 from runner.report.confidence import REPEAT_KEYS, Point, Spread, tie
 from runner.report.runs import Run, finite_or_none, short_value
 
-#: The swept key that makes the network an axis, and the one that makes links at all.
+#: The swept keys that make the network an axis (a link speed; a kind of network, conf/network/), and the
+#: one that makes links at all.
 LINK_KEY = "simulate.link_gbps"
+NETWORK_KEY = "network"
 NODES_KEY = "simulate.ranks_per_node"
 #: The rule every other one is measured against.
 BASELINE = "bsp"
-#: A run's link speed: Gbit/s for every node, one per node, or None (free links).
-Speed = float | tuple[float, ...] | None
+#: A run's link speed: Gbit/s for every node, one per node, ``network=NAME`` (a sweep over kinds of
+#: network), or None (free links).
+Speed = float | tuple[float, ...] | str | None
 #: How the runs without links are called.
 FREE = "free links"
 #: The report's section on it.
@@ -83,10 +86,14 @@ class Crossover:
         return [c for s in self.series if (c := self.cells.get((s, gbps))) is not None]
 
 
-def speed_of(run: Run) -> Speed:
-    """``run``'s link speed in Gbit/s (a tuple: one per node), None where its links are free (no bandwidth,
-    or no nodes)."""
+def speed_of(run: Run, axis: str = LINK_KEY) -> Speed:
+    """``run``'s link speed in Gbit/s (a tuple: one per node; ``network=NAME`` on a sweep over kinds of
+    network), None where its links are free (no bandwidth, or no nodes)."""
+    if axis == NETWORK_KEY and (name := (run.lookup(NETWORK_KEY) or (None, ""))[0]) is not None:
+        return f"{NETWORK_KEY}={name}"
     value = (run.lookup(LINK_KEY) or (None, ""))[0]
+    if value is None:  # (a list in the run's config is not a lookup's value)
+        value = run.config(("simulate", "link_gbps"))
     nodes = finite_or_none((run.lookup(NODES_KEY) or (None, ""))[0])
     if isinstance(value, (list, tuple)):
         each = [finite_or_none(v) for v in value]
@@ -97,14 +104,14 @@ def speed_of(run: Run) -> Speed:
 
 
 def slowest(gbps: Speed) -> float:
-    """The slowest link of ``gbps`` (0 for free links)."""
-    return min(gbps) if isinstance(gbps, tuple) else gbps or 0.0
+    """The slowest link of ``gbps`` (0 for free links and a network's name)."""
+    return min(gbps) if isinstance(gbps, tuple) else gbps if isinstance(gbps, float) else 0.0
 
 
 def series_name(run: Run) -> str:
     """The series of ``run``: its swept values but the link speed and the seed (``diloco`` when the rule is
     the only one, ``rule=diloco,rule.inner_steps=20`` otherwise; ``all runs`` when nothing else varied)."""
-    keys = [k for k in run.swept if k not in (LINK_KEY, NODES_KEY, *REPEAT_KEYS)]
+    keys = [k for k in run.swept if k not in (LINK_KEY, NODES_KEY, NETWORK_KEY, *REPEAT_KEYS)]
     if keys == ["rule"]:
         return str(run.swept["rule"])
     parts = [(k, run.lookup(k)) for k in keys]
@@ -133,14 +140,18 @@ def _interval(run: Run) -> float:
 def crossover(report: Scored) -> Crossover | None:
     """The report's cells by series and link speed, None unless its runs differ in ``simulate.link_gbps``
     (swept, two speeds at least, free links counting as one) and it has a target."""
-    if LINK_KEY not in report.keys or report.target is None:
+    axis = next((k for k in (LINK_KEY, NETWORK_KEY) if k in report.keys), None)
+    if axis is None or report.target is None:
         return None
     cells: dict[tuple[str, Speed], Cell] = {}
+    order: dict[Speed, tuple] = {}  # a kind of network: by its slowest link, then its name
     for point in report.points:
         first = point.runs[0]
-        key = (series_name(first), speed_of(first))
+        key = (series_name(first), speed_of(first, axis))
         cells.setdefault(key, Cell(*key, point, _time(point)))
-    speeds = sorted({g for _, g in cells}, key=lambda g: (g is None, slowest(g), isinstance(g, tuple)))
+        links = speed_of(first) if isinstance(key[1], str) else key[1]
+        order.setdefault(key[1], (links is None, slowest(links), not isinstance(key[1], float), str(key[1])))
+    speeds = sorted(order, key=order.__getitem__)
     if len(speeds) < 2:
         return None
     series = sorted({s for s, _ in cells}, key=lambda s: (s != BASELINE, s))
@@ -151,6 +162,8 @@ def speed_text(gbps: Speed) -> str:
     """``0.1 Gbit/s``, ``1/1/0.05 Gbit/s by node``, or ``free links`` for None."""
     if isinstance(gbps, tuple):
         return "/".join(f"{g:g}" for g in gbps) + " Gbit/s by node"
+    if isinstance(gbps, str):
+        return gbps
     return FREE if gbps is None else f"{gbps:g} Gbit/s"
 
 
@@ -303,7 +316,7 @@ def headline(cross: Crossover) -> tuple[str, str]:
         crossing = "the target was reached at fewer than two emulated link speeds: no crossover to tell"
     else:
         crossing = "no crossover in this range" if no_crossover(cross) else "the lines cross"
-    return f"First to {cross.target}, by link speed: {'; '.join(parts)}", f"({crossing})"
+    return f"First to {cross.target}, by {_axis(cross)}: {'; '.join(parts)}", f"({crossing})"
 
 
 def summary_line(cross: Crossover) -> str:
@@ -311,7 +324,12 @@ def summary_line(cross: Crossover) -> str:
     parts = []
     for gbps, names in firsts(cross):
         parts.append(f"{speed_text(gbps)} {'none' if not names else '='.join(names)}")
-    return f"first to {cross.target} by link speed: {', '.join(parts)}"
+    return f"first to {cross.target} by {_axis(cross)}: {', '.join(parts)}"
+
+
+def _axis(cross: Crossover) -> str:
+    """What the sweep varied: ``network`` (its kinds of network) or ``link speed``."""
+    return "network" if any(isinstance(g, str) for g in cross.speeds) else "link speed"
 
 
 def grid(cross: Crossover) -> tuple[list[str], list[list[str]]]:

@@ -19,7 +19,7 @@ from runner.comm.routes.wire import Wire16
 from runner.comm.staging import Buffers
 from runner.comm.stats import CommStats, Transfer, clock, owe
 from runner.schema.sections import SimulateConfig
-from tests.conftest import checked_config
+from tests.conftest import ROOT, checked_config
 
 MB = 10**6
 #: 1 ms latency and 8 Mbit/s: a crossing of n bytes costs 1e-3 + n / 1e6 seconds.
@@ -257,6 +257,17 @@ def test_a_list_longer_than_the_nodes_is_refused_naming_both():
         ["rule=asgd", "devices=2", "simulate.ranks_per_node=1", "simulate.link_gbps=[1,1,1]"]
     )
     assert emulated(servers.simulate).rate(2) == 1.0  # 2 workers and a server: 3 nodes
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "network").glob("*.yaml")))
+def test_every_network_preset_makes_links_for_any_number_of_nodes(preset):
+    for devices in (2, 4, 8):  # (a per-node list's last value serves the nodes past it)
+        links = emulated(checked_config([f"network={preset}", f"devices={devices}"]).simulate)
+        assert links is not None and links.ranks_per_node == 1, preset
+    slow = emulated(checked_config(["network=one_slow_node", "devices=4"]).simulate)
+    assert (slow.rate(0), slow.latency(0), slow.rate(3), slow.latency(3)) == (0.05, 0.04, 1.0, 5e-5)
+    given = checked_config(["network=internet", "simulate.link_gbps=0.5"]).simulate  # the command line wins
+    assert (given.link_gbps, given.link_latency_ms) == (0.5, 40)
 
 
 def test_per_node_settings_reach_the_links():

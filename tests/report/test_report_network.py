@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from runner.report.crossover_plot import crossover_figure
-from runner.report.network import HEADING, crossover, grid, section, sentences
+from runner.report.network import HEADING, crossover, grid, section, sentences, summary_line
 from runner.report.runs import load_runs
 from runner.report.table import markdown, score
 from runner.report.write import write_report
@@ -265,3 +265,29 @@ def test_a_tie_of_rules_that_reached_the_target_at_their_first_validation_says_t
     said = sentences(crossover(report_of(make_link_sweep(tmp_path, cells))))
     assert "diloco and bsp reaching it at their first validation: too few validations" in said[0], said[0]
     assert "train.val_every=0.25" in said[0] and "first validation" not in said[1], said[1]
+
+
+def test_a_sweep_over_kinds_of_network_gets_a_sentence_per_network(tmp_path):
+    """``network=lan,internet,one_slow_node``: the report's axis is the network, named by its option and
+    ordered by its slowest link (from each run's config); no bandwidth plot."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    task = ["rule=bsp,diloco", "network=lan,internet,one_slow_node"]
+    (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": task}}}))
+    links = {"lan": 10.0, "internet": 0.1, "one_slow_node": [0.05, 1.0]}
+    times = {"bsp": {"lan": 1.0, "internet": 9.0, "one_slow_node": 8.0}}
+    times["diloco"] = {"lan": 4.0, "internet": 2.0, "one_slow_node": 2.0}
+    for n, (rule, net) in enumerate((r, k) for r in ("bsp", "diloco") for k in links):
+        make_run(sweep / str(n), [f"rule={rule}", f"network={net}"], [LOW, HIGH], times[rule][net] / 2)
+        config = {"simulate": {"ranks_per_node": 1, "link_gbps": links[net]}}
+        (sweep / str(n) / "config.yaml").write_text(json.dumps(config))
+    report = report_of(sweep)
+    cross = crossover(report)
+    assert cross.speeds == ["network=one_slow_node", "network=internet", "network=lan"], cross.speeds
+    said = sentences(cross)
+    assert said[0].startswith("At network=one_slow_node, diloco reached val_acc ≥ 0.95 first"), said
+    assert said[2].startswith("At network=lan, bsp reached"), said
+    from runner.report.plots import figures
+
+    assert figures(report).get("crossover") is None
+    assert summary_line(cross).startswith("first to val_acc ≥ 0.95 by network: network=one_slow_node diloco")
