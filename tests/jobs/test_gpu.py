@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers.kill_battery import NEEDS
-from tests.helpers.rules import rules
+from tests.helpers.rules import needs, rules
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +37,7 @@ def test_every_rule_trains_on_gpus_shared_by_two_ranks(cli, rule):
     run = cli(
         "hardware=gpu",
         f"rule={rule}",
-        *NEEDS.get(rule, []),
+        *needs(rule),
         "devices=2",
         "hardware.gpus_per_node=1",
         "hardware.ranks_per_gpu=3",  # asgd adds a server rank
@@ -103,7 +102,7 @@ def test_every_rule_runs_on_the_nccl_transport_with_one_worker(cli, rule):
     run = cli(
         "hardware=gpu",
         f"rule={rule}",
-        *NEEDS.get(rule, []),
+        *needs(rule),
         "devices=1",
         "hardware.gpus_per_node=1",
         "hardware.ranks_per_gpu=2",
