@@ -267,6 +267,11 @@ def run() -> None:
         check_folders(sys.argv[1:])
         check_plugins(sys.argv[1:])  # hydra/launcher=joblib without the joblib extra: say so
         main()
+    except KeyboardInterrupt:  # a Ctrl-C before the run or the sweep took the signals: no job started
+        if traceback_wanted:
+            raise
+        print("interrupted (SIGINT) while starting: no job was started", file=sys.stderr)
+        sys.exit(EXIT["interrupted"])
     except BrokenPipeError:  # `mpitrain --help | head`: the reader has gone, no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)

@@ -120,6 +120,11 @@ def held_from_new_processes(spawns: bool) -> Iterator[None]:
         done.set()
 
 
+def count_points(total: int) -> None:
+    """The sweep taking the signals has ``total`` points (known once its grid is made and checked)."""
+    _SWEEP.total = total
+
+
 def follow(sweep_dir: Path, elsewhere: bool) -> None:
     """In a point's process: follow the stop of the sweep in ``sweep_dir``.
 

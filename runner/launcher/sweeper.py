@@ -137,6 +137,17 @@ class SweepFolderLock:
     ) -> None:
         self._close()
 
+    def discard(self) -> None:
+        """A new sweep refused while it holds the lock: leave no folder that holds the lock alone (the
+        folder itself only where nothing else is in it)."""
+        if [p.name for p in self.sweep_dir.iterdir()] == [SWEEP_LOCK]:
+            (self.sweep_dir / SWEEP_LOCK).unlink(missing_ok=True)
+            self._close()
+            try:
+                self.sweep_dir.rmdir()
+            except OSError:
+                pass
+
     def _close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # releases the lock
@@ -168,12 +179,17 @@ class MpitrainSweeper(BasicSweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         settings = self.config.sweep
         with ExitStack() as held:
+            lock = SweepFolderLock(sweep_dir, fresh=not self.resume)
             try:
-                held.enter_context(SweepFolderLock(sweep_dir, fresh=not self.resume))
+                held.enter_context(lock)
+                # (Ctrl-C stops it, from here on: checking every point's values takes a while)
+                held.enter_context(sweep_stop.taking_signals(sweep_dir, 0))
                 jobs = self._jobs(sweep_dir, arguments)
-                held.enter_context(sweep_stop.taking_signals(sweep_dir, self.total))  # (Ctrl-C stops it)
+                sweep_stop.count_points(self.total)
             except ValueError:
                 outcomes.REFUSED.add(sweep_dir)  # nothing started: no report is written into the folder
+                if lock.fd is not None and not self.resume:
+                    lock.discard()
                 raise
             returns = []
             for start, batch in batches(jobs, self.max_batch_size):

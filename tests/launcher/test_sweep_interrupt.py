@@ -150,6 +150,25 @@ def test_a_stopped_sweep_starts_no_further_point_and_goes_on_to_its_report(tmp_p
     )
 
 
+def test_a_ctrl_c_while_the_points_are_checked_stops_the_sweep_before_any_starts(tmp_path):
+    """Checking every point's values takes a while before the first starts (a quarter of a second a point):
+    a Ctrl-C then ended the sweep with a KeyboardInterrupt's traceback, exit 1, no resume= line."""
+    sweeper = fake_sweeper(tmp_path)
+    planned = sweeper._jobs
+
+    def checked_while_signalled(sweep_dir, arguments):
+        os.kill(os.getpid(), signal.SIGINT)
+        return planned(sweep_dir, arguments)
+
+    sweeper._jobs = checked_while_signalled
+    sweeper.sweep(["optim.lr=1,2,3"])
+    assert sweeper.launcher.launches == []
+    assert sweep_stop.last_line().startswith(
+        "the sweep was stopped (SIGINT): 0 of 3 points ok, 3 not started"
+    )
+    assert {p["state"] for p in read_manifest(tmp_path).values()} == {"pending"}  # resume= runs them
+
+
 def test_a_point_of_a_stopped_sweep_does_not_start_nor_leave_a_folder(tmp_path):
     ident = {"overrides": ["optim.lr=2"], "name": "optim.lr=2"}
     new, resumed = tmp_path / "1", tmp_path / "2"
