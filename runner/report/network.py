@@ -36,6 +36,8 @@ Speed = float | tuple[float, ...] | str | None
 FREE = "free links"
 #: The report's section on it.
 HEADING = "Which rule reaches the target first at each link speed"
+#: The same, over kinds of network (``network=``).
+NETWORK_HEADING = "Which rule reaches the target first on each network"
 
 
 class Scored(Protocol):
@@ -298,10 +300,10 @@ def no_crossover(cross: Crossover) -> str | None:
     if not always:
         return None
     lo, hi = speed_text(reached[0][0]), speed_text(reached[-1][0])
-    return (
-        f"No crossover in this range: {_and(sorted(always))} reached {cross.target} first (or tied first) at "
-        f"every link speed from {lo} to {hi}."
-    )
+    every = "on every network" if _axis(cross) == "network" else "at every link speed"
+    who = _and(sorted(always))
+    first = f"{who} reached {cross.target} first (or tied first)"
+    return f"No crossover in this range: {first} {every} from {lo} to {hi}."
 
 
 def headline(cross: Crossover) -> tuple[str, str]:
@@ -325,6 +327,11 @@ def summary_line(cross: Crossover) -> str:
     for gbps, names in firsts(cross):
         parts.append(f"{speed_text(gbps)} {'none' if not names else '='.join(names)}")
     return f"first to {cross.target} by {_axis(cross)}: {', '.join(parts)}"
+
+
+def heading(cross: Crossover) -> str:
+    """The report's section title for ``cross``."""
+    return NETWORK_HEADING if _axis(cross) == "network" else HEADING
 
 
 def _axis(cross: Crossover) -> str:

@@ -35,7 +35,7 @@ def page(report: Report, plots: list[Path]) -> str:
     parts += [f"<p>{e(b)} {e(n)}</p>" for b, n in more]
     parts += [f"<p>{e(text)}</p>" for text in verdict.paragraphs(report.standing)]
     if (cross := network.crossover(report)) is not None:
-        parts.append(f"<h2>{e(network.HEADING)}</h2>")
+        parts.append(f"<h2>{e(network.heading(cross))}</h2>")
         parts.append("<ul>" + "".join(f"<li>{e(t)}</li>" for t in network.section(cross)) + "</ul>")
         parts += [f"<p class=warn><b>{e(report.load_note)}</b></p>"] if report.load_note else []
         parts.append(f"<p>{e(network.explanation(cross))}</p>")

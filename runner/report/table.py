@@ -283,7 +283,7 @@ def markdown(report: Report, plots: list[Path]) -> str:
     lines += [f"{_md(b)} {_md(n)}".rstrip() + "\n" for b, n in headlines(report)[1:]]
     lines += [line for text in verdict.paragraphs(report.standing) for line in (_md(text), "")]
     if (cross := network.crossover(report)) is not None:
-        lines += [f"## {network.HEADING}", "", *(f"- {_md(t)}" for t in network.section(cross)), ""]
+        lines += [f"## {network.heading(cross)}", "", *(f"- {_md(t)}" for t in network.section(cross)), ""]
         lines += [f"**{report.load_note}**", ""] if report.load_note else []
         lines += [_md(network.explanation(cross)), "", *_md_table(*network.grid(cross), 1), ""]
     if report.repeated:

@@ -291,3 +291,7 @@ def test_a_sweep_over_kinds_of_network_gets_a_sentence_per_network(tmp_path):
 
     assert figures(report).get("crossover") is None
     assert summary_line(cross).startswith("first to val_acc ≥ 0.95 by network: network=one_slow_node diloco")
+    from runner.report.network import NETWORK_HEADING
+    from runner.report.table import markdown
+
+    assert f"## {NETWORK_HEADING}" in markdown(report, [])
