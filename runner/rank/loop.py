@@ -183,12 +183,12 @@ class Trainer:
             if self.preempted:
                 self.meter.epoch_done()
                 break
+            cut = pace.cut_short(pos, max_steps)  # (its final checkpoint is here: a longer resume goes on)
+            done = pos.batch / (len(self.train_loader) // self.cfg.accumulate) if cut else None
             span = self.meter.epoch_done()
-            reported = self.tolerant(self.end_epoch, pos, epochs, span) or reported
+            reported = self.tolerant(self.end_epoch, pos, epochs, span, done) or reported
             pace.end_of_epoch(epoch)
-            if pace.cut_short(
-                pos, max_steps
-            ):  # (its final checkpoint is there: a longer resume goes on in it)
+            if cut:
                 self.cut = Position(pos.step, pos.epoch, pos.batch)
             pos.batch = 0
             if no_improvement(v.history, v.reported_prefix + self.monitor, self.cfg.early_stop):
@@ -304,15 +304,16 @@ class Trainer:
                     raise
                 self.recovery.recover(self.survivors, pos, holding=False, applied=True)
 
-    def end_epoch(self, pos: Position, epochs: int, span: Any) -> nn.Module | None:
-        """The epoch's records, after validation when due; the model validated (None: no validation)."""
+    def end_epoch(self, pos: Position, epochs: int, span: Any, done: float | None = None) -> nn.Module | None:
+        """The epoch's records, after validation when due; the model validated (None: no validation).
+        ``done``: the part of the epoch trained, where ``train.max_steps`` ended the run within it."""
         self.guard.check()
         self.validator.gather()
         self.rule.on_epoch_end(pos.epoch)
         reported = None
         every = self.cfg.val_every
         if every < 1 or (pos.epoch + 1) % int(every) == 0 or pos.epoch == epochs - 1:
-            reported = self.validator.validate(pos.epoch, pos.step)
+            reported = self.validator.validate(pos.epoch, pos.step, done=done)
         mean_loss = float(span.loss) / max(1, span.steps)
         loss_sum, samples = self.workers.allreduce_values([mean_loss, float(self.meter.total.samples)])
         train_loss = loss_sum / self.workers.size

@@ -217,6 +217,7 @@ def test_a_run_ended_by_max_steps_within_an_epoch_resumes_longer_from_there(tmp_
     assert whole.returncode == 0, whole.output
     cut = run_cli(tmp_path / "cut", *args, "train.max_steps=10", timeout=240)
     assert "checkpoint after step 10 (epoch 0, batch 10)" in cut.output, cut.output
+    assert "epoch 0 (22%): val_loss" in cut.output, "its validation says the epoch was cut"
     again = run_cli(tmp_path / "again", f"resume={tmp_path / 'cut'}", "train.max_steps=30", timeout=240)
     assert again.returncode == 0, again.output
     resumed = Run(again.proc, tmp_path / "cut")
