@@ -69,11 +69,6 @@ class Links:
         """Node ``node``'s one-way latency in seconds."""
         return _of(self.latency_s, node)
 
-    def seconds(self, nbytes: float, steps: int = 1, node: int = 0) -> float:
-        """What moving ``nbytes`` over node ``node``'s link in ``steps`` rounds costs: a latency a round plus
-        the transfer; nothing for no bytes."""
-        return self.over({node: nbytes}, steps)
-
     def over(self, by_node: dict[int, float], steps: int) -> float:
         """Seconds of ``steps`` rounds that move ``by_node[n]`` bytes over node ``n``'s link (0: none)."""
         crossed = [n for n, b in by_node.items() if b > 0]
@@ -134,11 +129,6 @@ def link_bytes(op: str, nodes: Sequence[int], nbytes: int) -> dict[int, float]:
     return {node: m * (n - m) / n * nbytes for node, m in per_node.items()}
 
 
-def crossing(op: str, nodes: Sequence[int], nbytes: int) -> float:
-    """Bytes collective ``op`` of ``nbytes`` per rank moves over the busiest node link (0: none crossed)."""
-    return max(link_bytes(op, nodes, nbytes).values(), default=0.0)
-
-
 def latency_steps(op: str, n: int) -> int:
     """Rounds collective ``op`` takes over ``n`` ranks, one after the other (the module's docstring)."""
     if op in ALLREDUCES:
@@ -157,17 +147,10 @@ def leaving_edges(nodes: Sequence[int]) -> dict[int, int]:
     return {node: leaving.get(node, 0) for node in dict.fromkeys(nodes)}
 
 
-def ring_edges(nodes: Sequence[int]) -> int:
-    """The most edges of the ring over ranks in order that leave one node: 1 where each node's ranks are
-    consecutive."""
-    return max(leaving_edges(nodes).values(), default=0)
-
-
 def emulated(simulate: SimulateConfig) -> Links | None:
     """The links ``simulate`` asks to emulate (``simulate.ranks_per_node`` and ``link_gbps``), or None."""
     if not simulate.links():
         return None
     assert simulate.ranks_per_node and simulate.link_gbps is not None
-    gbps, latency_ms = simulate.per_node("link_gbps"), simulate.per_node("link_latency_ms")
-    latency_s = tuple(ms / 1e3 for ms in latency_ms) if isinstance(latency_ms, tuple) else latency_ms / 1e3
+    gbps, latency_s = simulate.per_node("link_gbps"), simulate.per_node("link_latency_ms", scale=1e-3)
     return Links(simulate.ranks_per_node, gbps, latency_s, simulate.spin)

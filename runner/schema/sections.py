@@ -268,11 +268,13 @@ class SimulateConfig:
             "all (e.g. 0.05) or one per node (simulate.link_latency_ms=[1,1,1,40])",
         )
 
-    def per_node(self, key: str) -> float | tuple[float, ...]:
-        """``link_gbps`` or ``link_latency_ms`` as :class:`runner.comm.links.Links` takes it: a number, or a
-        tuple of one per node."""
+    def per_node(self, key: str, scale: float = 1.0) -> float | tuple[float, ...]:
+        """``link_gbps`` or ``link_latency_ms`` (times ``scale``) as :class:`runner.comm.links.Links` takes
+        it: a number, or a tuple of one per node."""
         value = getattr(self, key)
-        return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
+        if isinstance(value, (list, tuple)):
+            return tuple(float(v) * scale for v in value)
+        return float(value) * scale
 
     def links(self) -> bool:
         """Whether links between emulated nodes are emulated (both ``ranks_per_node`` and ``link_gbps``)."""
