@@ -183,12 +183,11 @@ class Trainer:
             if self.preempted:
                 self.meter.epoch_done()
                 break
-            cut = pace.cut_short(pos, max_steps)  # (its final checkpoint is here: a longer resume goes on)
-            done = pos.batch / (len(self.train_loader) // self.cfg.accumulate) if cut else None
+            done = pace.cut_at(pos, max_steps)  # (its final checkpoint is here: a longer resume goes on)
             span = self.meter.epoch_done()
             reported = self.tolerant(self.end_epoch, pos, epochs, span, done) or reported
             pace.end_of_epoch(epoch)
-            if cut:
+            if done is not None:
                 self.cut = Position(pos.step, pos.epoch, pos.batch)
             pos.batch = 0
             if no_improvement(v.history, v.reported_prefix + self.monitor, self.cfg.early_stop):
@@ -331,8 +330,8 @@ class Trainer:
         self.control.close()
         self.validator.gather()  # a run stopped within an epoch
         if not self.preempted:
-            if self.cut is not None:  # the epoch's timing was counted: a resumed run counts the rest alone
-                self.meter.epoch = type(self.meter.epoch)()
+            if self.cut is not None:
+                self.meter.forget_epoch()
             self.save(self.cut or Position(pos.step, max(epochs, start.epoch), 0), True)
         settle(self.workers)  # (fault tolerance) all go on to the rule's last messages and results, or none
         self.rule.finish()

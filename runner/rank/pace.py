@@ -68,9 +68,11 @@ class Static:
     def before_step(self, pos: Position) -> bool:
         return False
 
-    def cut_short(self, pos: Position, max_steps: int) -> bool:
-        """Whether ``train.max_steps`` ended the run before the epoch's last batch."""
-        return pos.step >= max_steps and pos.batch < len(self.loop.train_loader) // self.loop.cfg.accumulate
+    def cut_at(self, pos: Position, max_steps: int) -> float | None:
+        """The part of the epoch trained where ``train.max_steps`` ended the run before its last batch;
+        None where it did not."""
+        steps = len(self.loop.train_loader) // self.loop.cfg.accumulate
+        return pos.batch / steps if pos.step >= max_steps and pos.batch < steps else None
 
     def start_step(self) -> None:
         pass
@@ -204,9 +206,9 @@ class Dynamic:
     def at_step_end(self, pos: Position, max_steps: int) -> bool:
         return False
 
-    def cut_short(self, pos: Position, max_steps: int) -> bool:
+    def cut_at(self, pos: Position, max_steps: int) -> float | None:
         """(What is left to deal is in the checkpoint's dealing state.)"""
-        return False
+        return None
 
     def end_of_span(self, pos: Position) -> bool:
         """At the epoch's end (where a loss may be noticed): pass its last meetings; True when chunks were

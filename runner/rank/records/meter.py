@@ -196,6 +196,11 @@ class Meter:
         self._resumed = mid_epoch
         self._start, self._first_step = time.monotonic(), step
 
+    def forget_epoch(self) -> None:
+        """The epoch's timing was added to the run's total: a checkpoint within the epoch taken now (a
+        train.max_steps cut) leaves a resumed run to time the rest alone, not to count it twice."""
+        self.epoch = Timing()
+
     @property
     def shown_step(self) -> int:
         """The run's progress in steps, as the bar shows it."""
