@@ -40,9 +40,7 @@ def explain(err: BaseException, argv: list[str]) -> str:
         every = every_mistake(argv)
     except Exception:  # (the one line is still right)
         every = []
-    if AMBIGUOUS.search(
-        str(err)
-    ):  # (the others compose each sweep's first value: this one is not among them)
+    if AMBIGUOUS.search(str(err)):  # (the others compose a sweep's first value: this is not among them)
         every = [first, *every]
     return str(ConfigErrors(every)) if len(every) > 1 else first
 

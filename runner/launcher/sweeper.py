@@ -290,8 +290,9 @@ def check_values(grid: list[list[str]], composed: Any, sweep: list[str]) -> None
                 problems = [str(err).strip()]
             except Exception:  # (said by the point itself when it runs)
                 continue
+            name = identity(list(overrides), sweep)["name"]
             for problem in problems:
-                found.setdefault(problem, []).append(identity(list(overrides), sweep)["name"])
+                found.setdefault(problem, []).append(name)
     finally:
         log.setLevel(level)
         READING_RUN_FOLDER.reset(token)

@@ -290,10 +290,15 @@ def firsts(cross: Crossover) -> list[tuple[Speed, list[str]]]:
     return [(gbps, [c.series for c in _leaders(cross.at(gbps))[0]]) for gbps in cross.speeds]
 
 
+def _reached(cross: Crossover) -> list[tuple[Speed, list[str]]]:
+    """The emulated speeds (free links left out) where any series reached the target, with the first."""
+    return [(g, names) for g, names in firsts(cross) if g is not None and names]
+
+
 def no_crossover(cross: Crossover) -> str | None:
     """The sentence saying the lines do not cross (one series first, alone or tied, at every emulated speed
     where any reached the target), or None where they do or there are fewer than two such speeds."""
-    reached = [(g, names) for g, names in firsts(cross) if g is not None and names]
+    reached = _reached(cross)
     if len(reached) < 2:
         return None
     always = set.intersection(*(set(names) for _, names in reached))
@@ -313,8 +318,7 @@ def headline(cross: Crossover) -> tuple[str, str]:
     for gbps, names in firsts(cross):
         who = "none reached it" if not names else names[0] if len(names) == 1 else f"a tie of {_and(names)}"
         parts.append(f"{speed_text(gbps)}: {who}")
-    reached = [g for g, names in firsts(cross) if g is not None and names]
-    if len(reached) < 2:  # (one speed, or none, where any reached it: nothing crosses or stays apart)
+    if len(_reached(cross)) < 2:  # (one speed, or none, where any reached it: nothing crosses or stays apart)
         crossing = "the target was reached at fewer than two emulated link speeds: no crossover to tell"
     else:
         crossing = "no crossover in this range" if no_crossover(cross) else "the lines cross"
