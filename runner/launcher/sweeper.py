@@ -139,8 +139,8 @@ class SweepFolderLock:
 
     def discard(self) -> None:
         """A new sweep refused while it holds the lock: leave no folder that holds the lock alone (the
-        folder itself only where nothing else is in it)."""
-        if [p.name for p in self.sweep_dir.iterdir()] == [SWEEP_LOCK]:
+        folder itself only where nothing else is in it). Not held (refused as it was taken): nothing."""
+        if self.fd is not None and [p.name for p in self.sweep_dir.iterdir()] == [SWEEP_LOCK]:
             (self.sweep_dir / SWEEP_LOCK).unlink(missing_ok=True)
             self._close()
             try:
@@ -188,7 +188,7 @@ class MpitrainSweeper(BasicSweeper):
                 sweep_stop.count_points(self.total)
             except ValueError:
                 outcomes.REFUSED.add(sweep_dir)  # nothing started: no report is written into the folder
-                if lock.fd is not None and not self.resume:
+                if not self.resume:
                     lock.discard()
                 raise
             returns = []
