@@ -46,7 +46,7 @@ from runner.rank.loop import Trainer
 from runner.rank.placement import choose_transport, place_rank
 from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.output import end_job, redirect_output, root_cause
-from runner.rank.resilience.elastic import Elastic, arrive
+from runner.rank.resilience.elastic import Elastic, NotJoined, arrive
 from runner.rank.saved_model import save_model
 from runner.rank.state import Position
 from runner.rules.base import Rule, RuleContext, split_roles
@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     except Partitioned as err:
         beat.close()
         stop_partitioned(err, run_dir, me, log_file)
+    except NotJoined as err:
+        beat.close()
+        leave(f"rank {me} stopped: {err}", log_file)
     except BaseException as err:
         fail(err, run_dir, me, log_file)
         raise
@@ -369,7 +372,12 @@ def stop_partitioned(err: Partitioned, run_dir: Path, rank: int, log_file: TextI
         write_text(rank_file(run_dir, rank, PARTITIONED), f"{err}\n")  # (never through a link)
     except OSError:
         pass
-    print(f"rank {rank} stopped: {err}", file=sys.stderr, flush=True)  # to its log too
+    leave(f"rank {rank} stopped: {err}", log_file)
+
+
+def leave(why: str, log_file: TextIO) -> None:
+    """Leave the job that goes on without this rank: ``why`` to its log, no error file, no MPI_Abort."""
+    print(why, file=sys.stderr, flush=True)  # to its log too
     log_file.flush()
     sys.stdout.flush()
     os._exit(0)  # not an error: under ULFM a non-zero exit could make mpirun end the side that goes on

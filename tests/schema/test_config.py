@@ -337,23 +337,6 @@ def test_the_hydra_config_prints_resolved(tmp_path):
     assert "output_subdir: .hydra\n" in proc.stdout and "dir: outputs/" in proc.stdout
 
 
-@pytest.mark.slow
-def test_a_submitit_sweep_keeps_one_folder_for_all_its_points(tmp_path):
-    """The sweep folder is resolved once, in the launcher, and its points (run by submitit in other
-    processes, from pickled configs) land in it, not in folders of their own. The points are refused
-    (devices=0), which is enough: Hydra makes their folders first."""
-    pytest.importorskip(
-        "hydra_plugins.hydra_submitit_launcher",
-        reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"',
-    )
-    argv = [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_local", "devices=0,-1"]
-    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
-    assert (sweep / ".submitit").is_dir(), proc.stdout + proc.stderr
-    assert (sweep / "0" / ".hydra").is_dir() and (sweep / "1" / ".hydra").is_dir(), list(sweep.iterdir())
-
-
 def test_a_run_folder_of_the_first_release_still_loads(tmp_path):
     """Its config.yaml names the schemas models.cnn.CNNConfig and data.digits.DigitsConfig (installed now as
     runner.models and runner.data), runner.optim.sgd.SGD and runner.hardware.cpu.CPU (now SGDConfig and

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.comm.mpi import SERVER_KEY
+from runner.comm.mpi import SERVER_KEY, PeerLost
 from runner.comm.tags import GROW
 from runner.rank.records.output import end_job
 from runner.rules.base import split_roles
@@ -215,11 +215,23 @@ def stuck_in_spawn(run_dir: Path, me: int, lost: str) -> None:
     end_job(run_dir, me, cause, EXIT["failed"])
 
 
+class NotJoined(RuntimeError):
+    """A spawned worker whose growth failed before it was one of the job's workers: it leaves quietly."""
+
+
 def arrive(world: Comm, servers: int, run_dir: Path, max_workers: int, env: dict[str, str]) -> Elastic:
     """A spawned worker, right after it merged into the job (:func:`runner.comm.mpi.join`): take part in
-    :meth:`Elastic.settle` with the ranks that spawned it (its workers: ``elastic.workers``)."""
+    :meth:`Elastic.settle` with the ranks that spawned it (its workers: ``elastic.workers``).
+
+    A loss in this first meeting (a rank lost while it was spawned) raises :class:`NotJoined`: the ranks that
+    spawned it count it lost with the other and spawn anew (an error here would end the job they go on
+    with)."""
     elastic = Elastic(world, None, servers, run_dir, [], max_workers, env)
-    world.allgather_object((world.launch_rank(), platform.node()))  # worker 0 sends them whole below
-    elastic.hosts = world.broadcast_object(None)
-    elastic.workers = split_roles(world, servers)
+    try:
+        world.allgather_object((world.launch_rank(), platform.node()))  # worker 0 sends them whole below
+        elastic.hosts = world.broadcast_object(None)
+        elastic.workers = split_roles(world, servers)
+    except PeerLost as err:
+        why = f"a rank was lost while this replacement was spawned ({err}); the job goes on"
+        raise NotJoined(why) from None
     return elastic
