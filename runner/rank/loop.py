@@ -12,11 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from runner.comm import Comm, PeerLost
-from runner.rank.agreement import Control, settle
+from runner.rank.agreement import Control, Decision, settle
 from runner.rank.assignment import Dealer
-from runner.rank.face import Pace
 from runner.rank.guard import Diverged, Guard, fell_to_chance
-from runner.rank.pace import Dynamic, Static
+from runner.rank.pace import Dynamic, Given, Pace, Static
 from runner.rank.prefetch import Batch, Prefetch
 from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.meter import Meter
@@ -25,7 +24,7 @@ from runner.rank.records.summary import Outcome, summary
 from runner.rank.resilience.growth import Growth
 from runner.rank.resilience.survivor import Survivors
 from runner.rank.state import Position
-from runner.rank.trainer_state import TrainerState
+from runner.rank.trainer_state import Owners, TrainerState
 from runner.rank.validation import autocast
 from runner.rank.validator import Validator
 from runner.results import no_improvement
@@ -109,8 +108,8 @@ class Trainer:
 
     The loop holds its components: the pace of its steps, chosen once (:mod:`runner.rank.pace`: static
     shards or dynamic assignment), the validator (:class:`~runner.rank.validator.Validator`) and the
-    training state's three uses (:class:`~runner.rank.trainer_state.TrainerState`); they see the loop
-    through :class:`runner.rank.face.Loop`. With ``recovery`` (fault tolerance) a lost worker is survived:
+    training state's three uses (:class:`~runner.rank.trainer_state.TrainerState`), each given the parts
+    it uses (never the loop). With ``recovery`` (fault tolerance) a lost worker is survived:
     recovery works through the loop's :class:`Survivors <runner.rank.resilience.survivor.Survivors>`, and
     the job grows through its :class:`Growth <runner.rank.resilience.growth.Growth>`.
 
@@ -153,19 +152,31 @@ class Trainer:
         # dynamic assignment (data.assignment): the dealer of this worker's chunks; the pace, chosen once
         sampler = getattr(self.train_loader, "batch_sampler", None)
         self.dealer: Dealer | None = sampler if isinstance(sampler, Dealer) else None
-        self.pace: Pace = (
-            Static(self, recovery is not None) if self.dealer is None else Dynamic(self, self.dealer)
-        )
         kept = (self.log, self.meter, self.guard)
         trained = (self.model, self.rule, self.task)
         self.validator = Validator(cfg, trained, self.workers, self.device, kept, val_loader, self.dealer)
+        given = Given(
+            cfg, self.train_loader, self.workers, self.model, self.schedule, self.meter, self.validator,
+            self.control, self.decide, self.tolerant,
+        )  # fmt: skip
+        dynamic = self.dealer is not None
+        self.pace: Pace = Dynamic(given, self.dealer) if dynamic else Static(given, recovery is not None)
         by_claim = self.validator.alone  # the free worker claims a validation by time
         timed = self.cfg.val_every_s is not None and not by_claim
         if self.control is not None:
             self.control.validation_due = self.validator.due_by_time if timed else None
-        self.state = TrainerState(self)  # its three uses: checkpoint, a joining worker's package, a share
-        self.survivors = Survivors(self)  # what recovery asks of the loop (fault tolerance)
-        self.growth = Growth(self, recovery)  # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
+        owners = Owners(
+            self.model, self.optimizer, self.rule, self.scaler, self.validator, self.guard, self.meter,
+            self.control and self.control.checkpointer, self.schedule, self.pace,
+        )  # fmt: skip
+        self.state = TrainerState(owners)  # its three uses: checkpoint, a joining worker's package, a share
+        shared = {
+            "workers": self.workers, "rule": self.rule, "state": self.state, "pace": self.pace,
+            "validator": self.validator, "control": self.control, "meter": self.meter, "log": self.log,
+        }  # fmt: skip
+        self.survivors = Survivors(**shared, save=self.save)  # what recovery asks (fault tolerance)
+        # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
+        self.growth = Growth(recovery, **shared, model=self.model, retry=self.tolerant)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
@@ -292,6 +303,19 @@ class Trainer:
             if applied:
                 self.last_loss = loss
             return done
+
+    def decide(self, pos: Position, decision: Decision, due: bool) -> bool:
+        """At an agreement (every worker alike): validate by time, note a growth, checkpoint when asked or
+        ``due``; True when the workers agreed to stop."""
+        if decision.passed:
+            return self.preempted
+        if decision.validate:
+            self.validator.by_time(pos, decision.validate)
+        self.growth.note(decision)
+        if decision.stop or decision.checkpoint or due:
+            self.preempted = decision.stop
+            self.save(pos, False)
+        return self.preempted
 
     def tolerant(self, fn: Callable[..., Any], pos: Position, *args: Any) -> Any:
         """``fn(pos, *args)``, recovering from lost workers and calling it again (not within a step)."""

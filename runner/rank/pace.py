@@ -15,6 +15,8 @@ calls it at the same points, with no branch of its own on which it is:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.rank.agreement import settle
@@ -31,7 +33,35 @@ from runner.rank.assignment import (
 from runner.rank.state import Position, run_length
 
 if TYPE_CHECKING:
-    from runner.rank.face import Loop
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from runner.comm import Comm
+    from runner.rank.agreement import Control, Decision
+    from runner.rank.records.meter import Meter
+    from runner.rank.validator import Validator
+    from runner.schedule import Schedule
+    from runner.schema.sections import TrainConfig
+
+
+@dataclass
+class Given:
+    """What a pace is given by the loop that holds it.
+
+    ``decide(pos, decision, due)``: at an agreement, validate by time, note a growth, checkpoint when asked
+    or ``due``; True when the workers agreed to stop. ``retry(fn, pos, *args)``: ``fn(pos, *args)``,
+    recovering from lost workers and calling it again."""
+
+    cfg: TrainConfig
+    loader: DataLoader
+    workers: Comm
+    model: nn.Module
+    schedule: Schedule
+    meter: Meter
+    validator: Validator
+    control: Control
+    decide: Callable[[Position, Decision, bool], bool]
+    retry: Callable[..., Any]
 
 
 class Static:
@@ -41,29 +71,31 @@ class Static:
 
     ahead = True  # on a GPU the next step's batch is copied while this one computes
 
-    def __init__(self, loop: Loop, replan: bool = False):
-        self.loop, self.replan = loop, replan
+    def __init__(self, given: Given, replan: bool = False):
+        self.given, self.replan = given, replan
         self.shard_plan: tuple[int, int] | None = None  # a resumed epoch's split of the data, if not ours
         self.val_steps: int | None = None  # steps between validations within the epoch
 
     def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
         """Deal epoch ``pos.epoch``'s shard from ``pos.batch`` on; returns the run's steps, which the
         survivors of a lost worker re-plan with their longer epochs."""
-        loop, cfg = self.loop, self.loop.cfg
-        sampler = loop.train_loader.sampler
+        g, cfg = self.given, self.given.cfg
+        sampler = g.loader.sampler
         plan = self.shard_plan if pos.epoch == start.epoch and self.shard_plan else None
-        sampler.reshard(*(plan or (loop.workers.rank, loop.workers.size)))
+        sampler.reshard(*(plan or (g.workers.rank, g.workers.size)))
         if self.replan:  # fault tolerance: survivors have longer epochs
-            steps_per_epoch = len(loop.train_loader) // cfg.accumulate
             done = pos.step - pos.batch
-            _, max_steps = run_length(epochs, cfg.max_steps, steps_per_epoch, pos.epoch, done)
-            if max_steps != loop.schedule.total_steps:
-                loop.schedule.replan(max_steps)
-                loop.meter.replan(max_steps)
+            _, max_steps = run_length(epochs, cfg.max_steps, self.steps_per_epoch(), pos.epoch, done)
+            if max_steps != g.schedule.total_steps:
+                g.schedule.replan(max_steps)
+                g.meter.replan(max_steps)
         sampler.set_epoch(pos.epoch)
         sampler.start_at(pos.batch * cfg.batch_size * cfg.accumulate)
-        self.val_steps = val_chunks(cfg.val_every, len(loop.train_loader) // cfg.accumulate)
+        self.val_steps = val_chunks(cfg.val_every, self.steps_per_epoch())
         return max_steps
+
+    def steps_per_epoch(self) -> int:
+        return len(self.given.loader) // self.given.cfg.accumulate
 
     def before_step(self, pos: Position) -> bool:
         return False
@@ -71,7 +103,7 @@ class Static:
     def cut_at(self, pos: Position, max_steps: int) -> float | None:
         """The part of the epoch trained where ``train.max_steps`` ended the run before its last batch;
         None where it did not."""
-        steps = len(self.loop.train_loader) // self.loop.cfg.accumulate
+        steps = self.steps_per_epoch()
         return pos.batch / steps if pos.step >= max_steps and pos.batch < steps else None
 
     def start_step(self) -> None:
@@ -87,26 +119,16 @@ class Static:
 
     def at_step_end(self, pos: Position, max_steps: int) -> bool:
         """Validate, agree and checkpoint when due; True when the span ends (a stop, or the run's end)."""
-        return self.loop.tolerant(self.agree, pos) or pos.step >= max_steps
+        return self.given.retry(self.agree, pos) or pos.step >= max_steps
 
     def agree(self, pos: Position) -> bool:
         """Validate within the epoch when due, then checkpoint when the workers agree or the step count asks
         (every worker decides alike); True when the launcher asked to stop."""
-        loop, every = self.loop, self.val_steps
-        steps = len(loop.train_loader) // loop.cfg.accumulate
+        g, every, steps = self.given, self.val_steps, self.steps_per_epoch()
         if every and pos.batch % every == 0 and pos.batch < steps:
-            loop.validator.validate(pos.epoch, pos.step, done=pos.batch / steps)
-            loop.model.train()
-        decision = loop.control.poll(pos.step)
-        if decision.passed:
-            return loop.preempted
-        if decision.validate:
-            loop.validator.by_time(pos, decision.validate)
-        loop.growth.note(decision)
-        loop.preempted = decision.stop
-        if decision.stop or decision.checkpoint or loop.control.checkpointer.due(pos.step):
-            loop.save(pos, False)
-        return loop.preempted
+            g.validator.validate(pos.epoch, pos.step, done=pos.batch / steps)
+            g.model.train()
+        return g.decide(pos, g.control.poll(pos.step), g.control.checkpointer.due(pos.step))
 
     def end_of_span(self, pos: Position) -> bool:
         return False
@@ -124,12 +146,12 @@ class Static:
 
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
-        interval = self.loop.control.interval
+        interval = self.given.control.interval
         return (step // interval + 1) * interval
 
     # -- the training state (runner/rank/trainer_state.py) ---------------------------------------------------
     def shard(self) -> list[int] | None:
-        sampler = self.loop.train_loader.sampler
+        sampler = self.given.loader.sampler
         return [sampler.rank, sampler.num_replicas]
 
     def take_shard(self, shard: list[int] | None, pos: Position) -> None:
@@ -158,7 +180,7 @@ class Static:
 
     def welcome(self, joined: bool, mid_epoch: bool) -> None:
         """Collective once the job grew: a new worker takes a lost worker's shard of the epoch."""
-        w, sampler = self.loop.workers, self.loop.train_loader.sampler
+        w, sampler = self.given.workers, self.given.loader.sampler
         plans = w.allgather_object(None if joined else (sampler.rank, sampler.num_replicas))
         if joined and mid_epoch:
             self.shard_plan = lost_shard(plans, w.rank)
@@ -171,13 +193,14 @@ class Dynamic:
 
     ahead = False  # drawing the next batch ahead would hold a chunk of the shared counter's
 
-    def __init__(self, loop: Loop, dealer: Dealer):
-        self.loop, self.dealer = loop, dealer
+    def __init__(self, given: Given, dealer: Dealer):
+        self.given, self.dealer = given, dealer
         per_epoch = dealer.chunks.per_epoch
-        val = val_chunks(loop.cfg.val_every, per_epoch)
-        self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * loop.workers.size, val)
+        val = val_chunks(given.cfg.val_every, per_epoch)
+        self.meetings = Meetings(per_epoch, CHUNKS_PER_WORKER * given.workers.size, val)
         self.passed = 0  # meetings of this epoch passed
         self.meetings_done = 0  # meetings of the run passed (the stop/checkpoint agreement's count)
+        self.stopped = False  # the workers agreed to stop
 
     def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
         """The dealer deals epoch ``pos.epoch``; it ends the run when the tickets are spent."""
@@ -187,11 +210,11 @@ class Dynamic:
     def before_step(self, pos: Position) -> bool:
         """Pass the meetings before the chunk this worker is about to train; True when the workers agreed
         to stop there."""
-        return self.loop.tolerant(self.meet, pos, self.dealer.take())
+        return self.given.retry(self.meet, pos, self.dealer.take())
 
     def start_step(self) -> None:
         """The step starts now: a meeting or a growth before it is not the step's time."""
-        self.loop.meter.restart_step()
+        self.given.meter.restart_step()
 
     def schedule_step(self, pos: Position) -> int:
         """The step whose learning rate the schedule sets: the run's, at this chunk."""
@@ -218,25 +241,25 @@ class Dynamic:
         in it (and, in the last epoch, at all). The meeting is ULFM's agreement (:func:`settle`), which all
         survivors leave alike: a barrier a lost worker had entered could let some go on to the epoch's
         records while the others trained the chunks dealt anew, each waiting for the other."""
-        if self.loop.preempted:
+        if self.stopped:
             return False
-        self.loop.tolerant(self.meet, pos, None)
+        self.given.retry(self.meet, pos, None)
         if self.dealer.publish:
-            self.loop.tolerant(self._all_here, pos)
+            self.given.retry(self._all_here, pos)
         return self.dealer.reopen()
 
     def _all_here(self, pos: Position) -> None:
-        settle(self.loop.workers, meet=True)
+        settle(self.given.workers, meet=True)
 
     def meet(self, pos: Position, ticket: int | None) -> bool:
         """Pass the meetings of this epoch that come before ``ticket``, the one this worker is about to train
         (None: the epoch has ended, pass them all); at each, validate when due, and checkpoint or stop as
         the workers agreed. True when they agreed to stop."""
-        loop, meetings, chunks = self.loop, self.meetings, self.dealer.chunks
-        alone, validator = loop.rule.solo_validation, loop.validator
-        if loop.workers.rank == 0 and alone:
+        g, meetings, chunks = self.given, self.meetings, self.dealer.chunks
+        alone, validator = g.validator.alone, g.validator
+        if g.workers.rank == 0 and alone:
             validator.collect()
-        if ticket is not None and loop.cfg.val_every_s is not None and alone:
+        if ticket is not None and g.cfg.val_every_s is not None and alone:
             validator.claim(pos)
         if ticket is None:
             upto = meetings.count
@@ -248,7 +271,7 @@ class Dynamic:
             # (a run that max_steps ends within the epoch passes the epoch's later meetings unvalidated)
             if meetings.validates(k) and not alone and position < self.dealer.total:
                 validator.validate(pos.epoch, pos.step, done=meetings.position(k) / chunks.per_epoch)
-                loop.model.train()
+                g.model.train()
             elif meetings.validates(k) and ticket == position:
                 validator.validate_alone(pos)  # this worker drew the validation's chunk: the free one
             if self.agree(pos, position - meetings.gap(k), position):
@@ -258,33 +281,26 @@ class Dynamic:
     def agree(self, pos: Position, before: int, position: int) -> bool:
         """At a meeting at ticket ``position`` (the previous one at ``before``): validate by time, note a
         growth, checkpoint or stop as the workers agreed; True when they agreed to stop."""
-        loop, steps = self.loop, self.dealer.steps_at
-        decision = loop.control.poll(self.meetings_done)
-        if decision.passed:
-            return loop.preempted
-        if decision.validate:
-            loop.validator.by_time(pos, decision.validate)
-        loop.growth.note(decision)
-        due = loop.control.checkpointer.due_between(steps(before), steps(position))
-        if decision.stop or decision.checkpoint or due:
-            loop.preempted = decision.stop
-            loop.save(pos, False)
-        return loop.preempted
+        control, steps = self.given.control, self.dealer.steps_at
+        decision = control.poll(self.meetings_done)
+        due = control.checkpointer.due_between(steps(before), steps(position))
+        self.stopped = self.given.decide(pos, decision, due)
+        return self.stopped
 
     def end_of_epoch(self, epoch: int) -> None:
         """Every worker is past the epoch's end (its records were reduced over all): the progress reached."""
         ends = min((epoch + 1) * self.dealer.chunks.per_epoch, self.dealer.total)
-        self.loop.meter.reach(self.dealer.steps_at(ends), epoch)
+        self.given.meter.reach(self.dealer.steps_at(ends), epoch)
         self.passed = 0
 
     def checkpoint_step(self, pos: Position) -> int:
         """The step a checkpoint is named by: rank 0's (each worker is at its own)."""
-        return int(self.loop.workers.broadcast_object(pos.step))
+        return int(self.given.workers.broadcast_object(pos.step))
 
     def checkpoint_words(self, step: int, pos: Position) -> str:
         """The console's line for a checkpoint after worker 0's ``step``: the progress bar counts the run's
         steps (all workers' chunks), which a fast worker 0 is ahead of and a slow one behind."""
-        run, total = self.loop.meter.shown_step, self.loop.meter.total_steps
+        run, total = self.given.meter.shown_step, self.given.meter.total_steps
         return f"checkpoint after step {step} (worker 0's own steps; the run's: {run} of {total})"
 
     def agreement_after(self, step: int) -> int:
@@ -300,7 +316,7 @@ class Dynamic:
 
     def left_to_deal(self) -> dict[str, Any] | None:
         """Collective over the workers: what is left to deal, and the meetings passed."""
-        deal = dealing_state(self.dealer, self.loop.workers)
+        deal = dealing_state(self.dealer, self.given.workers)
         return {**deal, "meetings": self.meetings_done, "passed": self.passed}
 
     def deal_rest(self, deal: dict[str, Any] | None, pos: Position) -> None:
@@ -323,11 +339,15 @@ class Dynamic:
     # -- recovery and growth (runner/rank/resilience/) -----------------------------------------------------
     def rejoin(self, before: list[int], lost: list[int]) -> None:
         """Collective over the survivors: the lost workers' chunks go back to the pool."""
-        loop = self.loop
-        note = redeal(self.dealer, loop.workers, before, lost)
-        if note and loop.workers.rank == 0:
-            loop.meter.echo(f"warning: {note}")
+        workers = self.given.workers
+        note = redeal(self.dealer, workers, before, lost)
+        if note and workers.rank == 0:
+            self.given.meter.echo(f"warning: {note}")
 
     def welcome(self, joined: bool, mid_epoch: bool) -> None:
         """Collective once the job grew: the dealing starts over among all workers."""
-        regrow(self.dealer, self.loop.workers, joined)
+        regrow(self.dealer, self.given.workers, joined)
+
+
+#: The pace of a loop's steps, chosen once by the loop.
+Pace = Static | Dynamic

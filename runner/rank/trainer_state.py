@@ -1,5 +1,5 @@
-"""A worker's training state, registered once: one list of fields, each with how it is taken from the loop
-and given back, serving the three uses that move it.
+"""A worker's training state, registered once: one list of fields, each with how it is taken from the part
+that owns it (:class:`Owners`) and given back, serving the three uses that move it.
 
 * the **checkpoint** (:meth:`TrainerState.checkpoint` / :meth:`TrainerState.restore`): this rank's part
   of a checkpoint, written to disk and read on ``resume=``;
@@ -23,8 +23,33 @@ from runner.rank.checkpoint import rng_state, set_rng_state
 from runner.rank.state import Position, broadcast_state
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from runner.comm import Comm
-    from runner.rank.face import Loop
+    from runner.rank.checkpoint import Checkpointer
+    from runner.rank.guard import Guard
+    from runner.rank.pace import Pace
+    from runner.rank.records.meter import Meter
+    from runner.rank.validator import Validator
+    from runner.rules.base import Rule
+    from runner.schedule import Schedule
+
+
+@dataclass
+class Owners:
+    """The parts that own a worker's training state, by name (``scaler``: fp16's, else None)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    rule: Rule
+    scaler: torch.amp.GradScaler | None
+    validator: Validator
+    guard: Guard
+    meter: Meter
+    checkpointer: Checkpointer
+    schedule: Schedule
+    pace: Pace
 
 
 @dataclass
@@ -38,89 +63,83 @@ class At:
 
 @dataclass(frozen=True)
 class Field:
-    """One part of the training state: ``take(loop, at)`` its value, ``give(loop, value, at)`` back."""
+    """One part of the training state: ``take(owners, at)`` its value, ``give(owners, value, at)`` back."""
 
     name: str
-    take: Callable[[Loop, At], Any]
-    give: Callable[[Loop, Any, At], None]
+    take: Callable[[Owners, At], Any]
+    give: Callable[[Owners, Any, At], None]
 
 
-def _set_pos(name: str) -> Callable[[Loop, Any, At], None]:
-    return lambda loop, value, at: setattr(at.pos, name, value)
+def _set_pos(name: str) -> Callable[[Owners, Any, At], None]:
+    return lambda o, value, at: setattr(at.pos, name, value)
 
 
-def _give_scaler(loop: Loop, value: Any, at: At) -> None:
-    if value and loop.scaler is not None:  # fp16: every worker scales its loss alike again
-        loop.scaler.load_state_dict(value)
+def _give_scaler(o: Owners, value: Any, at: At) -> None:
+    if value and o.scaler is not None:  # fp16: every worker scales its loss alike again
+        o.scaler.load_state_dict(value)
 
 
-def _give_history(loop: Loop, value: Any, at: At) -> None:
-    loop.validator.history = list(value)
+def _give_history(o: Owners, value: Any, at: At) -> None:
+    o.validator.history = list(value)
 
 
-def _set_guard(name: str) -> Callable[[Loop, Any, At], None]:
-    return lambda loop, value, at: setattr(loop.guard, name, value)
+def _set_guard(name: str) -> Callable[[Owners, Any, At], None]:
+    return lambda o, value, at: setattr(o.guard, name, value)
 
 
-def _give_checkpoints(loop: Loop, value: Any, at: At) -> None:
-    loop.control.checkpointer.count, loop.control.checkpointer.latest = value
+def _give_checkpoints(o: Owners, value: Any, at: At) -> None:
+    o.checkpointer.count, o.checkpointer.latest = value
 
 
-def _give_schedule(loop: Loop, value: Any, at: At) -> None:
-    if value != loop.schedule.total_steps:
-        loop.schedule.replan(value)
-        loop.meter.replan(value)
+def _give_schedule(o: Owners, value: Any, at: At) -> None:
+    if value != o.schedule.total_steps:
+        o.schedule.replan(value)
+        o.meter.replan(value)
 
 
-def _set_validator(name: str) -> Callable[[Loop, Any, At], None]:
-    return lambda loop, value, at: setattr(loop.validator, name, value)
+def _set_validator(name: str) -> Callable[[Owners, Any, At], None]:
+    return lambda o, value, at: setattr(o.validator, name, value)
 
 
 #: The training state, in the order it is given back (the position before the meter, which reads it; the
 #: random generators last).
 FIELDS: tuple[Field, ...] = (
-    Field(
-        "model", lambda loop, at: loop.model.state_dict(), lambda loop, v, at: loop.model.load_state_dict(v)
-    ),
+    Field("model", lambda o, at: o.model.state_dict(), lambda o, v, at: o.model.load_state_dict(v)),
     Field(
         "optimizer",
-        lambda loop, at: loop.optimizer.state_dict(),
-        lambda loop, v, at: loop.optimizer.load_state_dict(v),
+        lambda o, at: o.optimizer.state_dict(),
+        lambda o, v, at: o.optimizer.load_state_dict(v),
     ),
-    Field("rule", lambda loop, at: loop.rule.state_dict(), lambda loop, v, at: loop.rule.load_state_dict(v)),
-    Field(
-        "scaler", lambda loop, at: loop.scaler.state_dict() if loop.scaler is not None else None, _give_scaler
-    ),
-    Field("step", lambda loop, at: at.pos.step, _set_pos("step")),
-    Field("epoch", lambda loop, at: at.pos.epoch, _set_pos("epoch")),
-    Field("batch", lambda loop, at: at.pos.batch, _set_pos("batch")),
-    Field("mid_epoch", lambda loop, at: at.mid_epoch, lambda loop, v, at: setattr(at, "mid_epoch", v)),
-    Field("history", lambda loop, at: loop.validator.history, _give_history),
-    Field("skipped", lambda loop, at: loop.guard.skipped, _set_guard("skipped")),
-    Field("checkpointed", lambda loop, at: loop.guard.checkpointed, _set_guard("checkpointed")),
-    Field("first_val_loss", lambda loop, at: loop.validator.first_val_loss, _set_validator("first_val_loss")),
+    Field("rule", lambda o, at: o.rule.state_dict(), lambda o, v, at: o.rule.load_state_dict(v)),
+    Field("scaler", lambda o, at: o.scaler.state_dict() if o.scaler is not None else None, _give_scaler),
+    Field("step", lambda o, at: at.pos.step, _set_pos("step")),
+    Field("epoch", lambda o, at: at.pos.epoch, _set_pos("epoch")),
+    Field("batch", lambda o, at: at.pos.batch, _set_pos("batch")),
+    Field("mid_epoch", lambda o, at: at.mid_epoch, lambda o, v, at: setattr(at, "mid_epoch", v)),
+    Field("history", lambda o, at: o.validator.history, _give_history),
+    Field("skipped", lambda o, at: o.guard.skipped, _set_guard("skipped")),
+    Field("checkpointed", lambda o, at: o.guard.checkpointed, _set_guard("checkpointed")),
+    Field("first_val_loss", lambda o, at: o.validator.first_val_loss, _set_validator("first_val_loss")),
     Field(
         "reported_prefix",
-        lambda loop, at: loop.validator.reported_prefix,
+        lambda o, at: o.validator.reported_prefix,
         _set_validator("reported_prefix"),
     ),
     Field(
         "meter",
-        lambda loop, at: loop.meter.state_dict(),
-        lambda loop, v, at: loop.meter.load_state_dict(v, at.pos.step, at.pos.batch > 0),
+        lambda o, at: o.meter.state_dict(),
+        lambda o, v, at: o.meter.load_state_dict(v, at.pos.step, at.pos.batch > 0),
     ),
     Field(
         "checkpoints",
-        lambda loop, at: (loop.control.checkpointer.count, loop.control.checkpointer.latest),
+        lambda o, at: (o.checkpointer.count, o.checkpointer.latest),
         _give_checkpoints,
     ),
-    Field("schedule", lambda loop, at: loop.schedule.total_steps, _give_schedule),
-    Field("shard", lambda loop, at: loop.pace.shard(), lambda loop, v, at: loop.pace.take_shard(v, at.pos)),
-    Field(
-        "deal", lambda loop, at: loop.pace.left_to_deal(), lambda loop, v, at: loop.pace.deal_rest(v, at.pos)
-    ),
-    Field("dealing", lambda loop, at: loop.pace.dealing(), lambda loop, v, at: loop.pace.take_dealing(v)),
-    Field("rng", lambda loop, at: rng_state(), lambda loop, v, at: set_rng_state(v)),
+    Field("schedule", lambda o, at: o.schedule.total_steps, _give_schedule),
+    Field("shard", lambda o, at: o.pace.shard(), lambda o, v, at: o.pace.take_shard(v, at.pos)),
+    Field("deal", lambda o, at: o.pace.left_to_deal(), lambda o, v, at: o.pace.deal_rest(v, at.pos)),
+    Field("dealing", lambda o, at: o.pace.dealing(), lambda o, v, at: o.pace.take_dealing(v)),
+    Field("rng", lambda o, at: rng_state(), lambda o, v, at: set_rng_state(v)),
 )
 
 #: Which fields each use carries.
@@ -171,16 +190,16 @@ _BY_NAME = {f.name: f for f in FIELDS}
 
 
 class TrainerState:
-    """The three uses of one worker's training state (``loop``: its :class:`~runner.rank.loop.Loop`)."""
+    """The three uses of one worker's training state, taken from and given back to its ``owners``."""
 
-    def __init__(self, loop: Loop):
-        self.loop = loop
+    def __init__(self, owners: Owners):
+        self.owners = owners
 
     def take(self, use: str, at: At) -> dict[str, Any]:
         """The fields ``use`` carries, taken in :data:`FIELDS` order (collective where a field is: under
         dynamic assignment the checkpoint's ``deal`` gathers what is left over the workers)."""
         names = USES[use]
-        return {f.name: f.take(self.loop, at) for f in FIELDS if f.name in names}
+        return {f.name: f.take(self.owners, at) for f in FIELDS if f.name in names}
 
     def give(self, use: str, state: dict[str, Any], at: At | None = None) -> At:
         """Give back what :meth:`take` returned (a field missing from ``state``: None), in :data:`FIELDS`
@@ -189,7 +208,7 @@ class TrainerState:
         names = USES[use]
         for f in FIELDS:
             if f.name in names:
-                f.give(self.loop, state.get(f.name), at)
+                f.give(self.owners, state.get(f.name), at)
         return at
 
     def checkpoint(self, pos: Position) -> dict[str, Any]:
@@ -203,7 +222,7 @@ class TrainerState:
         """Take this rank's part of a checkpoint (as :meth:`checkpoint` made it); returns where it stood."""
         state = {**{k: v for k, v in part.items() if k != "loop"}, **part["loop"]}
         start = self.give("checkpoint", state).pos
-        self.loop.guard.checkpointed = start.step
+        self.owners.guard.checkpointed = start.step
         return start
 
     def package(self, pos: Position, mid_epoch: bool) -> dict[str, Any]:
@@ -217,7 +236,7 @@ class TrainerState:
 
     def share(self, comm: Comm, root: int) -> dict[str, Any]:
         """Collective over ``comm``: give every rank ``root``'s model, and return ``root``'s share."""
-        broadcast_state(self.loop.model, comm, root=root)
+        broadcast_state(self.owners.model, comm, root=root)
         mine = self.take("share", At()) if comm.rank == root else None
         return comm.broadcast_object(mine, root=root)
 

@@ -220,7 +220,7 @@ def test_a_dynamic_runs_checkpoint_line_names_worker_0s_step_and_the_bars(progre
             meter.step_done(shown, 0, 0.5, 8, 0.1, shown)
     meter.reach(10, 0)
     pace = Dynamic.__new__(Dynamic)
-    pace.loop = SimpleNamespace(meter=meter)
+    pace.given = SimpleNamespace(meter=meter)
     words = pace.checkpoint_words(4, Position(4, 0, 1))
     assert words == "checkpoint after step 4 (worker 0's own steps; the run's: 10 of 10)"
     static = Static.__new__(Static).checkpoint_words(4, Position(4, 0, 4))

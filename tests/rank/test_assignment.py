@@ -157,13 +157,11 @@ def test_the_epochs_end_is_a_meeting_of_all_so_a_loss_seen_only_there_is_trained
             spent.append(dealers[rank].take())
             dealers[rank].trained()
 
-    class Survivor:  # what the pace uses of the loop; its recovery re-deals, as Dynamic.rejoin does
-        preempted = False
-
+    class Survivor:  # what the pace is given; its recovery re-deals, as Dynamic.rejoin does
         def __init__(self, comm):
             self.workers = FirstBarrierFails(comm)
 
-        def tolerant(self, fn, pos, *args):
+        def retry(self, fn, pos, *args):
             try:
                 return fn(pos, *args)
             except PeerLost:
@@ -172,7 +170,8 @@ def test_the_epochs_end_is_a_meeting_of_all_so_a_loss_seen_only_there_is_trained
 
     def survivor(comm) -> tuple[bool, list[int]]:
         pace = Dynamic.__new__(Dynamic)  # (its meetings are passed: only the span's end is under test)
-        pace.loop, pace.dealer, pace.meet = Survivor(comm), dealers[comm.rank], lambda pos, ticket: False
+        pace.given, pace.dealer, pace.meet = Survivor(comm), dealers[comm.rank], lambda pos, ticket: False
+        pace.stopped = False
         again, mine = pace.end_of_span(Position(9, 0, 0)), []
         for _ in pace.dealer if again else ():
             mine.append(pace.dealer.take())

@@ -4,8 +4,10 @@ layout test's import walker. No process is started."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 
+from tests.conftest import ROOT
 from tests.test_layout import imports, modules
 
 WING = "runner.rank.resilience"
@@ -65,24 +67,58 @@ def unmet(face: type, obj: object) -> list[str]:
     return wrong
 
 
-def test_the_loop_and_its_components_have_the_faces_they_are_seen_through(tmp_path):
-    """runner/rank/face.py declares what the components use of the loop (so they need not import it): the
-    Trainer, both paces, the training state and growth provide every member, with the same parameters."""
-    from runner.rank import face
-    from runner.rank.pace import Dynamic
+def test_both_paces_answer_every_call_alike():
+    """The loop calls its pace with no branch on which it is: static shards and dynamic assignment have the
+    same public methods, with the same parameters."""
+    from runner.rank.pace import Dynamic, Static
+
+    def methods(cls: type) -> dict[str, list[str]]:
+        return {
+            n: list(inspect.signature(f).parameters)
+            for n, f in vars(cls).items()
+            if callable(f) and not n.startswith("_")
+        }
+
+    static, dynamic = methods(Static), methods(Dynamic)
+    static.pop("steps_per_epoch"), static.pop("agree"), dynamic.pop("meet"), dynamic.pop("agree")  # their own
+    assert static == dynamic, {n for n in static.keys() | dynamic.keys() if static.get(n) != dynamic.get(n)}
+    assert "begin_epoch" in static and "welcome" in static
+
+
+def test_the_survivors_answer_what_recovery_asks(tmp_path):
+    """Recovery's Survivor protocol, met by the loop's Survivors with the same parameters."""
+    from runner.rank.resilience.recovery import Survivor
     from tests.helpers.fakecomm import FakeWorld
     from tests.rank.test_trainer_state import trainer
 
     def rank(comm) -> list[str]:
-        static, dynamic = trainer(comm, tmp_path / "s", False), trainer(comm, tmp_path / "d", True)
-        assert isinstance(dynamic.pace, Dynamic)
-        return [
-            *unmet(face.Loop, static),
-            *unmet(face.Pace, static.pace),
-            *unmet(face.Pace, dynamic.pace),
-            *unmet(face.State, static.state),
-            *unmet(face.Grows, static.growth),
-        ]
+        return unmet(Survivor, trainer(comm, tmp_path / "s", False).survivors)
 
     assert FakeWorld(1).run(rank)[0] == []
-    assert "begin_epoch" in members(face.Pace) and "validator" in members(face.Loop)
+    assert "rejoin" in members(Survivor)
+
+
+#: The modules under runner/rank/ that hold or build the loop.
+LOOP_HOLDERS = {"loop.py", "worker.py", "assembly.py"}
+
+
+def reaches(source: str) -> list[int]:
+    """The lines of ``source`` that name a ``loop``: a parameter, or an attribute read through one."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "loop":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "loop":
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_no_part_of_the_rank_reaches_through_the_loop():
+    """The pace, the training state, growth and the survivors are given what they use (issue 47): none is
+    handed the loop to read its parts through."""
+    found = {}
+    for path in sorted((ROOT / "runner" / "rank").rglob("*.py")):
+        if path.name not in LOOP_HOLDERS and (lines := reaches(path.read_text())):
+            found[str(path.relative_to(ROOT))] = lines
+    assert not found, found
+    assert reaches("def f(loop):\n    return loop.meter\n") == [1, 2], "the finder sees both forms"

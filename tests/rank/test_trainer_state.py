@@ -79,7 +79,7 @@ def trainer(comm: Any, run_dir: Path, dynamic: bool) -> Trainer:
         Place(comm, torch.device("cpu")),
         records,
     )
-    loop.scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    loop.scaler = loop.state.owners.scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
     return loop
 
 
@@ -95,7 +95,7 @@ def advance(loop: Trainer) -> Position:
     with torch.no_grad():
         loop.rule.momentum[0].add_(1.0)
     loop.rule.round_step, loop.rule.outer_steps = 2, 5
-    loop.scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    loop.scaler = loop.state.owners.scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
     loop.validator.history = [{"val_loss": 0.5, "val_acc": 0.75}]
     loop.guard.skipped, loop.guard.checkpointed = 2, 4
     loop.validator.first_val_loss, loop.validator.reported_prefix = 0.7, "center_"

@@ -1,26 +1,51 @@
 """The loop's side of growing the job (:mod:`runner.rank.resilience.elastic`): when to grow, and welcoming
-the new workers into a :class:`~runner.rank.loop.Loop`'s training."""
+the new workers into the training."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from runner.rank.state import Position, broadcast_state
 
 if TYPE_CHECKING:
-    from runner.rank.agreement import Decision
-    from runner.rank.face import Loop
+    from torch import nn
+
+    from runner.comm import Comm
+    from runner.rank.agreement import Control, Decision
+    from runner.rank.pace import Pace
+    from runner.rank.records.meter import Meter
+    from runner.rank.records.metrics import MetricsLog
     from runner.rank.resilience.recovery import Recovery
+    from runner.rank.trainer_state import TrainerState
+    from runner.rank.validator import Validator
+    from runner.rules.base import Rule
 
 
 class Growth:
-    """Growing one worker's loop (``loop``; ``recovery``: its fault tolerance, which grows the job): the
-    workers agree to grow at an agreement (:meth:`note`),
-    grow at the next step's or epoch's start (:meth:`if_due`), and welcome the new workers."""
+    """Growing the job from one worker (``recovery``: its fault tolerance, which grows the job): the workers
+    agree to grow at an agreement (:meth:`note`), grow at the next step's or epoch's start (:meth:`if_due`),
+    and welcome the new workers. ``retry(fn, pos, *args)``: the loop's, recovering from lost workers."""
 
-    def __init__(self, loop: Loop, recovery: Recovery | None):
-        self.loop, self.recovery = loop, recovery
+    def __init__(
+        self,
+        recovery: Recovery | None,
+        *,
+        workers: Comm,
+        model: nn.Module,
+        rule: Rule,
+        state: TrainerState,
+        pace: Pace,
+        validator: Validator,
+        control: Control,
+        meter: Meter,
+        log: MetricsLog,
+        retry: Callable[..., Any],
+    ):
+        self.recovery, self.workers, self.model, self.rule = recovery, workers, model, rule
+        self.state, self.pace, self.validator, self.control = state, pace, validator, control
+        self.meter, self.log, self.retry = meter, log, retry
         self.due = 0  # workers to add at the next step's start
         self.noted = 0  # the lost workers to replace when the workers agreed to grow
 
@@ -33,49 +58,47 @@ class Growth:
 
     def if_due(self, pos: Position, mid_epoch: bool) -> None:
         """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
-        if self.due and self.loop.rule.ready_to_grow:
-            self.loop.tolerant(self.grow, pos, mid_epoch)
+        if self.due and self.rule.ready_to_grow:
+            self.retry(self.grow, pos, mid_epoch)
 
     def grow(self, pos: Position, mid_epoch: bool) -> None:
         """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
-        loop, start = self.loop, time.time()
-        recovery = self.recovery
-        loop.control.close()  # the agreement in flight (every worker started it)
-        loop.rule.before_grow()
+        start, recovery = time.time(), self.recovery
+        self.control.close()  # the agreement in flight (every worker started it)
+        self.rule.before_grow()
         # (workers lost since the agreement, in a growth they cut short: replaced too, the same on every one)
         ids = recovery.elastic.grow(self.due + recovery.heal_pending - self.noted)
         self.due, self.noted, recovery.heal_pending = 0, 0, 0
         self.welcome(pos, mid_epoch, joined=False)
         refusal = recovery.elastic.refusal
-        if refusal and loop.workers.rank == 0:
-            loop.meter.echo(f"warning: {refusal}")
+        if refusal and self.workers.rank == 0:
+            self.meter.echo(f"warning: {refusal}")
         if ids:
             line = recovery.elastic.record(ids, pos.step)
             seconds = time.time() - start
-            size = loop.workers.size
-            loop.log.write("joined", pos.step, joined=ids, workers=size, seconds=round(seconds, 4))
-            loop.meter.echo(f"{line} (in {seconds:.2f} s)")
+            size = self.workers.size
+            self.log.write("joined", pos.step, joined=ids, workers=size, seconds=round(seconds, 4))
+            self.meter.echo(f"{line} (in {seconds:.2f} s)")
 
     def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
         """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
         worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
         grows, and the workers agree on their next agreement. Returns where the new ones start, and
         whether that is within an epoch (they then take the lost workers' shards of it)."""
-        loop = self.loop
-        w = loop.workers
+        w = self.workers
         sub = w.split(0 if w.rank == 0 or joined else 1, keep=False)
         if w.rank == 0 or joined:
             if sub.size > 1:
-                broadcast_state(loop.model, sub, root=0)
-                package = sub.broadcast_object(loop.state.package(pos, mid_epoch) if w.rank == 0 else None)
+                broadcast_state(self.model, sub, root=0)
+                package = sub.broadcast_object(self.state.package(pos, mid_epoch) if w.rank == 0 else None)
                 if joined:
-                    pos, mid_epoch = loop.state.unpack(package)
+                    pos, mid_epoch = self.state.unpack(package)
         sub.free()
-        loop.validator.resend(record=True)  # (worker 0 stays worker 0)
-        loop.pace.welcome(joined, mid_epoch)  # the data dealt anew among all
-        loop.rule.grow(joined)
-        loop.validator.regrow()
-        loop.meter.world = w.size
-        after = loop.pace.agreement_after(pos.step)
-        loop.control.reset(int(w.allreduce_values([after], "max")[0]))
+        self.validator.resend(record=True)  # (worker 0 stays worker 0)
+        self.pace.welcome(joined, mid_epoch)  # the data dealt anew among all
+        self.rule.grow(joined)
+        self.validator.regrow()
+        self.meter.world = w.size
+        after = self.pace.agreement_after(pos.step)
+        self.control.reset(int(w.allreduce_values([after], "max")[0]))
         return pos, mid_epoch
