@@ -152,6 +152,23 @@ def test_the_launcher_schema_and_hardware_never_import_the_ranks_or_the_comm_lay
     assert not bad, bad
 
 
+def test_the_comm_layer_imports_neither_the_schema_nor_the_hardware():
+    """The communication layer is given values, not configs (issue 47): not even a type hint reaches the
+    schema or the hardware side; the names both sides use are held alike here."""
+    from runner.comm.wire import NAMES
+    from runner.schema import WIRE_NAMES
+
+    bad = [
+        f"{module} imports {target}"
+        for module, targets in graph(hints=True).items()
+        if side(module) == "comm"
+        for target in targets
+        if side(target) in ("schema", "hardware")
+    ]
+    assert not bad, bad
+    assert NAMES == WIRE_NAMES
+
+
 def test_only_the_binding_module_imports_mpi4py():
     """mpi4py is imported in one module of the communication layer, which sets it not to start MPI; the rest
     of the layer takes ``MPI`` from there, and no other side imports the layer's MPI modules (above)."""

@@ -40,7 +40,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from runner.lazy import lazy_import
-from runner.schema import one_of, require
 
 if TYPE_CHECKING:
     import torch
@@ -58,25 +57,6 @@ KINDS = ("none", "int8", "topk", "topk_2bit", "sign")
 
 #: The codes of the kinds that travel as chunked sparse codes (:mod:`runner.comm.sparse`): (chunk, bits).
 CHUNKED = {"topk_2bit": (4096, 2), "sign": (BLOCK, 1)}
-
-
-def check(compress: str, topk_ratio: float, comm_dtype: str) -> None:
-    """The checks of ``rule.compress`` and ``rule.topk_ratio`` that every rule taking them shares; raise
-    ValueError naming the key and the fix."""
-    one_of("compress", compress, KINDS)
-    require(
-        0 < topk_ratio <= 1,
-        "topk_ratio",
-        topk_ratio,
-        "the share of each tensor's values top-k sends, in (0, 1] (e.g. 0.01: 1%)",
-    )
-    require(
-        compress == "none" or comm_dtype == "fp32",
-        "compress",
-        compress,
-        f"a compressed exchange has its own encoding and is not also sent in comm_dtype={comm_dtype}: set "
-        "rule.comm_dtype=fp32, or rule.compress=none to send in 16 bits",
-    )
 
 
 def _no_grad(fn: Any) -> Any:

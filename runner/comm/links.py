@@ -32,10 +32,7 @@ import collections
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from runner.schema.sections import SimulateConfig
+from typing import Any, Protocol
 
 #: The all-reduces of ``Comm``, blocking and not.
 ALLREDUCES = ("allreduce", "iallreduce", "allreduce_background")
@@ -147,7 +144,18 @@ def leaving_edges(nodes: Sequence[int]) -> dict[int, int]:
     return {node: leaving.get(node, 0) for node in dict.fromkeys(nodes)}
 
 
-def emulated(simulate: SimulateConfig) -> Links | None:
+class LinkSettings(Protocol):
+    """What emulated links are built from (the config's ``simulate`` section)."""
+
+    ranks_per_node: int | None
+    link_gbps: Any
+    spin: bool
+
+    def links(self) -> bool: ...
+    def per_node(self, key: str, scale: float = 1.0) -> float | tuple[float, ...]: ...
+
+
+def emulated(simulate: LinkSettings) -> Links | None:
     """The links ``simulate`` asks to emulate (``simulate.ranks_per_node`` and ``link_gbps``), or None."""
     if not simulate.links():
         return None

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from runner.comm.compress import KINDS
 from runner.comm.flat import FlatTensors, flat_copy, float_buffers
 from runner.comm.tags import GROW
 from runner.comm.wire import wire_dtype
 from runner.lazy import lazy_import
+from runner.schema import one_of, require
 
 if TYPE_CHECKING:
     import torch
@@ -299,3 +301,22 @@ class Rule:
         for mine, theirs in zip(self.model.buffers(), target.buffers(), strict=True):
             if not mine.is_floating_point():
                 theirs.copy_(mine)
+
+
+def check_compress(compress: str, topk_ratio: float, comm_dtype: str) -> None:
+    """The checks of ``rule.compress`` and ``rule.topk_ratio`` that every rule taking them shares; raise
+    ValueError naming the key and the fix."""
+    one_of("compress", compress, KINDS)
+    require(
+        0 < topk_ratio <= 1,
+        "topk_ratio",
+        topk_ratio,
+        "the share of each tensor's values top-k sends, in (0, 1] (e.g. 0.01: 1%)",
+    )
+    require(
+        compress == "none" or comm_dtype == "fp32",
+        "compress",
+        compress,
+        f"a compressed exchange has its own encoding and is not also sent in comm_dtype={comm_dtype}: set "
+        "rule.comm_dtype=fp32, or rule.compress=none to send in 16 bits",
+    )

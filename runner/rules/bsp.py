@@ -49,10 +49,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.compress import Compressed, compressors, feedback_state, load_feedback
-from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
-from runner.rules.base import Rule, RuleContext
+from runner.rules.base import Rule, RuleContext, check_compress
 from runner.rules.period import PeriodicConfig, Periods, rate
 from runner.schema import RuleConfig, one_of, require
 

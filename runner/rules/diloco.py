@@ -62,10 +62,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.compress import Compressed, compressors, feedback_state, load_feedback
-from runner.comm.compress import check as check_compress
 from runner.comm.flat import FlatTensors, float_buffers
 from runner.lazy import lazy_import
-from runner.rules.base import Rule, RuleContext, no_grad
+from runner.rules.base import Rule, RuleContext, check_compress, no_grad
 from runner.rules.period import PeriodicConfig, Periods, rate
 from runner.schema import RuleConfig, require
 
