@@ -29,7 +29,7 @@ class CPUConfig(HardwareConfig):
         one_per_core = (
             effective_bind(self, ranks, cores) == "core" and threads_per_rank(self, ranks, cores) == 1
         )
-        if not (reserve and one_per_core):
+        if not (reserve and one_per_core) or self.device == "cuda":  # GPUs: placed by their cores (gpu_plan)
             return super().plan_launch(ranks, run_dir)
         self.check_fits(ranks, cores)
         allowed = sorted(os.sched_getaffinity(0))

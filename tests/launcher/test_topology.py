@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from runner.hardware.cluster import ClusterConfig
+from runner.hardware.cpu import CPUConfig
 from runner.hardware.gpu import GPUConfig
 from runner.hardware.mpirun import build_argv
 from runner.hardware.topology import format_cpulist, gpu_slots, main, parse_cpulist, plan, read_topology
@@ -236,6 +237,10 @@ def test_cuda_without_an_nvidia_gpu_is_refused_before_launch(this_machine, one_s
         GPUConfig(flavor="openmpi").plan_launch(2, Path("/run"))
     cluster = ClusterConfig(device="cuda", flavor="openmpi", hosts=["node1:2", "node2:2"])
     assert cluster.plan_launch(4, Path("/run")).placements is None, "other hosts: no plan, no refusal"
+    # hardware=cpu with hardware.device=cuda, as the launcher plans it (reserving cores): refused alike, not
+    # found by rank 0 after the start
+    with pytest.raises(ValueError, match="hardware.device='cuda'.*no NVIDIA GPU.*use hardware=cpu"):
+        CPUConfig(device="cuda", flavor="openmpi").plan_launch(4, Path("/run"), reserve=True)
 
 
 def test_prepare_writes_the_gpu_plan(this_machine, two_sockets_four_gpus, tmp_path):
