@@ -34,8 +34,8 @@ class JobOutput:
         self.bar = Bar(prefix=self.prefix)
 
     def say(self, text: str) -> None:
-        """One of the launcher's own lines, above the progress bar."""
-        self.bar.above(lambda: _log(text))
+        """One of the launcher's own lines, above the progress bar (labelled as the job's are)."""
+        self.bar.above(lambda: _log(self.prefix.decode() + text))
 
     def copy(self, fd: int) -> None:
         """Copy what ``fd`` (the job's output) gives to mpirun.log and, filtered, to the terminal.

@@ -372,7 +372,7 @@ def launch(
     tag = f"[{label}] " if label else ""  # points of a sweep that run at once: whose line is it
     log.info("%srun folder: %s", tag, run_dir)
     if planned.warning:
-        log.warning(planned.warning)
+        log.warning("%s%s", tag, planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
     start, load_start = time.time(), load_average()
     servers = range(checked.devices, checked.world_size)  # the last ranks serve (rules.base.split_roles)

@@ -141,7 +141,10 @@ class Static:
         return pos.step
 
     def checkpoint_words(self, step: int, pos: Position) -> str:
-        """The console's line for a checkpoint after ``step``."""
+        """The console's line for a checkpoint after ``step`` (at an epoch's start: the end of the one before;
+        a run's last is at the start of an epoch it does not have)."""
+        if pos.batch == 0 and pos.epoch > 0:
+            return f"checkpoint after step {step} (end of epoch {pos.epoch - 1})"
         return f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})"
 
     def agreement_after(self, step: int) -> int:

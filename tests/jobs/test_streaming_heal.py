@@ -34,13 +34,17 @@ HEAL = [
 #: (training forward calls, counted from 1).
 DRAWS = [22, 34]
 
-CHECKPOINT = re.compile(r"checkpoint after step (\d+) \(epoch (\d+), batch (\d+)\)")
+CHECKPOINT = re.compile(r"checkpoint after step (\d+) \((?:epoch (\d+), batch (\d+)|end of epoch (\d+))\)")
 
 
 def checkpoints(run: Run, rank: int, after: int) -> list[tuple[int, ...]]:
-    """(step, epoch, batch) of every checkpoint after step ``after`` that ``logs/rank<rank>.log`` names."""
+    """(step, epoch, batch) of every checkpoint after step ``after`` that ``logs/rank<rank>.log`` names (the
+    end of epoch E: epoch E + 1, batch 0)."""
     text = (run.dir / "logs" / f"rank{rank}.log").read_text()
-    found = [tuple(map(int, m.groups())) for m in CHECKPOINT.finditer(text)]
+    found = [
+        (int(m[1]), int(m[2]), int(m[3])) if m[4] is None else (int(m[1]), int(m[4]) + 1, 0)
+        for m in CHECKPOINT.finditer(text)
+    ]
     return [c for c in found if c[0] > after]
 
 

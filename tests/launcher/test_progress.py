@@ -225,6 +225,9 @@ def test_a_dynamic_runs_checkpoint_line_names_worker_0s_step_and_the_bars(progre
     assert words == "checkpoint after step 4 (worker 0's own steps; the run's: 10 of 10)"
     static = Static.__new__(Static).checkpoint_words(4, Position(4, 0, 4))
     assert static == "checkpoint after step 4 (epoch 0, batch 4)"  # the form tests/jobs read
+    # a 2-epoch run's last checkpoint, at the start of the epoch it does not have: not "(epoch 2, batch 0)"
+    last = Static.__new__(Static).checkpoint_words(10, Position(10, 2, 0))
+    assert last == "checkpoint after step 10 (end of epoch 1)"
 
 
 def test_nothing_drawn_with_progress_off(monkeypatch):

@@ -523,3 +523,15 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_the_launchers_own_lines_about_a_sweep_point_carry_its_label(tmp_path, caplog):
+    """Points of a parallel sweep run at once: "ending the job: ..." must say whose job it is."""
+    output = runner.launcher.job_output.JobOutput(tmp_path, "rule.alpha=0.1")
+    with caplog.at_level("WARNING", logger="runner"):
+        output.say("ending the job: a rank failed with an error and the others did not stop")
+        runner.launcher.job_output.JobOutput(tmp_path).say("a single job's line")
+    assert [r.getMessage() for r in caplog.records] == [
+        "[rule.alpha=0.1] ending the job: a rank failed with an error and the others did not stop",
+        "a single job's line",
+    ]
