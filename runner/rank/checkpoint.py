@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from runner.folder_files import create_new, make_folder, open_in_folder
 from runner.lazy import lazy_import
 from runner.rank.fence import Fence, Partitioned
+from runner.rank.state import Owner
 from runner.run_folder import (
     CHECKPOINT_ENTRY,
     CHECKPOINT_INDEX,
@@ -205,8 +206,15 @@ def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]
     )
 
 
-class Checkpointer:
+class Checkpointer(Owner):
     """Writes this rank's part of a checkpoint; collective over every rank of the job (``world``)."""
+
+    STATE = ("count", "latest")
+    TRANSIENT = {
+        **dict.fromkeys(("cfg", "world", "servers", "fence"), "given"),
+        "root": "the run folder's checkpoints folder",
+        "last_time": "checkpoint.every_minutes counts this job's time",
+    }
 
     def __init__(
         self,

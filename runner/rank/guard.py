@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from runner.rank.state import Owner
+
 if TYPE_CHECKING:
     from runner.rules.base import Rule
 
@@ -86,7 +88,7 @@ def fell_to_chance(
     )
 
 
-class Guard:
+class Guard(Owner):
     """The non-finite checks of one worker's training. ``keep`` is whether the BatchNorm statistics are
     copied before each step (``on_nonfinite=skip``, or fault tolerance, which may redo a step); ``fp16`` a
     gradient scaler is in use, whose overflowing steps are skipped without ending the run; ``echo`` prints
@@ -98,6 +100,16 @@ class Guard:
     ``train.log_every`` steps, before every validation and checkpoint, at each epoch's end and at the end.
     A model past a bad step is never checkpointed, and the run ends naming that first step. ``skip`` and
     fp16 keep a host synchronisation per step: whether to apply the step must be known before it is."""
+
+    STATE = ("skipped", "checkpointed", "overflows")
+    TRANSIENT = {
+        **dict.fromkeys(("model", "optimizer", "rule", "on_nonfinite", "fp16", "echo", "rank"), "given"),
+        **dict.fromkeys(("params", "buffers", "keeping", "deferred"), "follow from what it is given"),
+        **dict.fromkeys(
+            ("first", "at_first", "stats_ok", "flat"), "deferred checks, read before any state moves"
+        ),
+        "kept": "the buffers kept for the step in progress",
+    }
 
     def __init__(
         self,

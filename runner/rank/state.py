@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from torch import nn
@@ -18,6 +18,26 @@ class Position:
     step: int = 0
     epoch: int = 0
     batch: int = 0
+
+
+class Owner:
+    """A part of a worker that owns some of its training state.
+
+    ``STATE`` names the attributes :meth:`state_dict` carries; ``TRANSIENT`` every other attribute the part
+    sets, with why it is not training state (tests/rank/test_trainer_state.py holds each part to the two, so
+    a new attribute is declared one or the other)."""
+
+    STATE: ClassVar[tuple[str, ...]] = ()
+    TRANSIENT: ClassVar[dict[str, str]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` returned, or a part of it."""
+        for name, value in state.items():
+            assert name in self.STATE, f"{type(self).__name__} owns no state {name!r}"
+            setattr(self, name, value)
 
 
 def run_length(

@@ -79,26 +79,28 @@ def _give_scaler(o: Owners, value: Any, at: At) -> None:
         o.scaler.load_state_dict(value)
 
 
-def _give_history(o: Owners, value: Any, at: At) -> None:
-    o.validator.history = list(value)
+def _owned(owner: str, key: str, absent: Any = None) -> tuple[Callable, Callable]:
+    """``(take, give)`` of ``key`` of the part ``owner`` (its state_dict); ``absent``: the value a checkpoint
+    written before the field existed gives back."""
 
+    def take(o: Owners, at: At) -> Any:
+        return getattr(o, owner).state_dict()[key]
 
-def _set_guard(name: str) -> Callable[[Owners, Any, At], None]:
-    return lambda o, value, at: setattr(o.guard, name, value)
+    def give(o: Owners, value: Any, at: At) -> None:
+        getattr(o, owner).load_state_dict({key: absent if value is None else value})
+
+    return take, give
 
 
 def _give_checkpoints(o: Owners, value: Any, at: At) -> None:
-    o.checkpointer.count, o.checkpointer.latest = value
+    count, latest = value
+    o.checkpointer.load_state_dict({"count": count, "latest": latest})
 
 
 def _give_schedule(o: Owners, value: Any, at: At) -> None:
     if value != o.schedule.total_steps:
-        o.schedule.replan(value)
+        o.schedule.load_state_dict({"total_steps": value})
         o.meter.replan(value)
-
-
-def _set_validator(name: str) -> Callable[[Owners, Any, At], None]:
-    return lambda o, value, at: setattr(o.validator, name, value)
 
 
 #: The training state, in the order it is given back (the position before the meter, which reads it; the
@@ -116,15 +118,13 @@ FIELDS: tuple[Field, ...] = (
     Field("epoch", lambda o, at: at.pos.epoch, _set_pos("epoch")),
     Field("batch", lambda o, at: at.pos.batch, _set_pos("batch")),
     Field("mid_epoch", lambda o, at: at.mid_epoch, lambda o, v, at: setattr(at, "mid_epoch", v)),
-    Field("history", lambda o, at: o.validator.history, _give_history),
-    Field("skipped", lambda o, at: o.guard.skipped, _set_guard("skipped")),
-    Field("checkpointed", lambda o, at: o.guard.checkpointed, _set_guard("checkpointed")),
-    Field("first_val_loss", lambda o, at: o.validator.first_val_loss, _set_validator("first_val_loss")),
-    Field(
-        "reported_prefix",
-        lambda o, at: o.validator.reported_prefix,
-        _set_validator("reported_prefix"),
-    ),
+    Field("history", *_owned("validator", "history")),
+    Field("skipped", *_owned("guard", "skipped")),
+    Field("checkpointed", *_owned("guard", "checkpointed")),
+    Field("overflows", *_owned("guard", "overflows", absent=0)),
+    Field("first_val_loss", *_owned("validator", "first_val_loss")),
+    Field("reported_prefix", *_owned("validator", "reported_prefix")),
+    Field("val_asked", *_owned("validator", "val_asked", absent=0)),
     Field(
         "meter",
         lambda o, at: o.meter.state_dict(),
@@ -132,10 +132,10 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field(
         "checkpoints",
-        lambda o, at: (o.checkpointer.count, o.checkpointer.latest),
+        lambda o, at: tuple(o.checkpointer.state_dict().values()),
         _give_checkpoints,
     ),
-    Field("schedule", lambda o, at: o.schedule.total_steps, _give_schedule),
+    Field("schedule", lambda o, at: o.schedule.state_dict()["total_steps"], _give_schedule),
     Field("shard", lambda o, at: o.pace.shard(), lambda o, v, at: o.pace.take_shard(v, at.pos)),
     Field("deal", lambda o, at: o.pace.left_to_deal(), lambda o, v, at: o.pace.deal_rest(v, at.pos)),
     Field("dealing", lambda o, at: o.pace.dealing(), lambda o, v, at: o.pace.take_dealing(v)),
@@ -146,11 +146,12 @@ FIELDS: tuple[Field, ...] = (
 USES: dict[str, tuple[str, ...]] = {
     "checkpoint": (
         *("model", "optimizer", "rule", "scaler", "step", "epoch", "batch", "history", "skipped", "meter"),
-        *("shard", "deal", "rng"),
+        *("overflows", "val_asked", "shard", "deal", "rng"),
     ),
     "package": (
         *("optimizer", "rule", "scaler", "step", "epoch", "batch", "mid_epoch", "history", "skipped"),
         *("checkpointed", "first_val_loss", "reported_prefix", "meter", "checkpoints", "schedule", "dealing"),
+        *("overflows", "val_asked"),
     ),
     "share": ("optimizer", "rule", "scaler"),
 }
@@ -174,6 +175,8 @@ LEFT_OUT: dict[tuple[str, str], str] = {
     ("reported_prefix", "checkpoint"): "the next validation sets it, before the results read it",
     ("reported_prefix", "share"): _SAME,
     ("meter", "share"): "each worker times its own steps",
+    ("overflows", "share"): "each worker counts its own scaler's skipped steps (worker 0's are reported)",
+    ("val_asked", "share"): "worker 0 asks for validations by time; a survivor that becomes worker 0 asks on",
     ("checkpoints", "checkpoint"): "the checkpointer reads them from the index entry it resumes from",
     ("schedule", "checkpoint"): "built for the run's steps; survivors re-plan it at each epoch's start",
     ("shard", "package"): "the welcome gives a new worker a lost worker's shard (lost_shard)",

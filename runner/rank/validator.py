@@ -21,6 +21,7 @@ from torch import nn
 from runner.comm.tags import VALIDATED
 from runner.rank.assignment import claim_slot
 from runner.rank.guard import Diverged, collapse
+from runner.rank.state import Owner
 from runner.rank.validation import nonfinite_batch, validation_sums
 
 if TYPE_CHECKING:
@@ -43,13 +44,27 @@ DATA_ERROR_GRACE_S = 2.0
 SUMS_SENT = 60
 
 
-class Validator:
+class Validator(Owner):
     """Validates one worker's rule's models (``parts``: the model it trains, the rule, the task) on
     ``val_loader`` (this worker's share of the validation set) and keeps the results: ``history`` (every
     validation all workers took, which early stopping reads), the record prefix of the model the run
     reports, and the first validation loss (``train.diverge_at``'s reference). ``records``: the metrics
     log, the meter and the non-finite guard; ``dealer``: this worker's dealer under dynamic assignment
     (None: static shards)."""
+
+    STATE = ("history", "first_val_loss", "reported_prefix", "val_asked")
+    TRANSIENT = {
+        **dict.fromkeys(
+            ("cfg", "workers", "device", "model", "rule", "task", "log", "meter", "guard", "dealer"), "given"
+        ),
+        **dict.fromkeys(("val_loader", "val_share", "whole_val"), "the loaders, made anew by each job"),
+        "val_count": "each validation's own count",
+        "alone": "follows from the rule and the data's assignment",
+        **dict.fromkeys(
+            ("solo_sent", "solo_got", "solo_seen"), "an epoch's validations alone, emptied at its end"
+        ),
+        "val_bytes": "this job's traffic, as the other byte counts are",
+    }
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.schema import require
 
@@ -125,6 +125,20 @@ class Schedule:
         longer): the schedule spans the new length from now on, and its rate may step once here."""
         assert total_steps >= 1, f"total_steps={total_steps}: a run has at least one optimizer step"
         self.total_steps = total_steps
+
+    #: What :meth:`state_dict` carries, and every other attribute with why not (runner.rank.state.Owner).
+    STATE = ("total_steps",)
+    TRANSIENT = {name: "given" for name in ("cfg", "optimizer", "rule_factor")} | {
+        "initial_lrs": "read from the optimizer it is given"
+    }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total_steps": self.total_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the run's length from :meth:`state_dict` (re-planned when it differs)."""
+        if state["total_steps"] != self.total_steps:
+            self.replan(state["total_steps"])
 
     def apply(self, step: int) -> None:
         """Set the learning rates for optimizer step ``step``; call it before that step."""

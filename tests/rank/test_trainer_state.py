@@ -97,8 +97,9 @@ def advance(loop: Trainer) -> Position:
     loop.rule.round_step, loop.rule.outer_steps = 2, 5
     loop.scaler = loop.state.owners.scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
     loop.validator.history = [{"val_loss": 0.5, "val_acc": 0.75}]
-    loop.guard.skipped, loop.guard.checkpointed = 2, 4
+    loop.guard.skipped, loop.guard.checkpointed, loop.guard.overflows = 2, 4, 1
     loop.validator.first_val_loss, loop.validator.reported_prefix = 0.7, "center_"
+    loop.validator.val_asked = 3
     loop.meter.total.steps, loop.meter.epoch.samples, loop.meter.window.loss = 5, 20, 1.5
     loop.control.checkpointer.count, loop.control.checkpointer.latest = 3, "00003-step4"
     loop.schedule.replan(2 * STEPS + 4)
@@ -237,3 +238,52 @@ def test_a_validation_within_an_epoch_says_how_far_into_it(tmp_path, capsys):
     FakeWorld(1).run(rank)
     lines = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
     assert lines == ["epoch 0 (25%)", "epoch 0 (50%), by time #2", "epoch 0"], lines
+
+
+def test_every_attribute_of_a_part_that_owns_state_is_state_or_says_why_not(tmp_path):
+    """An owner's new attribute must go through its state_dict (STATE) or be declared TRANSIENT with the
+    reason; and every STATE name is a field of the table, carried by a use or left out with a reason (the
+    test above). Caught this way: the validator's last validation by time (a resumed job validated at
+    once) and the guard's fp16 overflow count (a resumed job's summary counted its own alone)."""
+    from runner.schedule import Schedule
+
+    def rank(comm) -> list[str]:
+        loop, wrong = trainer(comm, tmp_path, False), []
+        owners = loop.state.owners
+        for part in (owners.validator, owners.guard, owners.checkpointer, owners.schedule):
+            name, attrs = type(part).__name__, set(vars(part))
+            declared = set(part.STATE) | set(part.TRANSIENT)
+            wrong += [f"{name}.{a}: neither STATE nor TRANSIENT" for a in sorted(attrs - declared)]
+            wrong += [f"{name}.{a}: declared but not set" for a in sorted(declared - attrs)]
+            wrong += [f"{name}.{a}: in both" for a in sorted(set(part.STATE) & set(part.TRANSIENT))]
+            wrong += [f"{name}.{a}: no reason given" for a, why in part.TRANSIENT.items() if not why]
+            assert set(part.state_dict()) == set(part.STATE), name
+        assert isinstance(owners.schedule, Schedule)
+        return wrong
+
+    assert FakeWorld(1).run(rank)[0] == []
+    fields = {f.name for f in FIELDS}
+    assert {"skipped", "overflows", "history", "val_asked"} <= fields
+
+
+def test_a_new_attribute_of_an_owner_is_caught(tmp_path):
+    def rank(comm) -> list[str]:
+        guard = trainer(comm, tmp_path, False).state.owners.guard
+        guard.retries = 0  # as a change to Guard.__init__ would add it
+        return sorted(set(vars(guard)) - set(guard.STATE) - set(guard.TRANSIENT))
+
+    assert FakeWorld(1).run(rank)[0] == ["retries"]
+
+
+def test_a_checkpoint_written_before_a_field_existed_gives_back_its_start_value(tmp_path):
+    """val_asked and overflows came after checkpoints that lack them: such a checkpoint resumes with 0."""
+
+    def rank(comm) -> tuple:
+        a, b = trainer(comm, tmp_path / "a", False), trainer(comm, tmp_path / "b", False)
+        pos = advance(a)
+        part = a.state.checkpoint(pos)
+        del part["loop"]["val_asked"], part["loop"]["overflows"]
+        b.restore(torch.load(save(part, tmp_path), weights_only=True))
+        return b.validator.val_asked, b.guard.overflows, b.guard.skipped
+
+    assert FakeWorld(1).run(rank)[0] == (0, 0, 2)
