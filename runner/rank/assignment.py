@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from runner.comm import Comm, Counter
+    from runner.comm import Counter
+    from runner.comm.face import CommLike
 
 #: Meetings for the stop/checkpoint agreement are this many chunks per worker apart. A fast worker waits at
 #: one for the agreement started at the one before, so it waits only for a worker more than an interval's
@@ -256,7 +257,7 @@ def plan(chunks: Chunks, epochs: int, max_steps: int | None, workers: int) -> tu
     return total, min(epochs, math.ceil(total / per_epoch)), math.ceil(total / workers)
 
 
-def dealing_state(dealer: Dealer, workers: Comm) -> dict[str, Any]:
+def dealing_state(dealer: Dealer, workers: CommLike) -> dict[str, Any]:
     """Collective over the workers, at a meeting: what is left to deal, for a checkpoint. ``pending``: every
     ticket drawn and not trained (the ones the workers hold) or left pending; ``base``: the first never
     drawn."""
@@ -266,7 +267,7 @@ def dealing_state(dealer: Dealer, workers: Comm) -> dict[str, Any]:
     return {"pending": sorted(held + left), "base": base}
 
 
-def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) -> str | None:
+def redeal(dealer: Dealer, workers: CommLike, before: list[int], lost: list[int]) -> str | None:
     """Collective over the survivors, after ``lost`` (launch ranks) were lost from the workers ``before``
     (launch ranks, by old rank): a new counter over the survivors, which deals the tickets the lost
     workers held, then what was never drawn. Worker 0 held the counter; if it was lost, what it held is
@@ -301,7 +302,7 @@ def redeal(dealer: Dealer, workers: Comm, before: list[int], lost: list[int]) ->
     return note
 
 
-def regrow(dealer: Dealer, workers: Comm, joined: bool) -> None:
+def regrow(dealer: Dealer, workers: CommLike, joined: bool) -> None:
     """Collective over the workers once new ones joined (``joined``: this one is new): a new counter over
     all of them, which deals what was never drawn; the tickets each worker holds stay its own (a new one
     holds none). Worker 0 held the old counter and still comes first."""

@@ -18,7 +18,7 @@ from runner.folder_files import open_in_folder
 from runner.run_folder import parse_number
 
 if TYPE_CHECKING:
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
 
 #: The most workers one ``RUN_DIR/JOIN`` may ask for (``hardware.max_workers`` caps them further).
 MOST_JOINED = 1000
@@ -47,7 +47,7 @@ def read_join(path: Path) -> str:
         return file.read(JOIN_READ).decode(errors="replace")
 
 
-def growth_refusal(workers: Comm) -> str | None:
+def growth_refusal(workers: CommLike) -> str | None:
     """Why the job of the workers' communicator ``workers`` cannot take new workers (None: it can): no
     fault tolerance (``hardware.fault_tolerance=none``), or its collectives on a ``torch.distributed``
     transport (NCCL, gloo), whose process groups cannot take new ranks (the spawn would wait forever)."""

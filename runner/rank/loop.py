@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from runner.comm import Comm, PeerLost
+from runner.comm import PeerLost
 from runner.rank.agreement import Control, Decision, settle
 from runner.rank.assignment import Dealer
 from runner.rank.guard import Diverged, Guard, fell_to_chance
@@ -33,6 +33,7 @@ from runner.schema.sections import TrainConfig
 from runner.tasks import Task
 
 if TYPE_CHECKING:
+    from runner.comm.face import CommLike
     from runner.rank.resilience.recovery import Recovery
     from runner.schedule import Schedule
 
@@ -76,7 +77,7 @@ class Place:
     communication), its device, and ``delay_s`` slept (or with ``spin``, spent spinning) at the start of
     every step (a simulated straggler)."""
 
-    workers: Comm
+    workers: CommLike
     device: torch.device
     delay_s: float = 0.0
     spin: bool = False

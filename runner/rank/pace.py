@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
     from runner.rank.agreement import Control, Decision
     from runner.rank.records.meter import Meter
     from runner.rank.validator import Validator
@@ -54,7 +54,7 @@ class Given:
 
     cfg: TrainConfig
     loader: DataLoader
-    workers: Comm
+    workers: CommLike
     model: nn.Module
     schedule: Schedule
     meter: Meter

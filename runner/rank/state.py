@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from torch import nn
 
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
 
 
 @dataclass
@@ -52,7 +52,7 @@ def run_length(
     return min(epochs, epoch + -(-(steps - done) // steps_per_epoch)), steps
 
 
-def broadcast_state(model: nn.Module, comm: Comm, root: int = 0) -> None:
+def broadcast_state(model: nn.Module, comm: CommLike, root: int = 0) -> None:
     """Give every rank ``root``'s parameters and buffers."""
     import torch
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
     from runner.rank.checkpoint import Checkpointer
     from runner.rank.guard import Guard
     from runner.rank.pace import Pace
@@ -237,7 +237,7 @@ class TrainerState:
         at = self.give("package", package)
         return at.pos, at.mid_epoch
 
-    def share(self, comm: Comm, root: int) -> dict[str, Any]:
+    def share(self, comm: CommLike, root: int) -> dict[str, Any]:
         """Collective over ``comm``: give every rank ``root``'s model, and return ``root``'s share."""
         broadcast_state(self.owners.model, comm, root=root)
         mine = self.take("share", At()) if comm.rank == root else None

@@ -27,7 +27,7 @@ from runner.rank.validation import nonfinite_batch, validation_sums
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
     from runner.rank.assignment import Dealer
     from runner.rank.guard import Guard
     from runner.rank.records.meter import Meter
@@ -70,7 +70,7 @@ class Validator(Owner):
         self,
         cfg: TrainConfig,
         parts: tuple[nn.Module, Rule, Task],
-        workers: Comm,
+        workers: CommLike,
         device: torch.device,
         records: tuple[MetricsLog, Meter, Guard],
         val_loader: DataLoader | None,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from runner.results import final_and_best
 
 if TYPE_CHECKING:
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
     from runner.rank.guard import Guard
     from runner.rank.records.meter import Meter
 
@@ -30,7 +30,7 @@ class Outcome:
 
 
 def summary(
-    outcome: Outcome, epochs: int, steps: int, meter: Meter, guard: Guard, workers: Comm
+    outcome: Outcome, epochs: int, steps: int, meter: Meter, guard: Guard, workers: CommLike
 ) -> dict[str, Any]:
     """Collective over the workers: the run's results (validation results None when it was preempted
     before its first); rates are this worker's, samples per second and bytes sent all workers'."""

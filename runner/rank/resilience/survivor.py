@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from runner.comm import Comm
+    from runner.comm.face import CommLike
     from runner.rank.agreement import Control
     from runner.rank.pace import Pace
     from runner.rank.records.meter import Meter
@@ -25,7 +25,7 @@ class Survivors:
     def __init__(
         self,
         *,
-        workers: Comm,
+        workers: CommLike,
         rule: Rule,
         state: TrainerState,
         pace: Pace,
@@ -52,7 +52,7 @@ class Survivors:
         """Checkpoint (collective over the workers)."""
         self._save(pos, end)
 
-    def share_state(self, comm: Comm, root: int) -> Any:
+    def share_state(self, comm: CommLike, root: int) -> Any:
         """Give every survivor ``root``'s model, and return ``root``'s optimizer, rule and scaler states."""
         return self.state.share(comm, root)
 
