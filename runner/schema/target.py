@@ -7,8 +7,9 @@ has no schema: its other keys are the class's keyword arguments (``+model.width=
 YAML file of the user's project); an argument that is itself a node with a ``_target_`` (``model.act:
 {_target_: torch.nn.GELU}``) is built first and passed as the object, as Hydra's ``instantiate`` does. The
 launcher checks that every module named can be found without importing it (nor its packages:
-``torch.nn.HuberLoss`` does not import torch); the rank that builds the object names the key of an argument
-the class does not take.
+``torch.nn.HuberLoss`` does not import torch), and, where its source is plain, that it defines the class and
+the class takes the keys given (:mod:`runner.schema.target_source`); the rank that builds the object names
+the key of an argument the class does not take where the source could not tell.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from runner.schema.target_source import longest_module, missing_name, unknown_keys
 
 TARGET = "_target_"
 #: Hydra's other instantiation keys: not read here, so refused rather than passed to the class.
@@ -68,6 +71,13 @@ class Target:
                 )
         for name, value in args.items():
             resolved(f"{key}.{name}", value, lambda at, node: Target.of(at, node, group))
+        if "." not in rest and missing_name(module, rest):
+            raise ValueError(f"{key}._target_={path}: {module} has no {rest!r} (read from its source)")
+        if "." not in rest and (bad := unknown_keys(module, rest, list(args))):
+            raise ValueError(
+                "; ".join(f"{key}.{k}: {rest} takes no such argument ({hint})" for k, hint in bad)
+                + f"; remove it with ~{full}.NAME, or give the right one with +{full}.NAME=VALUE"
+            )
         return cls(full, path, args)
 
     def locate(self) -> Any:
@@ -128,20 +138,10 @@ def find_module(path: str) -> tuple[str, str, bool]:
     """``(module, rest, package)`` of a dotted ``path``: its longest prefix that names a module, found on
     the search path without importing anything (no package's ``__init__`` runs), what follows it, and
     whether that module is a package. ``module`` is empty when not even the first part is one."""
-    parts = path.split(".")
-    try:
-        spec = importlib.util.find_spec(parts[0])
-    except (ImportError, ValueError):
-        spec = None
+    found, spec = longest_module(path)
     if spec is None:
         return "", path, False
-    found = 1
-    while found < len(parts) and spec.submodule_search_locations is not None:
-        name = ".".join(parts[: found + 1])
-        sub = importlib.machinery.PathFinder.find_spec(name, list(spec.submodule_search_locations))
-        if sub is None:
-            break
-        spec, found = sub, found + 1
+    parts = path.split(".")
     return ".".join(parts[:found]), ".".join(parts[found:]), spec.submodule_search_locations is not None
 
 

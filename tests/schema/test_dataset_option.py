@@ -127,7 +127,7 @@ def plain(name: str, **kwargs) -> dict:
         ({"train": plain("Records")}, r"data\.train\._target_=.*Records: .*sample 0 is a dict with keys"),
         ({"train": plain("Points")}, r"data\.train\._target_=.*Points: .*sample 0 is a Tensor of shape"),
         ({"train": plain("nothing")}, r"data\.train\._target_=.*nothing returned a builtins\.int"),
-        ({"train": plain("Blobs", colour=1)}, r"Blobs cannot be called .*train\.colour.*~data\.train\.NAME"),
+        ({"train": plain("Blobs", colour=1)}, r"train\.colour: Blobs takes no such.*~data\.train\.NAME"),
         ({"train": plain("Blobs", size=-1)}, r"data\.train\._target_=.*Blobs failed: RuntimeError"),
         (
             {
