@@ -24,18 +24,36 @@ so the model overprices the latency of small all-reduces by up to 2(N−1)/⌈lo
 BSP exchange of a model is large: ring). Nothing crosses when every rank of the communicator is on one node.
 The communicator spends the seconds after the real operation (:mod:`runner.comm.stats`), where the real one on
 this machine is nearly free.
+
+Links that change (``simulate.link_events``): during an event a node's link carries the event's Gbit/s, or,
+with none, is down: what crosses it waits until it is back, then moves at its own rate. An event's times are
+seconds of the job's clock, which starts as each rank begins its run, after its imports (within about a
+second of its first step; a resumed job's and a joined worker's start anew).
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 #: The all-reduces of ``Comm``, blocking and not.
 ALLREDUCES = ("allreduce", "iallreduce", "allreduce_background")
+
+
+class Event(NamedTuple):
+    """Node ``node``'s link carries ``gbps`` (None: it is down) from ``at_s`` for ``for_s`` seconds."""
+
+    node: int
+    at_s: float
+    for_s: float
+    gbps: float | None = None
+
+    def covers(self, node: int, now: float) -> bool:
+        return node == self.node and self.at_s <= now < self.at_s + self.for_s
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,8 @@ class Links:
     gbps: float | tuple[float, ...]
     latency_s: float | tuple[float, ...]
     spin: bool = False
+    events: tuple[Event, ...] = ()
+    start: float = field(default_factory=time.monotonic, compare=False)  # the job's clock's zero
 
     def __post_init__(self) -> None:
         rates, latencies = _values(self.gbps), _values(self.latency_s)
@@ -58,9 +78,33 @@ class Links:
         """The emulated node of the job's ``rank``."""
         return rank // self.ranks_per_node
 
+    def now(self) -> float:
+        """Seconds of the job's clock (link events are timed on it)."""
+        return time.monotonic() - self.start
+
+    def event(self, node: int, now: float | None = None) -> Event | None:
+        """The event node ``node``'s link is in at ``now`` (default: now), if any (the last one listed)."""
+        if not self.events:
+            return None
+        now = self.now() if now is None else now
+        return next((e for e in reversed(self.events) if e.covers(node, now)), None)
+
     def rate(self, node: int) -> float:
-        """Node ``node``'s link in Gbit/s."""
-        return _of(self.gbps, node)
+        """Node ``node``'s link in Gbit/s (during an event that slows it, the event's; down: its own)."""
+        event = self.event(node)
+        return event.gbps if event is not None and event.gbps is not None else _of(self.gbps, node)
+
+    def down_for(self, nodes: Sequence[int]) -> float:
+        """Seconds until every link of ``nodes`` is up (0: all are)."""
+        now = self.now()
+        waits = [e.at_s + e.for_s - now for n in nodes if (e := self.event(n, now)) and e.gbps is None]
+        return max(waits, default=0.0)
+
+    def edges(self, after: float, upto: float) -> Iterator[tuple[float, Event, bool]]:
+        """``(time, event, began)`` of every event's start or end in ``(after, upto]``, in time order."""
+        found = [(e.at_s, e, True) for e in self.events if after < e.at_s <= upto]
+        found += [(e.at_s + e.for_s, e, False) for e in self.events if after < e.at_s + e.for_s <= upto]
+        yield from sorted(found, key=lambda f: f[0])
 
     def latency(self, node: int) -> float:
         """Node ``node``'s one-way latency in seconds."""
@@ -72,7 +116,8 @@ class Links:
         if not crossed:
             return 0.0
         latency = max(self.latency(n) for n in by_node)
-        return steps * latency + max(8 * by_node[n] / (self.rate(n) * 1e9) for n in crossed)
+        wait = self.down_for(crossed) if self.events else 0.0
+        return wait + steps * latency + max(8 * by_node[n] / (self.rate(n) * 1e9) for n in crossed)
 
     def collective(self, op: str, nodes: Sequence[int], nbytes: int) -> float:
         """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes`` (each
@@ -149,6 +194,7 @@ class LinkSettings(Protocol):
 
     ranks_per_node: int | None
     link_gbps: Any
+    link_events: Any
     spin: bool
 
     def links(self) -> bool: ...
@@ -161,4 +207,5 @@ def emulated(simulate: LinkSettings) -> Links | None:
         return None
     assert simulate.ranks_per_node and simulate.link_gbps is not None
     gbps, latency_s = simulate.per_node("link_gbps"), simulate.per_node("link_latency_ms", scale=1e-3)
-    return Links(simulate.ranks_per_node, gbps, latency_s, simulate.spin)
+    events = tuple(Event(e.node, e.at_s, e.for_s, e.gbps) for e in simulate.link_events)
+    return Links(simulate.ranks_per_node, gbps, latency_s, simulate.spin, events)

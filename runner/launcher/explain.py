@@ -100,11 +100,28 @@ def _names_one_of(problem: str, keys: set[str]) -> bool:
     return any(re.match(rf"{re.escape(k)}[=:. ]", problem) for k in keys)
 
 
+def _inner_key(cause: BaseException | None, key: str) -> str | None:
+    """For a known ``key`` whose value has a node with a key its schema lacks (an item of
+    ``simulate.link_events``): the line naming it and the schema's keys; else None."""
+    import dataclasses
+
+    kind = getattr(cause, "object_type", None)
+    inner = re.match(r"Key '([^']+)' not in '([^']+)'", str(cause or ""))
+    if inner is None or not dataclasses.is_dataclass(kind) or kind.__name__ != inner.group(2):
+        return None
+    if inner.group(1) == key.rpartition(".")[2]:
+        return None  # the override's own key: the caller's cases
+    fields = ", ".join(f.name for f in dataclasses.fields(kind))
+    return f"{key}: an item has the key {inner.group(1)!r}, which it does not take; its keys are {fields}"
+
+
 def _explain_one(err: BaseException, argv: list[str]) -> str:
     """The line for ``err`` alone."""
     text = str(err).strip()
     if missing := CANNOT_OVERRIDE.search(text):
         key = missing.group(1)
+        if inner := _inner_key(err.__cause__, key):
+            return inner
         return _swept(key, argv) or _misspelt(key, argv) or _unknown(key, argv) or text.splitlines()[0]
     if sets := SETS_UNKNOWN.search(text):
         group, option, key, schema = sets.groups()
@@ -285,7 +302,25 @@ def _composable(argv: list[str]) -> list[str]:
         for a in command_line_overrides(argv)
         if not a.lstrip("+").startswith("hydra.") or a.startswith("hydra.searchpath=")
     ]
-    return [a if a.startswith("hydra.searchpath=") else a.split(",", 1)[0] for a in keep]
+    return [a if a.startswith("hydra.searchpath=") else first_value(a) for a in keep]
+
+
+def first_value(override: str) -> str:
+    """``override`` with a sweep's first value (``a=1,2``: ``a=1``); a comma inside brackets, braces or
+    quotes is part of a value (``a=[1,2]``, ``a={x:1,y:2}``)."""
+    depth, quote = 0, ""
+    for i, c in enumerate(override):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+        elif c == "," and depth == 0:
+            return override[:i]
+    return override
 
 
 def _unknown(key: str, argv: list[str]) -> str | None:

@@ -194,6 +194,17 @@ def _shown(value: Any) -> str:
 
 
 @dataclass
+class LinkEventConfig:
+    """Emulated node ``node``'s link carries ``gbps`` Gbit/s (null: it is down, and what crosses it waits
+    until it is back) from ``at_s`` for ``for_s`` seconds of the job's clock."""
+
+    node: int = 0
+    at_s: float = 0.0
+    for_s: float = 1.0
+    gbps: float | None = None
+
+
+@dataclass
 class SimulateConfig:
     """Conditions imposed on a healthy job to study the rules under them: ``straggler_ranks`` (worker
     ranks, ``0 .. devices-1``) each sleep ``straggler_ms`` milliseconds at the start of every training
@@ -213,7 +224,9 @@ class SimulateConfig:
     server, a worker that joined) takes its last value. Either one unset leaves the links free, with a warning
     when the other is set (a sweep may include the point without links). The latency's default, 0.05 ms,
     is a one-way TCP message between hosts on one Ethernet switch (tens of microseconds), the transport
-    Open MPI takes between nodes without InfiniBand."""
+    Open MPI takes between nodes without InfiniBand. ``link_events``: times a node's link slows down or
+    goes away and comes back (:class:`LinkEventConfig`), recorded in ``metrics.jsonl`` as ``link``
+    records."""
 
     straggler_ranks: list[int] = field(default_factory=list)
     straggler_ms: float = 0.0
@@ -222,6 +235,7 @@ class SimulateConfig:
     ranks_per_node: int | None = None
     link_gbps: Any = None  # a number, or a list of one per emulated node
     link_latency_ms: Any = 0.05  # the same
+    link_events: list[LinkEventConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(
@@ -267,6 +281,30 @@ class SimulateConfig:
             "one-way milliseconds per round of an operation that crosses a node boundary, >= 0: one for "
             "all (e.g. 0.05) or one per node (simulate.link_latency_ms=[1,1,1,40])",
         )
+        self.check_events()
+
+    def check_events(self) -> None:
+        """Each link event names a node, a start >= 0, a length > 0 and a speed > 0 (or null: down); events
+        need links."""
+        example = "e.g. simulate.link_events=[{node:1,at_s:10,for_s:20,gbps:0.01}]"
+        for i, e in enumerate(self.link_events):
+            key = f"link_events[{i}]"
+            require(e.node >= 0, f"{key}.node", e.node, f"an emulated node, >= 0 ({example})")
+            require(_numbers(e.at_s, lambda v: v >= 0), f"{key}.at_s", e.at_s, "seconds of the job, >= 0")
+            require(_numbers(e.for_s, lambda v: v > 0), f"{key}.for_s", e.for_s, "its length in seconds, > 0")
+            require(
+                e.gbps is None or _numbers(e.gbps, lambda v: v > 0),
+                f"{key}.gbps",
+                e.gbps,
+                "the link's Gbit/s during the event, > 0, or null: the link is down (what crosses it waits)",
+            )
+        require(
+            not self.link_events or self.links(),
+            "link_events",
+            f"{len(self.link_events)} event(s)",
+            "events change emulated links, and there are none: set simulate.ranks_per_node and "
+            "simulate.link_gbps (or network=...), or drop the events",
+        )
 
     def per_node(self, key: str, scale: float = 1.0) -> float | tuple[float, ...]:
         """``link_gbps`` or ``link_latency_ms`` (times ``scale``) as :class:`runner.comm.links.Links` takes
@@ -310,7 +348,15 @@ class SimulateConfig:
         )
         ranks = devices + servers
         if self.links():
-            self._check_lists(-(-ranks // (self.ranks_per_node or 1)), ranks, servers)
+            nodes = -(-ranks // (self.ranks_per_node or 1))
+            self._check_lists(nodes, ranks, servers)
+            for i, e in enumerate(self.link_events):
+                require(
+                    e.node < nodes,
+                    f"link_events[{i}].node",
+                    e.node,
+                    f"the job's {ranks} ranks make {nodes} emulated node(s), 0..{nodes - 1}",
+                )
         require(
             not self.links() or (self.ranks_per_node or 0) < ranks,
             "ranks_per_node",

@@ -320,3 +320,94 @@ def test_bsp_steps_grow_by_the_emulated_cost(cli):
     assert 0.8 < grown / expected < 1.25, (grown, expected)
     assert s["emulated_comm_s"] == pytest.approx(expected * s["steps"], rel=0.3)
     assert free.summary["emulated_comm_s"] == 0.0
+
+
+def test_a_link_event_slows_or_downs_its_node_for_its_window_only():
+    from runner.comm.links import Event
+
+    slowed, down = Event(1, 10.0, 5.0, 0.001), Event(2, 12.0, 2.0)
+    links = Links(1, 1.0, 0.0, events=(slowed, down), start=time.monotonic() - 11.0)  # 11 s into the job
+    assert links.rate(0) == 1.0 and links.rate(1) == 0.001 and links.rate(2) == 1.0
+    assert links.down_for([0, 1, 2]) == 0.0
+    megabyte = {1: 1e6, 0: 1e6}
+    assert links.over(megabyte, 1) == pytest.approx(8e6 / 1e6, rel=1e-3), "1 MB at 1 Mbit/s: 8 s"
+    later = Links(1, 1.0, 0.0, events=(slowed, down), start=time.monotonic() - 13.0)
+    wait = later.down_for([0, 2])
+    assert 0.9 < wait <= 1.0, "node 2 is down until 14 s"
+    assert later.over({0: 1e6, 2: 1e6}, 1) == pytest.approx(wait + 8e6 / 1e9, abs=0.01)
+    assert [(at, e.node, began) for at, e, began in later.edges(0.0, 14.5)] == [
+        (10.0, 1, True), (12.0, 2, True), (14.0, 2, False),
+    ]  # fmt: skip
+    assert Links(1, 1.0, 0.0) == Links(1, 1.0, 0.0), "clocks are not compared"
+
+
+@pytest.mark.parametrize(
+    "events, message",
+    [
+        ("[{node:1,at_s:-1,for_s:2}]", "simulate.link_events[0].at_s=-1.0 is invalid"),
+        ("[{node:1,at_s:1,for_s:0}]", "simulate.link_events[0].for_s=0.0 is invalid"),
+        ("[{node:1,at_s:1,for_s:2,gbps:0}]", "simulate.link_events[0].gbps=0.0 is invalid"),
+        ("[{node:2,at_s:1,for_s:2}]", "link_events[0].node=2 is invalid: the job's 2 ranks make 2 emulated"),
+    ],
+)
+def test_bad_link_events_name_the_key_before_launch(events, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checked_config(
+            [
+                "devices=2",
+                "simulate.ranks_per_node=1",
+                "simulate.link_gbps=1",
+                f"simulate.link_events={events}",
+            ]
+        )
+    with pytest.raises(ValueError, match="events change emulated links, and there are none"):
+        checked_config(["devices=2", "simulate.link_events=[{node:1,at_s:1,for_s:2}]"])
+
+
+def test_the_settings_carry_the_events_to_the_links():
+    cfg = checked_config(
+        [
+            "devices=2",
+            "simulate.ranks_per_node=1",
+            "simulate.link_gbps=1",
+            "simulate.link_events=[{node:1,at_s:3,for_s:2,gbps:0.5},{node:0,at_s:4,for_s:1}]",
+        ]
+    )
+    from runner.comm.links import Event
+
+    assert emulated(cfg.simulate).events == (Event(1, 3.0, 2.0, 0.5), Event(0, 4.0, 1.0, None))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_link_slowed_mid_run_slows_the_steps_of_its_window_and_the_records_say_so(cli):
+    """2 nodes at 1 Gbit/s; node 1's link drops to 5 Mbit/s for 1 s, 2.5 s into the job's clock (400 steps
+    take about 5 s of it): the steps between the metrics' ``link`` records take many times longer than the
+    others, and the run ends as usual."""
+    event = "[{node:1,at_s:2.5,for_s:1,gbps:0.005}]"
+    run = cli(
+        "model=mlp", "train.max_steps=400", "train.epochs=20", "train.log_every=1",
+        "simulate.ranks_per_node=1", "simulate.link_gbps=1", f"simulate.link_events={event}",
+    )  # fmt: skip
+    assert run.returncode == 0, run.output
+    links = run.records("link")
+    assert [(r["node"], r["state"]) for r in links] == [(1, "slowed"), (1, "restored")], links
+    assert links[0]["gbps"] == 0.005 and links[0]["at_s"] == 2.5 and links[1]["at_s"] == 3.5
+    steps = run.records("step")
+    inside = [r["step_ms"] for r in steps if links[0]["step"] < r["step"] <= links[1]["step"]]
+    outside = [
+        r["step_ms"] for r in steps[3:] if not links[0]["step"] - 1 <= r["step"] <= links[1]["step"] + 1
+    ]
+    assert len(inside) >= 3 and min(inside) > 3 * sorted(outside)[len(outside) // 2], (inside, outside)
+
+
+def test_a_wrong_key_in_a_link_event_is_named_with_the_events_keys():
+    from runner.launcher.explain import every_mistake
+
+    [line] = every_mistake(
+        ["simulate.ranks_per_node=1", "simulate.link_gbps=1", "simulate.link_events=[{node:1,at:1}]"]
+    )
+    assert line == (
+        "simulate.link_events: an item has the key 'at', which it does not take; its keys are node, at_s, "
+        "for_s, gbps"
+    ), line

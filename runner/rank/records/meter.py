@@ -184,6 +184,7 @@ class Meter:
         self._peek = Peek()
         self._shown = 0  # the last step shown
         self._progress = 0  # the run's progress, in steps (shown or not)
+        self._links_seen = 0.0  # the job clock's second up to which link events were recorded
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         """The timings, their losses read (a host synchronisation)."""
@@ -228,6 +229,16 @@ class Meter:
         self._arrived, self._comm0 = time.perf_counter(), self.stats.seconds
         self._emulated0 = self.stats.emulated_seconds
 
+    def _link_edges(self, step: int) -> None:
+        """``link`` records of the emulated links' events that began or ended since the last step."""
+        links = self.stats.links
+        now = links.now()
+        for at, event, began in links.edges(self._links_seen, now):
+            gbps = event.gbps if began else None
+            state = ("down" if event.gbps is None else "slowed") if began else "restored"
+            self.log.write("link", step, node=event.node, state=state, gbps=gbps, at_s=round(at, 3))
+        self._links_seen = now
+
     def step_done(
         self,
         step: int,
@@ -256,6 +267,8 @@ class Meter:
             self.window = Timing()
         self._loss = loss
         self._progress = step if shown is None else shown
+        if self.stats.links is not None and self.stats.links.events:
+            self._link_edges(step)
         if self.display.mode != "none":
             self._show(step if shown is None else shown, epoch, loss)
 
