@@ -20,7 +20,9 @@ def crossover_figure(cross: network.Crossover) -> Figure:
     A line per series through its time to target at each link speed (log x axis; log y where the times span
     orders of magnitude), a cross at the top where it did not reach the target, and free links apart, in a
     narrow panel of their own on the right."""
-    speeds = [g for g in cross.speeds if isinstance(g, float)]  # (a link per node has no place on the axis)
+    latency = any(isinstance(g, network.Latency) for g in cross.speeds)
+    on_axis = (network.Latency,) if latency else (float,)
+    speeds = [g for g in cross.speeds if isinstance(g, on_axis)]  # (a link per node has no place on the axis)
     free = None in cross.speeds
     fig = figure(9.5 if free else 8, 5.6)
     if free:
@@ -35,12 +37,17 @@ def crossover_figure(cross: network.Crossover) -> Figure:
             _draw_cells(apart, [cell], f"{series}: {network.FREE}", colors[series], x=0.0)
     times = [c.seconds for c in cross.cells.values() if c.seconds is not None]
     log = log_scale(times)
-    axes.set_xscale("log")
-    axes.set_xticks(speeds, [f"{g:g}" for g in speeds])
+    xs = [network.slowest(g) for g in speeds]
+    axes.set_xscale("log" if min(xs, default=1.0) > 0 else "symlog")
+    axes.set_xticks(xs, [f"{x:g}" for x in xs])
     axes.set_yscale("log" if log else "linear")
     if not log:
         axes.set_ylim(0, max(times, default=1.0) * 1.15)
-    axes.set_xlabel("emulated link bandwidth per node (Gbit/s, log scale)")
+    axes.set_xlabel(
+        "emulated one-way link latency (ms, log scale)"
+        if latency
+        else "emulated link bandwidth per node (Gbit/s, log scale)"
+    )
     axes.set_ylabel("time to target from the start of training (s)" + " (log scale)" * log)
     axes.grid(alpha=0.3, which="both")
     if any(c.seconds is None for c in cross.cells.values()):
@@ -52,7 +59,8 @@ def crossover_figure(cross: network.Crossover) -> Figure:
         apart.set_title("links free", fontsize=10)
     axes.legend(fontsize=9)
     crossing = "; no crossover in this range" if network.no_crossover(cross) else ""
-    fig.suptitle(f"Time to {cross.target} against link bandwidth, per rule{crossing}", fontsize=12)
+    against = "link latency" if latency else "link bandwidth"
+    fig.suptitle(f"Time to {cross.target} against {against}, per rule{crossing}", fontsize=12)
     return fig
 
 

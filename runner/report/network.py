@@ -11,7 +11,8 @@ the one before it (the crossing lies somewhere in it; the larger of the two cell
 free (``simulate.link_gbps`` or ``simulate.ranks_per_node`` unset) are the speed None, "free links", shown
 apart; a link per node (``simulate.link_gbps=[1,1,1,0.05]``) is a speed of its own, a tuple, ordered by its
 slowest link and left out of the plot's bandwidth axis. Nothing of this is written unless the runs differ in
-``simulate.link_gbps``.
+``simulate.link_gbps``, in the kind of network (``network=``), or in ``simulate.link_latency_ms``: then each
+cell is a :class:`Latency`, ordered from the slowest (the longest latency) and drawn against it.
 """
 
 from __future__ import annotations
@@ -26,16 +27,31 @@ from runner.report.runs import Run, finite_or_none, short_value
 #: one that makes links at all.
 LINK_KEY = "simulate.link_gbps"
 NETWORK_KEY = "network"
+LATENCY_KEY = "simulate.link_latency_ms"
 NODES_KEY = "simulate.ranks_per_node"
 #: The rule every other one is measured against.
 BASELINE = "bsp"
+
+
+@dataclass(frozen=True)
+class Latency:
+    """A sweep over latency's axis value: every node's one-way link latency in milliseconds."""
+
+    ms: float
+
+    def __str__(self) -> str:
+        return f"{self.ms:g} ms latency"
+
+
 #: A run's link speed: Gbit/s for every node, one per node, ``network=NAME`` (a sweep over kinds of
-#: network), or None (free links).
-Speed = float | tuple[float, ...] | str | None
+#: network), a latency (a sweep over it), or None (free links).
+Speed = float | tuple[float, ...] | str | Latency | None
 #: How the runs without links are called.
 FREE = "free links"
 #: The report's section on it.
 HEADING = "Which rule reaches the target first at each link speed"
+#: The same, over latency (``simulate.link_latency_ms``).
+LATENCY_HEADING = "Which rule reaches the target first at each link latency"
 #: The same, over kinds of network (``network=``).
 NETWORK_HEADING = "Which rule reaches the target first on each network"
 
@@ -93,6 +109,9 @@ def speed_of(run: Run, axis: str = LINK_KEY) -> Speed:
     network), None where its links are free (no bandwidth, or no nodes)."""
     if axis == NETWORK_KEY and (name := (run.lookup(NETWORK_KEY) or (None, ""))[0]) is not None:
         return f"{NETWORK_KEY}={name}"
+    if axis == LATENCY_KEY:
+        ms = finite_or_none((run.lookup(LATENCY_KEY) or (None, ""))[0])
+        return None if ms is None or speed_of(run) is None else Latency(ms)
     value = (run.lookup(LINK_KEY) or (None, ""))[0]
     if value is None:  # (a list in the run's config is not a lookup's value)
         value = run.config(("simulate", "link_gbps"))
@@ -107,13 +126,15 @@ def speed_of(run: Run, axis: str = LINK_KEY) -> Speed:
 
 def slowest(gbps: Speed) -> float:
     """The slowest link of ``gbps`` (0 for free links and a network's name)."""
+    if isinstance(gbps, Latency):
+        return gbps.ms
     return min(gbps) if isinstance(gbps, tuple) else gbps if isinstance(gbps, float) else 0.0
 
 
 def series_name(run: Run) -> str:
     """The series of ``run``: its swept values but the link speed and the seed (``diloco`` when the rule is
     the only one, ``rule=diloco,rule.inner_steps=20`` otherwise; ``all runs`` when nothing else varied)."""
-    keys = [k for k in run.swept if k not in (LINK_KEY, NODES_KEY, NETWORK_KEY, *REPEAT_KEYS)]
+    keys = [k for k in run.swept if k not in (LINK_KEY, NODES_KEY, NETWORK_KEY, LATENCY_KEY, *REPEAT_KEYS)]
     if keys == ["rule"]:
         return str(run.swept["rule"])
     parts = [(k, run.lookup(k)) for k in keys]
@@ -142,7 +163,7 @@ def _interval(run: Run) -> float:
 def crossover(report: Scored) -> Crossover | None:
     """The report's cells by series and link speed, None unless its runs differ in ``simulate.link_gbps``
     (swept, two speeds at least, free links counting as one) and it has a target."""
-    axis = next((k for k in (LINK_KEY, NETWORK_KEY) if k in report.keys), None)
+    axis = next((k for k in (LINK_KEY, NETWORK_KEY, LATENCY_KEY) if k in report.keys), None)
     if axis is None or report.target is None:
         return None
     cells: dict[tuple[str, Speed], Cell] = {}
@@ -152,7 +173,9 @@ def crossover(report: Scored) -> Crossover | None:
         key = (series_name(first), speed_of(first, axis))
         cells.setdefault(key, Cell(*key, point, _time(point)))
         links = speed_of(first) if isinstance(key[1], str) else key[1]
-        order.setdefault(key[1], (links is None, slowest(links), not isinstance(key[1], float), str(key[1])))
+        late = isinstance(key[1], Latency)  # the slowest first: the longest latency
+        rank = (False, -slowest(links), False, "") if late else (links is None, slowest(links))
+        order.setdefault(key[1], rank if late else (*rank, not isinstance(key[1], float), str(key[1])))
     speeds = sorted(order, key=order.__getitem__)
     if len(speeds) < 2:
         return None
@@ -164,8 +187,8 @@ def speed_text(gbps: Speed) -> str:
     """``0.1 Gbit/s``, ``1/1/0.05 Gbit/s by node``, or ``free links`` for None."""
     if isinstance(gbps, tuple):
         return "/".join(f"{g:g}" for g in gbps) + " Gbit/s by node"
-    if isinstance(gbps, str):
-        return gbps
+    if isinstance(gbps, (str, Latency)):
+        return str(gbps)
     return FREE if gbps is None else f"{gbps:g} Gbit/s"
 
 
@@ -305,7 +328,7 @@ def no_crossover(cross: Crossover) -> str | None:
     if not always:
         return None
     lo, hi = speed_text(reached[0][0]), speed_text(reached[-1][0])
-    every = "on every network" if _axis(cross) == "network" else "at every link speed"
+    every = "on every network" if _axis(cross) == "network" else f"at every {_axis(cross)}"
     who = _and(sorted(always))
     first = f"{who} reached {cross.target} first (or tied first)"
     return f"No crossover in this range: {first} {every} from {lo} to {hi}."
@@ -335,12 +358,14 @@ def summary_line(cross: Crossover) -> str:
 
 def heading(cross: Crossover) -> str:
     """The report's section title for ``cross``."""
-    return NETWORK_HEADING if _axis(cross) == "network" else HEADING
+    return {"network": NETWORK_HEADING, "link latency": LATENCY_HEADING}.get(_axis(cross), HEADING)
 
 
 def _axis(cross: Crossover) -> str:
-    """What the sweep varied: ``network`` (its kinds of network) or ``link speed``."""
-    return "network" if any(isinstance(g, str) for g in cross.speeds) else "link speed"
+    """What the sweep varied: ``network`` (its kinds of network), ``link latency`` or ``link speed``."""
+    if any(isinstance(g, str) for g in cross.speeds):
+        return "network"
+    return "link latency" if any(isinstance(g, Latency) for g in cross.speeds) else "link speed"
 
 
 def grid(cross: Crossover) -> tuple[list[str], list[list[str]]]:

@@ -358,8 +358,8 @@ def figures(report: Report) -> dict[str, Figure | None]:
     colors = dict(zip((r.name for r in runs), palette(len(runs)), strict=True))
     drawn: dict[str, Figure | None] = {"curves": _curves(report, colors)}
     cross = network.crossover(report)
-    bandwidths = cross is not None and any(isinstance(g, float) for g in cross.speeds)
-    drawn["crossover"] = crossover_figure(cross) if bandwidths else None  # (kinds of network: no axis)
+    axis = cross is not None and any(isinstance(g, (float, network.Latency)) for g in cross.speeds)
+    drawn["crossover"] = crossover_figure(cross) if axis else None  # (kinds of network: no axis)
     if (grid := _heatmap(report)) is not None:
         drawn[grid[0]] = grid[1]
     drawn["time_to_target"] = _time_to_target(report, colors)

@@ -295,3 +295,35 @@ def test_a_sweep_over_kinds_of_network_gets_a_sentence_per_network(tmp_path):
     from runner.report.table import markdown
 
     assert f"## {NETWORK_HEADING}" in markdown(report, [])
+
+
+def test_a_sweep_over_latency_gets_a_sentence_per_latency_and_the_plot_over_it(tmp_path):
+    """``simulate.link_latency_ms=0.05,20,100`` at one bandwidth: the axis is the latency, the longest
+    first; DiLoCo (few exchanges) wins at 100 ms, BSP (an exchange a step) at 0.05 ms; the crossover plot is
+    drawn against latency."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    task = ["rule=bsp,diloco", "simulate.link_latency_ms=0.05,20,100", "simulate.link_gbps=1"]
+    task += ["simulate.ranks_per_node=1"]
+    (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": task}}}))
+    times = {"bsp": {0.05: 1.0, 20: 4.0, 100: 12.0}, "diloco": {0.05: 3.0, 20: 3.2, 100: 3.5}}
+    n = 0
+    for rule, by_ms in times.items():
+        for ms, seconds in by_ms.items():
+            overrides = [f"rule={rule}", f"simulate.link_latency_ms={ms}", "simulate.link_gbps=1"]
+            make_run(sweep / str(n), [*overrides, "simulate.ranks_per_node=1"], [LOW, HIGH], seconds / 2)
+            n += 1
+    report = report_of(sweep)
+    cross = crossover(report)
+    assert [str(g) for g in cross.speeds] == ["100 ms latency", "20 ms latency", "0.05 ms latency"]
+    said = sentences(cross)
+    assert said[0].startswith("At 100 ms latency, diloco reached val_acc ≥ 0.95 first"), said
+    assert said[2].startswith("At 0.05 ms latency, bsp reached"), said
+    assert summary_line(cross).startswith("first to val_acc ≥ 0.95 by link latency: 100 ms latency diloco")
+    from runner.report.network import LATENCY_HEADING
+    from runner.report.plots import figures
+
+    assert f"## {LATENCY_HEADING}" in markdown(report, [])
+    fig = figures(report)["crossover"]
+    assert fig is not None and "latency" in fig.axes[0].get_xlabel()
+    assert sorted(fig.axes[0].get_xticks()) == [0.05, 20, 100]
