@@ -370,7 +370,7 @@ def launch(
     planned, checked = _prepare(cfg, run_dir, ident, reserve=True, share=share)
     argv = planned.argv
     tag = f"[{label}] " if label else ""  # points of a sweep that run at once: whose line is it
-    log.info("%srun folder: %s", tag, run_dir)
+    log.info("%srun folder: %s", tag, run_dir.absolute())  # (a resumed point's may be given relative)
     if planned.warning:
         log.warning("%s%s", tag, planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
