@@ -339,11 +339,11 @@ class Trainer:
         if every < 1 or (pos.epoch + 1) % int(every) == 0 or pos.epoch == epochs - 1:
             reported = self.validator.validate(pos.epoch, pos.step, done=done)
         mean_loss = float(span.loss) / max(1, span.steps)
-        loss_sum, samples = self.workers.allreduce_values([mean_loss, float(self.meter.total.samples)])
+        loss_sum, new = self.workers.allreduce_values([mean_loss, self.meter.new_samples()])
         train_loss = loss_sum / self.workers.size
-        per_sample = self.meter.tokens_per_sample
+        per_sample, samples = self.meter.tokens_per_sample, self.meter.count_job(new)
         rates, extra = span.rates(self.workers.size, per_sample), self.rule.metrics()
-        if per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment)
+        if per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment; lost, joined)
             rates["tokens"] = samples * per_sample
         settle(self.workers)  # (fault tolerance) all go on to the next epoch, or all do this one's again
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)

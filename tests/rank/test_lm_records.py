@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -59,3 +61,37 @@ def test_a_checkpoint_s_timings_are_what_older_runs_wrote_and_take_the_task_s_to
     assert again.total.samples == 24 and again.total.rates(2, again.tokens_per_sample)[
         "tokens_per_s"
     ] == pytest.approx(24 * 2 * 64 / 2)
+
+
+def test_the_tokens_seen_count_every_workers_samples_once_when_workers_are_lost_or_join():
+    """The job-wide count (the epoch records' and the summary's ``tokens``) adds each worker's samples since
+    the last count: a worker that joined took worker 0's records (timings and totals) and counts from its
+    join, not worker 0's samples again; a lost worker's counted ones stay counted."""
+    from runner.comm.stats import CommStats
+    from runner.rank.records.meter import Meter
+
+    def meter() -> Meter:
+        return Meter(CommStats(), 2, 100, SimpleNamespace(write=lambda *a, **k: None), 10, progress=False)
+
+    def train(m: Meter, samples: int) -> None:  # a step, and its epoch's end (the loop counts there)
+        for _ in m.batches([0]):
+            m.step_done(1, 0, 0.5, samples, 0.1)
+        m.epoch_done()
+
+    a, b = meter(), meter()
+    train(a, 100), train(b, 80)
+    assert a.count_job(a.new_samples() + b.new_samples()) == 180
+    b.count_job(180)
+    c = meter()  # joins: takes worker 0's state, as the package gives it
+    c.load_state_dict(a.state_dict(), 1, False)
+    c.rebase()
+    train(a, 50), train(b, 40), train(c, 30)
+    new = a.new_samples() + b.new_samples() + c.new_samples()
+    assert [m.count_job(new) for m in (a, b, c)] == [300, 300, 300], "not 400: worker 0's 100 again"
+    train(a, 10), train(c, 10)  # b is lost after the count
+    assert a.count_job(a.new_samples() + c.new_samples()) == 320
+    old = a.state_dict()
+    del old["job"]  # a checkpoint from before the count: each worker's whole total counts, as it did
+    d = meter()
+    d.load_state_dict(old, 1, False)
+    assert d.new_samples() == a.total.samples

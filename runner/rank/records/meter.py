@@ -184,18 +184,38 @@ class Meter:
         self._peek = Peek()
         self._shown = 0  # the last step shown
         self._progress = 0  # the run's progress, in steps (shown or not)
+        self.job_samples = 0.0  # every worker's samples as of the last count, the same on each (count_job)
+        self._counted = 0.0  # this worker's total samples at that count
         self._links_seen = 0.0  # the job clock's second up to which link events were recorded
 
     def state_dict(self) -> dict[str, dict[str, float]]:
-        """The timings, their losses read (a host synchronisation)."""
+        """The timings, their losses read (a host synchronisation), and the job-wide sample count."""
         spans = {"total": self.total, "epoch": self.epoch, "window": self.window}
-        return {k: {**vars(t), "loss": float(t.loss)} for k, t in spans.items()}
+        job = {"job": {"samples": self.job_samples, "counted": self._counted}}
+        return {k: {**vars(t), "loss": float(t.loss)} for k, t in spans.items()} | job
 
     def load_state_dict(self, state: dict[str, dict[str, float]], step: int, mid_epoch: bool) -> None:
         """Continue the timings of a checkpoint taken after ``step`` steps (the epoch's too, if mid-epoch)."""
         self.total, self.epoch, self.window = (Timing(**state[k]) for k in ("total", "epoch", "window"))
+        job = state.get("job") or {"samples": 0.0, "counted": 0.0}  # (older ones: each its whole total)
+        self.job_samples, self._counted = job["samples"], job["counted"]
         self._resumed = mid_epoch
         self._start, self._first_step = time.monotonic(), step
+
+    def new_samples(self) -> float:
+        """This worker's samples since the job-wide count was last taken (:meth:`count_job`)."""
+        return self.total.samples - self._counted
+
+    def count_job(self, new: float) -> float:
+        """Every worker, with the sum of their :meth:`new_samples`: the job's samples trained so far. A
+        worker lost since the last count takes its new ones with it; a joined one counts from its join."""
+        self.job_samples += new
+        self._counted = self.total.samples
+        return self.job_samples
+
+    def rebase(self) -> None:
+        """A worker that joined took worker 0's records: its own samples count from now."""
+        self._counted = self.total.samples
 
     def forget_epoch(self) -> None:
         """The epoch's timing was added to the run's total: a checkpoint within the epoch taken now (a

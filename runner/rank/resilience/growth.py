@@ -93,6 +93,7 @@ class Growth:
                 package = sub.broadcast_object(self.state.package(pos, mid_epoch) if w.rank == 0 else None)
                 if joined:
                     pos, mid_epoch = self.state.unpack(package)
+                    self.meter.rebase()  # (it took worker 0's records: its own samples count from here)
         sub.free()
         self.validator.resend(record=True)  # (worker 0 stays worker 0)
         self.pace.welcome(joined, mid_epoch)  # the data dealt anew among all
