@@ -110,26 +110,29 @@ class Links:
         """Node ``node``'s one-way latency in seconds."""
         return _of(self.latency_s, node)
 
-    def over(self, by_node: dict[int, float], steps: int) -> float:
-        """Seconds of ``steps`` rounds that move ``by_node[n]`` bytes over node ``n``'s link (0: none)."""
+    def over(self, by_node: dict[int, float], steps: int, wait: bool = True) -> float:
+        """Seconds of ``steps`` rounds that move ``by_node[n]`` bytes over node ``n``'s link (0: none),
+        after the wait for a link that is down (``wait``: an operation's first part pays it, once)."""
         crossed = [n for n, b in by_node.items() if b > 0]
         if not crossed:
             return 0.0
         latency = max(self.latency(n) for n in by_node)
-        wait = self.down_for(crossed) if self.events else 0.0
-        return wait + steps * latency + max(8 * by_node[n] / (self.rate(n) * 1e9) for n in crossed)
+        down = self.down_for(crossed) if wait and self.events else 0.0
+        return down + steps * latency + max(8 * by_node[n] / (self.rate(n) * 1e9) for n in crossed)
 
-    def collective(self, op: str, nodes: Sequence[int], nbytes: int) -> float:
+    def collective(self, op: str, nodes: Sequence[int], nbytes: int, wait: bool = True) -> float:
         """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes`` (each
         rank's node, in the communicator's rank order)."""
-        return self.over(link_bytes(op, nodes, nbytes), latency_steps(op, len(nodes)))
+        return self.over(link_bytes(op, nodes, nbytes), latency_steps(op, len(nodes)), wait)
 
     def wire_allreduce(self, nodes: Sequence[int], numel: int, itemsize: int) -> float:
         """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes: an
         all-to-all of the padded buffer, then an all-gather of one chunk (:mod:`runner.comm.wire`)."""
         n = len(nodes)
         chunk = -(-numel // n) * itemsize
-        return self.collective("alltoall", nodes, n * chunk) + self.collective("allgather", nodes, chunk)
+        return self.collective("alltoall", nodes, n * chunk) + self.collective(
+            "allgather", nodes, chunk, False
+        )
 
     def exchange(self, op: str, nodes: Sequence[int], numel: int, itemsize: int, wire: int | None) -> float:
         """Seconds of collective ``op`` of ``numel`` values of ``itemsize`` bytes, or, with ``wire`` (a

@@ -97,7 +97,7 @@ def every_mistake(argv: list[str]) -> list[str]:
 def _names_one_of(problem: str, keys: set[str]) -> bool:
     """Whether a value check's ``problem`` is about one of the command line's ``keys`` (the others' are
     the defaults', said once the command line's own mistakes are fixed)."""
-    return any(re.match(rf"{re.escape(k)}[=:. ]", problem) for k in keys)
+    return any(re.match(rf"{re.escape(k)}[=:. \[]", problem) for k in keys)
 
 
 def _inner_key(cause: BaseException | None, key: str) -> str | None:

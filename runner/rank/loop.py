@@ -341,11 +341,12 @@ class Trainer:
         mean_loss = float(span.loss) / max(1, span.steps)
         loss_sum, new = self.workers.allreduce_values([mean_loss, self.meter.new_samples()])
         train_loss = loss_sum / self.workers.size
-        per_sample, samples = self.meter.tokens_per_sample, self.meter.count_job(new)
+        per_sample, samples = self.meter.tokens_per_sample, self.meter.job_samples + new
         rates, extra = span.rates(self.workers.size, per_sample), self.rule.metrics()
         if per_sample:  # tokens trained on so far, all workers' (unequal: dynamic assignment; lost, joined)
             rates["tokens"] = samples * per_sample
         settle(self.workers)  # (fault tolerance) all go on to the next epoch, or all do this one's again
+        self.meter.count_job(new)  # (agreed: a retry of the epoch's end counts alike on every worker)
         self.log.write("epoch", pos.step, epoch=pos.epoch, train_loss=train_loss, **rates, **extra)
         return reported
 

@@ -131,10 +131,11 @@ def slowest(gbps: Speed) -> float:
     return min(gbps) if isinstance(gbps, tuple) else gbps if isinstance(gbps, float) else 0.0
 
 
-def series_name(run: Run) -> str:
+def series_name(run: Run, axis: str = LINK_KEY) -> str:
     """The series of ``run``: its swept values but the link speed and the seed (``diloco`` when the rule is
     the only one, ``rule=diloco,rule.inner_steps=20`` otherwise; ``all runs`` when nothing else varied)."""
-    keys = [k for k in run.swept if k not in (LINK_KEY, NODES_KEY, NETWORK_KEY, LATENCY_KEY, *REPEAT_KEYS)]
+    axes = (LINK_KEY, NETWORK_KEY, axis)  # (a sweep over link speeds keeps its latencies apart)
+    keys = [k for k in run.swept if k not in (*axes, NODES_KEY, *REPEAT_KEYS)]
     if keys == ["rule"]:
         return str(run.swept["rule"])
     parts = [(k, run.lookup(k)) for k in keys]
@@ -161,8 +162,9 @@ def _interval(run: Run) -> float:
 
 
 def crossover(report: Scored) -> Crossover | None:
-    """The report's cells by series and link speed, None unless its runs differ in ``simulate.link_gbps``
-    (swept, two speeds at least, free links counting as one) and it has a target."""
+    """The report's cells by series and link speed, None unless its runs differ in ``simulate.link_gbps``,
+    ``network`` or ``simulate.link_latency_ms`` (swept, two values at least, free links counting as one)
+    and it has a target."""
     axis = next((k for k in (LINK_KEY, NETWORK_KEY, LATENCY_KEY) if k in report.keys), None)
     if axis is None or report.target is None:
         return None
@@ -170,7 +172,7 @@ def crossover(report: Scored) -> Crossover | None:
     order: dict[Speed, tuple] = {}  # a kind of network: by its slowest link, then its name
     for point in report.points:
         first = point.runs[0]
-        key = (series_name(first), speed_of(first, axis))
+        key = (series_name(first, axis), speed_of(first, axis))
         cells.setdefault(key, Cell(*key, point, _time(point)))
         links = speed_of(first) if isinstance(key[1], str) else key[1]
         late = isinstance(key[1], Latency)  # the slowest first: the longest latency

@@ -298,6 +298,15 @@ class SimulateConfig:
                 e.gbps,
                 "the link's Gbit/s during the event, > 0, or null: the link is down (what crosses it waits)",
             )
+        spans = sorted((e.node, e.at_s, e.at_s + e.for_s, i) for i, e in enumerate(self.link_events))
+        for (node, _, end, _), (other, start, _, i) in zip(spans, spans[1:], strict=False):
+            require(
+                node != other or start >= end,
+                f"link_events[{i}].at_s",
+                start,
+                f"node {node}'s event before it lasts until {end:g} s, and one node's events may not "
+                f"overlap: start it at {end:g} or later",
+            )
         require(
             not self.link_events or self.links(),
             "link_events",

@@ -71,8 +71,12 @@ class Target:
                 )
         for name, value in args.items():
             resolved(f"{key}.{name}", value, lambda at, node: Target.of(at, node, group))
-        if "." not in rest and missing_name(module, rest):
-            raise ValueError(f"{key}._target_={path}: {module} has no {rest!r} (read from its source)")
+        if "." not in rest and (defined := missing_name(module, rest)) is not None:
+            offer = f"; it defines {', '.join(defined[:6])}" if defined else ""
+            raise ValueError(
+                f"{key}._target_={path}: {module} has no {rest!r} (read from its source){offer}: name a "
+                f"class of it, e.g. {full}._target_={module}.{defined[0] if defined else 'Class'}"
+            )
         if "." not in rest and (bad := unknown_keys(module, rest, list(args))):
             raise ValueError(
                 "; ".join(f"{key}.{k}: {rest} takes no such argument ({hint})" for k, hint in bad)

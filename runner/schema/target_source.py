@@ -62,8 +62,6 @@ def _bound_names(tree: ast.Module) -> set[str] | None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(node.name)
-            if node.name == "__getattr__" and node in tree.body:
-                return None
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 if alias.name == "*":
@@ -71,7 +69,10 @@ def _bound_names(tree: ast.Module) -> set[str] | None:
                 names.add(alias.asname or alias.name.split(".")[0])
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-    return names
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            if "sys.modules" in ast.unparse(node.value):  # the module replaces itself
+                return None
+    return None if "__getattr__" in names else names  # (a module __getattr__, defined or assigned)
 
 
 def _parameters(node: ast.FunctionDef, method: bool) -> list[str] | None:
@@ -88,7 +89,7 @@ def keyword_arguments(module: str, name: str) -> list[str] | None:
     tree = _tree(module)
     if tree is None:
         return UNKNOWN
-    for node in tree.body:
+    for node in reversed(tree.body):  # (Python keeps the last definition)
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return _parameters(node, method=False)
         if isinstance(node, ast.ClassDef) and node.name == name:
@@ -101,13 +102,16 @@ def keyword_arguments(module: str, name: str) -> list[str] | None:
     return UNKNOWN
 
 
-def missing_name(module: str, name: str) -> bool:
-    """Whether ``module``'s source surely binds no ``name`` at any level."""
+def missing_name(module: str, name: str) -> list[str] | None:
+    """None unless ``module``'s source surely binds no ``name`` at any level; then the classes and
+    functions it defines at its top level, the closest to ``name`` first."""
     tree = _tree(module)
-    if tree is None:
-        return False
-    names = _bound_names(tree)
-    return names is not None and name not in names
+    names = None if tree is None else _bound_names(tree)
+    if names is None or name in names:
+        return None
+    defined = [n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
+    close = difflib.get_close_matches(name, defined, n=len(defined), cutoff=0.0)
+    return [n for n in close if not n.startswith("_")]
 
 
 def unknown_keys(module: str, name: str, given: list[str]) -> list[tuple[str, str]]:

@@ -4,6 +4,7 @@ for, the settings' checks, and (slow) BSP's step time growing by the computed co
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from types import SimpleNamespace
@@ -411,3 +412,46 @@ def test_a_wrong_key_in_a_link_event_is_named_with_the_events_keys():
         "simulate.link_events: an item has the key 'at', which it does not take; its keys are node, at_s, "
         "for_s, gbps"
     ), line
+
+
+def test_a_down_link_is_waited_for_once_per_operation_and_an_event_at_0_is_recorded():
+    from runner.comm.links import Event
+
+    down = Links(1, 1.0, 0.0, events=(Event(1, 0.0, 100.0),), start=time.monotonic() - 50.0)
+    wait = down.down_for([0, 1])
+    assert 49 < wait <= 50
+    assert down.wire_allreduce([0, 1], 1000, 2) == pytest.approx(wait, abs=0.05), (
+        "the 16-bit exchange's two parts"
+    )
+    assert [(at, began) for at, _, began in down.edges(-math.inf, 60.0)] == [(0.0, True)]
+
+
+def test_overlapping_events_of_one_node_are_refused():
+    events = "[{node:1,at_s:0,for_s:10,gbps:0.1},{node:1,at_s:5,for_s:10}]"
+    refused = r"simulate.link_events\[1\].at_s=5.0 is invalid: node 1's event before it lasts until 10 s"
+    with pytest.raises(ValueError, match=refused):
+        checked_config(
+            [
+                "devices=2",
+                "simulate.ranks_per_node=1",
+                "simulate.link_gbps=1",
+                f"simulate.link_events={events}",
+            ]
+        )
+    checked_config(
+        [
+            "devices=3",
+            "simulate.ranks_per_node=1",
+            "simulate.link_gbps=1",
+            "simulate.link_events=[{node:1,at_s:0,for_s:10},{node:2,at_s:5,for_s:10},{node:1,at_s:10,for_s:1}]",
+        ]
+    )
+
+
+def test_a_link_event_mistake_is_named_beside_the_command_lines_other_mistakes():
+    from runner.launcher.explain import every_mistake
+
+    events = "simulate.link_events=[{node:1,at_s:-1,for_s:2}]"
+    lines = every_mistake(["simulate.ranks_per_node=1", "simulate.link_gbps=1", events, "optim.lr=-1"])
+    assert any(line.startswith("simulate.link_events[0].at_s=-1.0 is invalid") for line in lines), lines
+    assert any(line.startswith("optim.lr=") for line in lines), lines

@@ -78,18 +78,31 @@ def test_the_tokens_seen_count_every_workers_samples_once_when_workers_are_lost_
             m.step_done(1, 0, 0.5, samples, 0.1)
         m.epoch_done()
 
+    def count(*workers: Meter) -> list[float]:
+        new = sum(m.new_samples() for m in workers)
+        for m in workers:
+            m.count_job(new)
+        return [m.job_samples for m in workers]
+
     a, b = meter(), meter()
     train(a, 100), train(b, 80)
-    assert a.count_job(a.new_samples() + b.new_samples()) == 180
-    b.count_job(180)
-    c = meter()  # joins: takes worker 0's state, as the package gives it
+    assert count(a, b) == [180, 180]
+    c = meter()  # joins between epochs: takes worker 0's state, as the package gives it
     c.load_state_dict(a.state_dict(), 1, False)
     c.rebase()
     train(a, 50), train(b, 40), train(c, 30)
-    new = a.new_samples() + b.new_samples() + c.new_samples()
-    assert [m.count_job(new) for m in (a, b, c)] == [300, 300, 300], "not 400: worker 0's 100 again"
-    train(a, 10), train(c, 10)  # b is lost after the count
-    assert a.count_job(a.new_samples() + c.new_samples()) == 320
+    assert count(a, b, c) == [300, 300, 300], "not 400: worker 0's 100 again"
+    d = meter()
+    for i in a.batches([20, 10]):  # worker 0's epoch: 20 samples, a worker joins (mid-epoch), 10 more
+        a.step_done(1, 0, 0.5, i, 0.1)
+        if i == 20:
+            d.load_state_dict(a.state_dict(), 1, True)  # the epoch's timing too: its end adds it
+            d.rebase()
+    a.epoch_done()
+    train(d, 5)
+    assert count(a, d) == [335, 335], "worker 0's 30 and the joined worker's 5, not its 20 again"
+    train(a, 10), train(d, 10)  # b and c are lost after a count: what they trained stays counted
+    assert count(a, d) == [355, 355]
     old = a.state_dict()
     del old["job"]  # a checkpoint from before the count: each worker's whole total counts, as it did
     d = meter()

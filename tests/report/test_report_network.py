@@ -327,3 +327,30 @@ def test_a_sweep_over_latency_gets_a_sentence_per_latency_and_the_plot_over_it(t
     fig = figures(report)["crossover"]
     assert fig is not None and "latency" in fig.axes[0].get_xlabel()
     assert sorted(fig.axes[0].get_xticks()) == [0.05, 20, 100]
+
+
+def test_a_sweep_over_speed_and_latency_keeps_each_latency_a_series_of_its_own(tmp_path):
+    """With link speed the axis, the latency the sweep also varied is part of the series (two runs at one
+    speed are two cells, not one kept and one dropped)."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    task = [
+        "rule=bsp",
+        "simulate.link_gbps=0.1,1",
+        "simulate.link_latency_ms=0.05,40",
+        "simulate.ranks_per_node=1",
+    ]
+    (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": task}}}))
+    for n, (gbps, ms) in enumerate((g, m) for g in (0.1, 1) for m in (0.05, 40)):
+        overrides = [
+            "rule=bsp",
+            f"{LINK}={gbps}",
+            f"simulate.link_latency_ms={ms}",
+            "simulate.ranks_per_node=1",
+        ]
+        make_run(sweep / str(n), overrides, [LOW, HIGH], 1.0 + ms / 10)
+    cross = crossover(report_of(sweep))
+    assert sorted(cross.series) == ["simulate.link_latency_ms=0.05", "simulate.link_latency_ms=40"], (
+        cross.series
+    )
+    assert len(cross.cells) == 4

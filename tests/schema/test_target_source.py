@@ -5,6 +5,7 @@ decorator, a star import) is left to the rank that builds it."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import textwrap
 
@@ -90,3 +91,31 @@ def test_a_custom_options_mistakes_are_named_before_launch(project):
     ok = Target.of("model", {"_target_": f"{project}.nets.Net", "width": 3, "act": "gelu"})
     assert ok.args == {"width": 3, "act": "gelu"}
     assert Target.of("model", {"_target_": f"{project}.nets.Open", "whatever": 1}).args == {"whatever": 1}
+
+
+LAZY = {
+    "assigned": "import lazy_loader\n__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, ['Net'])\n",
+    "replaced": "import sys\nsys.modules[__name__] = object()\n",
+    "nested": "try:\n    import fast\nexcept ImportError:\n\n    def __getattr__(name):\n        return 1\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LAZY))
+def test_a_module_that_makes_its_names_at_run_time_is_left_to_the_rank(project, tmp_path, kind):
+    """A lazy loader's ``__getattr__`` (assigned, or defined inside a try) or a module that replaces itself
+    in ``sys.modules``: the source cannot tell which names it has, so nothing is refused."""
+    (tmp_path / project / f"{kind}.py").write_text(LAZY[kind])
+    importlib.invalidate_caches()
+    assert missing_name(f"{project}.{kind}", "Net") is None
+
+
+def test_the_last_definition_is_the_one_read_and_a_missing_class_is_offered_the_defined_ones(
+    project, tmp_path
+):
+    nets = f"{project}.nets"
+    (tmp_path / project / "twice.py").write_text("def make(a):\n    pass\n\ndef make(b, c=1):\n    pass\n")
+    importlib.invalidate_caches()
+    assert keyword_arguments(f"{project}.twice", "make") == ["b", "c"]
+    assert missing_name(nets, "Nett")[0] == "Net"
+    with pytest.raises(ValueError, match=rf"it defines Net, .*e\.g\. model\._target_={project}\.nets\.Net$"):
+        Target.of("model", {"_target_": f"{nets}.Nett"})

@@ -22,6 +22,7 @@ recorded or shown (:class:`Peek`): a GPU step waits for no host synchronisation.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -186,7 +187,7 @@ class Meter:
         self._progress = 0  # the run's progress, in steps (shown or not)
         self.job_samples = 0.0  # every worker's samples as of the last count, the same on each (count_job)
         self._counted = 0.0  # this worker's total samples at that count
-        self._links_seen = 0.0  # the job clock's second up to which link events were recorded
+        self._links_seen = -math.inf  # the job clock's second up to which link events were recorded
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         """The timings, their losses read (a host synchronisation), and the job-wide sample count."""
@@ -206,16 +207,17 @@ class Meter:
         """This worker's samples since the job-wide count was last taken (:meth:`count_job`)."""
         return self.total.samples - self._counted
 
-    def count_job(self, new: float) -> float:
-        """Every worker, with the sum of their :meth:`new_samples`: the job's samples trained so far. A
-        worker lost since the last count takes its new ones with it; a joined one counts from its join."""
+    def count_job(self, new: float) -> None:
+        """Every worker, with the sum of their :meth:`new_samples`, once the count is agreed (a retry after
+        a loss takes it again): the job's samples trained so far grow by ``new``. A worker lost since the
+        last count takes its new ones with it; a joined one counts from its join."""
         self.job_samples += new
         self._counted = self.total.samples
-        return self.job_samples
 
     def rebase(self) -> None:
-        """A worker that joined took worker 0's records: its own samples count from now."""
-        self._counted = self.total.samples
+        """A worker that joined took worker 0's records (within an epoch, its timing too, which the epoch's
+        end adds to the total): its own samples count from now."""
+        self._counted = self.total.samples + (self.epoch.samples if self._resumed else 0)
 
     def forget_epoch(self) -> None:
         """The epoch's timing was added to the run's total: a checkpoint within the epoch taken now (a

@@ -40,7 +40,7 @@ def summary(
     per_sample = meter.tokens_per_sample
     tokens = {}
     if per_sample:  # a language model: tokens/s and the tokens trained on, all workers'
-        seen = meter.count_job(workers.allreduce_values([meter.new_samples()])[0])  # (workers lost, joined)
+        seen = meter.job_samples + workers.allreduce_values([meter.new_samples()])[0]  # (lost, joined)
         tokens = {"tokens_per_s": rates["samples_per_s"] * per_sample, "tokens": seen * per_sample}
     return {
         "epochs": epochs,
