@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import MISSING
+
 from runner.schema import one_of, require
 
 #: ``train.precision``: the forward pass's type under autocast (fp16 with a gradient scaler, GPUs only).
@@ -198,9 +200,9 @@ class LinkEventConfig:
     """Emulated node ``node``'s link carries ``gbps`` Gbit/s (null: it is down, and what crosses it waits
     until it is back) from ``at_s`` for ``for_s`` seconds of the job's clock."""
 
-    node: int = 0
-    at_s: float = 0.0
-    for_s: float = 1.0
+    node: int = MISSING
+    at_s: float = MISSING
+    for_s: float = MISSING
     gbps: float | None = None
 
 
