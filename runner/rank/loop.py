@@ -21,6 +21,7 @@ from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.meter import Meter
 from runner.rank.records.metrics import MetricsLog
 from runner.rank.records.summary import Outcome, summary
+from runner.rank.resilience.crew import Crew
 from runner.rank.resilience.growth import Growth
 from runner.rank.resilience.survivor import Survivors
 from runner.rank.state import Position
@@ -171,13 +172,11 @@ class Trainer:
             self.control and self.control.checkpointer, self.schedule, self.pace,
         )  # fmt: skip
         self.state = TrainerState(owners)  # its three uses: checkpoint, a joining worker's package, a share
-        shared = {
-            "workers": self.workers, "rule": self.rule, "state": self.state, "pace": self.pace,
-            "validator": self.validator, "control": self.control, "meter": self.meter, "log": self.log,
-        }  # fmt: skip
-        self.survivors = Survivors(**shared, save=self.save)  # what recovery asks (fault tolerance)
-        # the job grows (fault_tolerance=heal, RUN_DIR/JOIN)
-        self.growth = Growth(recovery, **shared, model=self.model, retry=self.tolerant)
+        crew = Crew(
+            self.workers, self.rule, self.state, self.pace, self.validator, self.control, self.meter, self.log
+        )
+        self.survivors = Survivors(crew, self.save)  # what recovery asks (fault tolerance)
+        self.growth = Growth(recovery, crew, self.model, self.tolerant)  # the job grows (heal, RUN_DIR/JOIN)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the

@@ -12,15 +12,9 @@ from runner.rank.state import Position, broadcast_state
 if TYPE_CHECKING:
     from torch import nn
 
-    from runner.comm import Comm
-    from runner.rank.agreement import Control, Decision
-    from runner.rank.pace import Pace
-    from runner.rank.records.meter import Meter
-    from runner.rank.records.metrics import MetricsLog
+    from runner.rank.agreement import Decision
+    from runner.rank.resilience.crew import Crew
     from runner.rank.resilience.recovery import Recovery
-    from runner.rank.trainer_state import TrainerState
-    from runner.rank.validator import Validator
-    from runner.rules.base import Rule
 
 
 class Growth:
@@ -28,24 +22,8 @@ class Growth:
     agree to grow at an agreement (:meth:`note`), grow at the next step's or epoch's start (:meth:`if_due`),
     and welcome the new workers. ``retry(fn, pos, *args)``: the loop's, recovering from lost workers."""
 
-    def __init__(
-        self,
-        recovery: Recovery | None,
-        *,
-        workers: Comm,
-        model: nn.Module,
-        rule: Rule,
-        state: TrainerState,
-        pace: Pace,
-        validator: Validator,
-        control: Control,
-        meter: Meter,
-        log: MetricsLog,
-        retry: Callable[..., Any],
-    ):
-        self.recovery, self.workers, self.model, self.rule = recovery, workers, model, rule
-        self.state, self.pace, self.validator, self.control = state, pace, validator, control
-        self.meter, self.log, self.retry = meter, log, retry
+    def __init__(self, recovery: Recovery | None, crew: Crew, model: nn.Module, retry: Callable[..., Any]):
+        self.recovery, self.crew, self.model, self.retry = recovery, crew, model, retry
         self.due = 0  # workers to add at the next step's start
         self.noted = 0  # the lost workers to replace when the workers agreed to grow
 
@@ -58,48 +36,49 @@ class Growth:
 
     def if_due(self, pos: Position, mid_epoch: bool) -> None:
         """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
-        if self.due and self.rule.ready_to_grow:
+        if self.due and self.crew.rule.ready_to_grow:
             self.retry(self.grow, pos, mid_epoch)
 
     def grow(self, pos: Position, mid_epoch: bool) -> None:
         """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
         start, recovery = time.time(), self.recovery
-        self.control.close()  # the agreement in flight (every worker started it)
-        self.rule.before_grow()
+        self.crew.control.close()  # the agreement in flight (every worker started it)
+        self.crew.rule.before_grow()
         # (workers lost since the agreement, in a growth they cut short: replaced too, the same on every one)
         ids = recovery.elastic.grow(self.due + recovery.heal_pending - self.noted)
         self.due, self.noted, recovery.heal_pending = 0, 0, 0
         self.welcome(pos, mid_epoch, joined=False)
         refusal = recovery.elastic.refusal
-        if refusal and self.workers.rank == 0:
-            self.meter.echo(f"warning: {refusal}")
+        if refusal and self.crew.workers.rank == 0:
+            self.crew.meter.echo(f"warning: {refusal}")
         if ids:
             line = recovery.elastic.record(ids, pos.step)
             seconds = time.time() - start
-            size = self.workers.size
-            self.log.write("joined", pos.step, joined=ids, workers=size, seconds=round(seconds, 4))
-            self.meter.echo(f"{line} (in {seconds:.2f} s)")
+            size = self.crew.workers.size
+            self.crew.log.write("joined", pos.step, joined=ids, workers=size, seconds=round(seconds, 4))
+            self.crew.meter.echo(f"{line} (in {seconds:.2f} s)")
 
     def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
         """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
         worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
         grows, and the workers agree on their next agreement. Returns where the new ones start, and
         whether that is within an epoch (they then take the lost workers' shards of it)."""
-        w = self.workers
+        c = self.crew
+        w = c.workers
         sub = w.split(0 if w.rank == 0 or joined else 1, keep=False)
         if w.rank == 0 or joined:
             if sub.size > 1:
                 broadcast_state(self.model, sub, root=0)
-                package = sub.broadcast_object(self.state.package(pos, mid_epoch) if w.rank == 0 else None)
+                package = sub.broadcast_object(c.state.package(pos, mid_epoch) if w.rank == 0 else None)
                 if joined:
-                    pos, mid_epoch = self.state.unpack(package)
-                    self.meter.rebase()  # (it took worker 0's records: its own samples count from here)
+                    pos, mid_epoch = c.state.unpack(package)
+                    c.meter.rebase()  # (it took worker 0's records: its own samples count from here)
         sub.free()
-        self.validator.resend(record=True)  # (worker 0 stays worker 0)
-        self.pace.welcome(joined, mid_epoch)  # the data dealt anew among all
-        self.rule.grow(joined)
-        self.validator.regrow()
-        self.meter.world = w.size
-        after = self.pace.agreement_after(pos.step)
-        self.control.reset(int(w.allreduce_values([after], "max")[0]))
+        c.validator.resend(record=True)  # (worker 0 stays worker 0)
+        c.pace.welcome(joined, mid_epoch)  # the data dealt anew among all
+        c.rule.grow(joined)
+        c.validator.regrow()
+        c.meter.world = w.size
+        after = c.pace.agreement_after(pos.step)
+        c.control.reset(int(w.allreduce_values([after], "max")[0]))
         return pos, mid_epoch
