@@ -159,7 +159,7 @@ class Trainer:
         self.validator = Validator(cfg, trained, self.workers, self.device, kept, val_loader, self.dealer)
         given = Given(
             cfg, self.train_loader, self.workers, self.model, self.schedule, self.meter, self.validator,
-            self.control, self.decide, self.tolerant,
+            self.control, self.decide, self.tolerant, self.grow_if_due,
         )  # fmt: skip
         dynamic = self.dealer is not None
         self.pace: Pace = Dynamic(given, self.dealer) if dynamic else Static(given, recovery is not None)
@@ -303,6 +303,10 @@ class Trainer:
             if applied:
                 self.last_loss = loss
             return done
+
+    def grow_if_due(self, pos: Position) -> None:
+        """Grow the job within the epoch if the workers agreed to (the pace's ``grow``)."""
+        self.growth.if_due(pos, mid_epoch=True)
 
     def decide(self, pos: Position, decision: Decision, due: bool) -> bool:
         """At an agreement (every worker alike): validate by time, note a growth, checkpoint when asked or

@@ -50,7 +50,8 @@ class Given:
 
     ``decide(pos, decision, due)``: at an agreement, validate by time, note a growth, checkpoint when asked
     or ``due``; True when the workers agreed to stop. ``retry(fn, pos, *args)``: ``fn(pos, *args)``,
-    recovering from lost workers and calling it again."""
+    recovering from lost workers and calling it again. ``grow(pos)``: grow the job now if the workers agreed
+    to (dynamic assignment grows right after the meeting that agreed it)."""
 
     cfg: TrainConfig
     loader: DataLoader
@@ -62,6 +63,7 @@ class Given:
     control: Control
     decide: Callable[[Position, Decision, bool], bool]
     retry: Callable[..., Any]
+    grow: Callable[[Position], None]
 
 
 class Static:
@@ -279,6 +281,9 @@ class Dynamic:
                 validator.validate_alone(pos)  # this worker drew the validation's chunk: the free one
             if self.agree(pos, position - meetings.gap(k), position):
                 return True
+            # a growth agreed here is taken here by every worker: one whose draws are spent passes the
+            # epoch's later meetings in this call, and would poll the next while the others grow
+            g.grow(pos)
         return False
 
     def agree(self, pos: Position, before: int, position: int) -> bool:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import time
 from subprocess import PIPE, STDOUT
+from types import SimpleNamespace
 
 import pytest
 from torch.utils.data import DistributedSampler
@@ -414,3 +415,26 @@ def test_validations_by_time_come_when_due_once_each(cli, rule, alone):
     assert all(bool(r.get("alone")) == alone for r in timed), timed
     if alone:
         assert {r["by"] for r in timed} - {0}, f"the slow worker 0 took every validation: {timed}"
+
+
+def test_a_growth_agreed_at_a_meeting_is_taken_before_the_next_meeting():
+    """A worker whose draws are spent passes the epoch's remaining meetings in one call: a growth the workers
+    agree at one of them is taken right there (the others take it after the same meeting), not after it
+    polled the next one while they grow (a stall seen in the kill battery, async DiLoCo under heal)."""
+    from runner.rank.assignment import Meetings
+
+    calls = []
+    pace = Dynamic.__new__(Dynamic)
+    pace.meetings, pace.passed, pace.meetings_done, pace.stopped = Meetings(12, 3, None), 0, 0, False
+    chunks = SimpleNamespace(per_epoch=12, epoch_of=lambda ticket: 0)
+    pace.dealer = SimpleNamespace(chunks=chunks, total=10**6)
+    pace.agree = lambda pos, before, position: calls.append(("agree", position)) or False
+    pace.given = SimpleNamespace(
+        validator=SimpleNamespace(alone=False),
+        workers=SimpleNamespace(rank=1),
+        cfg=SimpleNamespace(val_every_s=None),
+        grow=lambda pos: calls.append(("grow", None)),
+    )
+    assert pace.meet(Position(5, 0, 5), None) is False
+    kinds = [kind for kind, _ in calls]
+    assert kinds == ["agree", "grow"] * pace.meetings.count, calls
