@@ -81,3 +81,43 @@ def test_a_replacement_whose_first_meeting_loses_a_rank_leaves_instead_of_ending
     with pytest.raises(NotJoined, match="lost while this replacement was spawned .*the job goes on"):
         arrive(TornWorld(), 0, tmp_path, 4, {})
     assert not list(tmp_path.rglob("*.error"))
+
+
+class SpawnedThenTorn:
+    """A world of 2 workers whose spawn of 2 replacements succeeds and whose settling (the hosts' gather)
+    then meets a loss."""
+
+    rank, size = 0, 2
+
+    def shrink(self) -> None: ...
+    def broadcast_object(self, obj: object) -> object:
+        return obj
+
+    def grow(self, argv, want, key, cwd) -> None:
+        self.size += want
+
+    def failed_ids(self) -> list[int]:
+        return []
+
+    def launch_rank(self) -> int:
+        return 0
+
+    def allgather_object(self, obj: object) -> list:
+        raise PeerLost("allgather_object: MPI_ERR_PROC_FAILED")
+
+
+def test_replacements_lost_in_their_settling_are_named_by_recovery_not_an_index_error(tmp_path):
+    """Seen once: the loss came in the settling after the spawn, and recovery's quorum looked the new ids up
+    in a hosts list that did not have them yet (IndexError, the job failed). They are named "?" until they
+    say where they run, and recovery can fence and name them."""
+    from types import SimpleNamespace
+
+    from runner.rank.fence import quorum
+    from runner.rank.resilience.elastic import Elastic
+
+    hosts = ["vm", "vm"]
+    elastic = Elastic(SpawnedThenTorn(), SimpleNamespace(agree=lambda: None), 0, tmp_path, hosts, 4, {})
+    with pytest.raises(PeerLost):
+        elastic.grow(2)
+    assert hosts == ["vm", "vm", "?", "?"]
+    assert quorum([0, 1, 2, 3], [0, 1], hosts) is None, "half, with rank 0: the survivors go on"

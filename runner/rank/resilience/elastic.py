@@ -141,6 +141,9 @@ class Elastic:
                 )
                 self.settle(world.rank)
             else:
+                # the new ids are named before they say where they run (a loss in the settling: recovery
+                # names and fences them as "?", not an IndexError)
+                self.hosts.extend("?" * (first + want - len(self.hosts)))
                 self.settle(key)
         self.spawning = False
         return [] if why is not None else list(range(first, first + want))
