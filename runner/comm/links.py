@@ -125,14 +125,16 @@ class Links:
         rank's node, in the communicator's rank order)."""
         return self.over(link_bytes(op, nodes, nbytes), latency_steps(op, len(nodes)), wait)
 
+    def two_phase(self, nodes: Sequence[int], row: int) -> float:
+        """Seconds of an all-reduce done as an all-to-all of one ``row`` of bytes per rank and an all-gather
+        of one (the 16-bit and the 8-bit exchanges); a down link is waited for once."""
+        gather = self.collective("allgather", nodes, row, wait=False)
+        return self.collective("alltoall", nodes, len(nodes) * row) + gather
+
     def wire_allreduce(self, nodes: Sequence[int], numel: int, itemsize: int) -> float:
         """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes: an
         all-to-all of the padded buffer, then an all-gather of one chunk (:mod:`runner.comm.wire`)."""
-        n = len(nodes)
-        chunk = -(-numel // n) * itemsize
-        return self.collective("alltoall", nodes, n * chunk) + self.collective(
-            "allgather", nodes, chunk, False
-        )
+        return self.two_phase(nodes, -(-numel // len(nodes)) * itemsize)
 
     def exchange(self, op: str, nodes: Sequence[int], numel: int, itemsize: int, wire: int | None) -> float:
         """Seconds of collective ``op`` of ``numel`` values of ``itemsize`` bytes, or, with ``wire`` (a

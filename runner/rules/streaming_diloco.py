@@ -263,9 +263,7 @@ class StreamingDiLoCo(DiLoCo):
             return None
         nodes = [links.node(self.link.launch_rank(r)) for r in range(n)]
         if op == "int8":  # an all-to-all of 8-bit chunks with their scales, then an all-gather of one
-            row = int8_row_bytes(int8_chunk(t.numel(), n, BLOCK), BLOCK)
-            seconds = links.collective("alltoall", nodes, n * row)
-            seconds += links.collective("allgather", nodes, row, wait=False)  # (a down link waited for once)
+            seconds = links.two_phase(nodes, int8_row_bytes(int8_chunk(t.numel(), n, BLOCK), BLOCK))
         else:  # priced as the communicator prices it
             itemsize = None if wire is None else wire.itemsize
             seconds = links.exchange("allreduce", nodes, t.numel(), t.element_size(), itemsize)
