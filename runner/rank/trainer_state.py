@@ -92,6 +92,11 @@ def _owned(owner: str, key: str, absent: Any = None) -> tuple[Callable, Callable
     return take, give
 
 
+def _take_checkpoints(o: Owners, at: At) -> tuple[int, str | None]:
+    state = o.checkpointer.state_dict()  # (a pair in checkpoints written before the owners said so)
+    return state["count"], state["latest"]
+
+
 def _give_checkpoints(o: Owners, value: Any, at: At) -> None:
     count, latest = value
     o.checkpointer.load_state_dict({"count": count, "latest": latest})
@@ -130,11 +135,7 @@ FIELDS: tuple[Field, ...] = (
         lambda o, at: o.meter.state_dict(),
         lambda o, v, at: o.meter.load_state_dict(v, at.pos.step, at.pos.batch > 0),
     ),
-    Field(
-        "checkpoints",
-        lambda o, at: tuple(o.checkpointer.state_dict().values()),
-        _give_checkpoints,
-    ),
+    Field("checkpoints", _take_checkpoints, _give_checkpoints),
     Field("schedule", lambda o, at: o.schedule.state_dict()["total_steps"], _give_schedule),
     Field("shard", lambda o, at: o.pace.shard(), lambda o, v, at: o.pace.take_shard(v, at.pos)),
     Field("deal", lambda o, at: o.pace.left_to_deal(), lambda o, v, at: o.pace.deal_rest(v, at.pos)),

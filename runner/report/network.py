@@ -174,10 +174,12 @@ def crossover(report: Scored) -> Crossover | None:
         first = point.runs[0]
         key = (series_name(first, axis), speed_of(first, axis))
         cells.setdefault(key, Cell(*key, point, _time(point)))
-        links = speed_of(first) if isinstance(key[1], str) else key[1]
-        late = isinstance(key[1], Latency)  # the slowest first: the longest latency
-        rank = (False, -slowest(links), False, "") if late else (links is None, slowest(links))
-        order.setdefault(key[1], rank if late else (*rank, not isinstance(key[1], float), str(key[1])))
+        speed = key[1]
+        links = speed_of(first) if isinstance(speed, str) else speed
+        if isinstance(speed, Latency):  # the slowest first: the longest latency
+            order.setdefault(speed, (False, -speed.ms, False, ""))
+        else:
+            order.setdefault(speed, (links is None, slowest(links), not isinstance(speed, float), str(speed)))
     speeds = sorted(order, key=order.__getitem__)
     if len(speeds) < 2:
         return None
