@@ -109,8 +109,8 @@ def _inner_key(cause: BaseException | None, key: str) -> str | None:
     inner = re.match(r"Key '([^']+)' not in '([^']+)'", str(cause or ""))
     if inner is None or not dataclasses.is_dataclass(kind) or kind.__name__ != inner.group(2):
         return None
-    if inner.group(1) == key.rpartition(".")[2]:
-        return None  # the override's own key: the caller's cases
+    if inner.group(1) in key.split("."):
+        return None  # a key on the override's own path (trian.epochs): the caller's cases
     fields = ", ".join(f.name for f in dataclasses.fields(kind))
     return f"{key}: an item has the key {inner.group(1)!r}, which it does not take; its keys are {fields}"
 

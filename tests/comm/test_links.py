@@ -382,13 +382,15 @@ def test_the_settings_carry_the_events_to_the_links():
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_link_slowed_mid_run_slows_the_steps_of_its_window_and_the_records_say_so(cli):
-    """2 nodes at 1 Gbit/s; node 1's link drops to 5 Mbit/s for 1 s, 2.5 s into the job's clock (400 steps
-    take about 5 s of it): the steps between the metrics' ``link`` records take many times longer than the
-    others, and the run ends as usual."""
+    """2 nodes at 1 Gbit/s; node 1's link drops to 5 Mbit/s for 1 s, 2.5 s into the job's clock: the steps
+    between the metrics' ``link`` records take many times longer than the others, and the run ends as usual.
+    Each step sleeps 10 ms (both ranks stragglers), so the 400 steps outlast the event on any machine (a
+    fast one ran them all in under 2.5 s, and no event came)."""
     event = "[{node:1,at_s:2.5,for_s:1,gbps:0.005}]"
     run = cli(
         "model=mlp", "train.max_steps=400", "train.epochs=20", "train.log_every=1",
         "simulate.ranks_per_node=1", "simulate.link_gbps=1", f"simulate.link_events={event}",
+        "simulate.straggler_ranks=[0,1]", "simulate.straggler_ms=10",
     )  # fmt: skip
     assert run.returncode == 0, run.output
     links = run.records("link")
@@ -412,6 +414,14 @@ def test_a_wrong_key_in_a_link_event_is_named_with_the_events_keys():
         "simulate.link_events: an item has the key 'at', which it does not take; its keys are node, at_s, "
         "for_s, gbps"
     ), line
+
+
+def test_a_misspelt_key_on_the_overrides_own_path_keeps_its_did_you_mean():
+    """``trian.epochs``: Hydra's cause names 'trian' in the config's schema, which is not an item's key."""
+    from runner.launcher.explain import every_mistake
+
+    [line] = every_mistake(["trian.epochs=3"])
+    assert "(did you mean train?)" in line and "an item has" not in line, line
 
 
 def test_a_down_link_is_waited_for_once_per_operation_and_an_event_at_0_is_recorded():
