@@ -136,9 +136,9 @@ def test_the_configuration_page_lists_every_rule_with_every_key():
 
 
 def test_every_place_that_lists_the_compress_kinds_names_them_all():
-    """``rule.compress``'s kinds (runner/comm/compress.py's KINDS) in the rules' tables of rules.md and
+    """``rule.compress``'s kinds (runner/comm/encodings' KINDS) in the rules' tables of rules.md and
     configuration.md (rules.md's BSP row named int8 and topk only, though BSP takes all four)."""
-    from runner.comm.compress import KINDS
+    from runner.comm.encodings import KINDS
 
     kinds = [k for k in KINDS if k != "none"]
     rows = [

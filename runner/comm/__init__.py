@@ -15,8 +15,8 @@
 - :mod:`runner.comm.dist`: the collectives of device tensors on ``torch.distributed`` (NCCL; gloo on CPU),
   which a ``Comm`` hands them to once given the transport (``hardware.transport``);
 - :mod:`runner.comm.wire`: the 16-bit exchange (``rule.comm_dtype``);
-- :mod:`runner.comm.compress`: compressed exchanges with error feedback (``rule.compress``: int8 with
-  per-block scales, top-k);
+- :mod:`runner.comm.encodings`: a sum's encodings (``rule.compress``: int8 with per-block scales, top-k,
+  2-bit top-k, signs), with error feedback: a parameter of the all-reduces (``encoding=``);
 - :mod:`runner.comm.staging`: what MPI is given for a tensor; CUDA tensors through pinned host buffers when
   MPI is not CUDA-aware;
 - :mod:`runner.comm.flat`: parameters and gradients as flat buffers (one message, not one per tensor);

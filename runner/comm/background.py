@@ -2,7 +2,8 @@
 
 Open MPI's non-blocking collectives progress only inside MPI calls and use slower algorithms; a thread
 running the blocking call overlaps truly (MPI_THREAD_MULTIPLE). Requests complete in order, and every rank
-must queue the same tensors in the same order. The thread counts no seconds: its requests' waits do.
+must queue the same tensors in the same order. The thread counts no seconds: its requests' waits do; each
+request holds the bytes the thread sent for it (``thread_sent``).
 """
 
 from __future__ import annotations
@@ -13,24 +14,24 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.comm.requests import BackgroundRequest
-from runner.comm.stats import uncounted_thread
+from runner.comm.stats import tally, uncounted_thread
 
 
 class Background:
-    """A thread that runs ``reduce(t, op, wire)`` for each queued tensor, in order, for ``comm``."""
+    """A thread that runs ``reduce(t, op, wire, encoding)`` for each queued tensor, in order, for ``comm``."""
 
-    def __init__(self, comm: Any, reduce: Callable[[Any, str, Any], None]):
+    def __init__(self, comm: Any, reduce: Callable[[Any, str, Any, Any], None]):
         self._comm, self._reduce = comm, reduce
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="mpitrain-comm", daemon=True)
         self._thread.start()
 
-    def submit(self, t: Any, op: str, wire: Any) -> BackgroundRequest:
-        """Queue the all-reduce of ``t``; its request."""
+    def submit(self, t: Any, op: str, wire: Any, encoding: Any = None) -> BackgroundRequest:
+        """Queue the all-reduce of ``t`` (in ``wire``'s type, or by ``encoding``); its request."""
         assert not self._closed, "an all-reduce queued on a closed background thread would never run"
         request = BackgroundRequest(self._comm)
-        self._queue.put((t, op, wire, request))
+        self._queue.put((t, op, wire, encoding, request))
         return request
 
     def close(self) -> None:
@@ -42,17 +43,19 @@ class Background:
     def drain(self) -> None:
         """Return once every all-reduce queued so far is done (the thread is idle)."""
         marker = BackgroundRequest(self._comm)
-        self._queue.put((None, None, None, marker))
+        self._queue.put((None, None, None, None, marker))
         marker._done.wait()
 
     def _serve(self) -> None:
         uncounted_thread()
         while (item := self._queue.get()) is not None:
-            t, op, wire, request = item
+            t, op, wire, encoding, request = item
             error = None
-            try:
-                if t is not None:
-                    self._reduce(t, op, wire)
-            except BaseException as err:  # handed to the waiting thread
-                error = err
+            with tally() as sent:
+                try:
+                    if t is not None:
+                        self._reduce(t, op, wire, encoding)
+                except BaseException as err:  # handed to the waiting thread
+                    error = err
+            request.thread_sent = sent.bytes
             request.finish(error)

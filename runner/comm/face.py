@@ -16,6 +16,7 @@ from runner.comm.binding import ANY_SOURCE, ANY_TAG
 if TYPE_CHECKING:
     import torch
 
+    from runner.comm.links import Links
     from runner.comm.stats import CommStats
 
 
@@ -46,6 +47,14 @@ class CounterLike(Protocol):
 
 
 @runtime_checkable
+class EncodingLike(Protocol):
+    """A sum's encoding, with its error feedback: a parameter of the all-reduces (runner/comm/encodings/)."""
+
+    def reduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor: ...
+    def seconds(self, links: Links, nodes: Sequence[int], t: torch.Tensor) -> float: ...
+
+
+@runtime_checkable
 class CommLike(Protocol):
     """One rank's communicator: tensor collectives, point-to-point messages, small objects, structure."""
 
@@ -59,12 +68,21 @@ class CommLike(Protocol):
     def routes(self, t: torch.Tensor) -> bool: ...
     def keep(self, t: torch.Tensor) -> None: ...
     def allreduce(
-        self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None
+        self,
+        t: torch.Tensor,
+        op: str = "sum",
+        wire: torch.dtype | None = None,
+        encoding: EncodingLike | None = None,
     ) -> torch.Tensor: ...
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> RequestLike: ...
     def allreduce_background(
-        self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None
+        self,
+        t: torch.Tensor,
+        op: str = "sum",
+        wire: torch.dtype | None = None,
+        encoding: EncodingLike | None = None,
     ) -> RequestLike: ...
+    def end_background(self) -> None: ...
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor: ...
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...
     def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...

@@ -18,7 +18,7 @@ import atexit
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -33,7 +33,10 @@ from runner.comm.routes import choose as choose_route
 from runner.comm.routes import load as load_routes
 from runner.comm.routes.base import Route
 from runner.comm.staging import Buffers, cuda_aware_mpi
-from runner.comm.stats import CommStats, Transfer, clock, outermost, owe, share
+from runner.comm.stats import CommStats, Transfer, clock, outermost, owe, share, tally
+
+if TYPE_CHECKING:
+    from runner.comm.face import EncodingLike
 
 R = TypeVar("R", bound=Route)
 
@@ -122,12 +125,18 @@ class Comm(Membership):
         wire = accounting.get("wire")
         factor = 0.0 if wire is not None else share(op, self.size, accounting.get("root") == self.rank)
         route = self.route_for(op, tensors, wire)
-        with Call(self, op):
-            result = getattr(route, op)(self, *tensors, *args)
-            if self.stats.links is not None and outermost():
-                self._spend(op, tensors[0], wire, result)
-        if factor:
-            self.stats.sent(tensors[0], factor)
+        with tally() as here:
+            with Call(self, op):
+                result = getattr(route, op)(self, *tensors, *args)
+                if self.stats.links is not None and outermost():
+                    self._spend(op, tensors[0], wire, result)
+            if factor:
+                self.stats.sent(tensors[0], factor)
+        if op == "allreduce_background":  # its request holds its bytes (the thread's add to them)
+            if isinstance(result, BackgroundRequest):
+                result.caller_sent = here.bytes
+            else:
+                result.sent = here.bytes
         return result
 
     def _spend(self, op: str, t: torch.Tensor, wire: torch.dtype | None, result: Any) -> None:
@@ -206,9 +215,24 @@ class Comm(Membership):
                 raise PeerLost(f"{self.dist.backend}: {str(err).strip().splitlines()[0]}") from None
 
     # -- collectives (each by its route: runner/comm/routes) --------------------------------------------
-    def allreduce(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None) -> torch.Tensor:
-        """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``. ``wire``: a 16-bit type
-        the sum travels in, accumulated in float32 (:mod:`runner.comm.wire`)."""
+    def allreduce(
+        self,
+        t: torch.Tensor,
+        op: str = "sum",
+        wire: torch.dtype | None = None,
+        encoding: EncodingLike | None = None,
+    ) -> torch.Tensor:
+        """In-place allreduce of ``t`` (``op`` is sum, max or min); returns ``t``.
+
+        ``wire``: a 16-bit type the sum travels in, accumulated in float32 (:mod:`runner.comm.wire`);
+        ``encoding``: the sum's encoding, with its error feedback (:mod:`runner.comm.encodings`)."""
+        if encoding is not None:
+            assert op == "sum" and wire is None, (op, wire)
+            with Call(self, "allreduce"):
+                encoding.reduce(self, t)
+                if self.stats.links is not None and outermost():
+                    owe(encoding.seconds(self.stats.links, self._nodes(), t))
+            return t
         self._collective("allreduce", (t,), op, wire, wire=wire)
         return t
 
@@ -217,13 +241,33 @@ class Comm(Membership):
         return self._collective("iallreduce", (t,), op)
 
     def allreduce_background(
-        self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None
+        self,
+        t: torch.Tensor,
+        op: str = "sum",
+        wire: torch.dtype | None = None,
+        encoding: EncodingLike | None = None,
     ) -> BackgroundRequest | DistRequest:
-        """Queue a blocking in-place allreduce of ``t`` on this communicator's background thread
+        """Queue a blocking in-place allreduce of ``t`` on this communicator's background thread.
+
         (:mod:`runner.comm.background`; every rank must queue the same tensors in the same order), or, for a
         tensor of the ``torch.distributed`` transport, start it there. The time spent in ``wait`` is counted
-        as communication time."""
-        return self._collective("allreduce_background", (t,), op, wire, wire=wire)
+        as communication time. ``wire`` and ``encoding``: as :meth:`allreduce`'s; an encoded sum of a
+        transport's tensor is done at once (its all-to-all and all-gather queue on the transport)."""
+        if encoding is None:
+            return self._collective("allreduce_background", (t,), op, wire, wire=wire)
+        if self.routes(t):
+            with tally() as sent:
+                self.allreduce(t, op, encoding=encoding)
+            request = DistRequest(self, None)
+            request.sent = sent.bytes
+            return request
+        assert op == "sum" and wire is None, (op, wire)
+        with Call(self, "allreduce_background"):
+            request = self.background().submit(t, op, None, encoding)
+            if self.stats.links is not None and outermost():
+                seconds = encoding.seconds(self.stats.links, self._nodes(), t)
+                request.transfer = Transfer(self.stats, seconds) if seconds else None
+        return request
 
     def background(self) -> Background:
         """This communicator's background thread (started on first use)."""
@@ -231,10 +275,22 @@ class Comm(Membership):
             self._background = Background(self, self._reduce_queued)
         return self._background
 
-    def _reduce_queued(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
-        """A queued all-reduce, on the background thread: by the first route that performs a blocking one."""
+    def end_background(self) -> None:
+        """End the background thread once what is queued is done (without waiting for it)."""
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+
+    def _reduce_queued(
+        self, t: torch.Tensor, op: str, wire: torch.dtype | None, encoding: EncodingLike | None
+    ) -> None:
+        """A queued all-reduce, on the background thread: by ``encoding``, or by the first route that
+        performs a blocking one."""
         with faults(self, "allreduce"):
-            self.route_for("allreduce", (t,), wire).allreduce(self, t, op, wire)
+            if encoding is not None:
+                encoding.reduce(self, t)
+            else:
+                self.route_for("allreduce", (t,), wire).allreduce(self, t, op, wire)
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""

@@ -65,6 +65,12 @@ class BackgroundRequest:
     def __init__(self, comm: Any):
         self._comm, self._done, self.error = comm, threading.Event(), None
         self._finished = 0.0  # when the thread was done with it
+        self.thread_sent = self.caller_sent = 0  # the bytes the thread sent for it, and its caller
+
+    @property
+    def sent(self) -> int:
+        """The bytes sent for it (by the thread, and counted by its caller: a plain sum's)."""
+        return self.thread_sent + self.caller_sent
 
     def test(self) -> bool:
         """Whether the all-reduce is done."""
@@ -92,6 +98,7 @@ class DistRequest:
     (:meth:`runner.comm.mpi.Comm.await_work`); ``work`` None: nothing is pending."""
 
     transfer: Transfer | None = None  # its emulated link's (runner/comm/links.py); None: none
+    sent = 0  # the bytes sent for it (runner/comm/mpi.py's allreduce_background)
 
     def __init__(self, comm: Any, work: Any):
         self._comm, self._work = comm, work

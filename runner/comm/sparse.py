@@ -22,15 +22,18 @@ the decoder a view).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runner.comm.encodings.base import Encoding, no_grad
 from runner.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch
 
     from runner.comm.face import CommLike
+    from runner.comm.links import Links
 else:
     torch = lazy_import("torch")
 
@@ -120,6 +123,36 @@ class SparseCode:
         padded = torch.zeros(rows, self.chunk, dtype=total.dtype, device=total.device)
         padded.scatter_(1, index, values)
         total.add_(padded.view(-1)[: total.numel()])
+
+
+class Chunked(Encoding):
+    """A sum of every rank's :class:`SparseCode` of its tensor, by :func:`sparse_allgather`.
+
+    With error feedback (``decay`` β: a = t + β·e); ``wire``: the 16-bit type ``bits=32`` values travel in
+    (SparseLoCo's ``comm_dtype``). The encodings ``topk_2bit`` and ``sign`` are its kinds."""
+
+    def __init__(
+        self,
+        like: torch.Tensor,
+        size: int,
+        code: SparseCode,
+        feedback: bool = True,
+        decay: float = 1.0,
+        wire: torch.dtype | None = None,
+    ):
+        super().__init__(like, size, feedback=feedback, decay=decay)
+        self.code, self.wire = code, wire
+
+    @no_grad
+    def _reduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:
+        given = t.view(-1) if self.residual is None else t.view(-1).add(self.residual, alpha=self.decay)
+        total, mine = sparse_allgather(comm, given if self.wire is None else given.to(self.wire), self.code)
+        self.keep(given, mine)
+        return t.copy_(total.view_as(t))
+
+    def seconds(self, links: Links, nodes: Sequence[int], t: torch.Tensor) -> float:
+        itemsize = (self.wire or t.dtype).itemsize
+        return links.collective("allgather", nodes, self.code.nbytes(t.numel(), itemsize))
 
 
 def sparse_allgather(comm: CommLike, x: torch.Tensor, code: SparseCode) -> tuple[torch.Tensor, torch.Tensor]:

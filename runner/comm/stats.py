@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from runner.comm.links import Links
 
 #: Per thread: ``depth`` (timed calls open), ``uncounted`` (the background thread), ``owed`` (link seconds the
-#: outermost call owes) and ``due`` (the latest end of a request's emulated transfer that it waits for).
+#: outermost call owes), ``due`` (the latest end of a request's emulated transfer that it waits for) and
+#: ``tally`` (the bytes sent inside an open :class:`tally`, else None).
 _local = threading.local()
 
 
@@ -45,8 +46,12 @@ class CommStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def sent(self, t: torch.Tensor, factor: float = 1.0) -> None:
-        """Count ``factor`` times ``t``'s bytes as sent."""
-        self.bytes_sent += int(t.numel() * t.element_size() * factor)
+        """Count ``factor`` times ``t``'s bytes as sent (by any thread; also in its :class:`tally`)."""
+        nbytes = int(t.numel() * t.element_size() * factor)
+        with self._lock:
+            self.bytes_sent += nbytes
+        if getattr(_local, "tally", None) is not None:
+            _local.tally += nbytes
 
     def book(self, seconds: float, start: float | None = None) -> float:
         """Book ``seconds`` of this rank's link for a transfer that starts at ``start`` (default now), after
@@ -142,6 +147,24 @@ class Transfer:
         due = self.complete(at)
         if counted():
             _local.due = max(_local.due, due)
+
+
+class tally:  # noqa: N801 (used as a function: ``with tally() as sent:``)
+    """The bytes this thread counts as sent inside the block (``sent.bytes`` once it ends).
+
+    An enclosing block's tally counts them too."""
+
+    __slots__ = ("bytes", "outer")
+
+    def __enter__(self) -> tally:
+        self.bytes, self.outer = 0, getattr(_local, "tally", None)
+        _local.tally = 0
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self.bytes = _local.tally
+        _local.tally = None if self.outer is None else self.outer + self.bytes
+        return False
 
 
 def uncounted_thread() -> None:

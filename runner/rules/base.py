@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from runner.comm.compress import KINDS
+from runner.comm.encodings import KINDS
 from runner.comm.flat import FlatTensors, flat_copy, float_buffers
 from runner.comm.tags import GROW
 from runner.comm.wire import wire_dtype

@@ -22,7 +22,7 @@ mean x ← (1/N) Σ_i x_i. With ``avg_freq: 1`` and plain SGD this equals ``mode
 (runner/comm/wire.py): half the bytes; validation's averages stay in float32.
 
 ``compress: int8|topk|topk_2bit|sign`` (``mode: grads`` only) sends each bucket compressed, with error
-feedback (runner/comm/compress.py): each worker adds its residual e_i to its bucket a_i = g_i/N + e_i, sends
+feedback (runner/comm/encodings/): each worker adds its residual e_i to its bucket a_i = g_i/N + e_i, sends
 c(a_i) and keeps e_i ← a_i − c(a_i), and every worker steps with Σ_i c(a_i). ``int8``: blocks of 256 values
 with one float32 scale each, summed by a reduce-scatter with re-quantization (an all-to-all of the int8
 chunks, each rank sums its chunk and quantizes the sum again, keeping that rounding as its own residual, an
@@ -48,7 +48,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import Compressed, compressors, feedback_state, load_feedback
+from runner.comm.encodings import compressors, feedback_state, load_feedback
 from runner.comm.flat import FlatTensors, float_buffers, message_buffer
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, check_compress
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     import torch
 
     from runner.comm import BackgroundRequest, DistRequest, Request
+    from runner.comm.encodings.base import Encoding
 else:
     torch = lazy_import("torch")
 
@@ -156,7 +157,7 @@ class BSP(Rule):
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _compressors(self) -> list[Compressed]:
+    def _compressors(self) -> list[Encoding]:
         """One compressed exchange per bucket (``rule.compress``), with fresh error feedback."""
         return compressors(self.cfg, (b.buffer for b in self.buckets), self.comm.size)
 
@@ -253,7 +254,7 @@ class BSP(Rule):
             if self.overlap == "thread":
                 bucket.request = self.comm.allreduce_background(bucket.buffer, wire=self.wire)
             elif self.compressed:
-                self.compressed[j].allreduce(self.comm, bucket.buffer)
+                self.comm.allreduce(bucket.buffer, encoding=self.compressed[j])
             else:
                 self.comm.allreduce(bucket.buffer, wire=self.wire)
         for bucket in self.buckets:

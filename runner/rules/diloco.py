@@ -32,7 +32,7 @@ statistics), so that validating does not change the training trajectory.
 Exchange: every mean of the workers goes through :meth:`Rule._mean_of_workers`; with ``comm_dtype:
 bf16|fp16`` the outer step's parameters travel in 16 bits (float32 sums, the same bits on every worker).
 ``compress: int8|topk|topk_2bit|sign`` sends each worker's outer gradient Δ_i = x_start − x_i compressed
-instead, with error feedback (runner/comm/compress.py): the worker adds its residual e_i, sends c(Δ_i + e_i),
+instead, with error feedback (runner/comm/encodings/): the worker adds its residual e_i, sends c(Δ_i + e_i),
 keeps e_i ← Δ_i + e_i − c(Δ_i + e_i), and every worker takes Δ = (1/N) Σ_i c(Δ_i + e_i). ``int8``: blocks of
 256 values with one float32 scale each, summed by a reduce-scatter with re-quantization (all-to-all of the
 int8 chunks, each rank sums its chunk, quantizes the sum again and keeps that rounding as its own residual,
@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import Compressed, compressors, feedback_state, load_feedback
+from runner.comm.encodings import compressors, feedback_state, load_feedback
 from runner.comm.flat import FlatTensors, float_buffers
 from runner.lazy import lazy_import
 from runner.rules.base import Rule, RuleContext, check_compress, no_grad
@@ -70,6 +70,8 @@ from runner.schema import RuleConfig, require
 
 if TYPE_CHECKING:
     import torch
+
+    from runner.comm.encodings.base import Encoding
 else:
     torch = lazy_import("torch")
 
@@ -169,7 +171,7 @@ class DiLoCo(Rule):
         self.delta_norm = 0.0
         self.compressed = self._compressors()
 
-    def _compressors(self) -> list[Compressed]:
+    def _compressors(self) -> list[Encoding]:
         """One compressed exchange per flat buffer (``rule.compress``), with fresh error feedback."""
         return compressors(self.cfg, self.flat.buffers, self.workers.size)
 
@@ -214,7 +216,7 @@ class DiLoCo(Rule):
         deltas = []
         for x0, x, c in zip(self.start, self.flat.buffers, self.compressed, strict=True):
             d = x0 - x
-            c.allreduce(self.workers, d)
+            self.workers.allreduce(d, encoding=c)
             deltas.append(d.div_(self.workers.size))
         return deltas
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.sparse import BITS, SparseCode, sparse_allgather
+from runner.comm.sparse import BITS, Chunked, SparseCode
 from runner.lazy import lazy_import
 from runner.rules.base import RuleContext, no_grad
 from runner.rules.diloco import DiLoCo, DiLoCoConfig
@@ -61,7 +61,6 @@ from runner.schema import RuleConfig, require
 if TYPE_CHECKING:
     import torch
 
-    from runner.comm.face import CommLike
 else:
     torch = lazy_import("torch")
 
@@ -132,26 +131,13 @@ class SparseLoCoConfig(PeriodicConfig, RuleConfig):
         return SparseLoCo(self, ctx)
 
 
-class ErrorFeedback:
-    """One flat buffer's decaying error feedback e and its sparse exchange.
+class ErrorFeedback(Chunked):
+    """One flat buffer's decaying error feedback e and its sparse exchange: e ← β·e + Δ_i − ĉ_i.
 
-    It takes the place DiLoCo's ``compress`` exchanges have (:class:`runner.comm.compress.Compressed`)."""
-
-    def __init__(self, like: torch.Tensor, code: SparseCode, decay: float, wire: torch.dtype | None):
-        self.residual = torch.zeros_like(like)
-        self.code, self.decay, self.wire = code, decay, wire
-
-    @no_grad
-    def allreduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:
-        """In place: ``t`` (this worker's Δ_i) becomes Σ_j ĉ_j over ``comm``; e ← β·e + Δ_i − ĉ_i."""
-        given = t.add_(self.residual, alpha=self.decay)
-        sent = given if self.wire is None else given.to(self.wire)
-        total, mine = sparse_allgather(comm, sent, self.code)
-        torch.sub(given, mine.to(given.dtype), out=self.residual)
-        return t.copy_(total)
+    The encoding in place of DiLoCo's ``compress`` (:class:`runner.comm.sparse.Chunked`); its residuals are
+    saved by :meth:`SparseLoCo.state_dict`, not by DiLoCo's."""
 
     def state(self) -> list[torch.Tensor]:
-        """Nothing for DiLoCo's checkpoint: :meth:`SparseLoCo.state_dict` saves the residuals itself."""
         return []
 
 
@@ -167,10 +153,11 @@ class SparseLoCo(DiLoCo):
         """Fresh (zero) error feedback per flat buffer: DiLoCo's outer step sends through it."""
         cfg = self.sparse
         code = SparseCode(cfg.chunk, cfg.topk, cfg.bits)
-        return [ErrorFeedback(b, code, cfg.ef_decay, self.wire) for b in self.flat.buffers]
+        size = self.workers.size
+        return [ErrorFeedback(b, size, code, decay=cfg.ef_decay, wire=self.wire) for b in self.flat.buffers]
 
     def outer_step(self) -> None:
-        """DiLoCo's (through :meth:`ErrorFeedback.allreduce`), its bytes counted."""
+        """DiLoCo's (its sums encoded by :class:`ErrorFeedback`), its bytes counted."""
         before = self.workers.stats.bytes_sent
         super().outer_step()
         self.exchange_bytes += self.workers.stats.bytes_sent - before

@@ -33,8 +33,9 @@ DiLoCo (:mod:`runner.rules.diloco`) with its one exchange per round cut in three
   exactly as DiLoCo (and in ``comm_dtype``), so that it equals DiLoCo bit for bit where the schedules match.
 
 BatchNorm statistics travel with fragment 0's exchange and are set to the workers' mean when it is applied.
-The exchanges run on a communicator of their own (split from the workers') and one background thread, in
-the order they were started, so that the loop's own collectives never meet them. ``final_metrics`` reports
+The exchanges run on a communicator of their own (split from the workers', sharing their counts and links)
+and its background thread, in the order they were started, so that the loop's own collectives never meet
+them; the communicator prices and counts them as it does every all-reduce. ``final_metrics`` reports
 ``sync_bytes_peak``: the most bytes one worker sent in one fragment's exchange (statistics included).
 
 Checkpoints (and growth, and the end of training) complete the exchanges in flight and keep their results
@@ -49,9 +50,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runner.comm.compress import int8_allreduce, int8_chunk, int8_row_bytes
+from runner.comm.encodings.int8 import Int8
 from runner.comm.flat import FlatTensors, float_buffers
-from runner.comm.stats import CommStats, Transfer
 from runner.lazy import lazy_import
 from runner.rules.base import RuleContext, no_grad
 from runner.rules.diloco import DiLoCo, DiLoCoConfig, outer_sgd
@@ -61,13 +61,12 @@ from runner.schema import ModelConfig, one_of, require
 if TYPE_CHECKING:
     import torch
 
-    from runner.comm.background import Background
     from runner.comm.face import CommLike, RequestLike
 else:
     torch = lazy_import("torch")
 
 #: Values per float32 scale in the 8-bit exchange (4/128: 3% more bytes than the 8-bit values alone);
-#: the quantizer is runner/comm/compress.py's, which BSP's and DiLoCo's ``rule.compress=int8`` use too.
+#: the encoding is runner/comm/encodings/int8.py's, which BSP's and DiLoCo's ``rule.compress=int8`` use too.
 BLOCK = 128
 
 
@@ -179,9 +178,7 @@ class StreamingDiLoCo(DiLoCo):
         self.pending: list[Exchange] = []  # started, not yet applied, in the order started
         self.sync_bytes_peak = 0
         self.link: CommLike | None = None  # the exchanges' communicator (joined: made in grow)
-        self.thread: Background | None = None
-        self._forwarded = self._forwarded_emulated = 0.0  # the link's seconds already added to the workers'
-        self._sent: dict[int, int] = {}  # bytes of each summed tensor (by id), from the thread
+        self.int8 = Int8(torch.zeros(0), 1, feedback=False, block=BLOCK)  # Δ's (no state without feedback)
         if not self.joined:
             self._new_link()
 
@@ -199,27 +196,12 @@ class StreamingDiLoCo(DiLoCo):
         self.compressed = self._compressors()
 
     def _new_link(self) -> None:
-        """Collective over the workers: the exchanges' own communicator and thread. Its bytes and seconds
-        are counted apart (so that each exchange's bytes are known) and added to the workers' counts as
-        exchanges complete."""
-        from runner.comm.background import Background  # (it imports MPI: not when the launcher reads this)
+        """Collective over the workers: the exchanges' own communicator, whose background thread runs them.
 
-        if self.thread is not None:
-            self.thread.close()  # (idle: the exchanges in flight completed, or were abandoned)
+        The workers' counts and links are its own (a split shares them)."""
+        if self.link is not None:
+            self.link.end_background()  # (idle: the exchanges in flight completed, or were abandoned)
         self.link = self.workers.split(0)
-        self.link.stats = CommStats(links=self.workers.stats.links)  # its own counts, the same links
-        self.thread = Background(self.link, self._reduce)
-        self._forwarded = self._forwarded_emulated = 0.0
-
-    def _reduce(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> None:
-        """The background thread: sum ``t`` over the link, in 8 bits (op ``int8``) or as it is (``sum``);
-        the bytes it sent are kept by ``t``'s id (only this thread sends on the link)."""
-        before = self.link.stats.bytes_sent
-        if op == "int8":
-            int8_allreduce(self.link, t, BLOCK)
-        else:
-            self.link.allreduce(t, wire=wire)
-        self._sent[id(t)] = self.link.stats.bytes_sent - before
 
     def _views(self, tensors: list[torch.Tensor], p: int) -> list[torch.Tensor]:
         """Fragment ``p``'s range of each flat buffer of ``tensors`` (parameters, x_start or momentum)."""
@@ -247,43 +229,24 @@ class StreamingDiLoCo(DiLoCo):
             sums = [xi.clone() for xi in x]
         stats = [b.clone() for b in float_buffers(self.model)] if p == 0 else []
         exchange = Exchange(p, self.steps + self.cfg.delay, self.link.size, sums + stats)
+        int8 = self.int8 if self.cfg.quantize == "int8" else None
         for i, t in enumerate(exchange.sums):
-            ops = ("int8", None) if self.cfg.quantize == "int8" else ("sum", self.wire)
-            op, wire = ops if i < len(sums) else ("sum", None)  # statistics: float32 sums, as DiLoCo's
-            request = self.thread.submit(t, op, wire)
-            request.transfer = self._transfer(t, op, wire)
+            if i < len(sums):
+                request = self.link.allreduce_background(t, wire=None if int8 else self.wire, encoding=int8)
+            else:  # statistics: float32 sums, as DiLoCo's
+                request = self.link.allreduce_background(t)
             exchange.requests.append(request)
         self.pending.append(exchange)  # every exchange waits the same delay: pending is in order of due
 
-    def _transfer(self, t: torch.Tensor, op: str, wire: torch.dtype | None) -> Transfer | None:
-        """The emulated links' part of one exchange of ``t`` (None: no links): its seconds on this worker's
-        link, from when the background thread is done with it (the thread spends none itself)."""
-        links, n = self.link.stats.links, self.link.size
-        if links is None:
-            return None
-        nodes = [links.node(self.link.launch_rank(r)) for r in range(n)]
-        if op == "int8":  # an all-to-all of 8-bit chunks with their scales, then an all-gather of one
-            seconds = links.two_phase(nodes, int8_row_bytes(int8_chunk(t.numel(), n, BLOCK), BLOCK))
-        else:  # priced as the communicator prices it
-            itemsize = None if wire is None else wire.itemsize
-            seconds = links.exchange("allreduce", nodes, t.numel(), t.element_size(), itemsize)
-        return Transfer(self.link.stats, seconds) if seconds else None
-
     def _complete(self, exchange: Exchange) -> None:
-        """Wait for ``exchange``'s sums (a lost worker raises here); count its bytes and seconds in the
-        workers' counts (the run's summary reads those)."""
+        """Wait for ``exchange``'s sums (a lost worker raises here); keep the peak of its bytes."""
         if not exchange.requests:
             return
         for request in exchange.requests:
             request.wait()
+        exchange.sent = sum(request.sent for request in exchange.requests)
         exchange.requests = []
-        exchange.sent = sum(self._sent.pop(id(t)) for t in exchange.sums)
         self.sync_bytes_peak = max(self.sync_bytes_peak, exchange.sent)
-        stats, link = self.workers.stats, self.link.stats
-        stats.bytes_sent += exchange.sent
-        stats.seconds += link.seconds - self._forwarded
-        stats.emulated_seconds += link.emulated_seconds - self._forwarded_emulated
-        self._forwarded, self._forwarded_emulated = link.seconds, link.emulated_seconds
 
     @no_grad
     def _apply(self, exchange: Exchange) -> None:
@@ -324,8 +287,8 @@ class StreamingDiLoCo(DiLoCo):
     def finish(self) -> None:
         """Complete the exchanges in flight; the background thread ends."""
         self._complete_all()
-        if self.thread is not None:
-            self.thread.close()
+        if self.link is not None:
+            self.link.end_background()
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:

@@ -15,7 +15,7 @@ def test_queued_reduces_run_in_order_and_close_ends_the_thread_after_them():
     done: list[int] = []
     gate = threading.Event()
 
-    def reduce(t, op, wire):
+    def reduce(t, op, wire, encoding):
         gate.wait(5)
         done.append(t)
 

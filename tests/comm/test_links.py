@@ -134,6 +134,7 @@ def bare_comm(nodes: list[int], links: Links, rank: int = 0) -> Comm:
     comm.stats, comm.routes_tried = CommStats(links=links), [Wire16(), Instant()]
     comm.tolerant, comm.dist, comm.buffers = False, None, Buffers(False)
     comm._nodes_of, comm._node_list = (comm._c, links), list(nodes)
+    comm._background = None
     return comm
 
 

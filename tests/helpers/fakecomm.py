@@ -137,6 +137,7 @@ class FakeComm:
         self._g, self._w = group, group.world
         self.rank, self.size, self.stats = rank, group.size, stats
         self._seq = 0
+        self.background_ended = False
 
     def routes(self, t: torch.Tensor) -> bool:
         """No ``torch.distributed`` transport here: every tensor is combined in memory."""
@@ -210,18 +211,34 @@ class FakeComm:
                 self._sent(t, 2 * (self.size - 1) / self.size)
         return self._tensor_request(t, poll)
 
-    def allreduce_background(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None):
-        if wire is None or self.size == 1:
-            return self.iallreduce(t, op)
-        self.allreduce(t, op, wire)
-        return FakeRequest(self, lambda block: True)
+    def allreduce_background(
+        self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None, encoding: Any = None
+    ):
+        """At once with ``wire`` or ``encoding`` (its request holds the bytes sent, as the thread's does)."""
+        if (wire is None and encoding is None) or self.size == 1:
+            request = self.iallreduce(t, op)
+            request.sent = int(t.numel() * t.element_size() * 2 * (self.size - 1) / self.size)
+            return request
+        before = self.stats.bytes_sent
+        self.allreduce(t, op, wire, encoding)
+        request = FakeRequest(self, lambda block: True)
+        request.sent = self.stats.bytes_sent - before
+        return request
+
+    def end_background(self) -> None:
+        """No thread here: says that it was ended (``background_ended``)."""
+        self.background_ended = True
 
     def keep(self, t: torch.Tensor) -> None:
         """Nothing to prepare in-process."""
 
-    def allreduce(self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None) -> torch.Tensor:
-        """With ``wire``, runner/comm/wire.py's 16-bit algorithm itself, over this fake's all-to-all and
-        all-gather."""
+    def allreduce(
+        self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None, encoding: Any = None
+    ) -> torch.Tensor:
+        """With ``wire``, runner/comm/wire.py's 16-bit algorithm itself, and with ``encoding`` the encoding
+        itself, over this fake's all-to-all and all-gather."""
+        if encoding is not None:
+            return encoding.reduce(self, t)
         if wire is not None and self.size > 1:
             with torch.no_grad():
                 return wire_ops.allreduce(self, t, wire)

@@ -1,4 +1,4 @@
-"""Compressed exchanges with error feedback (runner/comm/compress.py) and the rules that take them
+"""Encoded sums with error feedback (runner/comm/encodings/) and the rules that take them
 (``rule.compress`` of BSP and DiLoCo). In process, rank by rank on tests/helpers/fakecomm.py, whose
 collectives really combine the ranks' tensors: the quantizer's error bound, error feedback's invariant, the
 bytes that travel, top-k with and without error feedback on a tiny problem; a real mpirun job (slow tier)."""
@@ -11,16 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from runner.comm.compress import (
-    BLOCK,
-    Compressed,
-    _pack,
-    _unpack,
-    int8_allreduce,
-    int8_chunk,
-    topk_allreduce,
-    topk_count,
-)
+from runner.comm.encodings import encoding
+from runner.comm.encodings.int8 import BLOCK, _pack, _unpack, int8_allreduce, int8_chunk
+from runner.comm.encodings.topk import topk_allreduce, topk_count
 from runner.rules.bsp import BSPConfig
 from runner.rules.diloco import DiLoCoConfig
 from tests.conftest import COMMON, STEPS, checked_config
@@ -58,18 +51,18 @@ def test_int8_round_trip_error_is_at_most_half_a_step_per_element():
 
 
 def _exchange(kind: str, steps: int, numel: int, feedback: bool = True, integer: bool = False):
-    """Every rank sums ``steps`` tensors through one :class:`Compressed`; per rank: the sums it received
+    """Every rank sums ``steps`` tensors through one encoding; per rank: the sums it received
     (added up), its residual and owner state, its tensors (added up), its bytes sent."""
 
     def main(comm):
-        c = Compressed(kind, torch.zeros(numel, dtype=DT), comm.size, ratio=0.01, feedback=feedback)
+        c = encoding(kind, torch.zeros(numel, dtype=DT), comm.size, ratio=0.01, feedback=feedback)
         received = torch.zeros(numel, dtype=DT)
         given = torch.zeros(numel, dtype=DT)
         for step in range(steps):
             t = gradients(comm.rank, step, numel, integer)
             given += t
-            received += c.allreduce(comm, t)
-        return received, c.residual, c.owner, given, comm.stats.bytes_sent
+            received += comm.allreduce(t, encoding=c)
+        return received, c.residual, getattr(c, "owner", None), given, comm.stats.bytes_sent
 
     return FakeWorld(N).run(main)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from runner.comm.links import Links
+from runner.comm.encodings.int8 import int8_allreduce
 from runner.rules.diloco import DiLoCoConfig
-from runner.rules.streaming_diloco import BLOCK, StreamingDiLoCoConfig, int8_allreduce
+from runner.rules.streaming_diloco import BLOCK, StreamingDiLoCoConfig
 from tests.conftest import COMMON, STEPS, checked_config, params_of
 from tests.helpers.fakecomm import FakeWorld
 from tests.helpers.rule_math import DT, assert_close, build, fit, mlp, params, sgd
@@ -287,22 +287,20 @@ def test_recover_forgets_the_exchanges_in_flight_and_restarts_from_worker_0s_sta
                 t.add_(comm.rank + 1.0)
         rule.steps += comm.rank
         rule.abandon()
-        before = rule.thread
+        before = rule.link
         rule.recover()
-        threads = [before, rule.thread]
+        links = [before, rule.link]
         rule.finish()
-        return params(model), torch.cat(rule.start), rule, model[1].running_mean, threads
+        return params(model), torch.cat(rule.start), rule, model[1].running_mean, links
 
     ranks = FakeWorld(N).run(main)
     x0 = ranks[0][1]
-    for x, start, rule, stats, threads in ranks:
+    for x, start, rule, stats, links in ranks:
         assert torch.equal(x, x0) and torch.equal(start, x0)
         assert rule.pending == [] and rule.steps == 3
         assert torch.equal(stats, torch.ones(4, dtype=DT))
-        assert threads[0] is not threads[1], "the exchanges' thread is made anew"
-        for thread in threads:  # the one replaced, and the new one once finished, end
-            thread._thread.join(5)
-            assert not thread._thread.is_alive()
+        assert links[0] is not links[1], "the exchanges' communicator (and its thread) is made anew"
+        assert all(link.background_ended for link in links), "the one replaced, and the new one at the end"
 
 
 @pytest.mark.parametrize(
@@ -354,19 +352,25 @@ def test_one_fragment_without_delay_equals_diloco_under_mpirun(cli):
     assert 0 < int8.summary["sync_bytes_peak"] < one.summary["sync_bytes_peak"] / 3 / 3
 
 
-def test_its_exchanges_pay_the_emulated_links_they_cross():
-    """Over emulated links (one worker a node) each fragment's background all-reduce costs its link
-    seconds, paid where the worker waits for it (here at once: no delay, and the steps take microseconds).
-    Before, the exchanges' own communicator had no links: Streaming DiLoCo crossed them for free."""
-    links = Links(ranks_per_node=1, gbps=0.0025, latency_s=0.0)
-    one = links.collective("allreduce", [0, 1, 2, 3], 1024 * 4)  # a fragment: 1024 float32 values
+def test_its_exchanges_are_the_link_communicators_background_sums_counted_with_the_workers():
+    """The exchanges are its link communicator's background all-reduces (int8: with the int8 encoding),
+    and that communicator shares the workers' counts and emulated links: the communicator prices and counts
+    them (tests/comm/test_encodings.py) as it does every all-reduce. Before, the rule priced its own."""
+    calls = []
 
     def main(comm):
-        comm.stats.links = links
-        return _one_round(
-            comm, StreamingDiLoCoConfig(inner_steps=4, fragments=4, delay=0), "emulated_seconds"
-        )[1]
+        model = nn.Linear(5, 4).to(DT)
+        rule = build(comm, streaming(fragments=2, delay=1, quantize="int8"), model, sgd(model))
+        queued = rule.link.allreduce_background
 
-    for emulated in FakeWorld(4).run(main):
-        assert 0.015 < one < 0.03
-        assert 0.8 * 4 * one < emulated <= 4 * one + 0.005, (emulated, one)
+        def spy(t, op="sum", wire=None, encoding=None):
+            calls.append(type(encoding).__name__)
+            return queued(t, op, wire, encoding)
+
+        rule.link.allreduce_background = spy
+        fit(rule, model, sgd(model), batches(comm.rank, 6))
+        rule.finish()
+        return rule.link.stats is comm.stats, rule.link.background_ended
+
+    assert FakeWorld(2).run(main) == [(True, True)] * 2
+    assert calls and set(calls) == {"Int8"}, calls
