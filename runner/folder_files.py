@@ -63,8 +63,9 @@ def _foreign(path: Path, message: str) -> ForeignFile:
 
 
 def describe(path: Path, mode: int) -> str:
-    """What the file ``path`` of ``stat`` mode ``mode`` is, when it is not a regular file: ``a symbolic
-    link (to X)``, ``a named pipe (FIFO), not a regular file``."""
+    """What the file ``path`` of ``stat`` mode ``mode`` is, when it is not a regular file.
+
+    For example ``a symbolic link (to X)``, ``a named pipe (FIFO), not a regular file``."""
     if stat.S_ISLNK(mode):
         try:
             return f"a symbolic link (to {os.readlink(path)})"
@@ -85,8 +86,9 @@ def refused(path: Path, mode: int | None = None) -> ForeignFile:
 
 
 def open_fd(path: Path, flags: int, perm: int = 0o666) -> int:
-    """``os.open(path, flags, perm)`` of a run folder's file, which must be a regular file (or be made one):
-    a symbolic link, pipe, socket or device there raises :class:`ForeignFile`, a folder read raises
+    """``os.open(path, flags, perm)`` of a run folder's file, which must be a regular file (or be made one).
+
+    A symbolic link, pipe, socket or device there raises :class:`ForeignFile`, a folder read raises
     IsADirectoryError; ``O_TRUNC`` truncates only once the file is checked."""
     truncate = flags & os.O_TRUNC
     flags = (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -118,8 +120,10 @@ def open_fd(path: Path, flags: int, perm: int = 0o666) -> int:
 
 
 def open_in_folder(path: Path, mode: str = "r", perm: int = 0o666, **kwargs: Any) -> IO[Any]:
-    """:func:`open` of a run folder's file (``mode``: ``r``, ``w``, ``a`` or ``x``, with ``b`` for bytes),
-    checked by :func:`open_fd`; ``kwargs`` go to :func:`os.fdopen` (``buffering``, ``errors``)."""
+    """:func:`open` of a run folder's file, checked by :func:`open_fd`.
+
+    ``mode``: ``r``, ``w``, ``a`` or ``x``, with ``b`` for bytes; ``kwargs`` go to :func:`os.fdopen`
+    (``buffering``, ``errors``)."""
     fd = open_fd(path, FLAGS[mode.replace("b", "").replace("t", "")], perm)
     try:
         return os.fdopen(fd, mode, **kwargs)
@@ -155,8 +159,9 @@ def is_regular(path: Path) -> bool:
 
 
 def create_new(path: Path, binary: bool = False) -> IO[Any]:
-    """A new file at ``path`` (a temporary one, replaced into place afterwards), created exclusively: a file
-    left there (by a writer that was killed) or a link put in its place is removed first, never written
+    """A new file at ``path`` (a temporary one, replaced into place afterwards), created exclusively.
+
+    A file left there (by a writer that was killed) or a link put in its place is removed first, never written
     through; a folder there raises IsADirectoryError."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -170,9 +175,10 @@ def create_new(path: Path, binary: bool = False) -> IO[Any]:
 
 
 def make_folder(path: Path) -> Path:
-    """Make ``path``, a folder inside a run folder (``logs/``, ``checkpoints/``, a checkpoint's), unless it
-    is there; a link or special file in its place raises :class:`ForeignFile` (a regular file:
-    FileExistsError, as ``mkdir`` does)."""
+    """Make ``path``, a folder inside a run folder, unless it is there.
+
+    ``path``: ``logs/``, ``checkpoints/``, a checkpoint's. A link or special file in its place raises
+    :class:`ForeignFile` (a regular file: FileExistsError, as ``mkdir`` does)."""
     try:
         path.mkdir()
     except FileExistsError:
@@ -186,8 +192,9 @@ def make_folder(path: Path) -> Path:
 
 
 def foreign_refusal(found: list[str]) -> str:
-    """The one line refusing a run folder with the ``found`` files in it
-    (:func:`runner.run_folder.foreign_files`)."""
+    """The one line refusing a run folder with the ``found`` files in it.
+
+    The files are those :func:`runner.run_folder.foreign_files` found."""
     return f"{', '.join(found)}: {FIX.format('them' if len(found) > 1 else 'it')}"
 
 
@@ -200,8 +207,9 @@ DISK_FIXES = {
 
 
 def disk_fix(err: OSError, folder: Path | str, key: str | None = None) -> str | None:
-    """The fix for ``err``, met writing in ``folder`` (a full disk, a quota, a read-only file system), with
-    ``key`` (``hydra.run.dir``), where given, as the other fix: another folder; None for other errors."""
+    """The fix for ``err``, met writing in ``folder`` (a full disk, a quota, a read-only file system).
+
+    ``key`` (``hydra.run.dir``), where given, names the other fix: another folder. None for other errors."""
     fix = DISK_FIXES.get(err.errno or 0)
     if fix is None:
         return None
@@ -209,19 +217,22 @@ def disk_fix(err: OSError, folder: Path | str, key: str | None = None) -> str | 
 
 
 def unwritten(err: OSError, key: str | None = None) -> str | None:
-    """One line for ``err`` when it is the disk's (:func:`disk_fix`) and its file is known (named by the
-    error, else :func:`failed_file`): the file, why, and the fix, e.g. ``cannot write RUN/.hydra/config.yaml:
-    No space left on device; free space on its disk (df -h RUN/.hydra), or give a folder on another disk
-    (hydra.run.dir=...)``; None otherwise."""
+    """One line for ``err`` when it is the disk's (:func:`disk_fix`) and its file is known; None otherwise.
+
+    The file is named by the error, else found by :func:`failed_file`. The line gives the file, why, and the
+    fix, e.g. ``cannot write RUN/.hydra/config.yaml: No space left on device; free space on its disk (df -h
+    RUN/.hydra), or give a folder on another disk (hydra.run.dir=...)``."""
     path = Path(err.filename) if isinstance(err.filename, str) else failed_file(err)
     fix = None if path is None else disk_fix(err, path if path.is_dir() else path.parent, key)
     return None if fix is None else f"cannot write {path}: {err.strerror or err}; {fix}"
 
 
 def failed_file(err: BaseException) -> Path | None:
-    """The file ``err`` was met writing when the error does not name it (a write to a full disk fails as
-    the file is flushed, on closing it: Hydra's own write of ``.hydra/config.yaml`` says only "No space
-    left on device"): the file object open in the innermost frame of its traceback that holds one."""
+    """The file ``err`` was met writing when the error does not name it.
+
+    It is the file object open in the innermost frame of ``err``'s traceback that holds one. A write to a full
+    disk fails as the file is flushed, on closing it: Hydra's own write of ``.hydra/config.yaml`` says only
+    "No space left on device"."""
     found, tb = None, err.__traceback__
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
@@ -232,9 +243,10 @@ def failed_file(err: BaseException) -> Path | None:
 
 
 def dangling_link(key: str, value: str) -> str | None:
-    """The line for ``key=value`` (``hydra.run.dir=PATH``) when PATH, or a folder above it, is a symbolic
-    link to nothing (``mkdir`` says only "File exists"): the key, the link, its target and the fixes; None
-    when no link on the way is dangling."""
+    """The line for ``key=value`` (``hydra.run.dir=PATH``) when PATH or a folder above it is a dangling link.
+
+    A symbolic link to nothing, of which ``mkdir`` says only "File exists". The line gives the key, the link,
+    its target and the fixes; None when no link on the way is dangling."""
     path = Path(value).expanduser()
     for link in (path, *path.parents):
         try:

@@ -18,8 +18,9 @@ def best(metric: str, values: list[float]) -> float:
 
 
 def final_and_best(history: list[dict[str, float]], prefix: str = "") -> dict[str, Any]:
-    """``final_<metric>`` and ``best_<metric>`` for each validation metric of the reported model; the
-    accuracy and loss keys are present (None) even before the first validation."""
+    """``final_<metric>`` and ``best_<metric>`` for each validation metric of the reported model.
+
+    The accuracy and loss keys are present (None) even before the first validation."""
     out: dict[str, Any] = dict.fromkeys(("final_val_acc", "final_val_loss", "best_val_acc", "best_val_loss"))
     for key in history[-1] if history else ():
         name = key[len(prefix) :]
@@ -30,8 +31,9 @@ def final_and_best(history: list[dict[str, float]], prefix: str = "") -> dict[st
 
 
 def no_improvement(history: list[dict[str, float]], key: str, patience: int | None) -> bool:
-    """Whether the last ``patience`` validations have not improved on the best ``key`` before them (None:
-    never). Every worker sees the same all-reduced values, so all decide alike."""
+    """Whether the last ``patience`` validations have not improved on the best ``key`` before them.
+
+    ``patience`` None: never. Every worker sees the same all-reduced values, so all decide alike."""
     values = [r[key] for r in history if key in r]
     if patience is None or len(values) <= patience:
         return False

@@ -95,9 +95,10 @@ _NUMBER = re.compile(f"[0-9]{{1,{MOST_DIGITS}}}")
 
 
 def parse_number(text: str) -> int | None:
-    """``text`` as a whole number when it is 1 to :data:`MOST_DIGITS` ASCII digits, else None: the one
-    parser of the numbers in a run folder's names and files (``str.isdigit`` takes ``²`` and other
-    scripts' digits, which ``int`` refuses or reads as other numbers)."""
+    """``text`` as a whole number when it is 1 to :data:`MOST_DIGITS` ASCII digits, else None.
+
+    The one parser of the numbers in a run folder's names and files: ``str.isdigit`` takes ``²`` and other
+    scripts' digits, which ``int`` refuses or reads as other numbers."""
     return int(text) if _NUMBER.fullmatch(text) else None
 
 
@@ -107,9 +108,11 @@ STACKS_SIGNAL = signal.SIGUSR2
 
 
 def rank_file_name(rank: int, kind: str) -> str:
-    """``rank<r>.<kind>`` in ``logs/``: a rank's ``log`` (its output), ``error`` (its failure), ``beat``,
-    ``partitioned`` (it stopped on the minority side of a partition), ``stacks`` (its threads' Python stacks,
-    written when the launcher found the job stalled)."""
+    """The name ``rank<r>.<kind>`` of a rank's file in ``logs/``.
+
+    ``kind``: ``log`` (its output), ``error`` (its failure), ``beat``, ``partitioned`` (it stopped on the
+    minority side of a partition), ``stacks`` (its threads' Python stacks, written when the launcher found the
+    job stalled)."""
     assert kind in ("log", "error", "beat", PARTITIONED, STACKS), kind
     return f"rank{rank}.{kind}"
 
@@ -164,10 +167,11 @@ def dumps(obj: Any, **kwargs: Any) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, then a rename, so an earlier
-    ``path`` stays intact when writing fails. The OSError raised names the file (and the fix, for a full
-    disk). The temporary file is made anew (a link in its place is removed, not written through); the
-    rename replaces a link at ``path`` rather than writing where it points."""
+    """Write ``path`` whole or not at all: a temporary file beside it, then a rename.
+
+    So an earlier ``path`` stays intact when writing fails. The OSError raised names the file (and the fix,
+    for a full disk). The temporary file is made anew (a link in its place is removed, not written through);
+    the rename replaces a link at ``path`` rather than writing where it points."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with create_new(tmp) as file:
@@ -183,8 +187,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_error(err: OSError, folder: Path) -> str:
-    """Why a file could not be written in ``folder`` (``err``'s reason) and, where it is the disk's fault
-    (full, over quota, read-only), the fix (:func:`runner.folder_files.disk_fix`)."""
+    """Why a file could not be written in ``folder``, and the fix where it is the disk's fault.
+
+    The reason is ``err``'s; the disk's fault: full, over quota, read-only; the fix is
+    :func:`runner.folder_files.disk_fix`'s."""
     fix = disk_fix(err, folder)
     return f"{err.strerror or err}" + (f"; {fix}" if fix else "")
 
@@ -214,9 +220,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def foreign_files(run_dir: Path) -> list[str]:
-    """What in ``run_dir`` is not its own, each as ``PATH is a symbolic link (to X)``: every link and special
-    file among its entries and those of its folders (``logs/``, ``checkpoints/`` and the checkpoints in it,
-    ``tb/``, ``.hydra/``). The run folder itself may be a link (a user's choice of where it is)."""
+    """What in ``run_dir`` is not its own, each as ``PATH is a symbolic link (to X)``.
+
+    Every link and special file among its entries and those of its folders (``logs/``, ``checkpoints/`` and
+    the checkpoints in it, ``tb/``, ``.hydra/``). The run folder itself may be a link (a user's choice of
+    where it is)."""
     found: list[str] = []
 
     def look(folder: Path, depth: int) -> None:
@@ -283,9 +291,10 @@ def _count(value: Any) -> bool:
 
 
 def entry_problem(entry: Any) -> str | None:
-    """What makes ``entry`` no index entry (None when it is one): ``dir``, ``seq``, ``step``,
-    ``world_size`` that agree with each other, and ``parts`` (absent in checkpoints written before parts
-    were checksummed) one ``{"bytes", "crc32"}`` per rank."""
+    """What makes ``entry`` no index entry (None when it is one).
+
+    An entry has ``dir``, ``seq``, ``step``, ``world_size`` that agree with each other, and ``parts`` (absent
+    in checkpoints written before parts were checksummed) one ``{"bytes", "crc32"}`` per rank."""
     if not isinstance(entry, dict):
         return f"an entry is {type(entry).__name__}, not an object"
     if not all(_count(entry.get(k)) for k in ("seq", "step", "world_size")) or entry["world_size"] < 1:
@@ -303,8 +312,10 @@ def entry_problem(entry: Any) -> str | None:
 
 
 def index_problem(data: Any) -> str | None:
-    """What makes ``data`` (a parsed ``checkpoint.json``) no index (None when it is one): an object with
-    ``checkpoints``, a list of entries (:func:`entry_problem`) in increasing ``seq``."""
+    """What makes ``data`` (a parsed ``checkpoint.json``) no index (None when it is one).
+
+    An index is an object with ``checkpoints``, a list of entries (:func:`entry_problem`) in increasing
+    ``seq``."""
     if not isinstance(data, dict) or not isinstance(data.get("checkpoints"), list):
         return 'not an object with a list "checkpoints"'
     entries = data["checkpoints"]
@@ -330,10 +341,10 @@ def file_digest(path: Path) -> dict[str, int]:
 
 
 def part_damage(path: Path, record: dict[str, int] | None) -> str | None:
-    """What is wrong with a checkpoint part or a saved model (None when it is intact), checked without
-    torch: its size and CRC-32 against ``record`` (written with it), or, with no record (a file saved
-    before parts were checksummed, or ``model.pt``), whether it ends as a whole ``torch.save`` file (a zip)
-    does."""
+    """What is wrong with a checkpoint part or a saved model (None when it is intact), checked without torch.
+
+    Its size and CRC-32 against ``record`` (written with it), or, with no record (a file saved before parts
+    were checksummed, or ``model.pt``), whether it ends as a whole ``torch.save`` file (a zip) does."""
     import zipfile
 
     try:
@@ -359,8 +370,9 @@ def part_damage(path: Path, record: dict[str, int] | None) -> str | None:
 
 
 def checkpoint_damage(run_dir: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
-    """The first damaged part of the checkpoint ``entry`` (an index entry) and what is wrong with it
-    (:func:`part_damage`); None when every part is intact."""
+    """The first damaged part of the checkpoint ``entry`` (an index entry) and what is wrong with it.
+
+    What is wrong: :func:`part_damage`'s answer; None when every part is intact."""
     parts = entry.get("parts")
     for rank in range(entry["world_size"]):
         path = checkpoint_part(run_dir, entry["dir"], rank)
@@ -385,8 +397,10 @@ def _folder_entry(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def rebuild_checkpoint_index(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The index entries kept in the checkpoint folders' ``entry.json`` (:data:`CHECKPOINT_ENTRY`), oldest
-    first, and a note per folder left out (``"00001-step20: no entry.json ..."``).
+    """The index entries kept in the checkpoint folders, oldest first, and a note per folder left out.
+
+    Each folder keeps its entry in ``entry.json`` (:data:`CHECKPOINT_ENTRY`); a note reads
+    ``"00001-step20: no entry.json ..."``.
 
     A folder has its ``entry.json`` only once all its parts are written, so every entry is a complete
     checkpoint. The entries are the newest one written and those before it in ``seq``: the folders of an

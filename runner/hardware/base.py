@@ -150,8 +150,9 @@ class HardwareConfig:
 
     @property
     def one_machine(self) -> bool:
-        """Whether every rank runs on this machine (``hardware=cpu|gpu``; hosts and Slurm allocations may
-        span several)."""
+        """Whether every rank runs on this machine (``hardware=cpu|gpu``).
+
+        Hosts and Slurm allocations may span several."""
         return True
 
     @property
@@ -160,9 +161,11 @@ class HardwareConfig:
         return self.fault_tolerance != "none"
 
     def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
-        """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``. With ``reserve`` (the
-        launcher, about to start it), the cores it binds to are held against other jobs on this machine;
-        ``share``: how many jobs run at once here (a parallel sweep), each to get its share of the cores.
+        """The mpirun job of ``ranks`` ranks, each running the worker on ``run_dir``.
+
+        With ``reserve`` (the launcher, about to start it), the cores it binds to are held against other jobs
+        on this machine; ``share``: how many jobs run at once here (a parallel sweep), each to get its share
+        of the cores.
 
         Raises ValueError naming the key and the fix when the hardware cannot hold the job.
         """
@@ -216,8 +219,9 @@ class HardwareConfig:
         placements: list[Placement] | None = None,
         pe_list: list[int] | None = None,
     ) -> Launch:
-        """The mpirun command for ``ranks`` ranks sharing ``cores`` cores, placed by ``placements`` or, one
-        rank per core, on the cores ``pe_list``."""
+        """The mpirun command for ``ranks`` ranks sharing ``cores`` cores.
+
+        The ranks are placed by ``placements`` or, one rank per core, on the cores ``pe_list``."""
         mpirun = find_mpirun(self.mpirun)
         flavor = mpi_flavor(mpirun) if self.flavor == "auto" else self.flavor
         if self.tolerant:

@@ -1,5 +1,7 @@
-"""``hardware=cluster``: ranks on several hosts (Open MPI ``--host``/``--hostfile``; needs ssh or a resource
-manager between them, and the same Python environment at the same path on every host)."""
+"""``hardware=cluster``: ranks on several hosts (Open MPI ``--host``/``--hostfile``).
+
+It needs ssh or a resource manager between the hosts, and the same Python environment at the same path on
+every host."""
 
 from __future__ import annotations
 
@@ -63,8 +65,10 @@ class ClusterConfig(HardwareConfig):
         return f"{source} {'has' if self.hostfile else 'have'} {cores} slot{'s' if cores != 1 else ''}"
 
     def check_fits(self, ranks: int, cores: int) -> None:
-        """As on one machine, against the hosts' slots; a hostfile line without ``slots=`` lets mpirun count
-        that host's cores, which the launcher cannot see, so such a hostfile is not checked here."""
+        """Refuse more ranks than the hosts' slots, as on one machine.
+
+        A hostfile line without ``slots=`` lets mpirun count that host's cores, which the launcher cannot see,
+        so such a hostfile is not checked here."""
         if self.hostfile and not self.slots_given():
             return
         super().check_fits(ranks, cores)

@@ -1,5 +1,7 @@
-"""Cores held by the jobs that run at once on this machine (a sweep's points run in parallel by joblib or
-``submitit_local``), so that each job binds its ranks to cores no other job uses.
+"""Cores held by the jobs that run at once on this machine.
+
+Such jobs are a sweep's points run in parallel by joblib or ``submitit_local``; each job binds its ranks to
+cores no other job uses.
 
 A job holds a core by an exclusive ``flock`` on ``<tmp>/mpitrain-cores/core<c>.lock`` for as long as the
 launcher runs it; the kernel drops the lock when the launcher exits, however it exits, so no stale lock

@@ -35,8 +35,9 @@ POSITIONAL_FIX = (
 
 
 def check_argv(mpirun: str, args: Sequence[str]) -> list[str]:
-    """The command line that checks ``args``: mpirun's, as the job's would start (root allowed where the
-    job runs as root), with ``--version`` in place of the program."""
+    """The command line that checks ``args``: mpirun's, with ``--version`` in place of the program.
+
+    It is mpirun's as the job's would start (root allowed where the job runs as root)."""
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return [mpirun, *root, *map(str, args), "--version"]
 
@@ -77,9 +78,10 @@ def check_extra_args(mpirun: str, flavor: str, args: Sequence[str]) -> None:
 
 
 def first_paragraph(output: str) -> str:
-    """The first paragraph of ``output`` (its lines up to a blank one, its boxes' rules left out; with the
-    next one where it ends in a colon, "Directive: x"), one line: what mpirun says first is what went
-    wrong."""
+    """The first paragraph of ``output``, in one line: what mpirun says first is what went wrong.
+
+    The paragraph is ``output``'s lines up to a blank one, its boxes' rules left out, with the next one where
+    it ends in a colon ("Directive: x")."""
     paragraphs: list[list[str]] = [[]]
     for line in output.splitlines():
         if line.strip().startswith("---"):

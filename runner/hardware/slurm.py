@@ -67,9 +67,10 @@ class SlurmConfig(HardwareConfig):
         return False
 
     def plan_launch(self, ranks: int, run_dir: Path, reserve: bool = False, share: int = 1) -> Launch:
-        """The job in this allocation: ``mpirun`` (which reads the nodes from Slurm) or ``srun``, with
-        ``SLURM_CPUS_PER_TASK`` threads per rank unless ``threads_per_rank`` says otherwise; refused when the
-        allocation cannot hold it. GPUs are planned only on a single node started by mpirun."""
+        """The job in this allocation: ``mpirun`` (which reads the nodes from Slurm) or ``srun``.
+
+        It has ``SLURM_CPUS_PER_TASK`` threads per rank unless ``threads_per_rank`` says otherwise; refused
+        when the allocation cannot hold it. GPUs are planned only on a single node started by mpirun."""
         alloc = require_allocation()
         launcher = choose_launcher(self.launcher, alloc)
         hw = replace(self, threads_per_rank=self.threads_per_rank or alloc.cpus_per_task)
@@ -172,8 +173,9 @@ def choose_launcher(launcher: str, alloc: Allocation) -> str:
 
 
 def check_fits(alloc: Allocation, launcher: str, ranks: int, threads: int) -> None:
-    """Refuse a job that the allocation cannot hold (SlurmConfig would queue the step forever or fail late);
-    not called with ``hardware.oversubscribe=true``."""
+    """Refuse a job that the allocation cannot hold (SlurmConfig would queue the step forever or fail late).
+
+    Not called with ``hardware.oversubscribe=true``."""
     if launcher == "mpirun" and ranks > alloc.tasks:
         raise ValueError(
             f"devices: the job needs {ranks} ranks but {alloc.where} (SLURM_NTASKS); ask for more tasks "
@@ -228,8 +230,9 @@ if SlurmQueueConf is not None:
 
     @dataclass
     class SubmititSlurmConf(SlurmQueueConf):
-        """``hydra/launcher=mpitrain_slurm``: one allocation per sweep point, whose launcher starts ranks;
-        each point's result is read from the task that ran it (:mod:`runner.launcher.slurm_sweep`)."""
+        """``hydra/launcher=mpitrain_slurm``: one allocation per sweep point, whose launcher starts ranks.
+
+        Each point's result is read from the task that ran it (:mod:`runner.launcher.slurm_sweep`)."""
 
         _target_: str = SLURM_LAUNCHER
         use_srun: bool = False
@@ -238,8 +241,9 @@ if SlurmQueueConf is not None:
 
 
 def register_launcher() -> None:
-    """Store ``hydra/launcher=mpitrain_slurm`` when hydra-submitit-launcher is installed ; its launcher,
-    :data:`SLURM_LAUNCHER`, is made known to Hydra by ``runner.launcher.register``."""
+    """Store ``hydra/launcher=mpitrain_slurm`` when hydra-submitit-launcher is installed.
+
+    Its launcher, :data:`SLURM_LAUNCHER`, is made known to Hydra by ``runner.launcher.register``."""
     if SlurmQueueConf is None:
         return
     from hydra.core.config_store import ConfigStore

@@ -1,5 +1,7 @@
-"""The machine's topology, read from ``/sys``: packages (sockets), NUMA nodes, cores, and NVIDIA GPUs with the
-NUMA node and CPUs they are attached to. ``python -m runner.hardware.topology`` prints it.
+"""The machine's topology, read from ``/sys``: packages, NUMA nodes, cores, and NVIDIA GPUs with their CPUs.
+
+Packages are sockets; each GPU comes with the NUMA node and CPUs it is attached to.
+``python -m runner.hardware.topology`` prints it.
 
 ``plan`` places ranks on it: with GPUs, rank r drives GPU r (in PCI bus order, CUDA's ``PCI_BUS_ID`` order)
 and runs on cores of that GPU's NUMA node; without GPUs, ranks fill cores in order. The launcher turns a plan
@@ -63,9 +65,10 @@ class Topology:
         return next((node for node, cpus in self.numa_nodes.items() if cpu in cpus), 0)
 
     def visible(self, cuda_visible_devices: str | None) -> Topology:
-        """The topology as CUDA sees it under ``CUDA_VISIBLE_DEVICES`` (with PCI-bus-ID ordering): only the
-        listed GPUs, numbered in the order listed. UUID or MIG entries cannot be matched to ``/sys`` and
-        leave the GPUs as they are."""
+        """The topology as CUDA sees it under ``CUDA_VISIBLE_DEVICES`` (with PCI-bus-ID ordering).
+
+        Only the listed GPUs, numbered in the order listed. UUID or MIG entries cannot be matched to ``/sys``
+        and leave the GPUs as they are."""
         if cuda_visible_devices is None:
             return self
         entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
@@ -129,8 +132,10 @@ class Placement:
 
 
 def gpu_slots(ranks: int, gpus: int, ranks_per_gpu: int, where: str = "this node") -> list[int]:
-    """Which of ``gpus`` GPUs each of ``ranks`` consecutive ranks uses: as few ranks per GPU as fit, at most
-    ``ranks_per_gpu``. Raises ValueError, with the setting that would fit, when they do not."""
+    """Which of ``gpus`` GPUs each of ``ranks`` consecutive ranks uses.
+
+    As few ranks per GPU as fit, at most ``ranks_per_gpu``. Raises ValueError, with the setting that would
+    fit, when they do not."""
     assert gpus >= 1, "callers refuse a node without GPUs first"
     if ranks > gpus * ranks_per_gpu:
         raise ValueError(

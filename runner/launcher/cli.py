@@ -1,13 +1,14 @@
-"""``mpitrain`` (``python -m runner``): compose the config with Hydra and run one mpirun job (or one per
-sweep point).
+"""``mpitrain`` (``python -m runner``): compose the config with Hydra and run one mpirun job.
 
-This process composes, checks, starts and supervises; it imports neither torch nor MPI. Its exit status
-says how a single run ended (the table is :mod:`runner.launcher.launch`'s): 0 ok, 1 failed, 2 invalid input
-(Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted. A sweep runs
-every point whatever the others did (``sweep.fail_fast``: none after one not ok), and exits with the status
-of its first point not ok; ``resume=SWEEP_DIR`` finishes a sweep (:mod:`runner.launcher.sweep_resume`). A
-sweep stopped by a signal (Ctrl-C: :mod:`runner.launcher.sweep_stop`) exits 130, its last line the
-``resume=`` command.
+A sweep runs one job per sweep point.
+
+This process composes, checks, starts and supervises; it imports neither torch nor MPI. Its exit status says
+how a single run ended (the table is :mod:`runner.launcher.launch`'s): 0 ok, 1 failed, 2 invalid input
+(Hydra's own compose errors included), 3 diverged, 4 stalled, 5 preempted, 130 interrupted. A sweep runs every
+point whatever the others did (``sweep.fail_fast``: none after one not ok), and exits with the status of its
+first point not ok; ``resume=SWEEP_DIR`` finishes a sweep (:mod:`runner.launcher.sweep_resume`). A sweep
+stopped by a signal (Ctrl-C: :mod:`runner.launcher.sweep_stop`) exits 130, its last line the ``resume=``
+command.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ logging.raiseExceptions = False
 # for a package runner.conf (with an __init__.py) instead of the folder next to this file.
 @hydra.main(config_path=str(CONF), config_name=PRIMARY, version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """Train; returns the final value of the monitored metric (``train.monitor``, e.g. ``val_acc``) so
-    sweepers (e.g. Optuna) can optimise it."""
+    """Train; returns the final value of the monitored metric (``train.monitor``, e.g. ``val_acc``).
+
+    The value is returned so that sweepers (e.g. Optuna) can optimise it."""
     hydra_cfg = HydraConfig.get()
     single = hydra_cfg.mode == RunMode.RUN
     hide_hydra_records(hydra_cfg, single)
@@ -127,8 +129,10 @@ def main(cfg: DictConfig) -> float:
 def point_starts(
     point: tuple[Path, int], ident: dict[str, Any], run_dir: Path, hydra_cfg: DictConfig, fail_fast: bool
 ) -> bool:
-    """Whether this sweep point starts: not once the sweep was stopped (Ctrl-C), nor, with
-    ``sweep.fail_fast``, once another point failed. From here on the point follows the sweep's stops."""
+    """Whether this sweep point starts.
+
+    It does not once the sweep was stopped (Ctrl-C), nor, with ``sweep.fail_fast``, once another point failed.
+    From here on the point follows the sweep's stops."""
     sweep_stop.follow(point[0], elsewhere=not in_process(hydra_cfg.launcher))
     subdir = hydra_cfg.output_subdir  # (Hydra's records of the point: .hydra/)
     if sweep_stop.not_started(point, ident, run_dir, run_dir / subdir if subdir else None):
@@ -137,8 +141,10 @@ def point_starts(
 
 
 def hide_hydra_records(hydra_cfg: DictConfig, single: bool) -> None:
-    """Hydra's records of this job (``.hydra/``) and of its sweep (``multirun.yaml``), written before this
-    function runs, with ``hardware.env``'s values hidden (:mod:`runner.schema.secrets`)."""
+    """Hide ``hardware.env``'s values (:mod:`runner.schema.secrets`) in Hydra's records of this job.
+
+    The records are this job's (``.hydra/``) and its sweep's (``multirun.yaml``), written before this function
+    runs."""
     if hydra_cfg.output_subdir:
         records = Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir
         for name in (CONFIG, HYDRA_CONFIG, HYDRA_OVERRIDES):  # (Hydra's config.yaml: named as the run's)
@@ -158,10 +164,11 @@ def in_process(launcher: DictConfig) -> bool:
 
 
 def not_ok(single: bool, ident: dict[str, Any] | None, status: str, code: int) -> float:
-    """A run that did not end ok: a single run exits with its status at once; a sweep point run in this
-    process is recorded (the sweep exits with it after its other points) and gives the sweeper NaN (Optuna:
-    a failed trial), not an exception, which would stop the sweep with a traceback. (Points run in other
-    processes raise: their sweep hears of them only so.)"""
+    """A run that did not end ok: a single run exits with its status at once.
+
+    A sweep point run in this process is recorded (the sweep exits with it after its other points) and gives
+    the sweeper NaN (Optuna: a failed trial), not an exception, which would stop the sweep with a traceback.
+    (Points run in other processes raise: their sweep hears of them only so.)"""
     if single:
         raise SystemExit(code) from None
     outcomes.NOT_OK.append((ident["name"] if ident else "?", status, code))
@@ -169,9 +176,10 @@ def not_ok(single: bool, ident: dict[str, Any] | None, status: str, code: int) -
 
 
 def evaluate(cfg: DictConfig) -> float:
-    """``eval=RUN_DIR``: the metrics of the run's saved model on its validation data, by
-    :mod:`runner.rank.evaluate` (one process, no MPI), printed and written to ``RUN_DIR/eval.json``;
-    returns the run's monitored metric."""
+    """``eval=RUN_DIR``: the metrics of the run's saved model on its validation data.
+
+    Computed by :mod:`runner.rank.evaluate` (one process, no MPI), printed and written to
+    ``RUN_DIR/eval.json``; returns the run's monitored metric."""
     run_dir = Path(cfg.eval)
     if cfg.resume:
         raise ValueError(f"eval={cfg.eval} and resume={cfg.resume}: give one of them")
@@ -192,14 +200,17 @@ def evaluate(cfg: DictConfig) -> float:
 
 
 def os_cause(err: OSError) -> str:
-    """An OS error before the job started, in one line: a full disk's (Hydra's write of the run folder's
-    ``.hydra/``) named with its file and the fix."""
+    """An OS error before the job started, in one line.
+
+    A full disk's (Hydra's write of the run folder's ``.hydra/``) is named with its file and the fix."""
     return unwritten(err, "hydra.run.dir") or str(err.strerror or err)
 
 
 def completion_query(argv: list[str]) -> bool:
-    """Whether ``argv`` is a shell's tab-completion query (``-sc query=bash``, made by the function that
-    ``-sc install=bash`` installs), which reads the command line typed so far from ``COMP_LINE``."""
+    """Whether ``argv`` is a shell's tab-completion query (``-sc query=bash``).
+
+    Such a query is made by the function that ``-sc install=bash`` installs, and reads the command line typed
+    so far from ``COMP_LINE``."""
     flags = ("-sc", "--shell-completion")
     return any(
         (a in flags and i + 1 < len(argv) and argv[i + 1].startswith("query="))
@@ -209,10 +220,12 @@ def completion_query(argv: list[str]) -> bool:
 
 
 def unquoted(line: str) -> str:
-    """``COMP_LINE`` as Hydra's completion reads it, a word per space: each word as the shell would give it
-    to the command, without its quotes (the documented ``'hydra.searchpath=[file://conf]'``, quoted for
-    zsh, which would glob the brackets, is otherwise no override to Hydra). A quote still open (the word
-    being typed) is closed; a space at the end (a new word begun) is kept."""
+    """``COMP_LINE`` as Hydra's completion reads it, a word per space.
+
+    Each word is as the shell would give it to the command, without its quotes (the documented
+    ``'hydra.searchpath=[file://conf]'``, quoted for zsh, which would glob the brackets, is otherwise no
+    override to Hydra). A quote still open (the word being typed) is closed; a space at the end (a new word
+    begun) is kept."""
     for closing in ("", "'", '"'):
         try:
             words = shlex.split(line + closing)
@@ -228,9 +241,10 @@ VALUED_FLAGS += ("--config-dir", "-sc", "--shell-completion", "--experimental-re
 
 
 def flags_first(argv: list[str]) -> list[str]:
-    """``argv`` with Hydra's flags (and their values) before the overrides, in their order: argparse takes
-    no override after a flag that follows an override (``a=1 -m b=2``: "unrecognized arguments: b=2");
-    unchanged where ``-i``/``--info`` (whose value is optional) is given."""
+    """``argv`` with Hydra's flags (and their values) before the overrides, in their order.
+
+    argparse takes no override after a flag that follows an override (``a=1 -m b=2``: "unrecognized arguments:
+    b=2"). Unchanged where ``-i``/``--info`` (whose value is optional) is given."""
     if any(a in ("-i", "--info") or a.startswith("--info=") for a in argv):
         return argv
     flags, overrides, i = [], [], 0

@@ -12,8 +12,10 @@ from runner.run_folder import parse_number
 
 
 class ConsoleFormatter(logging.Formatter):
-    """The launcher's console lines (``conf/hydra/job_logging/mpitrain.yaml``): the message alone, its level
-    first when it is not INFO (``warning: ...``, ``error: ...``); time and logger go to the log file."""
+    """The launcher's console lines (``conf/hydra/job_logging/mpitrain.yaml``): the message alone.
+
+    Its level comes first when it is not INFO (``warning: ...``, ``error: ...``); time and logger go to the
+    log file."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
@@ -21,9 +23,10 @@ class ConsoleFormatter(logging.Formatter):
 
 
 class FolderFileHandler(logging.FileHandler):
-    """The launcher's log file in the run folder (``cli.log``: ``conf/hydra/job_logging/mpitrain.yaml``),
-    opened as a file of the folder's own (:func:`runner.folder_files.open_in_folder`) when the first line
-    is written: Hydra makes the handler before the launcher checks the folder, so a link planted there is
+    """The launcher's log file in the run folder (``cli.log``: ``conf/hydra/job_logging/mpitrain.yaml``).
+
+    It is opened as a file of the folder's own (:func:`runner.folder_files.open_in_folder`) when the first
+    line is written: Hydra makes the handler before the launcher checks the folder, so a link planted there is
     named by that check (exit 2), and no line is ever written where it points (the console has them all)."""
 
     def __init__(
@@ -46,15 +49,16 @@ class FolderFileHandler(logging.FileHandler):
 
 
 class EchoFilter:
-    """What of the job's output goes to the terminal: all but MPI's abort banners, Python tracebacks, the
-    ranks' ``rank N failed:`` lines, Open MPI's notes on revoked collectives, its warning that osc/sm is
-    untested under fault tolerance, its counts of repeated help messages and its ``--report-bindings``
-    lines (rank 0 says where the ranks run in one line; all are kept in ``mpirun.log``).
+    """What of the job's output goes to the terminal.
 
-    Works on the raw chunks: a line is held back only while it could still be the start of something
-    hidden, so progress bars (``\\r`` updates without a newline) pass at once. A dashed line is held until
-    the next line says whether it opens an abort banner (hidden up to the closing dashes) or not (both are
-    shown)."""
+    All but MPI's abort banners, Python tracebacks, the ranks' ``rank N failed:`` lines, Open MPI's notes on
+    revoked collectives, its warning that osc/sm is untested under fault tolerance, its counts of repeated
+    help messages and its ``--report-bindings`` lines (rank 0 says where the ranks run in one line; all are
+    kept in ``mpirun.log``).
+
+    Works on the raw chunks: a line is held back only while it could still be the start of something hidden,
+    so progress bars (``\\r`` updates without a newline) pass at once. A dashed line is held until the next
+    line says whether it opens an abort banner (hidden up to the closing dashes) or not (both are shown)."""
 
     DASHES = b"-" * 20
     TRACEBACK = (
@@ -168,8 +172,9 @@ class EchoFilter:
 
 
 def faults_line(summary: dict[str, Any]) -> str | None:
-    """How the job's faults ended, in one line (None without any): who was lost and when, who joined,
-    the workers at the end and the time the survivors spent recovering."""
+    """How the job's faults ended, in one line (None without any).
+
+    Who was lost and when, who joined, the workers at the end and the time the survivors spent recovering."""
     failures, joins = summary.get("failures") or [], summary.get("joins") or []
     if not failures and not joins:
         return None

@@ -31,8 +31,10 @@ SETS_UNKNOWN = re.compile(r"In '([^'/]+)/([^']+)': ConfigKeyError.*full_key: (\S
 
 
 def explain(err: BaseException, argv: list[str]) -> str:
-    """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments); where the
-    command line has more mistakes than the one Hydra stopped at, a line for each (:func:`every_mistake`)."""
+    """The line for ``err``, raised by Hydra for the command line ``argv`` (its arguments).
+
+    Where the command line has more mistakes than the one Hydra stopped at, a line for each
+    (:func:`every_mistake`)."""
     if isinstance(err, ConfigErrors):  # several problems of the config, a line each (a point run elsewhere)
         return str(err).strip()
     first = _explain_one(err, argv)
@@ -46,9 +48,11 @@ def explain(err: BaseException, argv: list[str]) -> str:
 
 
 def every_mistake(argv: list[str]) -> list[str]:
-    """A line for each mistake of the command line ``argv``: each override composed in turn onto those that
-    composed before it (the groups' choices first, so that their keys are known), each one Hydra refuses
-    explained alone; then the value checks of the config the others compose to (gathered, a line each)."""
+    """A line for each mistake of the command line ``argv``.
+
+    Each override is composed in turn onto those that composed before it (the groups' choices first, so that
+    their keys are known), each one Hydra refuses explained alone; then the value checks of the config the
+    others compose to (gathered, a line each)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -95,14 +99,16 @@ def every_mistake(argv: list[str]) -> list[str]:
 
 
 def _names_one_of(problem: str, keys: set[str]) -> bool:
-    """Whether a value check's ``problem`` is about one of the command line's ``keys`` (the others' are
-    the defaults', said once the command line's own mistakes are fixed)."""
+    """Whether a value check's ``problem`` is about one of the command line's ``keys``.
+
+    Problems of other keys are the defaults', said once the command line's own mistakes are fixed."""
     return any(re.match(rf"{re.escape(k)}[=:. \[]", problem) for k in keys)
 
 
 def _inner_key(cause: BaseException | None, key: str) -> str | None:
-    """For a known ``key`` whose value has a node with a key its schema lacks (an item of
-    ``simulate.link_events``): the line naming it and the schema's keys; else None."""
+    """The line for a known ``key`` whose value has a node with a key its schema lacks; else None.
+
+    The line names that key and the schema's keys; such a node is an item of ``simulate.link_events``."""
     import dataclasses
 
     kind = getattr(cause, "object_type", None)
@@ -166,8 +172,9 @@ def _explain_one(err: BaseException, argv: list[str]) -> str:
 
 
 def _wanted(override: str, reason: str, argv: list[str]) -> str:
-    """After OmegaConf's type refusal of ``override``: what the key takes, with its default as the
-    example (``; give a number, e.g. optim.lr=0.1``); nothing where the refusal is not a type's."""
+    """After OmegaConf's type refusal of ``override``: what the key takes, with its default as the example.
+
+    The text reads like ``; give a number, e.g. optim.lr=0.1``; nothing where the refusal is not a type's."""
     wanted = next((w for said, w in WANTED.items() if said in reason), None)
     if wanted is None:
         return ""
@@ -210,8 +217,10 @@ def search_folders(argv: list[str]) -> list[Path]:
 
 
 def _no_option(group: str, option: str, argv: list[str]) -> str:
-    """``group=option`` found nowhere: the options there are, the project's own (its search path) too, the
-    closest of them, and how to add a folder of one's own where none is given."""
+    """``group=option`` found nowhere: the options there are, and the closest of them.
+
+    The options include the project's own (its search path); where none is given, the line says how to add a
+    folder of one's own."""
     import difflib
 
     folders = search_folders(argv)
@@ -235,9 +244,11 @@ def _no_option(group: str, option: str, argv: list[str]) -> str:
 
 
 def _swept(key: str, argv: list[str]) -> str | None:
-    """For a sweep: ``key`` is a key of the config its first point composes, but not of the config Hydra
-    composes once before applying the swept values (a key of an option that only a swept group, such as
-    ``recipe=a,b``, selects): the group to give with it; None otherwise."""
+    """For a sweep, the group to give with ``key`` when only a swept group's option has it; None otherwise.
+
+    ``key`` is then a key of the config its first point composes, but not of the config Hydra composes once
+    before applying the swept values (a key of an option that only a swept group, such as ``recipe=a,b``,
+    selects)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -270,8 +281,9 @@ def _swept(key: str, argv: list[str]) -> str | None:
 
 
 def _misspelt(key: str, argv: list[str]) -> str | None:
-    """mpitrain's own refusal of ``key`` (with the closest declared key), from the config composed with it
-    added; None when that cannot be had."""
+    """mpitrain's own refusal of ``key`` (with the closest declared key); None when that cannot be had.
+
+    It comes from the config composed with ``key`` added."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -293,8 +305,9 @@ def _misspelt(key: str, argv: list[str]) -> str | None:
 
 
 def _composable(argv: list[str]) -> list[str]:
-    """The overrides of ``argv`` that compose takes: each sweep's first value, no Hydra key but the search
-    path (a project's own options are found there)."""
+    """The overrides of ``argv`` that compose takes.
+
+    Each sweep's first value, no Hydra key but the search path (a project's own options are found there)."""
     from runner.schema.identity import command_line_overrides
 
     keep = [
@@ -306,8 +319,9 @@ def _composable(argv: list[str]) -> list[str]:
 
 
 def first_value(override: str) -> str:
-    """``override`` with a sweep's first value (``a=1,2``: ``a=1``); a comma inside brackets, braces or
-    quotes is part of a value (``a=[1,2]``, ``a={x:1,y:2}``)."""
+    """``override`` with a sweep's first value (``a=1,2``: ``a=1``).
+
+    A comma inside brackets, braces or quotes is part of a value (``a=[1,2]``, ``a={x:1,y:2}``)."""
     depth, quote = 0, ""
     for i, c in enumerate(override):
         if quote:
@@ -324,9 +338,10 @@ def first_value(override: str) -> str:
 
 
 def _unknown(key: str, argv: list[str]) -> str | None:
-    """For a key no schema declares (a node of an option given by its class, ``_target_``): the keys its
-    node has, the closest of them, and how to give an argument of one's own (``+key=VALUE``); None when the
-    config does not compose without it."""
+    """For a key no schema declares: the keys its node has and the closest of them.
+
+    Such a key is of a node of an option given by its class (``_target_``). The line also says how to give an
+    argument of one's own (``+key=VALUE``); None when the config does not compose without it."""
     import difflib
 
     from hydra import compose, initialize_config_dir

@@ -1,6 +1,7 @@
-"""Why a job failed, from what it left: the ranks' ``logs/rank<r>.error`` files (each one's first line is
-its root cause) and Open MPI's own reports in ``mpirun.log`` (a rank killed by a signal, one that exited
-with a non-zero status or called MPI_Abort)."""
+"""Why a job failed, from what it left.
+
+The ranks' ``logs/rank<r>.error`` files (each one's first line is its root cause) and Open MPI's own reports
+in ``mpirun.log`` (a rank killed by a signal, one that exited with a non-zero status or called MPI_Abort)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ SERVER_LOST = re.compile(r"ServerLost: server rank (\d+)")
 
 
 def lost_node(run_dir: Path, node: str) -> Failure:
-    """A node lost with its Open MPI daemon: which ranks ran there, why no fault tolerance survives it, and
-    the checkpoint a ``resume=`` continues from."""
+    """A node lost with its Open MPI daemon.
+
+    The failure says which ranks ran there, why no fault tolerance survives it, and the checkpoint a
+    ``resume=`` continues from."""
     hosts = {r.get("rank"): r.get("host") for r in read_json(run_dir / BINDINGS).get("ranks", [])}
     on_node = [r for r, host in hosts.items() if host == node]
     ranks = (
@@ -74,8 +77,10 @@ def lost_node(run_dir: Path, node: str) -> Failure:
 
 
 def unexplained(status: int, output: str = "") -> str:
-    """The cause of a job that left nothing but mpirun's exit ``status`` and its ``output``: Open MPI's
-    first message in it, if any (why it did not start), with a hint where the message names no fix."""
+    """The cause of a job that left nothing but mpirun's exit ``status`` and its ``output``.
+
+    It is Open MPI's first message in the output, if any (why it did not start), with a hint where the message
+    names no fix."""
     if status < 0:
         return f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
     if status > 0 and (said := HELP_TEXT.search(output)):
@@ -118,8 +123,9 @@ def job_output(run_dir: Path, log_start: int) -> str:
 
 
 def error_files(logs: Path) -> dict[int, str]:
-    """The first line of each ``rank<r>.error`` in ``logs`` (the rank's root cause), the oldest first; a
-    file not named by a rank's number, or not a regular file (a link), is not a rank's."""
+    """The first line of each ``rank<r>.error`` in ``logs`` (the rank's root cause), the oldest first.
+
+    A file not named by a rank's number, or not a regular file (a link), is not a rank's."""
     causes = {}
     try:
         errors = sorted(logs.glob("rank*.error"), key=lambda p: p.lstat().st_mtime)

@@ -31,8 +31,10 @@ _KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)$")
 
 
 def groups(conf: Path = CONF) -> dict[str, list[str]]:
-    """``group -> options`` of the config tree: each folder (nested ones as ``a/b``) holding ``*.yaml``
-    options, but Hydra's ``hydra/`` (its help, launchers...)."""
+    """``group -> options`` of the config tree.
+
+    A group is each folder (nested ones as ``a/b``) holding ``*.yaml`` options, but Hydra's ``hydra/`` (its
+    help, launchers...)."""
     found: dict[str, list[str]] = {}
     for folder in sorted(p for p in conf.rglob("*") if p.is_dir()):
         name = folder.relative_to(conf).as_posix()
@@ -157,8 +159,9 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def help_hardware(*, _root_: DictConfig) -> str:
-    """The selected hardware option's keys, their values and what they do (``${mpitrain_help_hardware:}``):
-    where and how the ranks run, the keys a user sets most after the top-level ones."""
+    """The selected hardware option's keys, their values and what they do (``${mpitrain_help_hardware:}``).
+
+    They say where and how the ranks run: the keys a user sets most after the top-level ones."""
     node = _root_._get_node("hardware")
     cls = OmegaConf.get_type(node)
     comments = field_comments(cls) if isinstance(cls, type) else {}

@@ -80,8 +80,9 @@ class JobEnded(RuntimeError):
         self.status, self.code = status, EXIT[status]
 
     def __reduce__(self) -> tuple:
-        """Pickled whole (a sweep point run by submitit sends it back to the launcher): the default would
-        call ``__init__`` with the message alone."""
+        """Pickled whole (a sweep point run by submitit sends it back to the launcher).
+
+        The default would call ``__init__`` with the message alone."""
         return _job_ended, (type(self), self.args[0], self.status)
 
 
@@ -99,8 +100,10 @@ class RunFolderError(JobEnded):
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a temporary file, then rename: an earlier ``path`` stays intact
-    when writing fails); raises RunFolderError naming the file and the OS error."""
+    """Write ``path`` whole or not at all.
+
+    It writes a temporary file, then renames it: an earlier ``path`` stays intact when writing fails. Raises
+    RunFolderError naming the file and the OS error."""
     try:
         run_folder.write_atomic(path, text)
     except OSError as err:
@@ -179,8 +182,9 @@ def load_average() -> float | None:
 
 
 def machine_load(start: float | None) -> dict[str, Any]:
-    """summary.json's ``load``: the 1-minute load average at the job's ``start`` and now, at its end, and
-    the machine's CPU count (the report flags wall times taken under different loads)."""
+    """summary.json's ``load``: the 1-minute load average at the job's ``start`` and now, at its end.
+
+    It also has the machine's CPU count (the report flags wall times taken under different loads)."""
     return {"start": start, "end": load_average(), "cpus": os.cpu_count()}
 
 
@@ -193,9 +197,10 @@ def write_failure_summary(
     load_start: float | None = None,
     **fields: Any,
 ) -> None:
-    """summary.json for a job that did not end ok (``status``: failed, diverged, stalled, interrupted),
-    with the validations recorded before it ended and the machine's load (``load_start``: at the job's
-    start). Raises RunFolderError if it cannot be written."""
+    """summary.json for a job that did not end ok (``status``: failed, diverged, stalled, interrupted).
+
+    It holds the validations recorded before the job ended and the machine's load (``load_start``: at the
+    job's start). Raises RunFolderError if it cannot be written."""
     try:
         vals = [r for r in read_metrics(run_dir / METRICS) if r.get("kind") == "val"]
     except OSError:
@@ -212,9 +217,10 @@ def write_failure_summary(
 def conclude(
     cfg: DictConfig, run_dir: Path, outcome: Outcome, wall: float, load_start: float | None = None
 ) -> dict[str, Any]:
-    """Record how the job ended in summary.json (the ranks' own, completed, or one written here, with the
-    machine's load since ``load_start``); returns it when the job ended ok, else raises JobEnded
-    (RunFolderError when summary.json cannot be written)."""
+    """Record how the job ended in summary.json; returns it when the job ended ok, else raises JobEnded.
+
+    The summary is the ranks' own, completed, or one written here, with the machine's load since
+    ``load_start``. RunFolderError is raised when summary.json cannot be written."""
     summary_path = run_dir / SUMMARY
     sent = {"signal": outcome.signal} if outcome.signal else {}
     job = read_json(summary_path) if outcome.returncode == 0 else grown_job(summary_path, outcome, wall)
@@ -255,11 +261,12 @@ def conclude(
 
 
 def grown_job(summary_path: Path, outcome: Outcome, wall: float) -> dict[str, Any]:
-    """The ranks' summary.json of a job that spawned workers (:mod:`runner.rank.resilience.elastic`) and
-    ended: mpirun exits non-zero for it whatever happened (MPI_Finalize is not called: with spawned
-    processes it was seen to crash, so the ranks meet in a last barrier after every write and leave without
-    it). Rank 0 writes its summary, during this job (the last ``wall`` seconds), only after every rank
-    agreed the run ended; else nothing (a failed job)."""
+    """The ranks' summary.json of an ended job that spawned workers (:mod:`runner.rank.resilience.elastic`).
+
+    mpirun exits non-zero for it whatever happened (MPI_Finalize is not called: with spawned processes it was
+    seen to crash, so the ranks meet in a last barrier after every write and leave without it). Rank 0 writes
+    its summary, during this job (the last ``wall`` seconds), only after every rank agreed the run ended; else
+    nothing (a failed job)."""
     try:
         fresh = summary_path.stat().st_mtime >= time.time() - wall - 1
     except OSError:
@@ -272,8 +279,9 @@ def grown_job(summary_path: Path, outcome: Outcome, wall: float) -> dict[str, An
 
 
 def partitioned(run_dir: Path, since: float) -> dict[int, str]:
-    """The ranks that stopped on the minority side of a partition during this job (since ``since``), with
-    their reasons (``logs/rank<r>.partitioned``, :mod:`runner.rank.fence`)."""
+    """The ranks that stopped on the minority side of a partition during this job (since ``since``).
+
+    Each comes with its reason (``logs/rank<r>.partitioned``, :mod:`runner.rank.fence`)."""
     found = {}
     for path in sorted((run_dir / LOGS).glob(f"rank*.{PARTITIONED}")):
         rank = parse_number(path.name[4 : -len(PARTITIONED) - 1])
@@ -286,8 +294,10 @@ def partitioned(run_dir: Path, since: float) -> dict[int, str]:
 
 
 def stopped_partitioned(run_dir: Path, wall: float) -> Failure | None:
-    """Why a job that wrote no summary.json ended, when its ranks stopped as the minority side of a
-    partition during it (the last ``wall`` seconds) and no side went on: the first one's reason."""
+    """Why a job that wrote no summary.json ended, when its ranks stopped as the minority side of a partition.
+
+    They stopped during the job (the last ``wall`` seconds) and no side went on; the reason is the first
+    one's."""
     cut = partitioned(run_dir, time.time() - wall - 1)
     if not cut:
         return None
@@ -313,8 +323,9 @@ def last_checkpoint(run_dir: Path) -> str:
 
 
 def checkpoint_since(run_dir: Path, since: float | None) -> str:
-    """What an interrupted job left to resume from: the checkpoint written after its first stop signal (at
-    ``since``), or that it ended without one."""
+    """What an interrupted job left to resume from.
+
+    The checkpoint written after its first stop signal (at ``since``), or that it ended without one."""
     latest = newest_checkpoint(run_dir) if since is not None else None
     if latest is None or latest.get("time", 0.0) < since:
         return "ended without a final checkpoint"
@@ -363,10 +374,12 @@ def launch(
     label: str | None = None,
     share: int = 1,
 ) -> dict[str, Any]:
-    """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded
-    (ValueError on bad input, before anything starts). ``ident`` (:func:`runner.schema.identity.identity`)
-    goes to ``run.json`` and the summary; ``label`` prefixes the job's lines on the terminal (a sweep's
-    points); ``share``: the jobs that run at once on this machine, which share its cores."""
+    """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded.
+
+    Raises ValueError on bad input, before anything starts. ``ident``
+    (:func:`runner.schema.identity.identity`) goes to ``run.json`` and the summary; ``label`` prefixes the
+    job's lines on the terminal (a sweep's points); ``share``: the jobs that run at once on this machine,
+    which share its cores."""
     planned, checked = _prepare(cfg, run_dir, ident, reserve=True, share=share)
     argv = planned.argv
     tag = f"[{label}] " if label else ""  # points of a sweep that run at once: whose line is it

@@ -31,10 +31,11 @@ from runner.run_folder import CONFIG, LOCK, STOP, foreign_files
 
 
 class RunFolderLock:
-    """Holds ``run_dir``'s lock while in a ``with`` block. ``fresh``: a new run, refused in a folder that
-    already holds one (its ``config.yaml``), with ``resume=`` and a fresh folder as the fixes. Raises
-    ValueError (the launcher's "invalid input", exit 2), also when the lock cannot be taken at all (it
-    fails closed: :meth:`_cannot_lock`)."""
+    """Holds ``run_dir``'s lock while in a ``with`` block.
+
+    ``fresh``: a new run, refused in a folder that already holds one (its ``config.yaml``), with ``resume=``
+    and a fresh folder as the fixes. Raises ValueError (the launcher's "invalid input", exit 2), also when the
+    lock cannot be taken at all (it fails closed: :meth:`_cannot_lock`)."""
 
     def __init__(self, run_dir: Path, fresh: bool):
         self.run_dir, self.fresh = run_dir, fresh
@@ -102,8 +103,9 @@ class RunFolderLock:
 
 
 def write_holder(fd: int, who: str) -> None:
-    """Name the holder of the lock file ``fd`` in it (``who`` and this process's pid, host and time), for a
-    refused second taker's message."""
+    """Name the holder of the lock file ``fd`` in it (``who`` and this process's pid, host and time).
+
+    The name is for a refused second taker's message."""
     holder = f"{who} {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
     try:
         os.ftruncate(fd, 0)

@@ -1,5 +1,6 @@
-"""How a sweep's points ended, shared by the launchers that run them (this process's and Slurm's), and
-what counts as the user's input among the errors that end a point before it starts."""
+"""How a sweep's points ended, and which errors that end a point before it starts are the user's input.
+
+Shared by the launchers that run the points (this process's and Slurm's)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ def os_error(err: BaseException | None) -> OSError | None:
 
 
 def invalid_input(err: BaseException | None) -> bool:
-    """Whether ``err``, which made Hydra give up before or around the task, is the user's input: a config
-    that does not compose (unknown option, misspelt key, wrong type, bad override syntax) or a value
-    refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
+    """Whether ``err``, which made Hydra give up before or around the task, is the user's input.
+
+    The user's input is a config that does not compose (unknown option, misspelt key, wrong type, bad override
+    syntax) or a value refused. An OS error anywhere in its chain (an unwritable output folder) is not."""
     return os_error(err) is None and isinstance(err, (HydraException, OmegaConfBaseException, ValueError))
 
 
 def one_line(err: BaseException) -> str:
-    """The first line of ``err``'s message (its type's name when it has none): a point's reason in the
-    manifest and the report."""
+    """The first line of ``err``'s message (its type's name when it has none).
+
+    It is a point's reason in the manifest and the report."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0] if lines else type(err).__name__

@@ -37,9 +37,10 @@ MARK = PROGRESS_RECORD.encode()
 
 
 class ProgressTap:
-    """Splits the job's output into the bytes for the terminal and log and the progress records (dicts), in
-    the order they came. Works on raw chunks: only a line start that could still become a record is held
-    back."""
+    """Splits the job's output into the bytes for the terminal and log and the progress records (dicts).
+
+    Both come out in the order they came. Works on raw chunks: only a line start that could still become a
+    record is held back."""
 
     def __init__(self) -> None:
         self.held = b""  # the start of a line that may be a record
@@ -85,10 +86,11 @@ def _parsed(payload: bytes) -> list[dict[str, Any]]:
 
 
 class Bar:
-    """Draws progress records in place on ``stream`` (default: the launcher's standard output; with
-    ``prefix``, a sweep point's label): at most one frame every :data:`FRAME_EVERY_S`, the last record of
-    an epoch (``final``) always. :meth:`write` and :meth:`above` put any other output above the bar;
-    :meth:`close` leaves the last frame on the screen."""
+    """Draws progress records in place on ``stream``.
+
+    ``stream`` defaults to the launcher's standard output; ``prefix``: a sweep point's label. At most one
+    frame every :data:`FRAME_EVERY_S`, the last record of an epoch (``final``) always. :meth:`write` and
+    :meth:`above` put any other output above the bar; :meth:`close` leaves the last frame on the screen."""
 
     def __init__(
         self, stream: BinaryIO | None = None, prefix: bytes = b"", frame_every_s: float = FRAME_EVERY_S

@@ -1,5 +1,7 @@
-"""Hydra's registration, in the launcher: the schemas, the ``mpitrain://`` source of the groups' schemas,
-the Slurm launcher's defaults, and the resolvers that name run folders."""
+"""Hydra's registration, in the launcher.
+
+It registers the schemas, the ``mpitrain://`` source of the groups' schemas, the Slurm launcher's defaults,
+and the resolvers that name run folders."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ from runner.schema.source import register_source
 
 
 def unique_dir(path: str, resume: str | None = None, evaluated: str | None = None) -> str:
-    """``path`` if this call could create it, else the first of ``path-2``, ``path-3``... it could: the
-    directories are made here with one atomic ``mkdir`` each, so two launchers started in the same second
-    (two ``outputs/DATE/TIME``) never get the same folder. With ``resume`` or ``evaluated`` (``eval=``),
-    that run's folder."""
+    """``path`` if this call could create it, else the first of ``path-2``, ``path-3``... it could.
+
+    The directories are made here with one atomic ``mkdir`` each, so two launchers started in the same second
+    (two ``outputs/DATE/TIME``) never get the same folder. With ``resume`` or ``evaluated`` (``eval=``), that
+    run's folder."""
     if resume or evaluated:
         return resume or evaluated
     base = Path(path)
@@ -47,8 +50,9 @@ FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
 
 
 def check_folders(argv: list[str]) -> None:
-    """Make the run or sweep folder given on the command line (``hydra.run.dir=PATH``) before Hydra does, so
-    that one it cannot make (unwritable, too long a name, under a file) is named in one line with its key
+    """Make the run or sweep folder given on the command line (``hydra.run.dir=PATH``) before Hydra does.
+
+    A folder it cannot make (unwritable, too long a name, under a file) is then named in one line with its key
     (Hydra would print a traceback); raises OSError."""
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
@@ -80,8 +84,9 @@ PLUGINS: dict[str, dict[str, tuple[str, str, str]]] = {
 
 
 def missing_plugin(group: str, option: str) -> str | None:
-    """The line for ``group=option`` (``hydra/launcher=joblib``) when an extra's Hydra plugin provides it
-    and is not installed (Hydra says only that it cannot find the option); None otherwise."""
+    """The line for ``group=option`` (``hydra/launcher=joblib``) whose plugin, an extra, is not installed.
+
+    Hydra says only that it cannot find the option. None otherwise."""
     if option not in PLUGINS.get(group, {}):
         return None
     module, distribution, extra = PLUGINS[group][option]
@@ -98,8 +103,9 @@ def missing_plugin(group: str, option: str) -> str | None:
 
 
 def check_plugins(argv: list[str]) -> None:
-    """Refuse, before Hydra composes, an option of the command line (``hydra/launcher=joblib``) whose
-    plugin is an extra that is not installed, naming the extra and its install command; raises ValueError."""
+    """Refuse a command-line option (``hydra/launcher=joblib``) whose plugin, an extra, is not installed.
+
+    It is refused before Hydra composes, naming the extra and its install command; raises ValueError."""
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
         if sep and (line := missing_plugin(key, value.strip())):
@@ -107,8 +113,10 @@ def check_plugins(argv: list[str]) -> None:
 
 
 def register_sweep_launcher() -> None:
-    """Make ``hydra/launcher=mpitrain_slurm``'s launcher known to Hydra, which takes launchers only from its
-    ``hydra_plugins`` package, by the name its config targets (when the `slurm` extra is installed)."""
+    """Make ``hydra/launcher=mpitrain_slurm``'s launcher known to Hydra (when the `slurm` extra is installed).
+
+    It is made known by the name its config targets, as Hydra takes launchers only from its ``hydra_plugins``
+    package."""
     try:
         from hydra.core.plugins import Plugins
 
@@ -120,10 +128,12 @@ def register_sweep_launcher() -> None:
 
 
 def register() -> None:
-    """Make the schemas known to Hydra (idempotent): ``schema`` here, the groups' through ``mpitrain://``,
-    and the resolver ``${mpitrain_unique:PATH}`` (:func:`unique_dir`) that ``hydra.run.dir`` and
-    ``hydra.sweep.dir`` use. It is cached, so every read of one config (and of the sweep points' configs,
-    which Hydra gives the cache of the sweep's config) sees the same folder."""
+    """Make the schemas known to Hydra (idempotent).
+
+    The schemas are ``schema`` here and the groups' through ``mpitrain://``; also the resolver
+    ``${mpitrain_unique:PATH}`` (:func:`unique_dir`) that ``hydra.run.dir`` and ``hydra.sweep.dir`` use. It is
+    cached, so every read of one config (and of the sweep points' configs, which Hydra gives the cache of the
+    sweep's config) sees the same folder."""
     from runner.hardware.slurm import register_launcher
 
     ConfigStore.instance().store(name="schema", node=Config)

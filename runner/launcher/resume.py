@@ -73,8 +73,10 @@ def _safe(key: str) -> bool:
 
 
 def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Path]:
-    """The config and run folder to resume ``cfg.resume`` with: the run's own config plus the command
-    line's safe ``overrides`` (Hydra's ``key=value`` strings, whose values ``cfg`` holds parsed).
+    """The config and run folder to resume ``cfg.resume`` with.
+
+    The config is the run's own plus the command line's safe ``overrides`` (Hydra's ``key=value`` strings,
+    whose values ``cfg`` holds parsed).
 
     Raises ValueError naming the key or file and the fix. Sets aside the previous attempt's error files, so
     they are not taken for this attempt's (the launcher removes its stop request, as for every job).
@@ -127,9 +129,11 @@ def resume_config(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Pa
 
 
 def refuse_foreign(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None:
-    """Refuse to resume a run folder that is not the user's own (:mod:`runner.schema.provenance`) with any
-    value of a key that runs a program, sets the ranks' environment or names a destination, where it differs
-    from the user's config and the command line does not give it; names them all, and the fixes."""
+    """Refuse to resume, with values the user did not give, a run folder that is not the user's own.
+
+    Ownership is told by :mod:`runner.schema.provenance`. The values refused are those of a key that runs a
+    program, sets the ranks' environment or names a destination, where it differs from the user's config and
+    the command line does not give it; names them all, and the fixes."""
     folder = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG))
     given = {override_key(o) for o in overrides}
     found = provenance.foreign_values(folder, lambda key: OmegaConf.select(cfg, key, default=MISSING), given)
@@ -144,8 +148,10 @@ def refuse_foreign(cfg: DictConfig, overrides: list[str], run_dir: Path) -> None
 
 
 def restore_env(resumed: DictConfig, overrides: list[str], config: Path) -> None:
-    """Give the run's ``hardware.env`` its values back (``config.yaml`` keeps none, they are secrets): from
-    the command line's ``hardware.env`` overrides, else the launcher's environment (:func:`fill_hidden`)."""
+    """Give the run's ``hardware.env`` its values back (``config.yaml`` keeps none, they are secrets).
+
+    They come from the command line's ``hardware.env`` overrides, else the launcher's environment
+    (:func:`fill_hidden`)."""
     keys = [override_key(o) for o in overrides]
     env = OmegaConf.to_container(resumed.hardware.env)
     given = set(env) if "hardware.env" in keys else {k.split(".", 2)[2] for k in keys if k.startswith(ENV)}
@@ -158,9 +164,11 @@ class Finished(Exception):
 
 
 def finished(run_dir: Path, trained: tuple[Any, Any], asked: tuple[Any, Any]) -> str | None:
-    """Why resuming ``run_dir`` has nothing to do, or None: its last job ended ok (``summary.json`` newer
-    than the ``config.yaml`` every job writes when it starts, so no later job was cut short) and the run's
-    length (``trained``: its ``train.epochs``, ``train.max_steps``) is what is ``asked`` now."""
+    """Why resuming ``run_dir`` has nothing to do, or None.
+
+    Nothing is left to do when its last job ended ok (``summary.json`` newer than the ``config.yaml`` every
+    job writes when it starts, so no later job was cut short) and the run's length (``trained``: its
+    ``train.epochs``, ``train.max_steps``) is what is ``asked`` now."""
     summary_path = run_dir / SUMMARY
     result = read_json(summary_path)
     try:
@@ -181,10 +189,12 @@ def finished(run_dir: Path, trained: tuple[Any, Any], asked: tuple[Any, Any]) ->
 
 
 def check_targets(resumed: DictConfig, config: Path) -> None:
-    """Refuse a run folder's ``config.yaml`` whose ``_target_`` nodes are not the kind of object their keys
-    build (:mod:`runner.schema.trust`): the standard library's here, without importing anything; the rest by
-    ``python -m runner.schema.trust`` (which imports the targets' modules and torch, which this process does
-    not), only when there is any. Raises ValueError with its reason."""
+    """Refuse a ``config.yaml`` whose ``_target_`` nodes are not the kind of object their keys build.
+
+    The file is a run folder's; the check is :mod:`runner.schema.trust`'s: the standard library's targets
+    here, without importing anything; the rest by ``python -m runner.schema.trust`` (which imports the
+    targets' modules and torch, which this process does not), only when there is any. Raises ValueError with
+    its reason."""
     found = targets(OmegaConf.to_container(resumed, resolve=True))
     if not found:
         return
@@ -205,10 +215,11 @@ def check_targets(resumed: DictConfig, config: Path) -> None:
 
 
 def resume_checkpoint(run_dir: Path, given: str) -> dict[str, Any]:
-    """The index entry of the checkpoint to resume ``run_dir`` from: the newest intact one. Newer damaged
-    ones are named in one line, set aside and dropped from the index, so the ranks, which resume from the
-    index's newest, all take this one. Raises ValueError (``given``: the ``resume=`` value) when none is
-    left, naming the files and the fix."""
+    """The index entry of the checkpoint to resume ``run_dir`` from: the newest intact one.
+
+    Newer damaged ones are named in one line, set aside and dropped from the index, so the ranks, which resume
+    from the index's newest, all take this one. Raises ValueError (``given``: the ``resume=`` value) when none
+    is left, naming the files and the fix."""
     entries = indexed_checkpoints(run_dir, given)
     damaged = []
     for entry in reversed(entries):
@@ -246,8 +257,10 @@ def _damage(run_dir: Path, damaged: list[tuple[dict[str, Any], Path, str]]) -> s
 
 
 def indexed_checkpoints(run_dir: Path, given: str) -> list[dict[str, Any]]:
-    """The run's indexed checkpoints, oldest first; a damaged or missing index is rebuilt from the
-    checkpoint folders (and written again, said in one line). Raises ValueError when there is none."""
+    """The run's indexed checkpoints, oldest first.
+
+    A damaged or missing index is rebuilt from the checkpoint folders (and written again, said in one line).
+    Raises ValueError when there is none."""
     index = run_dir / CHECKPOINTS / CHECKPOINT_INDEX
     try:
         entries = read_checkpoint_index(run_dir)

@@ -28,8 +28,9 @@ PREFIX = "mpitrain-mpi."
 
 @contextlib.contextmanager
 def session_dir(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
-    """``env`` with mpirun's session folder set to a new folder, removed on leaving (unless ``env`` already
-    places it: then ``env`` as it is)."""
+    """``env`` with mpirun's session folder set to a new folder, removed on leaving.
+
+    Where ``env`` already places it: ``env`` as it is."""
     if any(key in env for key in USER_TMPDIR_ENV):
         yield dict(env)
         return

@@ -1,15 +1,17 @@
-"""``hydra/launcher=mpitrain_slurm``'s launcher: hydra-submitit-launcher's ``SlurmLauncher``, with each
-sweep point's result read from the one task that ran it, and Slurm's job states read without accounting.
+"""``hydra/launcher=mpitrain_slurm``'s launcher: hydra-submitit-launcher's ``SlurmLauncher``.
+
+With each sweep point's result read from the one task that ran it, and Slurm's job states read without
+accounting.
 
 With ``use_srun: false`` a point's batch script runs its Python once (task 0), which starts the ranks with
 ``mpirun`` in the allocation; the allocation's other tasks (one slot per rank) run nothing and leave no
 result, so the plugin's ``job.results()`` (one result per task) fails every point that trained. Here each
 point's result is ``job.task(0)``'s, every point is waited for, and a point that did not end ok is named on
-the terminal and recorded, as the basic launcher's points are: the sweep goes on, writes its report and
-exits with the first such point's status (:mod:`runner.launcher.cli`).
+the terminal and recorded, as the basic launcher's points are: the sweep goes on, writes its report and exits
+with the first such point's status (:mod:`runner.launcher.cli`).
 
-submitit asks ``sacct`` for the states of the jobs (to notice one that ended without a result), which fails
-on a cluster without accounting (no slurmdbd: "Slurm accounting storage is disabled") and would then wait
+submitit asks ``sacct`` for the states of the jobs (to notice one that ended without a result), which fails on
+a cluster without accounting (no slurmdbd: "Slurm accounting storage is disabled") and would then wait
 forever: :class:`QueueWatcher` asks ``squeue`` (slurmctld, which keeps ended jobs for ``MinJobAge``) there.
 """
 
@@ -56,8 +58,10 @@ UNLISTED_S = 60.0
 
 
 class QueueWatcher(SlurmInfoWatcher):
-    """submitit's job-state watcher, asking ``sacct`` where Slurm keeps accounting and ``squeue`` where it
-    does not (or when ``sacct`` fails); a job slurmctld no longer lists has ended (state ``PURGED``)."""
+    """submitit's job-state watcher, asking ``sacct`` where Slurm keeps accounting, else ``squeue``.
+
+    It asks ``squeue`` where Slurm does not keep accounting or when ``sacct`` fails; a job slurmctld no longer
+    lists has ended (state ``PURGED``)."""
 
     def __init__(self, delay_s: int = 60) -> None:
         super().__init__(delay_s=delay_s)
@@ -98,8 +102,9 @@ class QueueWatcher(SlurmInfoWatcher):
                 self._finished.add(job_id)
 
     def _with_purged(self, listed: dict[str, dict[str, str]], pending: set[str]) -> dict[str, dict[str, str]]:
-        """squeue's states, and PURGED for each job of ``pending`` it no longer lists (or never did, since
-        :data:`UNLISTED_S` after its submission)."""
+        """squeue's states, and PURGED for each job of ``pending`` it no longer lists.
+
+        Also for one it never listed, since :data:`UNLISTED_S` after its submission."""
         self.listed |= pending & set(listed)
         for job_id in pending - set(listed):
             if job_id in self.listed or time.time() - self.since.get(job_id, 0.0) > UNLISTED_S:
@@ -147,8 +152,9 @@ def _call(argv: list[str]) -> tuple[subprocess.CompletedProcess[str] | None, str
 
 
 class MpitrainSlurmLauncher(SlurmLauncher):
-    """hydra-submitit-launcher's SlurmLauncher, taking each point's result from task 0 (the one that ran
-    it), waiting for every point, and reporting each that did not end ok (the sweep goes on)."""
+    """hydra-submitit-launcher's SlurmLauncher, taking each point's result from task 0 (the one that ran it).
+
+    It waits for every point, and reports each that did not end ok (the sweep goes on)."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Send the points to Slurm as one job array; their results, in order, once every one has ended."""
@@ -183,8 +189,10 @@ class MpitrainSlurmLauncher(SlurmLauncher):
     def collect(
         self, jobs: Sequence[Job[Any]], job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> list[JobReturn]:
-        """Each point's JobReturn from its job's task 0, taken as the points end (state from
-        :class:`QueueWatcher`); a point that did not end ok is logged, recorded, and returned as NaN."""
+        """Each point's JobReturn from its job's task 0, taken as the points end.
+
+        Their state is from :class:`QueueWatcher`. A point that did not end ok is logged, recorded, and
+        returned as NaN."""
         watcher = QueueWatcher()
         tasks = [job.task(0) for job in jobs]
         for task in tasks:
@@ -230,8 +238,10 @@ class MpitrainSlurmLauncher(SlurmLauncher):
         return asked
 
     def point_return(self, task: Job[Any], overrides: Sequence[str], idx: int) -> JobReturn:
-        """The JobReturn of one ended point (task 0 of its job): its own, or a failed one when Slurm
-        ended the job without a result; a point that did not end ok is reported and given NaN.
+        """The JobReturn of one ended point (task 0 of its job).
+
+        Its own, or a failed one when Slurm ended the job without a result; a point that did not end ok is
+        reported and given NaN.
 
         A point whose job a stop of the sweep cancelled before it started is none of these: it is said and
         given NaN, without submitit's wait for a result file (15 s a point, one after the other)."""
@@ -290,8 +300,9 @@ class MpitrainSlurmLauncher(SlurmLauncher):
         return True
 
     def lost_point(self, task: Job[Any], overrides: Sequence[str], idx: int) -> JobReturn:
-        """A point whose job Slurm ended without a result (cancelled, time limit, node failure, ...): a
-        failed JobReturn, and a summary.json saying so in its run folder unless it has one."""
+        """A point whose job Slurm ended without a result (cancelled, time limit, node failure, ...).
+
+        Gives a failed JobReturn, and a summary.json saying so in its run folder unless it has one."""
         from runner.run_folder import SUMMARY, write_summary
 
         state = task.state

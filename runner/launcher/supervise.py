@@ -55,8 +55,10 @@ STOP_SIGNALS = sweep_stop.STOP_SIGNALS
 
 @dataclass
 class Outcome:
-    """How a job ended. ``signal``: the first stop signal the launcher got; ``interrupted``: why the launcher
-    killed the job after one (a second signal, the grace period); ``stall``: the watchdog ended it."""
+    """How a job ended.
+
+    ``signal``: the first stop signal the launcher got; ``interrupted``: why the launcher killed the job after
+    one (a second signal, the grace period); ``stall``: the watchdog ended it."""
 
     returncode: int
     signal: str | None = None
@@ -80,8 +82,10 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    """Starts ``argv`` and watches it to the end (:meth:`run`). Call from the main thread to handle
-    signals (elsewhere, e.g. in a sweep launcher's thread, signals are left alone)."""
+    """Starts ``argv`` and watches it to the end (:meth:`run`).
+
+    Call from the main thread to handle signals (elsewhere, e.g. in a sweep launcher's thread, signals are
+    left alone)."""
 
     def __init__(
         self,
@@ -105,8 +109,10 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
 
     def run(self) -> Outcome:
-        """Run the job to its end and say how it ended. Any exception here ends the job first. mpirun's
-        session files go to a folder of this job's, removed after it (:mod:`runner.launcher.session_dir`)."""
+        """Run the job to its end and say how it ended.
+
+        Any exception here ends the job first. mpirun's session files go to a folder of this job's, removed
+        after it (:mod:`runner.launcher.session_dir`)."""
         with session_dir(self.env) as env:
             return self._run(env)
 
@@ -180,9 +186,10 @@ class Supervisor:
         )
 
     def _await_outliving(self) -> None:
-        """Wait up to :data:`OUTLIVED_WAIT_S` for the ranks that outlived mpirun, so that what the job left
-        (its last checkpoint) is read after its last write; kill those on this machine that go on, and
-        name those elsewhere."""
+        """Wait up to :data:`OUTLIVED_WAIT_S` for the ranks that outlived mpirun.
+
+        This way what the job left (its last checkpoint) is read after its last write. Kill those on this
+        machine that go on, and name those elsewhere."""
         assert self.watches is not None
         host, deadline = socket.gethostname(), time.time() + OUTLIVED_WAIT_S
         while True:
@@ -228,8 +235,10 @@ class Supervisor:
         self._signal_group(signal.SIGTERM)
 
     def _signal_group(self, signum: int) -> None:
-        """Signal mpirun's process group; SIGKILL also reaches the rest of its session: the launch agents
-        (ssh) it put in groups of their own, which would hold the job's output open (and linger) after it."""
+        """Signal mpirun's process group.
+
+        SIGKILL also reaches the rest of its session: the launch agents (ssh) it put in groups of their own,
+        which would hold the job's output open (and linger) after it."""
         if self.proc is None:
             return
         try:

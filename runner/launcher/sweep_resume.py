@@ -1,24 +1,24 @@
-"""A sweep's points and their states (the manifest ``sweep.json``), and ``resume=SWEEP_DIR``, which finishes
-a sweep point by point.
+"""A sweep's points and their states (the manifest ``sweep.json``), and ``resume=SWEEP_DIR``.
+
+``resume=SWEEP_DIR`` finishes a sweep point by point.
 
 **The manifest.** ``SWEEP_DIR/sweep.json`` lists the sweep's points by number: overrides, name, folder and
-state (``running``, then how the point ended: ``ok``, ``failed``, ``invalid``, ``preempted``; ``pending``
-for a point a resumed sweep has yet to run). Each point writes its own entry as it starts and as it ends,
-read-modify-write under a lock (``.sweep.json.lock``), since the points of a parallel launcher end at once.
-It is a record for people and tools: what a point *is* is read from its folder (:func:`point_state`),
-which also tells a point whose launcher was killed (a ``config.yaml`` and no summary of that job).
+state (``running``, then how the point ended: ``ok``, ``failed``, ``invalid``, ``preempted``; ``pending`` for
+a point a resumed sweep has yet to run). Each point writes its own entry as it starts and as it ends,
+read-modify-write under a lock (``.sweep.json.lock``), since the points of a parallel launcher end at once. It
+is a record for people and tools: what a point *is* is read from its folder (:func:`point_state`), which also
+tells a point whose launcher was killed (a ``config.yaml`` and no summary of that job).
 
 **Resuming.** ``resume=SWEEP_DIR`` (a folder with Hydra's ``multirun.yaml``) is turned into the sweep's own
-command line (:func:`resumed_argv`: its overrides, its launcher, ``hydra.sweep.dir=SWEEP_DIR``), whose
-sweeper (:class:`runner.launcher.sweeper.MpitrainSweeper`) expands the same grid in the same order (so
-point ``N`` is folder ``N`` again) and launches what :func:`plan` decides for each point (:func:`decide`):
-an ``ok`` point is kept (no job, not a file touched), an interrupted one (preempted, or its launcher
-killed) with a checkpoint is resumed in its folder (``resume=SWEEP_DIR/N``), a failed one is run again
-(its folder set aside as ``.attempts/N.K``) or, with ``sweep.retry=false``, kept as it ended, and a point
-never started is run. A point kept or resumed must still hold in its ``config.yaml`` the config its
-overrides compose to (:func:`check_points`: not edited since it ran, not another sweep's run), else the
-resume is refused before anything is decided. The report is then written over every point, as at the end
-of any sweep.
+command line (:func:`resumed_argv`: its overrides, its launcher, ``hydra.sweep.dir=SWEEP_DIR``), whose sweeper
+(:class:`runner.launcher.sweeper.MpitrainSweeper`) expands the same grid in the same order (so point ``N`` is
+folder ``N`` again) and launches what :func:`plan` decides for each point (:func:`decide`): an ``ok`` point is
+kept (no job, not a file touched), an interrupted one (preempted, or its launcher killed) with a checkpoint is
+resumed in its folder (``resume=SWEEP_DIR/N``), a failed one is run again (its folder set aside as
+``.attempts/N.K``) or, with ``sweep.retry=false``, kept as it ended, and a point never started is run. A point
+kept or resumed must still hold in its ``config.yaml`` the config its overrides compose to
+(:func:`check_points`: not edited since it ran, not another sweep's run), else the resume is refused before
+anything is decided. The report is then written over every point, as at the end of any sweep.
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ def is_sweep_folder(path: Path) -> bool:
 
 
 def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
-    """``(state, status, checkpointed)`` of a sweep point's folder: ``pending`` (no job wrote its config),
-    ``running`` (its last job has no summary: running, or its launcher was killed), ``ok``, ``invalid``,
-    ``preempted`` (summary ``preempted`` or ``interrupted``, a point whose Slurm job ended without a
-    result: cancelled, time limit, lost node, or one that failed once stopped: :func:`stopped`) or
-    ``failed`` (any other status); ``status`` is its summary's, and ``checkpointed`` whether a checkpoint
-    was indexed or can be found."""
+    """``(state, status, checkpointed)`` of a sweep point's folder.
+
+    The state is ``pending`` (no job wrote its config), ``running`` (its last job has no summary: running, or
+    its launcher was killed), ``ok``, ``invalid``, ``preempted`` (summary ``preempted`` or ``interrupted``, a
+    point whose Slurm job ended without a result: cancelled, time limit, lost node, or one that failed once
+    stopped: :func:`stopped`) or ``failed`` (any other status); ``status`` is its summary's, and
+    ``checkpointed`` whether a checkpoint was indexed or can be found."""
     config = point_dir / CONFIG
     if not config.is_file():
         return "pending", None, False
@@ -96,8 +97,9 @@ def point_state(point_dir: Path) -> tuple[str, str | None, bool]:
 
 
 def stopped(summary: dict[str, Any]) -> bool:
-    """Whether a job that failed had been told to stop first (its launcher got SIGTERM, SIGUSR1 or SIGINT:
-    the summary's ``signal``), so that it was cut off rather than failed on its own. Slurm's ``scancel``,
+    """Whether a job that failed had been told to stop first: cut off rather than failed on its own.
+
+    Told to stop: its launcher got SIGTERM, SIGUSR1 or SIGINT (the summary's ``signal``). Slurm's ``scancel``,
     time limit or preemption sends SIGTERM to every process of the job at once: mpirun and the ranks end
     before they can checkpoint. The launcher now writes such a job ``interrupted``; a summary written before
     it did says ``failed``, with the signal."""
@@ -117,9 +119,11 @@ def checkpointed(run_dir: Path) -> bool:
 
 
 def decide(state: str, has_checkpoint: bool, retry: bool) -> str:
-    """What resuming does with a point in ``state`` (:func:`point_state`): ``keep`` an ok one, ``resume``
-    an interrupted one from its checkpoint (without one: ``run`` it again), ``run`` a failed one again
-    (``skip``: keep it as it ended, with ``sweep.retry=false``) and one never started."""
+    """What resuming does with a point in ``state`` (:func:`point_state`).
+
+    ``keep`` an ok one, ``resume`` an interrupted one from its checkpoint (without one: ``run`` it again),
+    ``run`` a failed one again (``skip``: keep it as it ended, with ``sweep.retry=false``) and one never
+    started."""
     if state == "ok":
         return "keep"
     if state in ("preempted", "running"):
@@ -131,9 +135,11 @@ def decide(state: str, has_checkpoint: bool, retry: bool) -> str:
 
 
 def record_point(sweep_dir: Path, num: int, **fields: Any) -> None:
-    """Update point ``num``'s entry of ``SWEEP_DIR/sweep.json`` with ``fields`` (under the manifest's lock,
-    written atomically); its ``error`` (why it was refused) is kept while it stays ``invalid``. A manifest
-    that cannot be written is logged: it is a record, not the sweep."""
+    """Update point ``num``'s entry of ``SWEEP_DIR/sweep.json`` with ``fields``.
+
+    The update is made under the manifest's lock and written atomically; the entry's ``error`` (why it was
+    refused) is kept while it stays ``invalid``. A manifest that cannot be written is logged: it is a record,
+    not the sweep."""
     try:
         with open_in_folder(sweep_dir / f".{MANIFEST}.lock", "a") as lock:  # (never through a link)
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -158,8 +164,9 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def failed_point(sweep_dir: Path, me: int) -> str | None:
-    """A point of the sweep other than ``me`` that ended not ok, named (``point 1 (optim.lr=10) failed``),
-    as ``sweep.fail_fast`` asks; None when there is none."""
+    """A point of the sweep other than ``me`` that ended not ok, named; None when there is none.
+
+    Named as ``point 1 (optim.lr=10) failed``, as ``sweep.fail_fast`` asks."""
     for num, point in read_manifest(sweep_dir).items():
         state = point.get("state")
         if num != str(me) and state not in ("ok", "running", "pending", None):
@@ -170,8 +177,10 @@ def failed_point(sweep_dir: Path, me: int) -> str | None:
 
 
 def start_point(sweep_dir: Path, num: int, ident: dict[str, Any], fail_fast: bool = False) -> bool:
-    """Record sweep point ``num`` as running, and say whether it should run: not with ``fail_fast`` once
-    another point ended not ok (it is then said in one line and left ``pending``, for a resume to run)."""
+    """Record sweep point ``num`` as running, and say whether it should run.
+
+    It should not with ``fail_fast`` once another point ended not ok (it is then said in one line and left
+    ``pending``, for a resume to run)."""
     if fail_fast and (why := failed_point(sweep_dir, num)) is not None:
         log.warning("[%s] not started: sweep.fail_fast, and %s", ident["name"], why)
         record_point(sweep_dir, num, overrides=ident["overrides"], name=ident["name"], state="pending")
@@ -183,16 +192,18 @@ def start_point(sweep_dir: Path, num: int, ident: dict[str, Any], fail_fast: boo
 
 
 def end_point(sweep_dir: Path, num: int, status: str, reason: str | None = None) -> None:
-    """Record how sweep point ``num`` ended (its status: ``ok``, ``failed``, ``preempted``, ...), and the
-    one-line ``reason`` of a point refused before its job started (``invalid``: its folder has no
-    summary, so the report reads the reason here)."""
+    """Record how sweep point ``num`` ended (its status: ``ok``, ``failed``, ``preempted``, ...).
+
+    Also recorded: the one-line ``reason`` of a point refused before its job started (``invalid``: its folder
+    has no summary, so the report reads the reason here)."""
     state = {"ok": "ok", "invalid": "invalid", "preempted": "preempted", "interrupted": "preempted"}
     record_point(sweep_dir, num, state=state.get(status, "failed"), status=status, error=reason)
 
 
 def changed_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
-    """A resumed sweep point's overrides less those it was started with (its ``run.json``) and the sweep's
-    own keys: what resuming would change, for :func:`runner.launcher.resume.resume_config` to check."""
+    """A resumed sweep point's overrides less those it started with (``run.json``) and the sweep's own keys.
+
+    They are what resuming would change, for :func:`runner.launcher.resume.resume_config` to check."""
     started = set(read_json(run_dir / IDENTITY).get("overrides") or ())
     return [o for o in overrides if o not in started and not override_key(o).startswith("sweep.")]
 
@@ -213,11 +224,13 @@ def plan(
     retry: bool,
     composed: Callable[[list[str]], DictConfig] | None = None,
 ) -> list[tuple[int, list[str]]]:
-    """The points of ``grid`` (each point's overrides, in the sweep's order) to launch, as ``(number,
-    overrides)``; each point's decision is said in one line and recorded in the manifest. A failed point
-    to run again has its folder set aside; one kept as it failed counts as not ok for the exit status.
-    ``composed``: the config a point's overrides compose to; each point kept or resumed must still hold
-    it (:func:`check_points`), else nothing is decided and ValueError is raised."""
+    """The points of ``grid`` to launch, as ``(number, overrides)``.
+
+    ``grid`` is each point's overrides, in the sweep's order. Each point's decision is said in one line and
+    recorded in the manifest. A failed point to run again has its folder set aside; one kept as it failed
+    counts as not ok for the exit status. ``composed``: the config a point's overrides compose to; each point
+    kept or resumed must still hold it (:func:`check_points`), else nothing is decided and ValueError is
+    raised."""
     points = []
     for num, overrides in enumerate(grid):
         state, status, has_checkpoint = point_state(sweep_dir / str(num))
@@ -248,9 +261,11 @@ def plan(
 def check_points(
     sweep_dir: Path, points: list[tuple[int, list[str]]], composed: Callable[[list[str]], DictConfig]
 ) -> None:
-    """Refuse to resume a sweep whose points ``(number, overrides)`` no longer hold in their
-    ``config.yaml`` the config their overrides compose to (``composed``): edited since they ran, or the
-    run of another sweep. Names every such point's folder and its keys that differ."""
+    """Refuse to resume a sweep whose points no longer hold the config their overrides compose to.
+
+    ``points`` are ``(number, overrides)``; each point's config is read from its ``config.yaml``, and the one
+    its overrides compose to is ``composed``'s. Such a point was edited since it ran, or is the run of another
+    sweep. Names every such point's folder and its keys that differ."""
     found = []
     for num, overrides in points:
         if differ := edited_keys(sweep_dir / str(num), composed(overrides)):
@@ -264,11 +279,12 @@ def check_points(
 
 
 def edited_keys(point_dir: Path, expected: DictConfig) -> list[str]:
-    """``key=value (the sweep gives value)`` for each key of ``point_dir``'s ``config.yaml`` whose value
-    differs from ``expected``'s (the config its overrides compose to, resolved key by key), but the keys a
-    resumed run may change (:func:`changeable`), those ``expected`` cannot resolve here and those only one
-    of them has (the launcher's ``_schemas_``; a key added to mpitrain since the point ran; ``devices`` of
-    a point resumed, which takes its checkpoint's count of workers)."""
+    """``key=value (the sweep gives value)`` for each key of ``point_dir``'s ``config.yaml`` that differs.
+
+    Its value differs from ``expected``'s (the config its overrides compose to, resolved key by key). Left
+    out: the keys a resumed run may change (:func:`changeable`), those ``expected`` cannot resolve here and
+    those only one of them has (the launcher's ``_schemas_``; a key added to mpitrain since the point ran;
+    ``devices`` of a point resumed, which takes its checkpoint's count of workers)."""
     try:
         saved = OmegaConf.to_container(OmegaConf.create(read_text(point_dir / CONFIG)))
     except OSError as err:  # (a link or a pipe in its place: ForeignFile, which names it)
@@ -297,8 +313,9 @@ def edited_keys(point_dir: Path, expected: DictConfig) -> list[str]:
 
 
 def changeable(key: str) -> bool:
-    """Whether ``key`` may differ between a resumed sweep's points and its command line: the sweep's own
-    keys (``sweep.*``), Hydra's and those a resumed run may change."""
+    """Whether ``key`` may differ between a resumed sweep's points and its command line.
+
+    Such keys are the sweep's own (``sweep.*``), Hydra's and those a resumed run may change."""
     from runner.launcher.resume import SAFE_TO_CHANGE
 
     return key.startswith(("hydra.", "hydra/", "sweep.")) or any(
@@ -320,8 +337,9 @@ def set_aside(point_dir: Path) -> Path:
 
 
 def batches(jobs: list[tuple[int, list[str]]], size: int | None) -> list[tuple[int, list[list[str]]]]:
-    """``jobs`` as launches of consecutive point numbers (a launcher numbers its jobs from the first), each
-    of at most ``size`` points (None: no limit): ``(first number, overrides of each)``."""
+    """``jobs`` as launches of consecutive point numbers: ``(first number, overrides of each)``.
+
+    A launcher numbers its jobs from the first. Each launch has at most ``size`` points (None: no limit)."""
     out: list[tuple[int, list[list[str]]]] = []
     for num, overrides in jobs:
         if out and out[-1][0] + len(out[-1][1]) == num and (size is None or len(out[-1][1]) < size):
@@ -332,11 +350,12 @@ def batches(jobs: list[tuple[int, list[str]]], size: int | None) -> list[tuple[i
 
 
 def resumed_argv(argv: list[str]) -> list[str] | None:
-    """The command line that finishes the sweep ``argv``'s ``resume=SWEEP_DIR`` names: the sweep's own
-    overrides (its ``multirun.yaml``), its launcher, ``argv``'s other arguments (which win over the sweep's
-    for the same key), ``hydra.sweep.dir=SWEEP_DIR`` and ``hydra.sweeper.resume=true``
-    (:class:`runner.launcher.sweeper.MpitrainSweeper`). None when ``argv`` does
-    not resume a sweep folder. Raises ValueError for a sweep that cannot be resumed so."""
+    """The command line that finishes the sweep ``argv``'s ``resume=SWEEP_DIR`` names.
+
+    It has the sweep's own overrides (its ``multirun.yaml``), its launcher, ``argv``'s other arguments (which
+    win over the sweep's for the same key), ``hydra.sweep.dir=SWEEP_DIR`` and ``hydra.sweeper.resume=true``
+    (:class:`runner.launcher.sweeper.MpitrainSweeper`). None when ``argv`` does not resume a sweep folder.
+    Raises ValueError for a sweep that cannot be resumed so."""
     given = [a for a in argv if a.startswith("resume=")]
     if not given:
         return None
@@ -368,9 +387,11 @@ def resumed_argv(argv: list[str]) -> list[str] | None:
 
 
 def check_foreign(path: Path, recorded: DictConfig, rest: list[str], mine: set[str]) -> None:
-    """Refuse to finish a sweep folder that is not the user's own (no mark of theirs over its recorded
-    overrides, :mod:`runner.schema.provenance`) with a recorded override that runs a program, sets the ranks'
-    environment or names a destination, unless the command line gives that key or ``trust_folder=true``."""
+    """Refuse to finish, with overrides it records, a sweep folder that is not the user's own.
+
+    Not the user's own: no mark of theirs over its recorded overrides (:mod:`runner.schema.provenance`). The
+    overrides refused are those that run a program, set the ranks' environment or name a destination, unless
+    the command line gives that key or ``trust_folder=true``."""
     trusted = any(
         override_key(a) == provenance.TRUST and a.split("=", 1)[1].strip().lower() in ("true", "1", "yes")
         for a in rest
@@ -402,9 +423,11 @@ def swept_keys(task: list[str]) -> set[str]:
 
 
 def check_changes(path: Path, keys: set[str], swept: set[str]) -> None:
-    """Refuse overrides given with ``resume=SWEEP_DIR`` that would make its points differ: only the sweep's
-    own keys (``sweep.*``), Hydra's (the launcher's) and those a resumed run may change are taken, and
-    none the sweep varies (each point's value is its own: a new one would be filed under the old)."""
+    """Refuse overrides given with ``resume=SWEEP_DIR`` that would make its points differ.
+
+    Only the sweep's own keys (``sweep.*``), Hydra's (the launcher's) and those a resumed run may change are
+    taken, and none the sweep varies (each point's value is its own: a new one would be filed under the
+    old)."""
     from runner.launcher.resume import SAFE_TO_CHANGE
 
     for key in sorted(keys & swept):

@@ -98,8 +98,10 @@ def taking_signals(sweep_dir: Path, total: int) -> Iterator[None]:
 
 @contextmanager
 def held_from_new_processes(spawns: bool) -> Iterator[None]:
-    """While a launcher starts processes of its own for the points (``spawns``: joblib's workers), they
-    start with the stop signals blocked, held for them until their point follows the sweep (:func:`follow`).
+    """While a launcher starts processes of its own for the points, they start with the stop signals blocked.
+
+    ``spawns``: whether it does (joblib's workers). The signals are held for them until their point follows
+    the sweep (:func:`follow`).
 
     Otherwise a Ctrl-C while a worker still imports would end it, and its pool with it (the pattern of
     bpo-33613, which loky's resource tracker uses for itself). This process still hears the signals: a thread

@@ -1,12 +1,13 @@
-"""``hydra/sweeper=mpitrain``, the default sweeper of ``-m``: Hydra's basic grid, with keys that vary
-together (``sweep.zip``), no point started after one not ok (``sweep.fail_fast``), the points left of a
-sweep that ran before (``resume=SWEEP_DIR``, :mod:`runner.launcher.sweep_resume`), one sweep per
-folder (:class:`SweepFolderLock`), and a sweep that a Ctrl-C stops (:mod:`runner.launcher.sweep_stop`).
+"""``hydra/sweeper=mpitrain``, the default sweeper of ``-m``: Hydra's basic grid, extended.
 
-``sweep.zip=[optim.lr,schedule.warmup_steps]`` pairs the values of the keys it names, in order, instead
-of crossing them: ``optim.lr=0.1,0.2 schedule.warmup_steps=10,20`` is then 2 points (0.1 with 10, 0.2
-with 20), not 4. Zipped keys must each be given the same number of values; the pairs are crossed with the
-other keys' values as one key would be (at the place of the first zipped key on the command line).
+With keys that vary together (``sweep.zip``), no point started after one not ok (``sweep.fail_fast``), the
+points left of a sweep that ran before (``resume=SWEEP_DIR``, :mod:`runner.launcher.sweep_resume`), one sweep
+per folder (:class:`SweepFolderLock`), and a sweep that a Ctrl-C stops (:mod:`runner.launcher.sweep_stop`).
+
+``sweep.zip=[optim.lr,schedule.warmup_steps]`` pairs the values of the keys it names, in order, instead of
+crossing them: ``optim.lr=0.1,0.2 schedule.warmup_steps=10,20`` is then 2 points (0.1 with 10, 0.2 with 20),
+not 4. Zipped keys must each be given the same number of values; the pairs are crossed with the other keys'
+values as one key would be (at the place of the first zipped key on the command line).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ SWEEP_LOCK = "sweep.lock"
 
 
 def zipped_grid(overrides: list[Override], zipped: list[str]) -> list[list[str]]:
-    """Each point's overrides: the product of every key's values, the ``zipped`` keys' values taken
-    together (the i-th of each). Raises ValueError when a zipped key is not swept, or their lists differ
+    """Each point's overrides: the product of every key's values, the ``zipped`` keys' values taken together.
+
+    Together means the i-th of each. Raises ValueError when a zipped key is not swept, or their lists differ
     in length."""
     choices: OrderedDict[str, list[list[str]]] = OrderedDict()
     for override in overrides:
@@ -78,15 +80,16 @@ def zipped_grid(overrides: list[Override], zipped: list[str]) -> list[list[str]]
 
 
 class SweepFolderLock:
-    """A sweep folder's one owner: the process that runs its sweep holds ``SWEEP_DIR/sweep.lock`` (an
-    exclusive ``flock``, as :class:`runner.launcher.lock.RunFolderLock` holds a run folder's) while in a
-    ``with`` block.
+    """A sweep folder's one owner: the process that runs its sweep, holding ``SWEEP_DIR/sweep.lock``.
+
+    It holds the lock (an exclusive ``flock``, as :class:`runner.launcher.lock.RunFolderLock` holds a run
+    folder's) while in a ``with`` block.
 
     A second sweep into the folder while it is held (a sweep running there, or its ``resume=``) is refused,
     naming the holder; so is a new sweep (``fresh``) into a folder that holds one already (its
-    ``multirun.yaml`` or ``sweep.json``: a sweep that ended or was cut off), whose points would mix with
-    the new ones. The kernel drops the lock however its holder exits. The lock fails closed: one that
-    cannot be taken refuses the sweep. Each refusal is a ValueError (exit 2) naming the folder and the fix.
+    ``multirun.yaml`` or ``sweep.json``: a sweep that ended or was cut off), whose points would mix with the
+    new ones. The kernel drops the lock however its holder exits. The lock fails closed: one that cannot be
+    taken refuses the sweep. Each refusal is a ValueError (exit 2) naming the folder and the fix.
     """
 
     def __init__(self, sweep_dir: Path, fresh: bool):
@@ -138,8 +141,10 @@ class SweepFolderLock:
         self._close()
 
     def discard(self) -> None:
-        """A new sweep refused while it holds the lock: leave no folder that holds the lock alone (the
-        folder itself only where nothing else is in it). Not held (refused as it was taken): nothing."""
+        """A new sweep refused while it holds the lock: leave no folder that holds the lock alone.
+
+        The folder itself goes only where nothing else is in it. Not held (refused as it was taken):
+        nothing."""
         if self.fd is not None and [p.name for p in self.sweep_dir.iterdir()] == [SWEEP_LOCK]:
             (self.sweep_dir / SWEEP_LOCK).unlink(missing_ok=True)
             self._close()
@@ -155,10 +160,11 @@ class SweepFolderLock:
 
 
 class MpitrainSweeper(BasicSweeper):
-    """Hydra's basic sweeper, with ``sweep.zip`` (:func:`zipped_grid`) and ``sweep.fail_fast`` between
-    launches; ``resume=true`` (set by ``resume=SWEEP_DIR``): the sweep folder ran before, its
-    ``multirun.yaml`` is kept and only the points :func:`runner.launcher.sweep_resume.plan` gives are
-    launched, each under its own number."""
+    """Hydra's basic sweeper, with ``sweep.zip`` (:func:`zipped_grid`) and ``sweep.fail_fast``.
+
+    ``sweep.fail_fast`` acts between launches. ``resume=true`` (set by ``resume=SWEEP_DIR``): the sweep folder
+    ran before, its ``multirun.yaml`` is kept and only the points :func:`runner.launcher.sweep_resume.plan`
+    gives are launched, each under its own number."""
 
     def __init__(
         self, max_batch_size: int | None = None, params: dict[str, str] | None = None, resume: bool = False
@@ -173,8 +179,9 @@ class MpitrainSweeper(BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Launch the sweep's points (those left, when resuming); Hydra's list of each launch's returns.
-        Raises ValueError before any point starts for a sweep refused (its folder in use, a zip or a
-        point's config that does not hold)."""
+
+        Raises ValueError before any point starts for a sweep refused (its folder in use, a zip or a point's
+        config that does not hold)."""
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         sweep_dir = Path(self.config.hydra.sweep.dir)
         settings = self.config.sweep
@@ -237,8 +244,10 @@ class MpitrainSweeper(BasicSweeper):
             outcomes.NOT_OK.append((name, status, EXIT.get(status, EXIT["failed"])))
 
     def _jobs(self, sweep_dir: Path, arguments: list[str]) -> list[tuple[int, list[str]]]:
-        """The points to launch, as ``(number, overrides)``: every point of the grid, or, when resuming,
-        those :func:`runner.launcher.sweep_resume.plan` gives (a new sweep's config is saved first)."""
+        """The points to launch, as ``(number, overrides)``.
+
+        Every point of the grid, or, when resuming, those :func:`runner.launcher.sweep_resume.plan` gives (a
+        new sweep's config is saved first)."""
         assert self.config is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides([*self._parse_config(), *arguments])
@@ -259,8 +268,9 @@ class MpitrainSweeper(BasicSweeper):
         return jobs
 
     def point_config(self, overrides: list[str]) -> DictConfig:
-        """The config a point of this sweep with ``overrides`` composes to (without Hydra's node,
-        unresolved): what its ``config.yaml`` holds, resolved, but for keys a resumed run may change."""
+        """The config a point of this sweep with ``overrides`` composes to (without Hydra's node, unresolved).
+
+        It is what the point's ``config.yaml`` holds, resolved, but for keys a resumed run may change."""
         assert self.config is not None and self.hydra_context is not None
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         with open_dict(cfg):
@@ -269,10 +279,12 @@ class MpitrainSweeper(BasicSweeper):
 
 
 def check_values(grid: list[list[str]], composed: Any, sweep: list[str]) -> None:
-    """Every point's values checked before the first starts (a bad value of the last point was found
-    hours later): a ValueError with a line per problem, naming the points it is found in where not all.
-    ``composed``: the config a point's overrides compose to. What only a point's run can tell (a path the
-    data set fetches, its interpolations of Hydra's node) is left to it."""
+    """Every point's values checked before the first starts.
+
+    (A bad value of the last point was found hours later.) Raises a ValueError with a line per problem, naming
+    the points it is found in where not all. ``composed``: the config a point's overrides compose to. What
+    only a point's run can tell (a path the data set fetches, its interpolations of Hydra's node) is left to
+    it."""
     from runner.schema import READING_RUN_FOLDER, ConfigErrors
     from runner.schema.config import validate
 
@@ -306,8 +318,10 @@ def check_values(grid: list[list[str]], composed: Any, sweep: list[str]) -> None
 
 
 def register_sweeper() -> None:
-    """Make ``hydra/sweeper=mpitrain``'s class (``conf/hydra/sweeper/mpitrain.yaml``) known to Hydra
-    (idempotent), which takes sweepers only from its ``hydra_plugins`` package, by their config's name."""
+    """Make ``hydra/sweeper=mpitrain``'s class known to Hydra (idempotent).
+
+    Its config is ``conf/hydra/sweeper/mpitrain.yaml``. Hydra takes sweepers only from its ``hydra_plugins``
+    package, by their config's name."""
     from hydra.core.plugins import Plugins
 
     Plugins.instance().class_name_to_class[SWEEPER_CLASS] = MpitrainSweeper

@@ -43,8 +43,9 @@ def _describe(rank: int, beat: Mapping[str, Any] | None) -> str:
 
 
 def _silent(beat: Mapping[str, Any], now: float) -> str:
-    """How long a rank's heartbeat has been silent, and the step it last told (a beat is written once a
-    second, so a rank stopped early may have trained a few steps past it)."""
+    """How long a rank's heartbeat has been silent, and the step it last told.
+
+    A beat is written once a second, so a rank stopped early may have trained a few steps past it."""
     step = beat.get("step", -1)
     told = f"step {step}" if step >= 0 else "no step yet"
     return f"for {now - beat['alive_time']:.0f} s (its last heartbeat: {told})"
@@ -53,13 +54,14 @@ def _silent(beat: Mapping[str, Any], now: float) -> str:
 def stall_check(
     beats: Mapping[int, Mapping[str, Any] | None], now: float, launch_time: float, timeout: float
 ) -> Stall | None:
-    """The stuck ranks, or None. ``beats`` has every rank still running: its latest heartbeat, or None if
-    it never wrote one.
+    """The stuck ranks, or None.
+
+    ``beats`` has every rank still running: its latest heartbeat, or None if it never wrote one.
 
     A rank has stalled when it made no progress for ``timeout`` seconds (with no heartbeat, since
     ``launch_time``). Of the stalled ranks, those whose heartbeat thread stopped writing
-    (:data:`NOT_RESPONDING_S`) or never wrote are named; when every one still writes (blocked, e.g. in
-    MPI), those at the lowest step are: the others are waiting for them.
+    (:data:`NOT_RESPONDING_S`) or never wrote are named; when every one still writes (blocked, e.g. in MPI),
+    those at the lowest step are: the others are waiting for them.
     """
     last = {r: (b["progress_time"] if b else launch_time) for r, b in beats.items()}
     stale = sorted(r for r, t in last.items() if now - t >= timeout)
@@ -103,8 +105,10 @@ def process_gone(pid: int) -> bool:
 
 
 def ask_stacks(beats: Mapping[int, Mapping[str, Any] | None], host: str) -> list[int]:
-    """Signal the ranks of ``host`` (this machine) still running to write their threads' stacks
-    (``logs/rank<r>.stacks``, :mod:`runner.rank.records.heartbeat`); the ranks asked."""
+    """Signal the ranks of ``host`` (this machine) still running to write their threads' stacks.
+
+    The stacks go to ``logs/rank<r>.stacks`` (:mod:`runner.rank.records.heartbeat`). Returns the ranks
+    asked."""
     asked = []
     for r, beat in sorted(beats.items()):
         if beat is not None and beat.get("host") == host and not process_gone(beat["pid"]):
@@ -117,10 +121,12 @@ def ask_stacks(beats: Mapping[int, Mapping[str, Any] | None], host: str) -> list
 def lost_servers(
     beats: Mapping[int, Mapping[str, Any] | None], servers: Iterable[int], host: str | None = None
 ) -> Stall | None:
-    """The server ranks whose process on this machine has ended while the job runs, and the line that says
-    so, or None. A server's state is kept nowhere else, so its loss ends the job; the workers usually say
-    it first (their error names the server), but one blocked where MPI does not report the loss would wait
-    for the stall watchdog. Ranks on other hosts are left to the watchdog (their processes are not here)."""
+    """The server ranks whose process on this machine has ended while the job runs, or None.
+
+    With them, the line that says so. A server's state is kept nowhere else, so its loss ends the job; the
+    workers usually say it first (their error names the server), but one blocked where MPI does not report the
+    loss would wait for the stall watchdog. Ranks on other hosts are left to the watchdog (their processes are
+    not here)."""
     host, servers = (socket.gethostname() if host is None else host), set(servers)
     lost = [
         r
@@ -161,12 +167,13 @@ def spawned_ids(logs: Path, ranks: int) -> list[int]:
 def read_beats(
     logs: Path, ranks: int, launch_time: float, previous: dict[int, dict]
 ) -> dict[int, dict | None]:
-    """Every running rank's heartbeat (None: none yet). A beat written before ``launch_time`` (a previous
-    job in this folder) counts as none; a rank whose beat says ``"done": true``, or whose beat file is gone
-    after it was seen, has finished and is left out, as are the ranks in ``lost.json``, which the others went
-    on without. Workers spawned into the job (ids from ``ranks`` on,
-    :mod:`runner.rank.resilience.elastic`) are watched from their first beat. ``previous`` keeps the last
-    good beats between calls."""
+    """Every running rank's heartbeat (None: none yet).
+
+    A beat written before ``launch_time`` (a previous job in this folder) counts as none; a rank whose beat
+    says ``"done": true``, or whose beat file is gone after it was seen, has finished and is left out, as are
+    the ranks in ``lost.json``, which the others went on without. Workers spawned into the job (ids from
+    ``ranks`` on, :mod:`runner.rank.resilience.elastic`) are watched from their first beat. ``previous`` keeps
+    the last good beats between calls."""
     beats: dict[int, dict | None] = {}
     lost = read_lost(logs)
     for r in [*range(ranks), *spawned_ids(logs, ranks)]:
@@ -193,9 +200,11 @@ def read_beats(
 def outliving(
     beats: Mapping[int, Mapping[str, Any] | None], now: float, host: str, alive: Callable[[int], bool]
 ) -> dict[int, Mapping[str, Any]]:
-    """The ranks still running after mpirun ended (``beats``: :func:`read_beats`'s, done ones left out): on
-    ``host`` (this machine), those whose process is ``alive``; elsewhere, those whose heartbeat is younger
-    than :data:`ENDED_SILENCE_S`. A rank can outlive a runtime that lost a node, and go on writing."""
+    """The ranks still running after mpirun ended.
+
+    ``beats``: :func:`read_beats`'s, done ones left out. On ``host`` (this machine), those whose process is
+    ``alive``; elsewhere, those whose heartbeat is younger than :data:`ENDED_SILENCE_S`. A rank can outlive a
+    runtime that lost a node, and go on writing."""
     running = {}
     for rank, beat in beats.items():
         if beat is None:

@@ -17,8 +17,9 @@ class OptimConfig:
     lr: float = 0.05
 
     def params(self, model: torch.nn.Module) -> Iterable[torch.nn.Parameter] | list[dict]:
-        """What :meth:`build` takes for ``model``: its parameters, or param groups with settings of their own
-        (``optim.decay=matrices``)."""
+        """What :meth:`build` takes for ``model``: its parameters, or param groups with settings of their own.
+
+        ``optim.decay=matrices`` takes param groups."""
         return model.parameters()
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -26,9 +27,10 @@ class OptimConfig:
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two param groups: ``weight_decay`` on the weight matrices (and higher-dimensional weights) only; none
-    on biases, norms' scales and whatever ``model.no_weight_decay()`` names (timm's convention; the GPT names
-    its position embedding). A tied weight is one parameter, in the group of its first name."""
+    """Two param groups: ``weight_decay`` on the weight matrices (and higher-dimensional weights) only.
+
+    None on biases, norms' scales and whatever ``model.no_weight_decay()`` names (timm's convention; the GPT
+    names its position embedding). A tied weight is one parameter, in the group of its first name."""
     named = dict(model.named_parameters())  # (a tied weight appears once, under its first name)
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     unknown = sorted(skip - set(named) - {n for n, _ in model.named_parameters(remove_duplicate=False)})

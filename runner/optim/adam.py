@@ -16,11 +16,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class AdamConfig(OptimConfig):
-    """``torch.optim.Adam``'s arguments and defaults (``lr`` 1e-3, not SGD's 0.05). With moments
-    m ← β₁·m + (1 − β₁)·g and v ← β₂·v + (1 − β₂)·g², x ← x − lr·m̂/(√v̂ + eps) (m̂, v̂ bias-corrected);
-    ``weight_decay`` adds weight_decay·x to g (L2, coupled to the moments: ``optim=adamw`` decouples it);
-    ``amsgrad`` uses the running maximum of v̂. ``decay: matrices`` decays the weight matrices only, not the
-    biases, norms and position embeddings (nanoGPT's and GPT-2's practice)."""
+    """``torch.optim.Adam``'s arguments and defaults (``lr`` 1e-3, not SGD's 0.05).
+
+    With moments m ← β₁·m + (1 − β₁)·g and v ← β₂·v + (1 − β₂)·g², x ← x − lr·m̂/(√v̂ + eps) (m̂, v̂
+    bias-corrected); ``weight_decay`` adds weight_decay·x to g (L2, coupled to the moments: ``optim=adamw``
+    decouples it); ``amsgrad`` uses the running maximum of v̂. ``decay: matrices`` decays the weight matrices
+    only, not the biases, norms and position embeddings (nanoGPT's and GPT-2's practice)."""
 
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -1,5 +1,6 @@
-"""AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", arXiv 1711.05101):
-``torch.optim.AdamW``."""
+"""AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101): ``torch.optim.AdamW``.
+
+The paper: "Decoupled Weight Decay Regularization"."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class AdamWConfig(AdamConfig):
-    """``torch.optim.AdamW``'s arguments and defaults: Adam's keys and checks, with the weight decay
-    decoupled from the moments, x ← x − lr·weight_decay·x before Adam's step (default 0.01, as torch's)."""
+    """``torch.optim.AdamW``'s arguments and defaults: Adam's keys and checks, the weight decay decoupled.
+
+    Decoupled from the moments: x ← x − lr·weight_decay·x before Adam's step (default 0.01, as torch's)."""
 
     weight_decay: float = 0.01
 

@@ -15,8 +15,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class SGDConfig(OptimConfig):
-    """``torch.optim.SGD``'s arguments (PyTorch's update: with momentum μ and dampening d,
-    b ← μ·b + (1 − d)·g, then x ← x − lr·b, or x ← x − lr·(g + μ·b) with Nesterov)."""
+    """``torch.optim.SGD``'s arguments.
+
+    PyTorch's update: with momentum μ and dampening d, b ← μ·b + (1 − d)·g, then x ← x − lr·b, or
+    x ← x − lr·(g + μ·b) with Nesterov."""
 
     momentum: float = 0.9
     dampening: float = 0.0

@@ -63,13 +63,13 @@ class Decision:
 
 
 class Control:
-    """The workers' agreement on when to checkpoint (time-based) or stop (``RUN_DIR/STOP``, written by the
-    launcher on SIGTERM/SIGUSR1), without a blocking collective per step.
+    """The workers' agreement on when to checkpoint or stop, without a blocking collective per step.
 
-    Every ``interval`` steps each worker completes the small non-blocking all-reduce (max) started
-    ``interval`` steps earlier, on a communicator of its own, and starts the next with worker 0's flags.
-    The result is known to all workers at the same step, so they all act on it there. Synchronous rules
-    use ``interval`` 1; asynchronous ones a longer one, so workers drift at most that many steps apart.
+    Checkpoints are time-based; a stop is asked by ``RUN_DIR/STOP``, written by the launcher on
+    SIGTERM/SIGUSR1. Every ``interval`` steps each worker completes the small non-blocking all-reduce (max)
+    started ``interval`` steps earlier, on a communicator of its own, and starts the next with worker 0's
+    flags. The result is known to all workers at the same step, so they all act on it there. Synchronous
+    rules use ``interval`` 1; asynchronous ones a longer one, so workers drift at most that many steps apart.
     """
 
     def __init__(
@@ -97,10 +97,11 @@ class Control:
             self.reset(self.next_poll, forced=False)
 
     def reset(self, next_poll: int, forced: bool = True) -> None:
-        """Start over on the workers' communicator as it is now (after workers were lost or joined), split
-        now (collective: at the first agreement a worker could be blocked in it while another waits for it
-        to take a message): the next agreement is after ``next_poll`` steps (the same on every worker), and
-        with ``forced`` it decides a checkpoint there."""
+        """Start over on the workers' communicator as it is now (after workers were lost or joined).
+
+        The communicator is split now (collective: at the first agreement a worker could be blocked in it
+        while another waits for it to take a message). The next agreement is after ``next_poll`` steps (the
+        same on every worker), and with ``forced`` it decides a checkpoint there."""
         self.comm = self.workers.split(0)
         self.next_poll, self.forced = next_poll, forced
         self.rejoin_at = next_poll if forced else None
@@ -132,9 +133,10 @@ class Control:
         return decision
 
     def join_requested(self, take: bool = True) -> int:
-        """Worker 0: the workers ``RUN_DIR/JOIN`` asks to add (its text, a number; empty: 1), taken once
-        (the file is removed; with ``take`` false it is left, for :meth:`take_join`); 0 without one. A
-        text that is not a small number is named in one warning and ignored
+        """Worker 0: the workers ``RUN_DIR/JOIN`` asks to add, taken once; 0 without one.
+
+        The file's text is a number (empty: 1). Taking it removes the file; with ``take`` false it is left,
+        for :meth:`take_join`. A text that is not a small number is named in one warning and ignored
         (:func:`runner.rank.join_request.join_count`)."""
         try:
             text = read_join(self.join_file)  # (a named pipe or a link there is named, never waited on)
@@ -157,8 +159,10 @@ class Control:
         return count
 
     def join_granted(self, take: bool = True) -> int:
-        """Worker 0, at an agreement: :meth:`join_requested`, refused in one warning (0) when this job cannot
-        grow (:func:`runner.rank.join_request.growth_refusal`: no fault tolerance, or NCCL or gloo)."""
+        """Worker 0, at an agreement: :meth:`join_requested`, or 0 when this job cannot grow.
+
+        A refusal is named in one warning (:func:`runner.rank.join_request.growth_refusal`: no fault
+        tolerance, or NCCL or gloo)."""
         count = self.join_requested(take)
         refusal = growth_refusal(self.workers) if count else None
         if refusal is not None:
@@ -176,8 +180,10 @@ class Control:
             pass
 
     def drop_stale_join(self) -> None:
-        """Worker 0, as the job starts: remove a ``RUN_DIR/JOIN`` an earlier job of the run folder left
-        (older than this job's ``config.yaml``), so that ``resume=`` does not apply an old request."""
+        """Worker 0, as the job starts: remove a ``RUN_DIR/JOIN`` an earlier job of the run folder left.
+
+        Such a file is older than this job's ``config.yaml``; it is removed so that ``resume=`` does not
+        apply an old request."""
         if stale_join(self.join_file.parent, self.join_file):
             self.join_file.unlink(missing_ok=True)
             print(f"warning: {self.join_file} was left by an earlier job: removed, not applied", flush=True)
@@ -195,13 +201,13 @@ JOIN_MASK = (1 << (MEETING_SHIFT - 2)) - 1
 
 
 class Board(Control):
-    """The workers' agreement without waiting for one another: dynamic assignment under a rule whose
-    workers never wait on each other (ASGD, asynchronous EASGD: they validate alone).
+    """The workers' agreement without waiting for one another.
 
-    :class:`Control`'s all-reduce makes a fast worker wait, at every agreement, for the slowest to have
-    passed the one before; here the first worker past a meeting decides for all, from what it reads
-    itself (``RUN_DIR/STOP``, ``RUN_DIR/JOIN``: the run folder is shared; the checkpoint clock), and
-    posts it in one compare-and-swap on the dealer's counter (its slot
+    For dynamic assignment under a rule whose workers never wait on each other (ASGD, asynchronous EASGD:
+    they validate alone). :class:`Control`'s all-reduce makes a fast worker wait, at every agreement,
+    for the slowest to have passed the one before; here the first worker past a meeting decides for all,
+    from what it reads itself (``RUN_DIR/STOP``, ``RUN_DIR/JOIN``: the run folder is shared; the checkpoint
+    clock), and posts it in one compare-and-swap on the dealer's counter (its slot
     :func:`~runner.rank.assignment.decision_slot`: the meetings passed and the decision's bits); the others
     read it as they pass. A decision that acts (checkpoint, stop, growth) is collective at its meeting,
     so no worker passes it, nor posts a later one, before every worker has read it: a later meeting's
@@ -221,8 +227,9 @@ class Board(Control):
         self.forced_at = next_poll if forced else None
 
     def poll(self, step: int) -> Decision:
-        """At the ``step``-th meeting of the run (every worker passes each): the decision posted for it, or
-        this worker's own, posted first."""
+        """The decision for the ``step``-th meeting of the run: the one posted for it, or this worker's own.
+
+        Every worker passes each meeting; when none is posted yet, this worker posts its own first."""
         assert self.validation_due is None, "validations by time are claimed on the counter, not agreed"
         if self.forced_at is not None and step < self.forced_at:  # (its decision went with the old counter)
             return Decision(passed=True)
@@ -248,8 +255,9 @@ class Board(Control):
         return Decision(bool(bits & 1) or forced, bool(bits & 2), bits >> 2, polled=agreed)
 
     def _bits(self) -> int:
-        """This worker's decision for a meeting: checkpoint by time, stop, workers to add (the JOIN file is
-        left until the decision is posted)."""
+        """This worker's decision for a meeting: checkpoint by time, stop, workers to add.
+
+        The JOIN file is left until the decision is posted."""
         join = min(self.join_granted(take=False), JOIN_MASK)
         return int(self.checkpointer.time_due()) | int(self.stop_file.exists()) << 1 | join << 2
 

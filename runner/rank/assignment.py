@@ -1,5 +1,6 @@
-"""Dynamic assignment (``data.assignment=dynamic``): the workers take an epoch's samples chunk by chunk from
-one shared counter, so a fast worker trains on more of the epoch and a slow one on less.
+"""Dynamic assignment (``data.assignment=dynamic``): the workers take an epoch's samples chunk by chunk.
+
+They take them from one shared counter, so a fast worker trains on more of the epoch and a slow one on less.
 
 Every epoch is one permutation of the training set, drawn from ``train.seed + epoch`` on every worker, cut
 into ``per_epoch`` chunks of one step each (``batch_size × accumulate`` samples; the last chunk also takes
@@ -44,8 +45,10 @@ HELD_SLOTS = 8
 
 @dataclass
 class Chunks:
-    """An epoch's permutation of ``samples`` training samples cut into chunks of one step: ``accumulate``
-    micro-batches of ``batch`` samples (the epoch's last chunk takes the remainder in its last one)."""
+    """An epoch's permutation of ``samples`` training samples cut into chunks of one step.
+
+    A chunk is ``accumulate`` micro-batches of ``batch`` samples (the epoch's last chunk takes the remainder
+    in its last one)."""
 
     samples: int
     batch: int
@@ -77,9 +80,10 @@ class Chunks:
 
 
 class Dealer:
-    """The batch sampler of a worker's loader under dynamic assignment: each epoch it yields the
-    micro-batches of the tickets it draws, until it draws one of a later epoch (kept for that epoch) or
-    the run's tickets are spent (``total``).
+    """The batch sampler of a worker's loader under dynamic assignment.
+
+    Each epoch it yields the micro-batches of the tickets it draws, until it draws one of a later epoch
+    (kept for that epoch) or the run's tickets are spent (``total``).
 
     ``counter`` deals positions 0, 1, 2...: position i is ticket ``pending[i]`` while ``pending`` lasts
     (tickets not trained when the dealing restarted: a checkpoint's, a lost worker's), then ``base``
@@ -111,16 +115,19 @@ class Dealer:
     def restart(
         self, counter: Counter, base: int, pending: list[int], rank: int, members: list[int] | None = None
     ) -> None:
-        """Deal anew from a fresh ``counter`` (made for the workers ``members``, launch ranks by rank):
-        ``pending`` first, then ``base`` onwards (this worker now ``rank``); the tickets this worker holds
-        stay its own."""
+        """Deal anew from a fresh ``counter`` (made for the workers ``members``, launch ranks by rank).
+
+        It deals ``pending`` first, then ``base`` onwards (this worker now ``rank``); the tickets this
+        worker holds stay its own."""
         self.counter, self.base, self.pending, self.members = counter, base, sorted(pending), members
         self.rank, self.last_position, self.again = rank, -1, True
         self._publish()
 
     def reopen(self) -> bool:
-        """Whether the dealing restarted since the last call: a worker whose epoch had ended (its draws
-        spent) iterates again, for chunks dealt anew (a lost worker's) of this epoch."""
+        """Whether the dealing restarted since the last call.
+
+        Then a worker whose epoch had ended (its draws spent) iterates again, for chunks dealt anew (a lost
+        worker's) of this epoch."""
         again, self.again = self.again, False
         return again
 
@@ -155,8 +162,9 @@ class Dealer:
             yield from self.chunks.micro_batches(ticket)
 
     def steps_at(self, tickets: int) -> int:
-        """The schedule's steps (``steps`` in all) once the run's first ``tickets`` chunks are trained: the
-        chunks per worker as planned, whatever the workers lost since."""
+        """The schedule's steps (``steps`` in all) once the run's first ``tickets`` chunks are trained.
+
+        They count the chunks per worker as planned, whatever the workers lost since."""
         return tickets * self.steps // self.total
 
     def step_of(self, ticket: int | None) -> int:
@@ -190,9 +198,11 @@ class Dealer:
 
 
 def counter_slots(workers: int) -> int:
-    """A dealer's counter: the position, then :data:`HELD_SLOTS` per worker for the tickets it holds, then
-    the workers' last decision (:class:`runner.rank.agreement.Board`), then the last validation by time
-    claimed (``train.val_every_s``: its last slot)."""
+    """The number of slots of a dealer's counter.
+
+    In order: the position, then :data:`HELD_SLOTS` per worker for the tickets it holds, then the workers'
+    last decision (:class:`runner.rank.agreement.Board`), then the last validation by time claimed
+    (``train.val_every_s``: its last slot)."""
     return 1 + workers * HELD_SLOTS + 2
 
 
@@ -213,9 +223,11 @@ def held_rows(slots: list[int], workers: int) -> list[list[int]]:
 
 
 class Meetings:
-    """The ticket positions of each epoch where the workers meet, in order: agreement points every
-    ``interval`` chunks, validations every ``val_chunks`` chunks (None: at epoch ends only), and the
-    epoch's end (the last index). Every worker passes all of them, each epoch, in the same order."""
+    """The ticket positions of each epoch where the workers meet, in order.
+
+    They are agreement points every ``interval`` chunks, validations every ``val_chunks`` chunks (None: at
+    epoch ends only), and the epoch's end (the last index). Every worker passes all of them, each epoch, in
+    the same order."""
 
     def __init__(self, per_epoch: int, interval: int, val_chunks: int | None):
         agree = set(range(interval, per_epoch, interval))
@@ -242,14 +254,17 @@ class Meetings:
 
 
 def val_chunks(val_every: float, per_epoch: int) -> int | None:
-    """Chunks (or steps) between validations within an epoch for ``train.val_every`` below 1 (None: at
-    epoch ends only)."""
+    """Chunks (or steps) between validations within an epoch for ``train.val_every`` below 1.
+
+    None: at epoch ends only."""
     return max(1, round(val_every * per_epoch)) if val_every < 1 else None
 
 
 def plan(chunks: Chunks, epochs: int, max_steps: int | None, workers: int) -> tuple[int, int, int]:
-    """``(tickets, epochs, steps)`` of a dynamic run: all epochs' chunks, cut at ``max_steps × workers``;
-    ``steps``, the schedule's length, counts chunks per worker (ticket t is at step about t // workers)."""
+    """``(tickets, epochs, steps)`` of a dynamic run.
+
+    ``tickets``: all epochs' chunks, cut at ``max_steps × workers``; ``steps``, the schedule's length,
+    counts chunks per worker (ticket t is at step about t // workers)."""
     per_epoch = chunks.per_epoch
     total = epochs * per_epoch
     if max_steps is not None:
@@ -258,9 +273,10 @@ def plan(chunks: Chunks, epochs: int, max_steps: int | None, workers: int) -> tu
 
 
 def dealing_state(dealer: Dealer, workers: CommLike) -> dict[str, Any]:
-    """Collective over the workers, at a meeting: what is left to deal, for a checkpoint. ``pending``: every
-    ticket drawn and not trained (the ones the workers hold) or left pending; ``base``: the first never
-    drawn."""
+    """Collective over the workers, at a meeting: what is left to deal, for a checkpoint.
+
+    ``pending``: every ticket drawn and not trained (the ones the workers hold) or left pending; ``base``:
+    the first never drawn."""
     position = workers.broadcast_object(dealer.counter.read()[0] if workers.rank == 0 else None)
     left, base = dealer.undrawn(position)
     held = [t for row in workers.allgather_object(dealer.holding()) for t in row]
@@ -268,10 +284,11 @@ def dealing_state(dealer: Dealer, workers: CommLike) -> dict[str, Any]:
 
 
 def redeal(dealer: Dealer, workers: CommLike, before: list[int], lost: list[int]) -> str | None:
-    """Collective over the survivors, after ``lost`` (launch ranks) were lost from the workers ``before``
-    (launch ranks, by old rank): a new counter over the survivors, which deals the tickets the lost
-    workers held, then what was never drawn. Worker 0 held the counter; if it was lost, what it held is
-    gone: returns a line saying so (else None)."""
+    """Collective over the survivors of a loss: deal anew from a new counter over them.
+
+    ``lost`` (launch ranks) were lost from the workers ``before`` (launch ranks, by old rank). The new
+    counter deals the tickets the lost workers held, then what was never drawn. Worker 0 held the counter;
+    if it was lost, what it held is gone: returns a line saying so (else None)."""
     # the rows of worker 0's counter are by the members it was made for: ``before``, or fewer when the
     # survivors dealt anew already in a recovery another loss cut short (then worker 0's view decides)
     members = dealer.members or before
@@ -303,9 +320,10 @@ def redeal(dealer: Dealer, workers: CommLike, before: list[int], lost: list[int]
 
 
 def regrow(dealer: Dealer, workers: CommLike, joined: bool) -> None:
-    """Collective over the workers once new ones joined (``joined``: this one is new): a new counter over
-    all of them, which deals what was never drawn; the tickets each worker holds stay its own (a new one
-    holds none). Worker 0 held the old counter and still comes first."""
+    """Collective over the workers once new ones joined: deal anew from a new counter over all of them.
+
+    ``joined``: this one is new. The new counter deals what was never drawn; the tickets each worker holds
+    stay its own (a new one holds none). Worker 0 held the old counter and still comes first."""
     undrawn = dealer.undrawn(dealer.counter.snapshot()[0]) if workers.rank == 0 else None
     left, base = workers.broadcast_object(undrawn)
     counter = workers.counter(counter_slots(workers.size))
@@ -315,9 +333,11 @@ def regrow(dealer: Dealer, workers: CommLike, joined: bool) -> None:
 
 
 def lost_shard(plans: list[tuple[int, int] | None], rank: int) -> tuple[int, int]:
-    """Static shards, within an epoch: the shard a new worker (``rank``; its entry of ``plans`` None) takes
-    for the rest of it, given every worker's ``(shard, shards)`` (None: new): the lost workers' shards in
-    order, then, once they are all taken, a copy of a survivor's (so its steps match the others')."""
+    """Static shards, within an epoch: the shard a new worker takes for the rest of the epoch.
+
+    ``rank`` is the new worker (its entry of ``plans`` None), and ``plans`` holds every worker's ``(shard,
+    shards)`` (None: new). New workers take the lost workers' shards in order, then, once they are all
+    taken, a copy of a survivor's (so its steps match the others')."""
     kept = [p for p in plans if p is not None]
     shards = kept[0][1]
     missing = sorted(set(range(shards)) - {shard for shard, _ in kept})

@@ -92,8 +92,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class _Digesting:
-    """A binary file to write to that counts the bytes written and their CRC-32 (``torch.save`` only
-    appends to a file object: it calls ``write`` and ``flush`` alone)."""
+    """A binary file to write to that counts the bytes written and their CRC-32.
+
+    ``torch.save`` only appends to a file object: it calls ``write`` and ``flush`` alone."""
 
     def __init__(self, f: Any):
         self.f, self.size, self.crc = f, 0, 0
@@ -113,8 +114,9 @@ class _Digesting:
 
 
 def save_atomic(obj: Any, path: Path) -> dict[str, int]:
-    """``torch.save`` to ``path`` through a temporary file, so ``path`` is either absent or complete;
-    returns its size and CRC-32 (``{"bytes", "crc32"}``, as :func:`~runner.run_folder.file_digest`). The
+    """``torch.save`` to ``path`` through a temporary file, so ``path`` is either absent or complete.
+
+    Returns its size and CRC-32 (``{"bytes", "crc32"}``, as :func:`~runner.run_folder.file_digest`). The
     temporary file is made anew (:func:`~runner.folder_files.create_new`: never written through a link)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -171,10 +173,12 @@ def load_checked(
     map_location: Any = "cpu",
     whole_fix: str | None = None,
 ) -> Any:
-    """``torch.load(path, weights_only=True)`` of a checkpoint part or saved model, checked first against
-    its size and CRC-32 (``record``; None: whether it is a whole file). Raises ValueError naming the file,
-    what is wrong with it, and ``fix``: one line, not torch's traceback; ``whole_fix`` instead where the file
-    is as it was written (its size and CRC-32 match ``record``) and torch still refuses it."""
+    """``torch.load(path, weights_only=True)`` of a checkpoint part or saved model, checked first.
+
+    The file is checked against its size and CRC-32 (``record``; None: whether it is a whole file). Raises
+    ValueError naming the file, what is wrong with it, and ``fix``: one line, not torch's traceback;
+    ``whole_fix`` instead where the file is as it was written (its size and CRC-32 match ``record``) and
+    torch still refuses it."""
     problem = part_damage(path, record)
     if problem is None:
         try:
@@ -189,8 +193,9 @@ def load_checked(
 
 
 def load_part(run_dir: Path, entry: dict[str, Any], rank: int) -> dict[str, Any]:
-    """This rank's part of the checkpoint ``entry`` (an item of ``read_checkpoint_index``), checked against
-    the size and CRC-32 written with it (when the entry records them)."""
+    """This rank's part of the checkpoint ``entry`` (an item of ``read_checkpoint_index``).
+
+    It is checked against the size and CRC-32 written with it (when the entry records them)."""
     parts = entry.get("parts")
     folder = run_dir / CHECKPOINTS / entry["dir"]
     return load_checked(
@@ -241,8 +246,9 @@ class Checkpointer(Owner):
         return self.cfg.every is not None and step % self.cfg.every == 0
 
     def due_between(self, before: int, after: int) -> bool:
-        """Whether the step count asks for a checkpoint between ``before`` and ``after`` steps (dynamic
-        assignment: the run's chunks per worker at two meetings)."""
+        """Whether the step count asks for a checkpoint between ``before`` and ``after`` steps.
+
+        Under dynamic assignment these are the run's chunks per worker at two meetings."""
         every = self.cfg.every
         return every is not None and after // every > before // every
 
@@ -251,8 +257,9 @@ class Checkpointer(Owner):
         return minutes is not None and time.time() - self.last_time >= 60 * minutes
 
     def save(self, step: int, part: dict[str, Any], info: dict[str, Any] | None = None) -> None:
-        """Write this rank's ``part`` of the job's next checkpoint, taken after ``step`` steps; once every
-        rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
+        """Write this rank's ``part`` of the job's next checkpoint, taken after ``step`` steps.
+
+        Once every rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
         checkpoints, so the k-th is in the same folder everywhere."""
         name = checkpoint_folder(self.count + 1, step)
         if self.world.tolerant and self.servers:  # ranks may have died: the parts are the survivors'
@@ -282,8 +289,9 @@ class Checkpointer(Owner):
         self.index(entry)
 
     def fenced(self, what: str) -> None:
-        """Collective: raise :class:`Partitioned` on every rank if rank 0 finds the run folder claimed by a
-        later membership (:mod:`runner.rank.fence`), before anything of ``what`` is written."""
+        """Collective: raise :class:`Partitioned` on every rank if a later membership claimed the run folder.
+
+        Rank 0 looks (:mod:`runner.rank.fence`), before anything of ``what`` is written."""
         why = None
         if self.world.rank == 0:
             try:
@@ -295,8 +303,9 @@ class Checkpointer(Owner):
             raise Partitioned(why)
 
     def index(self, entry: dict[str, Any]) -> None:
-        """Rank 0: add ``entry`` to the index (rebuilt from the folders if it is damaged) and remove the
-        checkpoints beyond ``checkpoint.keep``."""
+        """Rank 0: add ``entry`` to the index and remove the checkpoints beyond ``checkpoint.keep``.
+
+        The index is rebuilt from the folders if it is damaged."""
         try:
             entries = read_checkpoint_index(self.root.parent)
         except DamagedIndex as err:

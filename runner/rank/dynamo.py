@@ -43,8 +43,9 @@ def load() -> types.ModuleType:
 
 
 class Deferred(types.ModuleType):
-    """``torch._dynamo`` before its import: eager mode's ``graph_break`` and ``disable``; anything else
-    imports the real package and is answered by it."""
+    """``torch._dynamo`` before its import: eager mode's ``graph_break`` and ``disable``.
+
+    Anything else imports the real package and is answered by it."""
 
     def __init__(self, spec: importlib.machinery.ModuleSpec):
         super().__init__(NAME)
@@ -65,8 +66,9 @@ class Deferred(types.ModuleType):
             module.graph_break(*args, **kwargs)
 
     def disable(self, fn: Callable | None = None, recursive: bool = True, **kwargs: Any) -> Any:
-        """``fn`` as it is while nothing compiles; the real ``disable(fn)`` from the first call after
-        the real package is loaded."""
+        """``fn`` as it is while nothing compiles, else through the real ``disable(fn)``.
+
+        The real one is used from the first call after the real package is loaded."""
         if fn is None:
             return functools.partial(self.disable, recursive=recursive, **kwargs)
         disabled: Callable | None = None
@@ -97,8 +99,9 @@ class _Existing(importlib.abc.Loader):
 
 
 class _Submodules(importlib.abc.MetaPathFinder):
-    """Imports the real package before any of its submodules (``import torch._dynamo.config``), so no
-    submodule is executed twice."""
+    """Imports the real package before any of its submodules (``import torch._dynamo.config``).
+
+    This way no submodule is executed twice."""
 
     def find_spec(
         self, fullname: str, path: Any, target: Any = None
@@ -111,8 +114,9 @@ class _Submodules(importlib.abc.MetaPathFinder):
 
 
 def defer() -> bool:
-    """Put :class:`Deferred` in the place of ``torch._dynamo`` unless it is imported already; returns
-    whether it did."""
+    """Put :class:`Deferred` in the place of ``torch._dynamo`` unless it is imported already.
+
+    Returns whether it did."""
     if NAME in sys.modules:
         return False
     import torch

@@ -41,8 +41,9 @@ class Partitioned(RuntimeError):
 
 
 def quorum(before: Sequence[int], survivors: Sequence[int], hosts: Sequence[str]) -> str | None:
-    """Why the ``survivors`` (launch ranks) of the membership ``before`` (launch ranks, rank 0 first) must
-    stop, or None when they may go on; ``hosts``: every launch rank's host."""
+    """Why the ``survivors`` of the membership ``before`` must stop, or None when they may go on.
+
+    Both are launch ranks (``before``: rank 0 first); ``hosts``: every launch rank's host."""
     alive = set(survivors)
     lost = [r for r in before if r not in alive]
     survivor_hosts = {hosts[r] for r in survivors}
@@ -75,8 +76,10 @@ class Fence:
         self.ignored: set[str] = set()  # the files named as not this job's, named once
 
     def current(self) -> int:
-        """The run folder's latest claimed generation (0: none yet): the last of the claims 1, 2, ... that
-        follow one another. Files of the form that are no claim of this job are warned of, once each."""
+        """The run folder's latest claimed generation (0: none yet).
+
+        It is the last of the claims 1, 2, ... that follow one another. Files of the form that are no claim
+        of this job are warned of, once each."""
         prefix = GENERATION + "."
         try:
             names = [n for n in os.listdir(self.dir) if n.startswith(prefix)]
@@ -109,8 +112,9 @@ class Fence:
                 )
 
     def claim(self, members: str) -> bool:
-        """Claim the next generation for this rank's membership (``members``: who, for the file); False when
-        another side claimed it first (a fence that is not enabled claims nothing and is never refused).
+        """Claim the next generation for this rank's membership; False when another side claimed it first.
+
+        ``members``: who, for the file. A fence that is not enabled claims nothing and is never refused.
         Called by the new rank 0 alone; every member then calls :meth:`advance`. A link or special file
         in the claim's place is no side's claim (claims are regular files): it is removed, and claimed over
         (a folder there raises :class:`~runner.folder_files.ForeignFile`)."""
@@ -137,9 +141,11 @@ class Fence:
         return True
 
     def claim_next(self, members: list[str]) -> int:
-        """:meth:`claim` the next generation for ``members``; where that claim is this side's own (it names
-        every one of ``members``: made before another loss cut the recovery short), the one after it.
-        Returns the generation claimed, 0 when another side claimed it first (disabled: the next one)."""
+        """:meth:`claim` the next generation for ``members``; returns the generation claimed.
+
+        Where that claim is this side's own (it names every one of ``members``: made before another loss cut
+        the recovery short), the one after it is claimed. Returns 0 when another side claimed it first
+        (disabled: the next one)."""
         while not self.claim(", ".join(members)):
             path = self.dir / f"{GENERATION}.{self.generation + 1}"
             try:
@@ -156,8 +162,9 @@ class Fence:
         self.generation += 1
 
     def check(self, what: str) -> None:
-        """Raise :class:`Partitioned` if a later membership has claimed the run folder (before writing
-        ``what``)."""
+        """Raise :class:`Partitioned` if a later membership has claimed the run folder.
+
+        Called before writing ``what``."""
         if not self.enabled:
             return
         latest = self.current()

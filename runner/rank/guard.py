@@ -33,9 +33,10 @@ def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 def poisoned(
     loss: torch.Tensor, buffers: list[torch.Tensor], scale: float = 1.0, stats_ok: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``scale · loss`` while the loss and the BatchNorm statistics its forward pass updated are finite, else
-    NaN: backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step
-    to every rank, and all of them decide alike (without a host sync). ``scale`` is the rule's
+    """``scale · loss`` while the loss and BatchNorm statistics its forward pass updated are finite, else NaN.
+
+    Backward then gives NaN gradients, so a rule that averages them carries one rank's non-finite step to
+    every rank, and all of them decide alike (without a host sync). ``scale`` is the rule's
     :attr:`~runner.rules.base.Rule.loss_scale`, applied in the same multiplication at no cost.
     ``stats_ok``: whether the statistics are finite, when the caller computed it already."""
     ok = torch.isfinite(norm(buffers)) if stats_ok is None else stats_ok
@@ -43,13 +44,17 @@ def poisoned(
 
 
 class Diverged(RuntimeError):
-    """A non-finite loss or gradient with ``train.on_nonfinite=stop``, or a validation loss that exploded
-    (``train.diverge_at``): the job ends with status diverged."""
+    """A non-finite loss or gradient, or a validation loss that exploded: the job ends with status diverged.
+
+    Non-finite values end it with ``train.on_nonfinite=stop``; an exploded validation loss, by
+    ``train.diverge_at``."""
 
 
 def collapse(loss: float, first: float, factor: float | None) -> str | None:
-    """Why a validation ``loss`` means the run diverged (None: it does not): not finite, or above
-    ``factor`` times the run's ``first`` validation loss (``factor`` None: only when not finite)."""
+    """Why a validation ``loss`` means the run diverged (None: it does not).
+
+    It is not finite, or above ``factor`` times the run's ``first`` validation loss (``factor`` None: only
+    when not finite)."""
     if not math.isfinite(loss):
         return f"validation loss {loss}"
     if factor is not None and first > 0 and loss > factor * first:
@@ -63,11 +68,13 @@ def collapse(loss: float, first: float, factor: float | None) -> str | None:
 def fell_to_chance(
     history: list[dict[str, float]], prefix: str, classes: int | None, margin: float | None
 ) -> str | None:
-    """Why the run's last validation (``history``, the reported model's keys starting with ``prefix``) means
-    its classifier of ``classes`` classes collapsed (None: it did not, or no margin, class count or
-    accuracy): an earlier validation well above chance, accuracy at least ``chance + 2·margin·(1 − chance)``,
-    and now either its accuracy within ``chance + margin·(1 − chance)``, or its loss above chance level
-    (``ln classes``, a uniform guess's) while its accuracy is no longer well above chance."""
+    """Why the run's last validation means its classifier of ``classes`` classes collapsed (None: it did not).
+
+    The validations are ``history``, the reported model's keys starting with ``prefix``; None also without a
+    margin, class count or accuracy. A collapse is an earlier validation well above chance, accuracy at least
+    ``chance + 2·margin·(1 − chance)``, and now either its accuracy within ``chance + margin·(1 − chance)``,
+    or its loss above chance level (``ln classes``, a uniform guess's) while its accuracy is no longer well
+    above chance."""
     acc_key, loss_key = f"{prefix}val_acc", f"{prefix}val_loss"
     accs = [r[acc_key] for r in history if acc_key in r]
     if margin is None or classes is None or classes < 2 or len(accs) < 2:
@@ -89,10 +96,12 @@ def fell_to_chance(
 
 
 class Guard(Owner):
-    """The non-finite checks of one worker's training. ``keep`` is whether the BatchNorm statistics are
-    copied before each step (``on_nonfinite=skip``, or fault tolerance, which may redo a step); ``fp16`` a
-    gradient scaler is in use, whose overflowing steps are skipped without ending the run; ``echo`` prints
-    a line for the run's output; ``rank()`` is this worker's rank now (for messages; recovery renumbers).
+    """The non-finite checks of one worker's training.
+
+    ``keep`` is whether the BatchNorm statistics are copied before each step (``on_nonfinite=skip``, or fault
+    tolerance, which may redo a step); ``fp16`` a gradient scaler is in use, whose overflowing steps are
+    skipped without ending the run; ``echo`` prints a line for the run's output; ``rank()`` is this worker's
+    rank now (for messages; recovery renumbers).
 
     With ``on_nonfinite=stop`` and no ``fp16`` the checks are deferred (:attr:`deferred`): each step's
     finiteness is computed on the device, which remembers the first bad step and its cause, and the step is
@@ -139,13 +148,14 @@ class Guard(Owner):
         self.overflows = 0  # fp16 steps skipped because the scaled gradients overflowed
 
     def allows(self, loss: torch.Tensor, step: int) -> bool:
-        """Whether the step may be applied: loss, BatchNorm statistics and gradients finite. Otherwise
-        ``on_nonfinite=stop`` raises :class:`Diverged` (deferred: the step is applied, and :meth:`check`
-        raises later); ``skip`` drops the step (its update and its BatchNorm statistics) and counts it. Rules
-        that exchange gradients (BSP) decide alike on every rank, since a rank's non-finite step poisons the
-        gradient it sends. A rule that holds every gradient in a few flat buffers (BSP's buckets) has their
-        sums checked, a third cheaper than the norm and as sure: a NaN or infinity anywhere makes the sum
-        non-finite."""
+        """Whether the step may be applied: loss, BatchNorm statistics and gradients finite.
+
+        Otherwise ``on_nonfinite=stop`` raises :class:`Diverged` (deferred: the step is applied, and
+        :meth:`check` raises later); ``skip`` drops the step (its update and its BatchNorm statistics) and
+        counts it. Rules that exchange gradients (BSP) decide alike on every rank, since a rank's non-finite
+        step poisons the gradient it sends. A rule that holds every gradient in a few flat buffers (BSP's
+        buckets) has their sums checked, a third cheaper than the norm and as sure: a NaN or infinity
+        anywhere makes the sum non-finite."""
         flat = self.rule.grad_buffers()
         if flat:
             grad_norm = torch.stack([b.sum() for b in flat]).sum()
@@ -183,8 +193,10 @@ class Guard(Owner):
         return poisoned(loss, self.buffers, scale, self.stats_ok)
 
     def note(self, loss: torch.Tensor, grad: torch.Tensor, step: int, flat: bool) -> None:
-        """Deferred: remember on the device, without waiting for it, whether step ``step`` (0-based) was the
-        first that was not finite, and then its loss, gradient and statistics."""
+        """Deferred: remember on the device whether step ``step`` (0-based) was the first that was not finite.
+
+        It does not wait for the device. For such a step it also remembers its loss, gradient and
+        statistics."""
         if self.first is None:
             self.first = torch.full((), -1, dtype=torch.int64, device=grad.device)
             ok = torch.ones((), dtype=torch.bool, device=grad.device)
@@ -197,8 +209,9 @@ class Guard(Owner):
         self.flat = flat
 
     def check(self) -> None:
-        """Deferred: raise :class:`Diverged`, naming the first step that was not finite, if one was since
-        training began (one host synchronisation; nothing to do without deferred checks)."""
+        """Deferred: raise :class:`Diverged` if a step since training began was not finite, naming the first.
+
+        One host synchronisation; nothing to do without deferred checks."""
         if self.first is None:
             return
         step = int(self.first)
@@ -222,8 +235,9 @@ class Guard(Owner):
 
     @torch.no_grad()
     def keep(self) -> None:
-        """Copy the BatchNorm statistics before the forward pass updates them (when keeping), so that a
-        dropped or redone step leaves no trace in them either."""
+        """Copy the BatchNorm statistics before the forward pass updates them (when keeping).
+
+        Then a dropped or redone step leaves no trace in them either."""
         if not self.keeping:
             return
         if not self.kept:
@@ -237,9 +251,11 @@ class Guard(Owner):
             buffer.copy_(kept)
 
     def check_model(self, step: int) -> None:
-        """Raise :class:`Diverged` when the model is no longer finite (a finite gradient times a large
-        learning rate can overflow a parameter, large activations a BatchNorm statistic); first, with
-        deferred checks, when a step since the last check was not finite (:meth:`check`)."""
+        """Raise :class:`Diverged` when the model is no longer finite.
+
+        A finite gradient times a large learning rate can overflow a parameter, large activations a
+        BatchNorm statistic. First, with deferred checks, it raises when a step since the last check was not
+        finite (:meth:`check`)."""
         self.check()
         state = self.model.state_dict()
         tensors = [t for t in state.values() if t.is_floating_point()]

@@ -40,16 +40,18 @@ def join_count(text: str) -> tuple[int, str | None]:
 
 
 def read_join(path: Path) -> str:
-    """The text of ``RUN_DIR/JOIN`` (its first :data:`JOIN_READ` bytes), read at once: a link, a named pipe
-    or anything but a regular file raises :class:`~runner.folder_files.ForeignFile` (an OSError naming
-    it), and nothing blocks."""
+    """The text of ``RUN_DIR/JOIN`` (its first :data:`JOIN_READ` bytes), read at once.
+
+    A link, a named pipe or anything but a regular file raises :class:`~runner.folder_files.ForeignFile`
+    (an OSError naming it), and nothing blocks."""
     with open_in_folder(path, "rb") as file:
         return file.read(JOIN_READ).decode(errors="replace")
 
 
 def growth_refusal(workers: CommLike) -> str | None:
-    """Why the job of the workers' communicator ``workers`` cannot take new workers (None: it can): no
-    fault tolerance (``hardware.fault_tolerance=none``), or its collectives on a ``torch.distributed``
+    """Why the job of the workers' communicator ``workers`` cannot take new workers (None: it can).
+
+    No fault tolerance (``hardware.fault_tolerance=none``), or its collectives on a ``torch.distributed``
     transport (NCCL, gloo), whose process groups cannot take new ranks (the spawn would wait forever)."""
     if not getattr(workers, "tolerant", False):
         return (
@@ -66,8 +68,9 @@ def growth_refusal(workers: CommLike) -> str | None:
 
 
 def stale_join(run_dir: Path, join: Path) -> bool:
-    """Whether ``join`` was written before this job started (before the launcher wrote ``config.yaml``):
-    a request to an earlier job of the run folder, never to be applied to this one."""
+    """Whether ``join`` was written before this job started (before the launcher wrote ``config.yaml``).
+
+    Such a file is a request to an earlier job of the run folder, never to be applied to this one."""
     from runner.run_folder import CONFIG
 
     try:

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 
 
 def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
-    """Consecutive groups of ``k`` batches (the micro-batches of one accumulated step); an incomplete last
-    group is dropped."""
+    """Consecutive groups of ``k`` batches (the micro-batches of one accumulated step).
+
+    An incomplete last group is dropped."""
     group: list[Batch] = []
     for batch in batches:
         group.append(batch)
@@ -52,8 +53,10 @@ def grouped(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
 
 @dataclass
 class Parts:
-    """What is trained, and how: the model, its optimizer, the synchronization rule, the task (loss and
-    metrics) and the learning-rate schedule."""
+    """What is trained, and how.
+
+    The model, its optimizer, the synchronization rule, the task (loss and metrics) and the learning-rate
+    schedule."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -74,9 +77,10 @@ def delay(seconds: float, spin: bool) -> None:
 
 @dataclass
 class Place:
-    """Where a worker trains: its communicator with the other workers (``workers.stats`` accounts its
-    communication), its device, and ``delay_s`` slept (or with ``spin``, spent spinning) at the start of
-    every step (a simulated straggler)."""
+    """Where a worker trains: its communicator with the other workers, its device, and a straggler's delay.
+
+    ``workers.stats`` accounts its communication; ``delay_s`` is slept (or with ``spin``, spent spinning) at
+    the start of every step (a simulated straggler)."""
 
     workers: CommLike
     device: torch.device
@@ -86,9 +90,11 @@ class Place:
 
 @dataclass
 class Records:
-    """What the loop reports to and agrees through: ``metrics.jsonl``, the meter (timing and progress),
-    the heartbeat, the workers' agreement on checkpoints and stops (``control``, with its checkpointer),
-    and the validation metric the run reports (``monitor``: early stopping watches it)."""
+    """What the loop reports to and agrees through.
+
+    ``metrics.jsonl``, the meter (timing and progress), the heartbeat, the workers' agreement on checkpoints
+    and stops (``control``, with its checkpointer), and the validation metric the run reports
+    (``monitor``: early stopping watches it)."""
 
     log: MetricsLog
     meter: Meter
@@ -98,15 +104,15 @@ class Records:
 
 
 class Trainer:
-    """Trains ``parts.model`` on this rank's shard (``loaders``: train and validation), handing control to
-    the rule at its hooks.
+    """Trains ``parts.model`` on this rank's shard, handing control to the rule at its hooks.
 
-    A step is ``cfg.accumulate`` loader batches (micro-batches): their gradients are summed, each loss
-    divided by their number, and the rule exchanges once per step (BSP: its buckets are all-reduced during
-    the last micro-batch's backward). The schedule sets the learning rate before every optimizer step.
-    With ``cfg.precision`` bf16 or fp16 the forward passes run under autocast; fp16 scales the loss with a
-    gradient scaler (a step whose gradients overflow is skipped and the scale halved). ``records.control``
-    says, at the same step on every worker, when to checkpoint or stop.
+    The shard's loaders are ``loaders`` (train and validation). A step is ``cfg.accumulate`` loader batches
+    (micro-batches): their gradients are summed, each loss divided by their number, and the rule exchanges
+    once per step (BSP: its buckets are all-reduced during the last micro-batch's backward). The schedule
+    sets the learning rate before every optimizer step. With ``cfg.precision`` bf16 or fp16 the forward
+    passes run under autocast; fp16 scales the loss with a gradient scaler (a step whose gradients overflow
+    is skipped and the scale halved). ``records.control`` says, at the same step on every worker, when to
+    checkpoint or stop.
 
     The loop holds its components: the pace of its steps, chosen once (:mod:`runner.rank.pace`: static
     shards or dynamic assignment), the validator (:class:`~runner.rank.validator.Validator`) and the
@@ -179,8 +185,10 @@ class Trainer:
         self.growth = Growth(recovery, crew, self.model, self.tolerant)  # the job grows (heal, RUN_DIR/JOIN)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
-        """Train from ``start``; returns the model the run reports (the rule's first evaluated model) and the
-        results. Stops early, after a checkpoint, when the launcher asks (``self.preempted``)."""
+        """Train from ``start``; returns the model the run reports and the results.
+
+        The model reported is the rule's first evaluated model. Stops early, after a checkpoint, when the
+        launcher asks (``self.preempted``)."""
         pos, reported, v = Position(start.step, start.epoch, start.batch), self.model, self.validator
         self.first_step, pace = start.step, self.pace
         for epoch in range(start.epoch, epochs):
@@ -230,10 +238,12 @@ class Trainer:
         return results
 
     def train_span(self, pos: Position, epoch: int, max_steps: int) -> None:
-        """Train the epoch's batches from the loader (dynamic assignment: until this worker's draws are
-        spent), up to ``max_steps``, a stop, or (static shards) a step that ends the run. Static shards: a
-        batch the position has passed is not trained (a recovery gave this worker the state and position
-        of a survivor that had trained on, ``Recovery._agree``)."""
+        """Train the epoch's batches from the loader, up to ``max_steps``, a stop or a step that ends the run.
+
+        Under dynamic assignment it trains until this worker's draws are spent; a step that ends the run
+        stops it under static shards. Static shards: a batch the position has passed is not trained (a
+        recovery gave this worker the state and position of a survivor that had trained on,
+        ``Recovery._agree``)."""
         pace = self.pace
         groups = self.prefetch(grouped(self.train_loader, self.cfg.accumulate), ahead=pace.ahead)
         drawn = pos.batch  # static shards: the epoch's batches drawn (the loader starts at pos.batch)
@@ -259,8 +269,9 @@ class Trainer:
                 return
 
     def step(self, micro: list[Batch], pos: Position) -> bool:
-        """One training step on its micro-batches; False when it must be redone (workers were lost during
-        it)."""
+        """One training step on its micro-batches; False when it must be redone.
+
+        It must be redone when workers were lost during it."""
         applied = False
         if self.delay_s:
             delay(self.delay_s, self.spin)
@@ -309,8 +320,9 @@ class Trainer:
         self.growth.if_due(pos, mid_epoch=True)
 
     def decide(self, pos: Position, decision: Decision, due: bool) -> bool:
-        """At an agreement (every worker alike): validate by time, note a growth, checkpoint when asked or
-        ``due``; True when the workers agreed to stop."""
+        """At an agreement: validate by time, note a growth, checkpoint when asked or ``due``.
+
+        Every worker decides alike. True when the workers agreed to stop."""
         if decision.passed:
             return self.preempted
         if decision.validate:
@@ -333,6 +345,7 @@ class Trainer:
 
     def end_epoch(self, pos: Position, epochs: int, span: Any, done: float | None = None) -> nn.Module | None:
         """The epoch's records, after validation when due; the model validated (None: no validation).
+
         ``done``: the part of the epoch trained, where ``train.max_steps`` ended the run within it."""
         self.guard.check()
         self.validator.gather()
@@ -366,9 +379,10 @@ class Trainer:
         self.rule.finish()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
-        """The loss of a micro-batch. On the first one, every rank checks that the outputs and targets fit
-        the task, and a model that does not take the data fails with one line naming the shapes (rather
-        than deep inside torch)."""
+        """The loss of a micro-batch.
+
+        On the first one, every rank checks that the outputs and targets fit the task, and a model that does
+        not take the data fails with one line naming the shapes (rather than deep inside torch)."""
         try:
             with autocast(self.device, self.cfg.precision):
                 out = self.model(x)
@@ -386,8 +400,9 @@ class Trainer:
             ) from None
 
     def save(self, pos: Position, end: bool) -> None:
-        """Checkpoint, unless the model is no longer finite: then the run has diverged, and the last good
-        checkpoint is kept."""
+        """Checkpoint, unless the model is no longer finite.
+
+        Then the run has diverged, and the last good checkpoint is kept."""
         self.guard.check_model(pos.step)
         step = self.pace.checkpoint_step(pos)
         servers = self.rule.num_servers > 0  # they are asked once all workers took their part
@@ -420,8 +435,9 @@ class Trainer:
         return self.state.restore(part)
 
     def close(self) -> None:
-        """Stop the loaders' background processes (the worker then leaves without Python's teardown,
-        which would stop them)."""
+        """Stop the loaders' background processes.
+
+        The worker then leaves without Python's teardown, which would stop them."""
         for loader in (self.train_loader, *self.validator.loaders()):
             if getattr(loader, "_iterator", None) is not None:  # persistent loader processes
                 loader._iterator = None  # the last reference: its __del__ shuts them down now

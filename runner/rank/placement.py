@@ -1,5 +1,6 @@
-"""Worker side of the placement: each rank fits its threads to its CPU affinity, takes its GPU, and rank 0
-checks every rank's binding against ``hardware.bind`` and the launcher's ``plan.json``.
+"""Worker side of the placement: each rank fits its threads to its CPU affinity and takes its GPU.
+
+Rank 0 checks every rank's binding against ``hardware.bind`` and the launcher's ``plan.json``.
 
 torch is imported inside the functions: the launcher imports this package and must not import torch.
 """
@@ -57,8 +58,10 @@ def bind_threads(hw: HardwareConfig, rank: int, topo: Topology) -> dict[str, Any
 
 
 def check_bindings(bindings: list[dict[str, Any]], bind: str, plan: list[dict[str, Any]] | None) -> list[str]:
-    """Problems with the ranks' placement: ranks of one host sharing a core although binding was asked, or
-    a rank outside the NUMA node the plan put it on (that of its GPU)."""
+    """Problems with the ranks' placement.
+
+    Ranks of one host sharing a core although binding was asked, or a rank outside the NUMA node the plan
+    put it on (that of its GPU)."""
     if bind == "none":
         return []
     problems, seen = [], {}
@@ -86,8 +89,10 @@ def read_plan(run_dir: Path) -> list[dict[str, Any]] | None:
 
 
 def select_device(hw: HardwareConfig, comm: RankComm, run_dir: Path) -> torch.device:
-    """CPU, or this rank's GPU: the one ``plan.json`` gives it, else its local rank's (nodes the launcher
-    could not plan: other hosts, srun), by the plan's rule for sharing GPUs."""
+    """CPU, or this rank's GPU: the one ``plan.json`` gives it, else its local rank's.
+
+    Its local rank's on nodes the launcher could not plan (other hosts, srun), by the plan's rule for
+    sharing GPUs."""
     import torch
 
     if hw.device == "cpu":
@@ -137,8 +142,9 @@ SHARE_GPUS = "NCCL_MULTI_RANK_GPU_ENABLE"
 
 
 def choose_transport(hw: HardwareConfig, workers: RankComm, device: torch.device) -> tuple[str, str | None]:
-    """Collective over the workers: the transport of their tensor collectives (``mpi``, ``nccl`` or
-    ``gloo``), and why ``auto`` did not take NCCL on GPUs (None when it did, or asked nothing of it).
+    """Collective over the workers: the transport of their tensor collectives (``mpi``, ``nccl`` or ``gloo``).
+
+    Returned with why ``auto`` did not take NCCL on GPUs (None when it did, or asked nothing of it).
 
     ``auto`` takes NCCL when the device is a GPU, torch has NCCL, and every worker has its own GPU, or
     several share one and the NCCL in use allows it (2.30 and later, with ``NCCL_MULTI_RANK_GPU_ENABLE=1``);

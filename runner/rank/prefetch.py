@@ -20,11 +20,13 @@ def moved(group: list[Batch], device: torch.device) -> list[Batch]:
 
 
 class Prefetch:
-    """Moves the groups of micro-batches (one step's each) a loader gives to ``device``. On CUDA, with
-    ``ahead``, the copies of group i+1 start on a side stream before group i is handed over; the step's
-    stream waits for its own group's copies only (an event per group), and the allocator is told that the
-    tensors are used there (``record_stream``), so their memory is not reused before that stream is done.
-    The meter's data wait of a step is then the wait for the batch of the step after it (the same total)."""
+    """Moves the groups of micro-batches (one step's each) a loader gives to ``device``.
+
+    On CUDA, with ``ahead``, the copies of group i+1 start on a side stream before group i is handed over;
+    the step's stream waits for its own group's copies only (an event per group), and the allocator is told
+    that the tensors are used there (``record_stream``), so their memory is not reused before that stream is
+    done. The meter's data wait of a step is then the wait for the batch of the step after it (the same
+    total)."""
 
     def __init__(self, device: torch.device):
         self.device = device

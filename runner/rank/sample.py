@@ -123,8 +123,9 @@ def start_ids(sampler: Sampler, start: str | None, ids: list[int] | None) -> lis
 
 
 def next_logits(sampler: Sampler, idx: torch.Tensor) -> torch.Tensor:
-    """The logits [1, V] of the token after ``idx`` [1, T], cropped to the model's context; ValueError where
-    the model gives no [B, T, V] scores."""
+    """The logits [1, V] of the token after ``idx`` [1, T], cropped to the model's context.
+
+    Raises ValueError where the model gives no [B, T, V] scores."""
     idx = idx[:, -sampler.context :]
     try:
         out = sampler.model(idx)
@@ -169,8 +170,9 @@ def generate(
 
 @dataclass
 class Drawn:
-    """What :func:`sample_run` drew: the token ids (prompt included), and their text where the data set has
-    a decoder (None: it has none)."""
+    """What :func:`sample_run` drew: the token ids (prompt included), and their text.
+
+    The text is there where the data set has a decoder (None: it has none)."""
 
     ids: list[int]
     text: str | None

@@ -41,6 +41,7 @@ def _count(value: Any) -> bool:
 
 def read_record(model: Path) -> dict[str, int] | None:
     """The size and CRC-32 written with ``model``; None when it has none (saved before records were).
+
     Raises ValueError naming a record that cannot be read or is not one."""
     path = record_path(model)
     try:
@@ -57,8 +58,10 @@ def read_record(model: Path) -> dict[str, int] | None:
 
 
 def load_model(path: Path, fix: str, map_location: Any = "cpu") -> dict[str, Any]:
-    """The state dict saved at ``path``, checked against its record first (ValueError naming the file and
-    ``fix``); without a record, one warning on stderr and only the whole-file check."""
+    """The state dict saved at ``path``, checked against its record first.
+
+    A failed check raises ValueError naming the file and ``fix``; without a record, one warning on stderr
+    and only the whole-file check."""
     record = read_record(path)
     state = load_checked(path, record, fix, map_location=map_location)
     if record is None:

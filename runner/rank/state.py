@@ -43,10 +43,11 @@ class Owner:
 def run_length(
     epochs: int, max_steps: int | None, steps_per_epoch: int, epoch: int = 0, done: int = 0
 ) -> tuple[int, int]:
-    """``(epochs, steps)`` a run takes: ``epochs`` epochs of ``steps_per_epoch`` steps, cut at ``max_steps``
-    (``train.max_steps``; None: no cut). From epoch ``epoch`` on, ``done`` steps having been taken before
-    it: the survivors of a lost worker re-plan with their longer epochs. ``steps`` is the schedule's and
-    the progress's length."""
+    """``(epochs, steps)`` a run takes: ``epochs`` epochs of ``steps_per_epoch`` steps, cut at ``max_steps``.
+
+    ``max_steps`` is ``train.max_steps`` (None: no cut). From epoch ``epoch`` on, ``done`` steps having been
+    taken before it: the survivors of a lost worker re-plan with their longer epochs. ``steps`` is the
+    schedule's and the progress's length."""
     ahead = done + (epochs - epoch) * steps_per_epoch
     steps = min(ahead, max_steps or ahead)
     return min(epochs, epoch + -(-(steps - done) // steps_per_epoch)), steps

@@ -22,8 +22,9 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def validation_sums(
     model: nn.Module, loader: Any, task: Task, device: torch.device, precision: str
 ) -> list[float]:
-    """The task's sums over ``loader`` (zeros of the task's width when it has no batch, so every rank adds
-    the same number of values), with one host synchronisation at the end."""
+    """The task's sums over ``loader``, with one host synchronisation at the end.
+
+    Zeros of the task's width when it has no batch, so every rank adds the same number of values."""
     was_training = model.training
     model.eval()
     total = torch.zeros(task.width, dtype=torch.float64, device=device)
@@ -37,8 +38,9 @@ def validation_sums(
 
 
 def nonfinite_batch(loader: Any) -> tuple[int, int] | None:
-    """The first batch of ``loader`` whose inputs or targets hold NaN or inf, and how many such values it
-    holds; None when every batch is finite (read only when a validation loss is not finite)."""
+    """The first batch of ``loader`` whose inputs or targets hold NaN or inf, and how many such values it has.
+
+    None when every batch is finite (read only when a validation loss is not finite)."""
     for index, batch in enumerate(loader):
         bad = sum(int((~torch.isfinite(t)).sum()) for t in _float_tensors(batch))
         if bad:

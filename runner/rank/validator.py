@@ -1,5 +1,6 @@
-"""The loop's validator: validating the rule's models (with every worker, or one worker alone), when by
-time, recording the results, and the collapse check on them.
+"""The loop's validator: validating the rule's models, recording the results, and the collapse check on them.
+
+Models are validated with every worker, or one worker alone, and the validator says when by time.
 
 The loop says where a validation comes (an epoch's end, ``train.val_every`` within the epoch, a meeting of
 dynamic assignment, an agreement by time); the validator does it. Under dynamic assignment, a rule that
@@ -45,12 +46,13 @@ SUMS_SENT = 60
 
 
 class Validator(Owner):
-    """Validates one worker's rule's models (``parts``: the model it trains, the rule, the task) on
-    ``val_loader`` (this worker's share of the validation set) and keeps the results: ``history`` (every
-    validation all workers took, which early stopping reads), the record prefix of the model the run
-    reports, and the first validation loss (``train.diverge_at``'s reference). ``records``: the metrics
-    log, the meter and the non-finite guard; ``dealer``: this worker's dealer under dynamic assignment
-    (None: static shards)."""
+    """Validates one worker's rule's models on ``val_loader`` and keeps the results.
+
+    ``parts``: the model it trains, the rule, the task; ``val_loader``: this worker's share of the
+    validation set. The results kept: ``history`` (every validation all workers took, which early stopping
+    reads), the record prefix of the model the run reports, and the first validation loss
+    (``train.diverge_at``'s reference). ``records``: the metrics log, the meter and the non-finite guard;
+    ``dealer``: this worker's dealer under dynamic assignment (None: static shards)."""
 
     STATE = ("history", "first_val_loss", "reported_prefix", "val_asked")
     TRANSIENT = {
@@ -95,8 +97,9 @@ class Validator(Owner):
         self.val_bytes = 0.0  # sent validating (the rule's mean models, the sums): bytes_sent_validating
 
     def validate(self, epoch: int, step: int, done: float | None = None, **extra: Any) -> nn.Module:
-        """Evaluate the rule's models, record them (with ``extra`` fields), and return the one the run
-        reports (the first). ``done``: the part of the epoch trained, for a validation within it."""
+        """Evaluate the rule's models, record them (with ``extra`` fields) and return the one the run reports.
+
+        The one reported is the first. ``done``: the part of the epoch trained, for a validation within it."""
         self.guard.check()  # (a model past a non-finite step is not validated: the run ends at that step)
         record: dict[str, float] = {}
         sent = self.workers.stats.bytes_sent
@@ -124,9 +127,11 @@ class Validator(Owner):
         return self.task.results(sums)
 
     def check_collapse(self, loss: float | None, step: int, together: bool) -> None:
-        """End the run as diverged when the reported model's validation ``loss`` (None: the task has none)
-        is not finite or exploded against the run's first (``train.diverge_at``), unless the validation data
-        is what is not finite (:meth:`check_data`; ``together``: every worker validated, on its share)."""
+        """End the run as diverged when the reported model's validation ``loss`` is not finite or exploded.
+
+        ``loss`` is None when the task has none; it exploded against the run's first (``train.diverge_at``).
+        Not when the validation data is what is not finite (:meth:`check_data`; ``together``: every worker
+        validated, on its share)."""
         if loss is None:
             return
         if not math.isfinite(loss):
@@ -142,8 +147,10 @@ class Validator(Owner):
             )
 
     def check_data(self, together: bool) -> None:
-        """A validation loss that is not finite: raise ValueError when the validation data holds NaN or inf
-        (this worker's share; with ``together``, any worker's: all raise alike), naming where."""
+        """A validation loss that is not finite: raise ValueError when the validation data holds NaN or inf.
+
+        The data is this worker's share; with ``together``, any worker's: all raise alike. The error names
+        where."""
         found = nonfinite_batch(self.val_loader if together else self.whole_val)
         bad = [self.workers.rank] if found else []
         if together:
@@ -168,15 +175,17 @@ class Validator(Owner):
 
     # -- validation by time (train.val_every_s) ----------------------------------------------------------
     def newly_due(self) -> int | None:
-        """The validation by time (``train.val_every_s``) that this worker's clock says is due, if it is
-        later than the last one asked for or claimed; else None."""
+        """The validation by time (``train.val_every_s``) that this worker's clock says is due.
+
+        Only if it is later than the last one asked for or claimed; else None."""
         due = int(self.log.elapsed() // self.cfg.val_every_s)
         return due if due > self.val_asked else None
 
     def due_by_time(self) -> int:
-        """Worker 0, at an agreement: the validation by time due if ``train.val_every_s`` more seconds of
-        training passed since the last one it asked for, else 0 (the workers then validate together where
-        they agree)."""
+        """Worker 0, at an agreement: the validation by time due, else 0.
+
+        It is due if ``train.val_every_s`` more seconds of training passed since the last one it asked for
+        (the workers then validate together where they agree)."""
         due = self.newly_due()
         if due is None:
             return 0
@@ -189,9 +198,10 @@ class Validator(Owner):
         self.model.train()
 
     def claim(self, pos: Position) -> None:
-        """Dynamic assignment, rules that validate alone, ``train.val_every_s``: the first worker to start a
-        step once the next validation is due takes it (an atomic maximum on the counter's last slot: of
-        the workers that see it due, one raises it), and validates alone."""
+        """Dynamic assignment, rules that validate alone, ``train.val_every_s``: claim the next validation.
+
+        The first worker to start a step once the next validation is due takes it (an atomic maximum on the
+        counter's last slot: of the workers that see it due, one raises it), and validates alone."""
         due = self.newly_due()
         if due is None:
             return
@@ -202,11 +212,13 @@ class Validator(Owner):
 
     # -- validation alone (dynamic assignment, Rule.solo_validation) -------------------------------------
     def validate_alone(self, pos: Position, due: int | None = None) -> None:
-        """Within an epoch of dynamic assignment, the worker that drew the chunk at a validation's position
-        (the first free one): validate the rule's reported model as it reads it alone
-        (:meth:`~runner.rules.base.Rule.solo_model`) on the whole validation set, while the others train
-        on. Worker 0 records it (:meth:`collect`); it is not kept in the history early stopping reads
-        (only one worker has it). ``due``: the validation by time (``train.val_every_s``) it is."""
+        """Within an epoch of dynamic assignment: validate alone on the whole validation set.
+
+        Called by the worker that drew the chunk at a validation's position (the first free one). It
+        validates the rule's reported model as it reads it alone (:meth:`~runner.rules.base.Rule.solo_model`)
+        while the others train on. Worker 0 records it (:meth:`collect`); it is not kept in the history early
+        stopping reads (only one worker has it). ``due``: the validation by time (``train.val_every_s``) it
+        is."""
         self.guard.check()
         if self.whole_val is None:
             self.whole_val = self.val_share(0, 1)
@@ -229,8 +241,10 @@ class Validator(Owner):
     def record_alone(
         self, step: int, epoch: int, at: float, results: dict[str, float], by: int, due: int | None = None
     ) -> None:
-        """Worker 0: record the ``results`` of a validation worker ``by`` took alone at ``at`` (its
-        ``time.time()``); ``due``: the validation by time it is (None: one at a position of the epoch)."""
+        """Worker 0: record the ``results`` of a validation worker ``by`` took alone at ``at``.
+
+        ``at``: its ``time.time()``; ``due``: the validation by time it is (None: one at a position of the
+        epoch)."""
         record = {f"val_{k}": v for k, v in results.items()}
         timed = {} if due is None else {"due": due}
         self.log.write("val", step, at=at, epoch=epoch, alone=True, by=by, **timed, **record)
@@ -238,8 +252,10 @@ class Validator(Owner):
         self.meter.echo(f"epoch {epoch} (in progress, worker {by}): {shown}")
 
     def collect(self, expected: int | None = None) -> None:
-        """Worker 0: record the validations other workers took alone and sent; with ``expected`` (how many
-        they sent this epoch), wait for those still on their way, and take no more."""
+        """Worker 0: record the validations other workers took alone and sent.
+
+        With ``expected`` (how many they sent this epoch), wait for those still on their way, and take no
+        more."""
         buf = torch.empty(5 + SUMS_SENT, dtype=torch.float64)
         while self.solo_got < expected if expected is not None else self.workers.iprobe(tag=VALIDATED):
             source, _ = self.workers.recv(buf, tag=VALIDATED)
@@ -254,8 +270,9 @@ class Validator(Owner):
         self.record_alone(int(step), int(epoch), at, results, source, None if due < 0 else int(due))
 
     def gather(self) -> None:
-        """Collective over the workers (dynamic assignment, rules that validate alone): worker 0 records
-        every validation taken alone this epoch before the epoch's own records."""
+        """Collective over the workers: worker 0 records every validation taken alone this epoch.
+
+        Dynamic assignment, rules that validate alone. They are recorded before the epoch's own records."""
         if not self.alone:
             return
         sent = self.workers.allreduce_values([float(len(self.solo_sent))])[0]
@@ -264,10 +281,11 @@ class Validator(Owner):
         self.solo_sent, self.solo_got, self.solo_seen = [], 0, set()
 
     def resend(self, record: bool) -> None:
-        """Collective over the workers once their communicator was replaced (workers lost or joined): the
-        validations taken alone that worker 0 had not received went with the old one (worker 0 would wait
-        for them at the epoch's end), so every worker hands those it sent over again, worker 0 records the
-        ones it had not (``record`` False: a new worker 0, which cannot tell what the lost one recorded),
+        """Collective over the workers once their communicator was replaced (workers lost or joined).
+
+        The validations taken alone that worker 0 had not received went with the old one (worker 0 would
+        wait for them at the epoch's end), so every worker hands those it sent over again, worker 0 records
+        the ones it had not (``record`` False: a new worker 0, which cannot tell what the lost one recorded),
         and the count of those on their way starts over."""
         if not self.alone:
             return

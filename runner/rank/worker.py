@@ -87,9 +87,10 @@ def run(
     beat: Heartbeat,
     joined: bool = False,
 ) -> None:
-    """Everything one rank does, from placement to the run's records (resuming from the run folder's
-    latest checkpoint when the launcher set ``resume``; ``joined``: spawned into the running job, it
-    starts from worker 0's state)."""
+    """Everything one rank does, from placement to the run's records.
+
+    It resumes from the run folder's latest checkpoint when the launcher set ``resume``; ``joined``:
+    spawned into the running job, it starts from worker 0's state."""
     start = time.time()
     comm.stats.links = emulated(cfg.simulate)  # simulate.ranks_per_node, link_gbps: runner/comm/links.py
     rank = (place_joined if joined else place)(cfg, run_dir, comm, streams, beat)
@@ -155,8 +156,9 @@ def place(
 
 
 def attach_transport(hw: HardwareConfig, workers: mpi.Comm, device: torch.device) -> str:
-    """Collective over the workers: put their tensor collectives on the transport ``hardware.transport``
-    asks for (``auto``: NCCL on GPUs where it can run, else MPI, said in one line); its name."""
+    """Collective over the workers: put their tensor collectives on the transport of ``hardware.transport``.
+
+    ``auto``: NCCL on GPUs where it can run, else MPI, said in one line. Returns its name."""
     name, why = choose_transport(hw, workers, device)
     if why is not None and workers.rank == 0:
         print(f"transport: mpi, staged through host memory, since {why}")
@@ -166,17 +168,20 @@ def attach_transport(hw: HardwareConfig, workers: mpi.Comm, device: torch.device
 
 
 def most_workers(cfg: Config, world: mpi.Comm) -> int:
-    """The most workers the job may have (``hardware.max_workers``, default ``devices``; a resumed job
-    that had grown has more)."""
+    """The most workers the job may have (``hardware.max_workers``, default ``devices``).
+
+    A resumed job that had grown has more."""
     return max(cfg.hardware.max_workers or cfg.devices, world.size - cfg.rule.extra_ranks())
 
 
 def place_joined(
     cfg: Config, run_dir: Path, comm: mpi.Comm, streams: tuple[TextIO, TextIO], beat: Heartbeat
 ) -> Rank:
-    """A worker spawned into the running job: its device, and its part in the job's growth with the ranks
-    that spawned it (:func:`runner.rank.resilience.elastic.arrive`). It is bound by mpirun's placement of
-    the new processes; on GPUs it takes the GPU of its place among the workers on its node."""
+    """A worker spawned into the running job: its device, and its part in the job's growth.
+
+    It takes that part with the ranks that spawned it (:func:`runner.rank.resilience.elastic.arrive`). It
+    is bound by mpirun's placement of the new processes; on GPUs it takes the GPU of its place among the
+    workers on its node."""
     topology, env = read_topology().to_dict(), versions(comm)
     hw = cfg.hardware
     elastic = arrive(comm, cfg.rule.extra_ranks(), run_dir, most_workers(cfg, comm), hw.env)
@@ -230,8 +235,10 @@ def serve(rank: Rank, model: nn.Module) -> None:
 def final_metrics(
     world: mpi.Comm, rule: Rule, noted: Callable[[list[int]], None] | None
 ) -> dict[str, object]:
-    """Collective over all ranks after training: the rule's final metrics. Under fault tolerance (``noted``
-    is told the ranks lost) after a job-wide barrier, and again, by all alike, after one lost within."""
+    """Collective over all ranks after training: the rule's final metrics.
+
+    Under fault tolerance (``noted`` is told the ranks lost) after a job-wide barrier, and again, by all
+    alike, after one lost within."""
     while True:
         if noted is not None:
             noted(world.fault_barrier())
@@ -248,9 +255,10 @@ def final_metrics(
 def fit(
     rank: Rank, trainer: Trainer, epochs: int, steps: int, start_at: Position | None = None
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Restore the checkpoint's state (when resuming), train from ``start_at`` (a joined worker: where
-    worker 0 was), and record the rule's final metrics; returns the model the run reports and the run's
-    results."""
+    """Restore the checkpoint's state (when resuming), train from ``start_at``, and record the final metrics.
+
+    A joined worker starts where worker 0 was. The metrics are the rule's. Returns the model the run reports
+    and the run's results."""
     log = trainer.log
     try:
         start_at = start_at or Position()
@@ -309,8 +317,9 @@ def finish(rank: Rank, trainer: Trainer, reported: nn.Module, result: dict[str, 
 
 
 def lost_after_summary(world: mpi.Comm, trainer: Trainer, result: dict[str, Any]) -> bool:
-    """Fault tolerance, after :func:`finish`: whether a worker was lost before the job's last meeting
-    (collective over all ranks, servers too), so that summary.json must be written again.
+    """Fault tolerance, after :func:`finish`: whether a worker was lost before the job's last meeting.
+
+    Collective over all ranks, servers too. If one was, summary.json must be written again.
 
     Rank 0 writes it after the last collective of training; a rank killed then is in no record, and if it
     was rank 0 it takes the run's results with it while the survivors, who saw no loss, end as if all were
@@ -366,8 +375,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def stop_partitioned(err: Partitioned, run_dir: Path, rank: int, log_file: TextIO) -> None:
-    """Leave on the minority side of a partition: the reason in ``logs/rank<r>.partitioned`` and the rank's
-    log, nothing else written, no MPI_Abort (the majority goes on; an error file would end its job)."""
+    """Leave on the minority side of a partition.
+
+    The reason goes in ``logs/rank<r>.partitioned`` and the rank's log, nothing else is written, and there
+    is no MPI_Abort (the majority goes on; an error file would end its job)."""
     try:
         write_text(rank_file(run_dir, rank, PARTITIONED), f"{err}\n")  # (never through a link)
     except OSError:
@@ -384,8 +395,9 @@ def leave(why: str, log_file: TextIO) -> None:
 
 
 def fail(err: BaseException, run_dir: Path, rank: int, log_file: TextIO) -> None:
-    """Name the failure (``logs/rank<r>.error``, the rank's log, stderr) and abort the job with its status:
-    3 diverged, a SystemExit's own code, else 1."""
+    """Name the failure and abort the job with its status: 3 diverged, a SystemExit's own code, else 1.
+
+    The failure is named in ``logs/rank<r>.error``, the rank's log and stderr."""
     log_file.write(traceback.format_exc())
     if isinstance(err, Diverged):
         status = EXIT["diverged"]

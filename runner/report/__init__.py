@@ -1,2 +1,4 @@
-"""The sweep report: reads run folders (:mod:`.runs`), scores them (:mod:`.table`), draws (:mod:`.plots`)
-and writes ``report.md/.csv/.html`` (:mod:`.write`); ``python -m runner.report DIR`` is its command."""
+"""The sweep report: reads run folders, scores them, draws and writes ``report.md/.csv/.html``.
+
+Reading is :mod:`.runs`, scoring :mod:`.table`, drawing :mod:`.plots`, writing :mod:`.write`;
+``python -m runner.report DIR`` is its command."""

@@ -1,15 +1,17 @@
-"""How sure the report is: runs that differ only in their seed are one point (mean ± spread), and points
-whose difference is within noise are called a tie.
+"""How sure the report is: the seeds of one point, and which points tie within noise.
 
-A point's spread: with n ≤ :data:`RANGE_UP_TO` seeds the range (min–max: every value is inside it; a
-standard deviation of two or three values is too uncertain to print), with more the sample standard
-deviation (mean ± std). Two points tie when their intervals (one seed: the value; n ≤ 3: [min, max]; more:
-mean ± std) overlap or lie within one validation sample of each other: 1/``val_count`` (the items a
-validation counts, recorded in summary.json) for a metric that counts them (an accuracy); 0 for others
-(a loss), and for runs older than the record.
+Runs that differ only in their seed are one point (mean ± spread), and points whose difference is within noise
+are called a tie.
 
-The model scored is the one the run reports, which ``model.pt`` keeps (:data:`SCORED` names it per rule);
-a rule's other validated models (EASGD's workers' mean) are shown beside it, not ranked.
+A point's spread: with n ≤ :data:`RANGE_UP_TO` seeds the range (min–max: every value is inside it; a standard
+deviation of two or three values is too uncertain to print), with more the sample standard deviation (mean ±
+std). Two points tie when their intervals (one seed: the value; n ≤ 3: [min, max]; more: mean ± std) overlap
+or lie within one validation sample of each other: 1/``val_count`` (the items a validation counts, recorded in
+summary.json) for a metric that counts them (an accuracy); 0 for others (a loss), and for runs older than the
+record.
+
+The model scored is the one the run reports, which ``model.pt`` keeps (:data:`SCORED` names it per rule); a
+rule's other validated models (EASGD's workers' mean) are shown beside it, not ranked.
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ class Spread:
 
 @dataclass
 class Point:
-    """The runs of one sweep point (its seeds): their best metric's spread (ok runs only), their other
-    models' (by record prefix), the rule, and one validation sample's worth of the metric (0: unknown)."""
+    """The runs of one sweep point (its seeds), their spreads, the rule and the resolution.
+
+    Their best metric's spread (ok runs only), their other models' (by record prefix), the rule, and one
+    validation sample's worth of the metric (0: unknown)."""
 
     name: str
     runs: list[Run]
@@ -124,8 +128,9 @@ def counted(metric: str) -> bool:
 
 
 def points(runs: list[Run], metric: str, maximize: bool) -> list[Point]:
-    """``runs`` (scored) grouped by their swept values without :data:`REPEAT_KEYS`, best mean first (equal
-    means: fewer steps to target); points without an ok run last, in the runs' order."""
+    """``runs`` (scored) grouped by their swept values without :data:`REPEAT_KEYS`, best mean first.
+
+    Equal means: fewer steps to target first; points without an ok run last, in the runs' order."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
         key = tuple(sorted((k, repr(v)) for k, v in run.swept.items() if k not in REPEAT_KEYS))
@@ -153,8 +158,9 @@ def _point(runs: list[Run], metric: str) -> Point:
 
 
 def tie(a: Point, b: Point) -> bool:
-    """Whether ``a`` and ``b`` (ok points) are within noise: their intervals overlap or lie within one
-    validation sample (the larger of theirs) of each other."""
+    """Whether ``a`` and ``b`` (ok points) are within noise of each other.
+
+    Their intervals overlap or lie within one validation sample (the larger of theirs) of each other."""
     return gap(a, b) <= max(a.resolution, b.resolution) + EPSILON
 
 
@@ -165,8 +171,10 @@ def gap(a: Point, b: Point) -> float:
 
 
 def ranked(found: list[Point]) -> list[list[Point]]:
-    """The ok points, best first, in groups of ties: a point joins the group above when it ties with any
-    of its points (so no order is claimed between two points that tie)."""
+    """The ok points, best first, in groups of ties.
+
+    A point joins the group above when it ties with any of its points (so no order is claimed between two
+    points that tie)."""
     groups: list[list[Point]] = []
     for point in (p for p in found if p.ok):
         if groups and any(tie(point, q) for q in groups[-1]):

@@ -1,16 +1,17 @@
-"""The network as an axis: for a sweep over ``simulate.link_gbps``, which rule reached the target first at
-each link speed (a sentence per speed), and the data of the crossover plot (each rule's time to target
-against bandwidth, drawn by :func:`runner.report.crossover_plot.crossover_figure`).
+"""The network as an axis: which rule reached the target first at each link speed of a sweep.
+
+For a sweep over ``simulate.link_gbps``: a sentence per speed, and the data of the crossover plot (each rule's
+time to target against bandwidth, drawn by :func:`runner.report.crossover_plot.crossover_figure`).
 
 A *series* is what the sweep varied besides the link speed and the seed (the rule, named by its value alone
-when it is the only other key); a *cell* is a series at one speed: a point of :mod:`.confidence` (its
-seeds). A cell reached the target when every seed of it that ended ok did; its time is their mean. Two
-times tie by the report's noise rule (:func:`.confidence.tie`): their spreads over seeds overlap or lie
-within one validation interval of each other, the time between the validation that reached the target and
-the one before it (the crossing lies somewhere in it; the larger of the two cells'). Runs whose links are
-free (``simulate.link_gbps`` or ``simulate.ranks_per_node`` unset) are the speed None, "free links", shown
-apart; a link per node (``simulate.link_gbps=[1,1,1,0.05]``) is a speed of its own, a tuple, ordered by its
-slowest link and left out of the plot's bandwidth axis. Nothing of this is written unless the runs differ in
+when it is the only other key); a *cell* is a series at one speed: a point of :mod:`.confidence` (its seeds).
+A cell reached the target when every seed of it that ended ok did; its time is their mean. Two times tie by
+the report's noise rule (:func:`.confidence.tie`): their spreads over seeds overlap or lie within one
+validation interval of each other, the time between the validation that reached the target and the one before
+it (the crossing lies somewhere in it; the larger of the two cells'). Runs whose links are free
+(``simulate.link_gbps`` or ``simulate.ranks_per_node`` unset) are the speed None, "free links", shown apart; a
+link per node (``simulate.link_gbps=[1,1,1,0.05]``) is a speed of its own, a tuple, ordered by its slowest
+link and left out of the plot's bandwidth axis. Nothing of this is written unless the runs differ in
 ``simulate.link_gbps``, in the kind of network (``network=``), or in ``simulate.link_latency_ms``: then each
 cell is a :class:`Latency`, ordered from the slowest (the longest latency) and drawn against it.
 """
@@ -72,9 +73,10 @@ class Scored(Protocol):
 
 @dataclass
 class Cell:
-    """A series at one link speed (``gbps`` None: free links): its point, and its time to target as a
-    point of its own (``best``: the spread of its seeds' times; ``resolution``: one validation interval),
-    or None where it did not reach the target."""
+    """A series at one link speed (``gbps`` None: free links).
+
+    Its point, and its time to target as a point of its own (``best``: the spread of its seeds' times;
+    ``resolution``: one validation interval), or None where it did not reach the target."""
 
     series: str
     gbps: Speed
@@ -88,9 +90,11 @@ class Cell:
 
 @dataclass
 class Crossover:
-    """The cells of a sweep over link speeds: ``series`` BSP first, then by name, ``speeds`` ascending (free
-    links, None, last), ``cells[(series, speed)]``; ``target``: the report's target as text; ``maximize``:
-    whether the metric's best is its highest (an accuracy) or its lowest (a loss)."""
+    """The cells of a sweep over link speeds.
+
+    ``series``: BSP first, then by name; ``speeds`` ascending (free links, None, last);
+    ``cells[(series, speed)]``; ``target``: the report's target as text; ``maximize``: whether the metric's
+    best is its highest (an accuracy) or its lowest (a loss)."""
 
     metric: str
     target: str
@@ -105,8 +109,9 @@ class Crossover:
 
 
 def speed_of(run: Run, axis: str = LINK_KEY) -> Speed:
-    """``run``'s link speed in Gbit/s (a tuple: one per node; ``network=NAME`` on a sweep over kinds of
-    network), None where its links are free (no bandwidth, or no nodes)."""
+    """``run``'s link speed in Gbit/s, None where its links are free (no bandwidth, or no nodes).
+
+    A tuple has one speed per node; on a sweep over kinds of network the speed is ``network=NAME``."""
     if axis == NETWORK_KEY and (name := (run.lookup(NETWORK_KEY) or (None, ""))[0]) is not None:
         return f"{NETWORK_KEY}={name}"
     if axis == LATENCY_KEY:
@@ -132,8 +137,10 @@ def slowest(gbps: Speed) -> float:
 
 
 def series_name(run: Run, axis: str = LINK_KEY) -> str:
-    """The series of ``run``: its swept values but the link speed and the seed (``diloco`` when the rule is
-    the only one, ``rule=diloco,rule.inner_steps=20`` otherwise; ``all runs`` when nothing else varied)."""
+    """The series of ``run``: its swept values but the link speed and the seed.
+
+    ``diloco`` when the rule is the only one, ``rule=diloco,rule.inner_steps=20`` otherwise; ``all runs`` when
+    nothing else varied."""
     axes = (LINK_KEY, NETWORK_KEY, axis)  # (a sweep over link speeds keeps its latencies apart)
     keys = [k for k in run.swept if k not in (*axes, NODES_KEY, *REPEAT_KEYS)]
     if keys == ["rule"]:
@@ -143,8 +150,9 @@ def series_name(run: Run, axis: str = LINK_KEY) -> str:
 
 
 def _time(point: Point) -> Point | None:
-    """``point``'s time to target as a point (spread of its ok seeds' times, one validation interval as its
-    resolution), None unless each of its ok seeds reached the target."""
+    """``point``'s time to target as a point, None unless each of its ok seeds reached the target.
+
+    Its spread is that of its ok seeds' times, and one validation interval its resolution."""
     ok = [r for r in point.runs if r.ok]
     times = [r.target_time_s for r in ok]
     if not ok or any(t is None for t in times):
@@ -153,8 +161,9 @@ def _time(point: Point) -> Point | None:
 
 
 def _interval(run: Run) -> float:
-    """The time between the validation at which ``run`` reached the target and the one before it (since
-    training started, for the first): where in time the crossing lies."""
+    """The time between the validation at which ``run`` reached the target and the one before it.
+
+    Where in time the crossing lies; for the first validation, the time since training started."""
     times = [t for r in run.vals if (t := finite_or_none(r.get("time"))) is not None]
     hit = run.target_time_s
     before = [t for t in times if hit is not None and t < hit]
@@ -162,9 +171,10 @@ def _interval(run: Run) -> float:
 
 
 def crossover(report: Scored) -> Crossover | None:
-    """The report's cells by series and link speed, None unless its runs differ in ``simulate.link_gbps``,
-    ``network`` or ``simulate.link_latency_ms`` (swept, two values at least, free links counting as one)
-    and it has a target."""
+    """The report's cells by series and link speed.
+
+    None unless its runs differ in ``simulate.link_gbps``, ``network`` or ``simulate.link_latency_ms`` (swept,
+    two values at least, free links counting as one) and it has a target."""
     axis = next((k for k in (LINK_KEY, NETWORK_KEY, LATENCY_KEY) if k in report.keys), None)
     if axis is None or report.target is None:
         return None
@@ -205,8 +215,10 @@ def _and(items: list[str]) -> str:
 
 
 def _leaders(cells: list[Cell]) -> tuple[list[Cell], Cell | None]:
-    """The cells that reached the target at a speed: the first and those that tie with it (fastest first),
-    and the runner-up, the fastest one outside that group (None: none)."""
+    """The cells that reached the target first at a speed, and the runner-up.
+
+    The first with those that tie with it (fastest first), and the runner-up, the fastest one outside that
+    group (None: none)."""
     reached = sorted((c for c in cells if c.time is not None), key=lambda c: c.seconds or 0.0)
     if not reached:
         return [], None
@@ -220,8 +232,10 @@ def _final(cell: Cell) -> str:
 
 
 def sentence(cross: Crossover, gbps: Speed) -> str:
-    """The sentence for link speed ``gbps``: the series that reached the target first and by how much (its
-    time over the runner-up's and BSP's), a tie within noise, or that none reached it."""
+    """The sentence for link speed ``gbps``: who reached the target first, a tie within noise, or none.
+
+    The series that reached the target first and by how much (its time over the runner-up's and BSP's), a tie
+    within noise, or that none reached it."""
     cells, where = cross.at(gbps), f"At {speed_text(gbps)}" if gbps is not None else "With free links"
     first, runner_up = _leaders(cells)
     if not first:
@@ -243,8 +257,9 @@ def sentence(cross: Crossover, gbps: Speed) -> str:
 
 
 def _too_coarse(first: list[Cell]) -> str:
-    """Where a tied cell reached the target at its first validation (its interval is all of its time, so
-    the tie says only that the validations came too late to tell): that, and the fix."""
+    """Where a tied cell reached the target at its first validation: that, and the fix.
+
+    Its interval is then all of its time, so the tie says only that the validations came too late to tell."""
     early = [
         c.series for c in first if c.time is not None and c.time.resolution >= (c.seconds or 0.0) * 0.999
     ]
@@ -323,8 +338,10 @@ def _reached(cross: Crossover) -> list[tuple[Speed, list[str]]]:
 
 
 def no_crossover(cross: Crossover) -> str | None:
-    """The sentence saying the lines do not cross (one series first, alone or tied, at every emulated speed
-    where any reached the target), or None where they do or there are fewer than two such speeds."""
+    """The sentence saying the lines do not cross; None where they do.
+
+    They do not cross where one series is first, alone or tied, at every emulated speed where any reached the
+    target; None also where there are fewer than two such speeds."""
     reached = _reached(cross)
     if len(reached) < 2:
         return None
@@ -339,8 +356,9 @@ def no_crossover(cross: Crossover) -> str | None:
 
 
 def headline(cross: Crossover) -> tuple[str, str]:
-    """The report's first line for a sweep over link speeds, which answers what it varied: the first to the
-    target at each speed (in bold), and whether the lines cross."""
+    """The report's first line for a sweep over link speeds, which answers what it varied.
+
+    The first to the target at each speed (in bold), and whether the lines cross."""
     parts = []
     for gbps, names in firsts(cross):
         who = "none reached it" if not names else names[0] if len(names) == 1 else f"a tie of {_and(names)}"

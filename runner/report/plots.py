@@ -1,8 +1,9 @@
-"""The report's plots (PNG, matplotlib's Agg canvas; no pyplot, no display); the HTML page that shows them
-is :mod:`runner.report.page`.
+"""The report's plots (PNG, matplotlib's Agg canvas; no pyplot, no display).
 
-matplotlib is imported inside the functions: :mod:`runner.report.write` is imported by the launcher at the
-end of a multirun, and a launch that writes no report should not pay for it.
+The HTML page that shows them is :mod:`runner.report.page`.
+
+matplotlib is imported inside the functions: :mod:`runner.report.write` is imported by the launcher at the end
+of a multirun, and a launch that writes no report should not pay for it.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def metric_label(metric: str) -> str:
 
 @dataclass
 class Grid:
-    """A 2-key sweep's best metric per cell: ``values[i][j]`` for ``rows[i]`` of ``row_key`` and
-    ``cols[j]`` of ``col_key`` (None: no run, or no value); ``status`` the cell's run's status."""
+    """A 2-key sweep's best metric per cell.
+
+    ``values[i][j]`` for ``rows[i]`` of ``row_key`` and ``cols[j]`` of ``col_key`` (None: no run, or no
+    value); ``status`` the cell's run's status."""
 
     row_key: str
     col_key: str
@@ -77,9 +80,10 @@ def _order(value: Any) -> tuple:
 
 
 def heatmap_grid(report: Report) -> Grid | None:
-    """The grid of a report over exactly two swept keys besides the seed (None otherwise): a cell is a
-    point, its mean best over its seeds (a point without an ok run: its first run's best and status); a
-    cell with several points keeps the best of them."""
+    """The grid of a report over exactly two swept keys besides the seed (None otherwise).
+
+    A cell is a point, its mean best over its seeds (a point without an ok run: its first run's best and
+    status); a cell with several points keeps the best of them."""
     keys = [k for k in report.keys if k not in REPEAT_KEYS]
     if len(keys) != 2:
         return None
@@ -160,8 +164,10 @@ def _numeric(values: list[Any]) -> bool:
 
 
 def _heatmap(report: Report) -> tuple[str, Figure] | None:
-    """A heatmap of the grid, or, for a sparse one (most cells without a run: Optuna's samples of
-    continuous ranges), a scatter of the runs over the two keys coloured by the metric."""
+    """A heatmap of the grid, or a scatter of the runs for a sparse one.
+
+    Sparse: most cells without a run (Optuna's samples of continuous ranges). The scatter puts the runs over
+    the two keys, coloured by the metric."""
     grid = heatmap_grid(report)
     if grid is None or all(v is None for row in grid.values for v in row):
         return None
@@ -211,8 +217,9 @@ class Panel:
 
 
 def _bars(report: Report, colors: dict[str, Any], panels: list[Panel], title: str) -> Figure:
-    """Horizontal bars, a row per run and a panel (sharing the rows) per :class:`Panel`; a log axis where
-    the values span orders of magnitude."""
+    """Horizontal bars, a row per run and a panel (sharing the rows) per :class:`Panel`.
+
+    A log axis where the values span orders of magnitude."""
     runs = report.runs
     fig = figure(10 if len(panels) == 1 else 13, 1.6 + 0.45 * len(runs))
     ys = list(range(len(runs)))[::-1]
@@ -266,8 +273,9 @@ def _load_tag(run: Run, loaded: bool) -> str:
 
 
 def _bytes_per_step(report: Report, colors: dict[str, Any]) -> Figure | None:
-    """Bars of the bytes each worker sent per optimizer step: the rules' communication, whatever the runs'
-    lengths; None unless at least two runs differ in it."""
+    """Bars of the bytes each worker sent per optimizer step; None unless at least two runs differ in it.
+
+    The rules' communication, whatever the runs' lengths."""
     mbs = [None if r.bytes_per_step is None else r.bytes_per_step / 1e6 for r in report.runs]
     if len({f"{v:.3g}" for v in mbs if v is not None}) < 2:
         return None
@@ -280,8 +288,9 @@ def _bytes_per_step(report: Report, colors: dict[str, Any]) -> Figure | None:
 
 
 def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
-    """EASGD's and GoSGD's per-epoch metrics over steps, a panel each; a log axis where they span orders of
-    magnitude (a run that drifted away next to healthy ones)."""
+    """EASGD's and GoSGD's per-epoch metrics over steps, a panel each.
+
+    A log axis where they span orders of magnitude (a run that drifted away next to healthy ones)."""
     present = [k for k in RULE_METRICS if any(k in r for run in report.runs for r in run.kind("epoch"))]
     if not present:
         return None
@@ -309,8 +318,9 @@ def _rule_metrics(report: Report, colors: dict[str, Any]) -> Figure | None:
 
 
 def worker_counts(run: Run) -> list[tuple[int, int]]:
-    """``(step, workers)`` from the run's start through each loss and join (fault tolerance, elastic
-    workers); empty for a run whose workers never changed."""
+    """``(step, workers)`` from the run's start through each loss and join (fault tolerance, elastic workers).
+
+    Empty for a run whose workers never changed."""
     changes = [r for r in run.records if r.get("kind") in ("failure", "joined") and "workers" in r]
     start = run.summary.get("devices") or (changes[0]["workers"] if changes else None)
     if not changes or start is None:
@@ -351,9 +361,11 @@ def _log_y(axes: Axes, values: list[float], ylabel: str) -> None:
 
 
 def figures(report: Report) -> dict[str, Figure | None]:
-    """The report's figures by name (of :data:`PLOTS`; None: nothing to draw). Bars need two runs (and
-    bytes per step two that differ in it); the heatmap a sweep over exactly two keys; rule metrics a run
-    that recorded them; the crossover a sweep over link speeds (:mod:`runner.report.network`)."""
+    """The report's figures by name (of :data:`PLOTS`; None: nothing to draw).
+
+    Bars need two runs (and bytes per step two that differ in it); the heatmap a sweep over exactly two keys;
+    rule metrics a run that recorded them; the crossover a sweep over link speeds
+    (:mod:`runner.report.network`)."""
     runs = report.runs
     colors = dict(zip((r.name for r in runs), palette(len(runs)), strict=True))
     drawn: dict[str, Figure | None] = {"curves": _curves(report, colors)}
@@ -370,8 +382,10 @@ def figures(report: Report) -> dict[str, Figure | None]:
 
 
 def write_plots(report: Report) -> list[Path]:
-    """Write the report's PNGs (:func:`figures`) into ``report.out`` (removing those of :data:`PLOTS` an
-    earlier report left there that this one has not); returns those written, in the order to show them."""
+    """Write the report's PNGs (:func:`figures`) into ``report.out``.
+
+    Those of :data:`PLOTS` an earlier report left there that this one has not are removed. Returns those
+    written, in the order to show them."""
     drawn = figures(report)
     written = []
     for name in PLOTS:

@@ -1,5 +1,7 @@
-"""Run folders as the sweep report reads them: what each run recorded, and a name for each run from the
-keys its sweep varied (or, for runs started separately, the overrides whose values differ between them)."""
+"""Run folders as the sweep report reads them: what each run recorded, and a name for each run.
+
+The name is built from the keys its sweep varied (or, for runs started separately, the overrides whose values
+differ between them)."""
 
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ def _read_yaml(path: Path) -> Any:
 
 @dataclass(frozen=True)
 class Load:
-    """The machine's 1-minute load average at a run's start and end, and its CPU count (``load`` in
-    summary.json; None where unknown)."""
+    """The machine's 1-minute load average at a run's start and end, and its CPU count.
+
+    ``load`` in summary.json; None where unknown."""
 
     start: float | None
     end: float | None
@@ -83,12 +86,13 @@ def _fmt_load(value: float | None) -> str:
 
 @dataclass
 class Run:
-    """One run folder: what it recorded, its swept values and name, and (once scored) its results. Rates
-    come from summary.json, else (a run that failed) from the mean of its epoch records. Bytes per step:
+    """One run folder: what it recorded, its swept values and name, and (once scored) its results.
+
+    Rates come from summary.json, else (a run that failed) from the mean of its epoch records. Bytes per step:
     per worker and optimizer step; samples per step: the global batch, devices × batch_size × accumulate.
-    ``others``: once scored, the best metric of the rule's other validated models by record prefix
-    (EASGD's ``worker_mean``); ``beside``: the final and best of the metric shown beside the scored one (a
-    loss's perplexity). A run counts tokens (a language model) where it recorded ``tokens_per_s``."""
+    ``others``: once scored, the best metric of the rule's other validated models by record prefix (EASGD's
+    ``worker_mean``); ``beside``: the final and best of the metric shown beside the scored one (a loss's
+    perplexity). A run counts tokens (a language model) where it recorded ``tokens_per_s``."""
 
     dir: Path
     summary: dict[str, Any]
@@ -155,8 +159,10 @@ class Run:
 
     @property
     def tokens_per_sample(self) -> float | None:
-        """Tokens in a sample of a run that counts them: its config's ``data.shape[-1]``, else
-        ``data.block_size`` (None: the run counts no tokens, or its config does not say)."""
+        """Tokens in a sample of a run that counts them.
+
+        Its config's ``data.shape[-1]``, else ``data.block_size`` (None: the run counts no tokens, or its
+        config does not say)."""
         if self.tokens_per_s is None:
             return None
         shape = self.config(("data", "shape"))
@@ -172,8 +178,10 @@ class Run:
         return value
 
     def lookup(self, key: str) -> tuple[Any, str] | None:
-        """``(value, text)`` of ``key`` in this run: its override, else its config group's choice, summary
-        or config value (a key that another run overrode)."""
+        """``(value, text)`` of ``key`` in this run.
+
+        Its override, else its config group's choice, summary or config value (a key that another run
+        overrode)."""
         if key in self.given:
             return self.given[key]
         hydra = _read_yaml(self.dir / HYDRA_DIR / HYDRA_CONFIG) or {}
@@ -185,8 +193,9 @@ class Run:
 
 
 def _worker_steps(summary: dict[str, Any], devices: float | None, records: list[dict[str, Any]]) -> float:
-    """The optimizer steps all workers took in this job (a resumed job: since its checkpoint), from
-    ``steps_per_worker``, else ``steps`` (or the last record's step) × devices; 0 where unknown."""
+    """The optimizer steps all workers took in this job (a resumed job: since its checkpoint).
+
+    From ``steps_per_worker``, else ``steps`` (or the last record's step) × devices; 0 where unknown."""
     each = summary.get("steps_per_worker")
     each = [v for v in each if finite_or_none(v) is not None] if isinstance(each, list) else []
     steps = finite_or_none(summary.get("steps"))
@@ -198,8 +207,10 @@ def _worker_steps(summary: dict[str, Any], devices: float | None, records: list[
 
 
 def declared_keys(folder: Path) -> list[str]:
-    """The keys a sweep folder's multirun.yaml says its sweep varied: its sweep overrides (lists, ranges,
-    Optuna's intervals) and ``hydra.sweeper.params``. (Without one, the keys whose values differ count.)"""
+    """The keys a sweep folder's multirun.yaml says its sweep varied.
+
+    Its sweep overrides (lists, ranges, Optuna's intervals) and ``hydra.sweeper.params``. (Without one, the
+    keys whose values differ count.)"""
     hydra = (_read_yaml(folder / SWEEP_CONFIG) or {}).get("hydra") or {}
     keys = varied_keys((hydra.get("overrides") or {}).get("task") or [])
     return list(dict.fromkeys(keys + [str(k) for k in (hydra.get("sweeper") or {}).get("params") or {}]))
@@ -231,8 +242,9 @@ def load_run(path: Path) -> Run:
 
 
 def refused(path: Path) -> dict[str, Any]:
-    """The summary of a sweep point that was refused before its job started (no summary.json of its own:
-    the sweep's manifest says ``invalid``, with its one-line reason), else {}."""
+    """The summary of a sweep point that was refused before its job started, else {}.
+
+    It has no summary.json of its own: the sweep's manifest says ``invalid``, with its one-line reason."""
     points = read_json(path.parent / MANIFEST).get("points")
     point = points.get(path.name) if isinstance(points, dict) else None
     if not isinstance(point, dict) or point.get("state") != "invalid":
@@ -247,8 +259,10 @@ def short_value(value: Any, text: str) -> str:
 
 
 def label(runs: list[Run], declared: list[str]) -> list[str]:
-    """Set each run's ``swept`` and ``name`` from the ``declared`` keys and those whose values differ
-    between the runs; returns the keys. A name the run recorded is kept when it names the same keys."""
+    """Set each run's ``swept`` and ``name``; returns the keys.
+
+    The keys are the ``declared`` ones and those whose values differ between the runs. A name the run recorded
+    is kept when it names the same keys."""
     keys = list(declared)
     seen = list(dict.fromkeys(k for run in runs for k in run.given))
     for key in seen:

@@ -21,8 +21,9 @@ BESIDE = {"loss": "ppl", "ppl": "loss"}
 
 @dataclass
 class Report:
-    """The runs, best first (those that did not end ok last), what they were compared on, and their
-    standing: the points they make (runs that differ only in their seed) ranked in groups of ties;
+    """The runs, best first (those that did not end ok last), what they were compared on, and their standing.
+
+    The standing: the points they make (runs that differ only in their seed) ranked in groups of ties;
     ``beside``: the metric shown beside the scored one (None: no run recorded it)."""
 
     runs: list[Run]
@@ -59,8 +60,10 @@ class Report:
 
     @property
     def load_note(self) -> str | None:
-        """One line when the runs' wall times were taken under different machine loads (the 1-minute load
-        average at their start differs by more than :data:`LOAD_SPREAD`, or exceeded the CPUs); else None."""
+        """One line when the runs' wall times were taken under different machine loads; else None.
+
+        Different: the 1-minute load average at their start differs by more than :data:`LOAD_SPREAD`, or
+        exceeded the CPUs."""
         return load_note(self.runs)
 
     def target_text(self) -> str:
@@ -98,9 +101,11 @@ def _count(runs: int) -> str:
 def score(
     runs: list[Run], keys: list[str], out: Path, metric: str = "val_acc", target: float | None = None
 ) -> Report:
-    """Score, time and sort ``runs`` on ``metric`` (higher is better for accuracies, lower for losses,
-    errors and perplexities; equal bests: fewer steps to target first); a ``target`` of None is
-    :data:`TARGET_FRACTION` of the best ok run's best (the best divided by it, where lower is better)."""
+    """Score, time and sort ``runs`` on ``metric``.
+
+    Higher is better for accuracies, lower for losses, errors and perplexities; equal bests: fewer steps to
+    target first. A ``target`` of None is :data:`TARGET_FRACTION` of the best ok run's best (the best divided
+    by it, where lower is better)."""
     maximize, beside = maximized(metric), beside_metric(metric)
     for run in runs:
         run.final, run.best = final_best(run, metric)
@@ -131,8 +136,10 @@ def beside_metric(metric: str) -> str | None:
 
 
 def final_best(run: Run, metric: str) -> tuple[float | None, float | None]:
-    """``run``'s last and best ``metric`` (best: the highest or lowest, by :func:`runner.tasks.maximized`),
-    from its validations, else its summary.json's ``final_``/``best_`` values."""
+    """``run``'s last and best ``metric``.
+
+    Best: the highest or lowest, by :func:`runner.tasks.maximized`. From its validations, else its
+    summary.json's ``final_``/``best_`` values."""
     values = [v for r in run.vals if (v := finite_or_none(r.get(metric))) is not None]
     if values:
         return values[-1], (max if maximized(metric) else min)(values)
@@ -154,8 +161,9 @@ def _others(run: Run, metric: str, maximize: bool) -> dict[str, float]:
 
 
 def _time_to_target(run: Run, metric: str, maximize: bool, target: float | None) -> None:
-    """Set the time, step, samples and tokens at ``run``'s first validation that reached ``target`` (at or
-    above it where higher is better, at or below it for a loss)."""
+    """Set the time, step, samples and tokens at ``run``'s first validation that reached ``target``.
+
+    Reached: at or above it where higher is better, at or below it for a loss."""
     run.target_time_s = run.target_step = run.target_samples = run.target_tokens = None
     for record in run.vals if target is not None else []:
         value = finite_or_none(record.get(metric))
@@ -200,8 +208,9 @@ def _shown(report: Report) -> tuple[bool, bool]:
 
 
 def table(report: Report) -> tuple[list[str], list[list[str]]]:
-    """The header (units in it) and the cells, as text, of report.md's and report.html's table; samples to
-    target only where a run recorded its batch size; tokens instead where every run counts them (a
+    """The header (units in it) and the cells, as text, of report.md's and report.html's table.
+
+    Samples to target only where a run recorded its batch size; tokens instead where every run counts them (a
     language model), beside samples where some do."""
     m, b, samples, others = report.metric, report.beside, _samples_shown(report), report.others
     per_s, tokens = _counts(report)
@@ -260,8 +269,10 @@ def explanation(report: Report) -> str:
 
 
 def headlines(report: Report) -> list[tuple[str, str]]:
-    """The report's first line, answering what the sweep varied: over link speeds, the first to the target
-    at each (:func:`runner.report.network.headline`), then the best by the metric; else the best alone."""
+    """The report's first line, answering what the sweep varied.
+
+    Over link speeds, the first to the target at each (:func:`runner.report.network.headline`), then the best
+    by the metric; else the best alone."""
     best = verdict.headline(report.standing)
     if (cross := network.crossover(report)) is None:
         return [best]
@@ -275,8 +286,9 @@ def verdict_line(report: Report) -> str:
 
 
 def markdown(report: Report, plots: list[Path]) -> str:
-    """report.md: the verdict and how sure it is, the points (when seeds were repeated), the runs' table,
-    the runs that did not end ok, the plots."""
+    """report.md: the verdict and how sure it is, the points, the runs' table, the plots.
+
+    The points only when seeds were repeated; the runs that did not end ok follow the runs' table."""
     header, cells = table(report)
     lines = [f"# Report: {report.title}", ""]
     lines += [" ".join(f"**{_md(b)}** {_md(n)}".rstrip() for b, n in headlines(report)[:1]), ""]
@@ -315,7 +327,8 @@ def _md_table(header: list[str], cells: list[list[str]], text_columns: int) -> l
 
 
 def csv_table(report: Report) -> tuple[list[str], list[list[Any]]]:
-    """report.csv: raw numbers (seconds, fractions, bytes; units in the header), a column per swept key;
+    """report.csv: raw numbers (seconds, fractions, bytes; units in the header), a column per swept key.
+
     ``point``: the run's point (its name without the seed); ``val_count``: the items a validation counts;
     where a run counts tokens, ``tokens_at_target``, ``tokens_per_s`` and ``tokens`` (trained on, all
     workers)."""

@@ -1,5 +1,7 @@
-"""The report's sentences on how sure it is: the best point (or a tie), the ranking with its ties, the model
-scored per rule with the others beside it, and how noise was judged (:mod:`runner.report.confidence`)."""
+"""The report's sentences on how sure it is.
+
+The best point (or a tie), the ranking with its ties, the model scored per rule with the others beside it, and
+how noise was judged (:mod:`runner.report.confidence`)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ def _sample(resolution: float) -> str:
 
 
 def why_tied(group: list[Point]) -> str:
-    """Why the points of ``group`` (best first) tie: within one validation sample (one seed each), or
-    spreads that overlap (or lie within one sample)."""
+    """Why the points of ``group`` (best first) tie.
+
+    Within one validation sample (one seed each), or spreads that overlap (or lie within one sample)."""
     resolution = max(p.resolution for p in group)
     if all(p.best is not None and p.best.n == 1 for p in group):
         return f"within {_sample(resolution)} of each other" if resolution else "equal"
@@ -41,8 +44,9 @@ def why_tied(group: list[Point]) -> str:
 
 
 def headline(standing: Standing) -> tuple[str, str]:
-    """The report's first line: what is best (the best run; a point's mean over its seeds; or a tie), and
-    its numbers."""
+    """The report's first line: what is best, and its numbers.
+
+    What is best: the best run; a point's mean over its seeds; or a tie."""
     m, groups = standing.metric, standing.groups
     if not groups:
         return "No run ended ok with a recorded metric.", ""
@@ -78,8 +82,10 @@ def verdict(standing: Standing) -> str:
 
 
 def ranking(standing: Standing) -> str | None:
-    """``Ranking by best val_acc: 1. A at 0.9944 and B at 0.9917 tie: within one validation sample (1/360)
-    of each other; 3. C at 0.9000.`` None with fewer than two ranked points."""
+    """The ranking sentence; None with fewer than two ranked points.
+
+    E.g. ``Ranking by best val_acc: 1. A at 0.9944 and B at 0.9917 tie: within one validation sample (1/360)
+    of each other; 3. C at 0.9000.``"""
     groups = standing.groups
     if sum(len(g) for g in groups) < 2:
         return None
@@ -132,8 +138,9 @@ def scored(standing: Standing) -> str | None:
 
 
 def others_ahead(standing: Standing) -> list[str]:
-    """A line for each point whose other model (EASGD's workers' mean) did better than its scored one by
-    more than noise."""
+    """A line for each point whose other model did better than its scored one by more than noise.
+
+    The other model: EASGD's workers' mean."""
     lines = []
     for p in standing.points:
         if p.best is None:
@@ -150,8 +157,9 @@ def others_ahead(standing: Standing) -> list[str]:
 
 
 def final_behind(standing: Standing) -> str | None:
-    """The points ranked by a best validation their saved model (the final one) fell behind by more than
-    noise: the ranking is by the best, ``model.pt`` holds the final model."""
+    """The points whose saved (final) model fell behind their ranked best validation by more than noise.
+
+    The ranking is by the best, ``model.pt`` holds the final model."""
     behind = []
     for p in standing.points:
         if p.best is None or p.final is None or (p.best.n < 2 and not p.resolution):
@@ -169,8 +177,10 @@ def final_behind(standing: Standing) -> str | None:
 
 
 def paragraphs(standing: Standing) -> list[str]:
-    """The sentences under the headline: the ranking, the model scored per rule, how noise was judged, the
-    points whose other model did better, and those whose saved (final) model fell behind their best."""
+    """The sentences under the headline.
+
+    The ranking, the model scored per rule, how noise was judged, the points whose other model did better, and
+    those whose saved (final) model fell behind their best."""
     texts = [
         ranking(standing),
         scored(standing),
@@ -182,8 +192,10 @@ def paragraphs(standing: Standing) -> list[str]:
 
 
 def points_table(standing: Standing) -> tuple[list[str], list[list[str]]]:
-    """The header and cells of the points' table (seeds repeated): each point's runs ok of all, its best
-    and final metric and its other models' best as mean and spread, its mean steps to target."""
+    """The header and cells of the points' table (seeds repeated).
+
+    Each point's runs ok of all, its best and final metric and its other models' best as mean and spread, its
+    mean steps to target."""
     m = standing.metric
     others = list(dict.fromkeys(k for p in standing.points for k in p.others))
     header = ["point", "runs ok", f"best {m}", f"final {m}", *(f"best {m}: {other_name(k)}" for k in others)]

@@ -19,10 +19,11 @@ __all__ = ["NoRuns", "Report", "write_report"]
 def write_report(
     dirs: list[Path], metric: str | None = None, target: float | None = None, out: Path | None = None
 ) -> Report:
-    """Write report.md, report.csv, report.html and the plots for the runs in ``dirs`` into ``out``: by
-    default the folder given, if one was; else ``report`` beside the first of them. ``metric`` None: the
-    runs' ``train.monitor`` (``monitor`` in their summary.json; ``val_acc`` for runs older than it). Raises
-    NoRuns (a folder without run folders) or ValueError (a metric no run recorded)."""
+    """Write report.md, report.csv, report.html and the plots for the runs in ``dirs`` into ``out``.
+
+    ``out`` by default: the folder given, if one was; else ``report`` beside the first of them. ``metric``
+    None: the runs' ``train.monitor`` (``monitor`` in their summary.json; ``val_acc`` for runs older than it).
+    Raises NoRuns (a folder without run folders) or ValueError (a metric no run recorded)."""
     from runner.report.page import page
     from runner.report.plots import write_plots
 

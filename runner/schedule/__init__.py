@@ -1,18 +1,20 @@
-"""Learning-rate schedules: one module per ``conf/schedule`` option, each a schema whose :meth:`shape` is the
-rule's curve; :class:`Schedule` sets the optimizer's learning rates from it before every optimizer step.
+"""Learning-rate schedules: one module per ``conf/schedule`` option.
 
-At optimizer step ``s`` (0-based: the steps done before this one) of a run of ``T`` steps, every param
-group's learning rate is
+Each is a schema whose :meth:`shape` is the rule's curve; :class:`Schedule` sets the optimizer's learning
+rates from it before every optimizer step.
+
+At optimizer step ``s`` (0-based: the steps done before this one) of a run of ``T`` steps, every param group's
+learning rate is
 
     lr(s) = lr₀ · warm-up(s) · shape(s − W, T − W) · rule(s)
 
 where lr₀ is the group's learning rate when the schedule is built (``optim.lr``), W = ``warmup_steps``,
-warm-up(s) = a + (1 − a)·s/W for s < W and 1 after (a = ``warmup_start``: the fraction at the first step;
-the default 0 makes the first step's rate 0, as Goyal et al. 2017 and Hugging Face's schedules do), the
-shape is evaluated at 0 during the warm-up, and rule(s) is the rule's own factor (BSP's ``lr_scaling``).
-The rate is a pure function of the step, so a resumed run needs no schedule state. Every rule's workers
-step a local optimizer and the schedule sets its rates: with EASGD, GoSGD and ASGD each worker's, with
-DiLoCo the inner one (its outer learning rate stays ``rule.outer_lr``).
+warm-up(s) = a + (1 − a)·s/W for s < W and 1 after (a = ``warmup_start``: the fraction at the first step; the
+default 0 makes the first step's rate 0, as Goyal et al. 2017 and Hugging Face's schedules do), the shape is
+evaluated at 0 during the warm-up, and rule(s) is the rule's own factor (BSP's ``lr_scaling``). The rate is a
+pure function of the step, so a resumed run needs no schedule state. Every rule's workers step a local
+optimizer and the schedule sets its rates: with EASGD, GoSGD and ASGD each worker's, with DiLoCo the inner one
+(its outer learning rate stays ``rule.outer_lr``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduleConfig:
-    """Base of the schedules' schemas: a linear warm-up over the first ``warmup_steps`` optimizer steps,
-    from ``warmup_start`` × the rate to the rate, in front of every schedule's shape."""
+    """Base of the schedules' schemas: a linear warm-up over the first ``warmup_steps`` optimizer steps.
+
+    The warm-up goes from ``warmup_start`` × the rate to the rate, in front of every schedule's shape."""
 
     warmup_steps: int = 0
     warmup_start: float = 0.0
@@ -51,9 +54,10 @@ class ScheduleConfig:
         )
 
     def check_length(self, steps: int, given: str, fix: str) -> None:
-        """The warm-up is no longer than a run of ``steps`` optimizer steps (``given`` says what sets that
-        count, ``fix`` how to lengthen it), else a ValueError naming both: the rate would never reach
-        ``optim.lr``, and no schedule would follow."""
+        """The warm-up is no longer than a run of ``steps`` optimizer steps, else a ValueError.
+
+        ``given`` says what sets that count, ``fix`` how to lengthen it; the ValueError names both: the rate
+        would never reach ``optim.lr``, and no schedule would follow."""
         if self.warmup_steps > steps:
             raise ValueError(
                 f"schedule.warmup_steps={self.warmup_steps} is invalid: it is longer than the run, {steps} "
@@ -72,8 +76,9 @@ class ScheduleConfig:
         return self.warmup_start + (1.0 - self.warmup_start) * step / self.warmup_steps
 
     def factor(self, step: int, total_steps: int) -> float:
-        """The multiplier of the initial learning rate at optimizer step ``step`` (0-based) of a run of
-        ``total_steps``: warm-up × shape. A run shorter than its warm-up ends during the warm-up."""
+        """The multiplier of the initial learning rate at optimizer step ``step`` (0-based): warm-up × shape.
+
+        ``total_steps``: the run's length. A run shorter than its warm-up ends during the warm-up."""
         after = max(0, step - self.warmup_steps)
         return self.warmup(step) * self.shape(after, max(1, total_steps - self.warmup_steps))
 
@@ -83,9 +88,10 @@ class ScheduleConfig:
         total_steps: int,
         rule_factor: Callable[[int], float] = lambda step: 1.0,
     ) -> Schedule:
-        """The schedule of ``optimizer``'s learning rates over ``total_steps`` optimizer steps; build it
-        before loading a checkpoint's optimizer state (the initial rates are read from the groups now).
-        A warm-up longer than the run is refused here, on the ranks, which know an epoch's steps."""
+        """The schedule of ``optimizer``'s learning rates over ``total_steps`` optimizer steps.
+
+        Build it before loading a checkpoint's optimizer state (the initial rates are read from the groups
+        now). A warm-up longer than the run is refused here, on the ranks, which know an epoch's steps."""
         self.check_length(
             total_steps,
             "train.max_steps, or train.epochs × the steps of an epoch, whichever ends first",
@@ -95,8 +101,10 @@ class ScheduleConfig:
 
 
 class Schedule:
-    """Sets every param group's lr = its initial lr × ``cfg.factor(step, total_steps)`` ×
-    ``rule_factor(step)``, before each optimizer step (:meth:`apply`); other group keys are left alone."""
+    """Sets every param group's learning rate before each optimizer step (:meth:`apply`).
+
+    lr = its initial lr × ``cfg.factor(step, total_steps)`` × ``rule_factor(step)``; other group keys are left
+    alone."""
 
     def __init__(
         self,
@@ -121,8 +129,10 @@ class Schedule:
         return [lr * factor for lr in self.initial_lrs]
 
     def replan(self, total_steps: int) -> None:
-        """The run's length changed (survivors of a lost worker share its data, so their later epochs are
-        longer): the schedule spans the new length from now on, and its rate may step once here."""
+        """The run's length changed: the schedule spans the new length from now on.
+
+        Survivors of a lost worker share its data, so their later epochs are longer. The rate may step once
+        here."""
         assert total_steps >= 1, f"total_steps={total_steps}: a run has at least one optimizer step"
         self.total_steps = total_steps
 

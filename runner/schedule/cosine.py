@@ -11,8 +11,10 @@ from runner.schema import require
 
 @dataclass
 class CosineConfig(ScheduleConfig):
-    """From 1 down to ``min_factor`` over the T steps after the warm-up: at the t-th of them the factor is
-    min_factor + (1 − min_factor)·(1 + cos(π·t/T))/2 (the last step's is just above min_factor)."""
+    """From 1 down to ``min_factor`` over the T steps after the warm-up.
+
+    At the t-th of them the factor is min_factor + (1 − min_factor)·(1 + cos(π·t/T))/2 (the last step's is
+    just above min_factor)."""
 
     min_factor: float = 0.0
 

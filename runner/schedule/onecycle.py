@@ -1,5 +1,7 @@
-"""The 1cycle policy (Smith & Topin 2018, "Super-Convergence", arXiv 1708.07120): the learning-rate curve of
-``torch.optim.lr_scheduler.OneCycleLR`` with cosine annealing in both phases (no momentum cycling)."""
+"""The 1cycle policy (Smith & Topin 2018, "Super-Convergence", arXiv 1708.07120).
+
+The learning-rate curve of ``torch.optim.lr_scheduler.OneCycleLR`` with cosine annealing in both phases (no
+momentum cycling)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ def _cos(start: float, end: float, pct: float) -> float:
 
 @dataclass
 class OneCycleConfig(ScheduleConfig):
-    """``optim.lr`` is the peak (OneCycleLR's ``max_lr``). Over a run of T steps the rate rises from
-    lr/``div_factor`` at step 0 to lr at step ``pct_start``·T − 1, then falls to
-    lr/(``div_factor``·``final_div_factor``) at step T − 1, both along a half cosine. The rise is the warm-up:
-    ``warmup_steps`` must stay 0."""
+    """``optim.lr`` is the peak (OneCycleLR's ``max_lr``).
+
+    Over a run of T steps the rate rises from lr/``div_factor`` at step 0 to lr at step ``pct_start``·T − 1,
+    then falls to lr/(``div_factor``·``final_div_factor``) at step T − 1, both along a half cosine. The rise
+    is the warm-up: ``warmup_steps`` must stay 0."""
 
     pct_start: float = 0.3
     div_factor: float = 25.0

@@ -1,5 +1,7 @@
-"""Step decay (as ``torch.optim.lr_scheduler.MultiStepLR``): the rate is multiplied by ``gamma`` at each of
-the ``milestones``, given in absolute optimizer steps (from the first step, warm-up included)."""
+"""Step decay (as ``torch.optim.lr_scheduler.MultiStepLR``).
+
+The rate is multiplied by ``gamma`` at each of the ``milestones``, given in absolute optimizer steps (from the
+first step, warm-up included)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from runner.schema import require
 
 @dataclass
 class StepConfig(ScheduleConfig):
-    """From optimizer step ``milestones[i]`` on, the factor is ``gamma ** (i + 1)``; the milestones come
-    after the warm-up (e.g. ``schedule.milestones=[3000,6000] schedule.gamma=0.1``)."""
+    """From optimizer step ``milestones[i]`` on, the factor is ``gamma ** (i + 1)``.
+
+    The milestones come after the warm-up (e.g. ``schedule.milestones=[3000,6000] schedule.gamma=0.1``)."""
 
     milestones: list[int] = MISSING
     gamma: float = 0.1

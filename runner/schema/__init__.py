@@ -48,8 +48,9 @@ READING_RUN_FOLDER: ContextVar[bool] = ContextVar("mpitrain_reading_run_folder",
 
 
 def require(ok: bool, key: str, value: Any, hint: str) -> None:
-    """Raise a ValueError naming ``key`` (relative to its group) unless ``ok``; within :func:`collected`,
-    record it and go on to the next check."""
+    """Raise a ValueError naming ``key`` (relative to its group) unless ``ok``.
+
+    Within :func:`collected`, record it and go on to the next check."""
     if ok:
         return
     shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
@@ -79,8 +80,10 @@ class ConfigErrors(ValueError):
 
 @contextmanager
 def raising() -> Iterator[None]:
-    """Within, :func:`require` raises, also inside :func:`collected` (a check made on the way to another
-    key's value, which it must not be counted against: a data set's files read for a model's shape)."""
+    """Within, :func:`require` raises, also inside :func:`collected`.
+
+    For a check made on the way to another key's value, which it must not be counted against: a data set's
+    files read for a model's shape."""
     token = _FAILED.set(None)
     try:
         yield
@@ -90,11 +93,12 @@ def raising() -> Iterator[None]:
 
 @contextmanager
 def collected(prefix: str, problems: list[str]) -> Iterator[None]:
-    """Run checks that may each fail without stopping the others: every :func:`require` failed within is
-    added to ``problems`` as ``prefix`` + its message, once per setting (a key's later checks of the same
-    value assume its first passed). A ValueError raised within is added too; but once a check has failed,
-    whatever is raised after it (a check or a computation that needed the failed one to pass) is dropped.
-    Other exceptions are raised."""
+    """Run checks that may each fail without stopping the others.
+
+    Every :func:`require` failed within is added to ``problems`` as ``prefix`` + its message, once per setting
+    (a key's later checks of the same value assume its first passed). A ValueError raised within is added too;
+    but once a check has failed, whatever is raised after it (a check or a computation that needed the failed
+    one to pass) is dropped. Other exceptions are raised."""
     failed: list[tuple[str, str]] = []
     token = _FAILED.set(failed)
     try:
@@ -131,8 +135,10 @@ def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
 
 @dataclass
 class RuleConfig:
-    """Base of the synchronization rules' schemas (``runner/rules/``). ``comm_dtype``: the type parameters
-    and gradients travel in, fp32 or a 16-bit bf16|fp16 with float32 sums (runner/comm/wire.py)."""
+    """Base of the synchronization rules' schemas (``runner/rules/``).
+
+    ``comm_dtype``: the type parameters and gradients travel in, fp32 or a 16-bit bf16|fp16 with float32 sums
+    (runner/comm/wire.py)."""
 
     comm_dtype: str = "fp32"
 
@@ -150,8 +156,9 @@ class RuleConfig:
         """Checks that involve the model; raise ValueError naming the key and the fix."""
 
     def check_optim(self, optim: Any) -> None:
-        """Checks that involve the optimizer (``optim``'s schema object, e.g. a rule that needs Adam's
-        moments); raise ValueError naming the key and the fix."""
+        """Checks that involve the optimizer; raise ValueError naming the key and the fix.
+
+        ``optim``: its schema object (e.g. a rule that needs Adam's moments)."""
 
     def asynchronous(self) -> bool:
         """Whether the workers train without stepping together (then they may take the data dynamically)."""
@@ -164,8 +171,9 @@ class RuleConfig:
 
 @dataclass
 class ModelConfig:
-    """Base of the models' schemas (``models/``): the input shape and class count, interpolated from the
-    data set's outputs by the YAML (``input_shape: ${data.shape}``)."""
+    """Base of the models' schemas (``models/``): the input shape and class count.
+
+    Both are interpolated from the data set's outputs by the YAML (``input_shape: ${data.shape}``)."""
 
     input_shape: list[int] = field(default_factory=lambda: [1, 8, 8])
     num_classes: int = 10
@@ -183,8 +191,9 @@ class ModelConfig:
         require(self.num_classes >= 1, "num_classes", self.num_classes, "must be >= 1")
 
     def require_image(self, min_size: int = 1) -> None:
-        """For image models: ``input_shape`` is [C, H, W] with H and W at least ``min_size`` (smaller
-        images leave an empty feature map inside the network), checked before any rank starts."""
+        """For image models: ``input_shape`` is [C, H, W] with H and W at least ``min_size``.
+
+        Smaller images leave an empty feature map inside the network. Checked before any rank starts."""
         name = type(self).__name__.removesuffix("Config")
         require(
             len(self.input_shape) == 3,
@@ -209,11 +218,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Base of the data sets' schemas (``data/``). ``shape`` and ``num_classes`` describe what the data set
-    yields; models read them. Where a data set fixes them, they are outputs and a different value is an
-    error: fixed in its code (``digits``), or read from its files when the config is checked, through the
-    default ``${mpitrain_data:KEY}`` (:meth:`files_outputs`). Where it takes them as settings
-    (``synthetic``), they are inputs."""
+    """Base of the data sets' schemas (``data/``).
+
+    ``shape`` and ``num_classes`` describe what the data set yields; models read them. Where a data set fixes
+    them, they are outputs and a different value is an error: fixed in its code (``digits``), or read from its
+    files when the config is checked, through the default ``${mpitrain_data:KEY}`` (:meth:`files_outputs`).
+    Where it takes them as settings (``synthetic``), they are inputs."""
 
     #: The keys that name files or folders: the launcher writes them absolute into the run folder's
     #: config.yaml (read from the folder the command ran in), so eval=, resume= and sample read the same
@@ -234,8 +244,9 @@ class DataConfig:
         return out
 
     def dynamic(self, asynchronous: bool) -> bool:
-        """Whether the workers take chunks from a shared counter (``dynamic``) rather than fixed shards;
-        raises ValueError for a setting that cannot work. ``asynchronous``: the rule's workers do not step
+        """Whether the workers take chunks from a shared counter (``dynamic``) rather than fixed shards.
+
+        Raises ValueError for a setting that cannot work. ``asynchronous``: the rule's workers do not step
         together."""
         one_of("assignment", self.assignment, ("auto", "static", "dynamic"))
         if self.assignment == "dynamic" and not asynchronous:
@@ -248,24 +259,27 @@ class DataConfig:
 
     @classmethod
     def files_outputs(cls, settings: Any) -> dict[str, Any]:
-        """For data sets whose files fix them: ``shape`` and ``num_classes`` read from the files ``settings``
-        names (the option's config node, or the schema object), cheaply and without torch; the resolver
-        ``${mpitrain_data:KEY}`` (``runner.data``) gives them as the keys' values. Where the files cannot be
-        read (no path yet, a wrong one), stand-ins that let the other groups be checked: ``__post_init__``
-        then says what is wrong."""
+        """``shape`` and ``num_classes`` read from the files ``settings`` names, cheaply and without torch.
+
+        For data sets whose files fix them; ``settings``: the option's config node, or the schema object. The
+        resolver ``${mpitrain_data:KEY}`` (``runner.data``) gives them as the keys' values. Where the files
+        cannot be read (no path yet, a wrong one), stand-ins that let the other groups be checked:
+        ``__post_init__`` then says what is wrong."""
         raise NotImplementedError(f"{cls.__name__} reads no shape or class count from files")
 
     def fill_outputs(self) -> None:
-        """Keys still ``${mpitrain_data:KEY}`` (the schema made in Python, without OmegaConf) get the value
-        the files hold."""
+        """Keys still ``${mpitrain_data:KEY}`` get the value the files hold.
+
+        Such keys remain in a schema made in Python, without OmegaConf."""
         for key in ("shape", "num_classes"):
             if isinstance(getattr(self, key), str):
                 setattr(self, key, type(self).files_outputs(self)[key])
 
     @staticmethod
     def require_workers(workers: int | None) -> None:
-        """``workers``: background loader processes per rank, or None to decide on each rank from the cores
-        it is bound to (``runner.data.base.loader_workers``)."""
+        """Check ``workers``: background loader processes per rank, or None to decide on each rank.
+
+        None decides from the cores the rank is bound to (``runner.data.base.loader_workers``)."""
         require(
             workers is None or workers >= 0,
             "workers",
@@ -315,9 +329,10 @@ def locate(path: str) -> Any:
 
 
 def schema_of(group: str, module_name: str) -> type:
-    """The schema dataclass of ``schema/<group>/<module_name>``: the one subclass of the group's base
-    class defined in that module (of the group's package, or any importable module given by its dotted
-    path, such as ``my_project.nets``)."""
+    """The schema dataclass of ``schema/<group>/<module_name>``.
+
+    The one subclass of the group's base class defined in that module (of the group's package, or any
+    importable module given by its dotted path, such as ``my_project.nets``)."""
     package, base_path = GROUPS[group]
     module = importlib.import_module(module_name if "." in module_name else f"{package}.{module_name}")
     base = locate(base_path)

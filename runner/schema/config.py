@@ -96,8 +96,10 @@ def schema_paths(cfg: DictConfig) -> dict[str, str]:
 
 
 def check_keys(node: DictConfig, path: str = "") -> None:
-    """Refuse keys a schema does not declare. Hydra's ``+key=value`` adds them (and Hydra's own message
-    for a misspelt key suggests exactly that), so a typo such as ``+train.epoch=1`` would pass unseen."""
+    """Refuse keys a schema does not declare.
+
+    Hydra's ``+key=value`` adds them (and Hydra's own message for a misspelt key suggests exactly that), so a
+    typo such as ``+train.epoch=1`` would pass unseen."""
     cls = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(cls):
         known = [f.name for f in dataclasses.fields(cls)]
@@ -118,8 +120,9 @@ def check_keys(node: DictConfig, path: str = "") -> None:
 
 
 def _other_options(group: str, key: str) -> str:
-    """For a key the chosen option of ``group`` lacks: the other options that have it, or one close to it
-    (``; rule.alpha is a key of rule=easgd``); nothing for a key no option has, or outside the groups."""
+    """For a key the chosen option of ``group`` lacks: the other options that have it, or one close to it.
+
+    E.g. ``; rule.alpha is a key of rule=easgd``; nothing for a key no option has, or outside the groups."""
     if group not in GROUPS:
         return ""
     conf = Path(__file__).resolve().parents[1] / "conf" / group
@@ -137,9 +140,10 @@ def _other_options(group: str, key: str) -> str:
 
 
 def validate(cfg: DictConfig) -> Config:
-    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key. Every
-    independent problem is told at once, a line each (:class:`runner.schema.ConfigErrors`): those of each
-    section and group first, then, when there are none, those of the checks across groups, which need
+    """Check every key and value (the schemas' ``__post_init__``); a ValueError names the full key.
+
+    Every independent problem is told at once, a line each (:class:`runner.schema.ConfigErrors`): those of
+    each section and group first, then, when there are none, those of the checks across groups, which need
     them. A setting that has no effect although half of it is given (:meth:`SimulateConfig.warning`) is
     logged.
 
@@ -183,8 +187,10 @@ def validate(cfg: DictConfig) -> Config:
 
 
 def free_links_asked() -> bool:
-    """Whether this command gave ``simulate.link_gbps=null`` itself (a sweep's point without links, which
-    the network sweep includes on purpose): no warning that links are free is then due."""
+    """Whether this command gave ``simulate.link_gbps=null`` itself.
+
+    A sweep's point without links, which the network sweep includes on purpose: no warning that links are free
+    is then due."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -249,8 +255,9 @@ def data_reads(node: Any, path: str = "") -> list[tuple[str, str, str]]:
 
 
 def check_loggers(section: Mapping[str, Any], problems: list[str]) -> None:
-    """Add to ``problems`` each logger of ``section`` (the ``logger`` node) that is no logger or whose
-    package is not installed."""
+    """Add to ``problems`` each logger of ``section`` that is no logger or whose package is not installed.
+
+    ``section``: the ``logger`` node."""
     try:
         loggers = as_loggers(section)
     except ValueError as err:
@@ -288,8 +295,9 @@ def check_monitor(cfg: Config) -> None:
 
 
 def check_workers(cfg: Config) -> None:
-    """No more surviving workers are asked for than the job has, nor fewer to grow to; the rule holds as
-    many workers as the job may grow to."""
+    """No more surviving workers are asked for than the job has, nor fewer to grow to.
+
+    The rule holds as many workers as the job may grow to."""
     if cfg.hardware.min_workers > cfg.devices:
         raise ValueError(
             f"hardware.min_workers={cfg.hardware.min_workers} is invalid: the job has devices={cfg.devices} "
@@ -340,8 +348,10 @@ TRAINING_CHECKS = (check_monitor, check_workers, check_precision, check_warmup)
 
 
 def monitored(cfg: Config) -> str:
-    """The validation metric the run reports to sweepers and early stopping watch: ``train.monitor`` or
-    the task's first metric (``val_acc`` for classification, ``val_loss`` for regression)."""
+    """The validation metric the run reports to sweepers and early stopping watch.
+
+    ``train.monitor``, or the task's first metric (``val_acc`` for classification, ``val_loss`` for
+    regression)."""
     return cfg.train.monitor or f"val_{cfg.task.metrics(None)[0]}"
 
 
@@ -368,16 +378,19 @@ RENAMED = {
 
 
 def packaged(path: str) -> str:
-    """A schema's path as this version names it: run folders written before the model zoo and the data sets
-    were installed inside ``runner`` name them ``models.cnn.CNNConfig``, ``data.digits.DigitsConfig``; before
-    the schemas were all named ``<Name>Config``, ``runner.hardware.cpu.CPU``."""
+    """A schema's path as this version names it.
+
+    Run folders written before the model zoo and the data sets were installed inside ``runner`` name them
+    ``models.cnn.CNNConfig``, ``data.digits.DigitsConfig``; before the schemas were all named
+    ``<Name>Config``, ``runner.hardware.cpu.CPU``."""
     path = f"runner.{path}" if path.split(".", 1)[0] in ("models", "data") else path
     return RENAMED.get(path, path)
 
 
 def load_structured(path: str | Path, vouched: bool = False) -> DictConfig:
-    """A run folder's ``config.yaml`` (written by the launcher with ``_schemas_``) as a typed config; the
-    schemas it names are checked (:mod:`runner.schema.trust`) unless the launcher ``vouched`` for it."""
+    """A run folder's ``config.yaml`` (written by the launcher with ``_schemas_``) as a typed config.
+
+    The schemas it names are checked (:mod:`runner.schema.trust`) unless the launcher ``vouched`` for it."""
     from runner.schema import locate
 
     raw = OmegaConf.load(path)
@@ -405,9 +418,11 @@ def load_structured(path: str | Path, vouched: bool = False) -> DictConfig:
 
 
 def refuse_interpolations(node: Any, path: str | Path, key: str = "") -> None:
-    """Refuse a saved config that holds an expression (``${oc.env:SECRET}``, ``${data.shape}``) rather than
-    values: the launcher writes values, so a folder's file with one was written elsewhere, and resolving it
-    would read this machine's environment. Names the first key; prints no resolved value."""
+    """Refuse a saved config that holds an expression rather than values.
+
+    Expressions such as ``${oc.env:SECRET}``, ``${data.shape}``. The launcher writes values, so a folder's
+    file with one was written elsewhere, and resolving it would read this machine's environment. Names the
+    first key; prints no resolved value."""
     from omegaconf import DictConfig, ListConfig
 
     names = node.keys() if isinstance(node, DictConfig) else range(len(node))
@@ -425,10 +440,12 @@ def refuse_interpolations(node: Any, path: str | Path, key: str = "") -> None:
 
 
 def load(path: str | Path) -> Config:
-    """The checked config of a run folder's ``config.yaml``; what it names is checked to be of the kind its
-    key builds before anything is built (:mod:`runner.schema.trust`), unless the launcher of this job wrote
-    these very bytes (``MPITRAIN_CONFIG_SHA256``: the user's own input, or a folder it checked itself), so
-    that a user's installed package needs no ``MPITRAIN_TRUSTED_PACKAGES`` for a run of their own."""
+    """The checked config of a run folder's ``config.yaml``.
+
+    What it names is checked to be of the kind its key builds before anything is built
+    (:mod:`runner.schema.trust`), unless the launcher of this job wrote these very bytes
+    (``MPITRAIN_CONFIG_SHA256``: the user's own input, or a folder it checked itself), so that a user's
+    installed package needs no ``MPITRAIN_TRUSTED_PACKAGES`` for a run of their own."""
     vouched = os.environ.get(CONFIG_SHA_ENV) == hashlib.sha256(Path(path).read_bytes()).hexdigest()
     structured = load_structured(path, vouched)
     if not vouched:

@@ -1,5 +1,7 @@
-"""What a run is, in words: the overrides it was started with, the keys its sweep varied with their values,
-and a short name built from them (``rule.alpha=0.5,optim.lr=0.05``) that labels its records and lines."""
+"""What a run is, in words: its overrides, the keys its sweep varied, and a short name.
+
+The overrides it was started with, the keys its sweep varied with their values, and a short name built from
+them (``rule.alpha=0.5,optim.lr=0.05``) that labels its records and lines."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ def _parse(text: str) -> Any:
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, tuple[Any, str]]:
-    """``key -> (value, text)`` of Hydra override strings, less the ignored keys and deletions (a sweep, or
-    a string Hydra does not parse, keeps its raw text as the value)."""
+    """``key -> (value, text)`` of Hydra override strings, less the ignored keys and deletions.
+
+    A sweep, or a string Hydra does not parse, keeps its raw text as the value."""
     out = {}
     for text in overrides:
         key, equals, raw = text.partition("=")
@@ -53,8 +56,10 @@ def varied_keys(sweep: list[str]) -> list[str]:
 
 
 def identity(task: list[str], sweep: list[str] | None = None) -> dict[str, Any]:
-    """``overrides`` (``task`` less the ignored ones), ``swept`` (each key the ``sweep`` overrides vary,
-    with this run's value; without a sweep, every override) and ``name``."""
+    """A run's ``overrides``, ``swept`` and ``name``.
+
+    ``overrides``: ``task`` less the ignored ones; ``swept``: each key the ``sweep`` overrides vary, with this
+    run's value (without a sweep, every override)."""
     mine = [o for o in task if not override_key(o).startswith(IGNORED)]
     varied = None if sweep is None else set(varied_keys(sweep))
     chosen = {k: v for k, v in parse_overrides(mine).items() if varied is None or k in varied}
@@ -83,9 +88,11 @@ def sweep_overrides(sweep_dir: Path) -> list[str] | None:
 
 
 def concurrent_points(launcher: Any, sweep: list[str] | None) -> int:
-    """How many points of a sweep run at once on this machine: those of Hydra's joblib launcher
-    (``n_jobs``) or submitit's local one (all), at most as many as the sweep has (when its overrides say:
-    lists of values); 1 for launchers that run points one after another or elsewhere."""
+    """How many points of a sweep run at once on this machine.
+
+    Those of Hydra's joblib launcher (``n_jobs``) or submitit's local one (all), at most as many as the sweep
+    has (when its overrides say: lists of values); 1 for launchers that run points one after another or
+    elsewhere."""
     import os
 
     target = str(launcher.get("_target_", ""))

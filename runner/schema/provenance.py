@@ -94,16 +94,18 @@ def digest(key: bytes, config_text: bytes) -> str:
 
 
 def mark(run_dir: Path, config_text: str) -> str | None:
-    """The mark of ``config_text`` (the ``config.yaml`` just written, or a sweep's recorded overrides,
-    :func:`sweep_text`) for ``run_dir``: the text to write as its :data:`MARK`, or None where this user has
-    no key (every folder is then foreign)."""
+    """The mark of ``config_text`` for ``run_dir``: the text to write as its :data:`MARK`.
+
+    ``config_text``: the ``config.yaml`` just written, or a sweep's recorded overrides (:func:`sweep_text`).
+    None where this user has no key (every folder is then foreign)."""
     key = user_key()
     return None if key is None else digest(key, config_text.encode()) + "\n"
 
 
 def is_own(run_dir: Path, config: str = CONFIG, text: str | None = None) -> bool:
-    """Whether ``run_dir`` was written by this user's runner and its ``config.yaml`` (or ``text``, what a
-    sweep folder's mark is of) is unchanged since."""
+    """Whether ``run_dir`` was written by this user's runner and its ``config.yaml`` is unchanged since.
+
+    With ``text`` (what a sweep folder's mark is of), that text is checked instead of the ``config.yaml``."""
     key = user_key(create=False)
     if key is None:
         return False
@@ -116,8 +118,9 @@ def is_own(run_dir: Path, config: str = CONFIG, text: str | None = None) -> bool
 
 
 def sweep_text(overrides: Any) -> str:
-    """What a sweep folder's mark is of: its recorded overrides (``multirun.yaml``'s
-    ``hydra.overrides``, with ``hardware.env``'s values hidden), as canonical JSON."""
+    """What a sweep folder's mark is of: its recorded overrides, as canonical JSON.
+
+    The overrides are ``multirun.yaml``'s ``hydra.overrides``, with ``hardware.env``'s values hidden."""
     from runner.schema.secrets import hidden
 
     plain = (
@@ -127,9 +130,11 @@ def sweep_text(overrides: Any) -> str:
 
 
 def foreign_overrides(overrides: list[str], given: set[str]) -> list[str]:
-    """The recorded overrides of a sweep folder that is not the user's own that set a key of
-    :data:`FOREIGN_KEYS` or a setting of Hydra's launcher (``hydra.launcher.*``: submitit's ``setup`` lines
-    run in the job script), but the keys the command line gives (``given``); each with what it does."""
+    """The recorded overrides of a foreign sweep folder that set :data:`FOREIGN_KEYS` or Hydra's launcher.
+
+    A sweep folder is foreign when it is not the user's own. A setting of Hydra's launcher:
+    ``hydra.launcher.*`` (submitit's ``setup`` lines run in the job script). The keys the command line gives
+    (``given``) are left out; each override comes with what it does."""
     from runner.schema.identity import override_key
 
     found = []
@@ -166,9 +171,11 @@ def flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def foreign_values(folder: Mapping[str, Any], own: Callable[[str], Any], given: set[str]) -> list[str]:
-    """``key=value (what it does)`` of each value of :data:`FOREIGN_KEYS` that the folder's config
-    (``folder``, plain) holds and the user's does not (``own(key)``: the value composed from the user's files
-    and command line, ``"???"`` where it has none), but the keys the command line gave (``given``)."""
+    """The values of :data:`FOREIGN_KEYS` that the folder's config holds and the user's does not.
+
+    Each as ``key=value (what it does)``. ``folder``: the folder's config, plain; ``own(key)``: the value
+    composed from the user's files and command line, ``"???"`` where it has none. The keys the command line
+    gave (``given``) are left out."""
     found = []
     for key, value in flat(folder).items():
         why = listed(key)

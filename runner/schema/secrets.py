@@ -1,13 +1,14 @@
-"""``hardware.env``'s values are the job's secrets: they reach the ranks through mpirun's environment,
-never a file, a name or a command line.
+"""``hardware.env``'s values are the job's secrets: they reach the ranks through mpirun's environment only.
 
-A token given as ``hardware.env.WANDB_API_KEY=...`` (better: ``=${oc.env:WANDB_API_KEY}``) used to land in
-the run folder's ``config.yaml``, Hydra's records, ``run.json``, the run's name (so the TensorBoard folder's
-name) and the trackers' params, and in ``ps`` through mpirun's ``-x KEY=VALUE``. Now every such value is
-written as :data:`HIDDEN`: :func:`hidden` masks a config tree or a record (and the ``hardware.env...=VALUE``
-overrides in its strings), :func:`hide_file` a YAML file Hydra wrote; mpirun gets ``-x KEY`` and the value
-in its own environment. ``resume=`` takes a hidden value from the command line again, else from the
-launcher's environment variable of the same name (:func:`fill_hidden`), else refuses naming the key.
+Never through a file, a name or a command line.
+
+A token given as ``hardware.env.WANDB_API_KEY=...`` (better: ``=${oc.env:WANDB_API_KEY}``) used to land in the
+run folder's ``config.yaml``, Hydra's records, ``run.json``, the run's name (so the TensorBoard folder's name)
+and the trackers' params, and in ``ps`` through mpirun's ``-x KEY=VALUE``. Now every such value is written as
+:data:`HIDDEN`: :func:`hidden` masks a config tree or a record (and the ``hardware.env...=VALUE`` overrides in
+its strings), :func:`hide_file` a YAML file Hydra wrote; mpirun gets ``-x KEY`` and the value in its own
+environment. ``resume=`` takes a hidden value from the command line again, else from the launcher's
+environment variable of the same name (:func:`fill_hidden`), else refuses naming the key.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ OVERRIDE = re.compile(r"((?:\+\+|\+|~)?hardware\.env(?:\.[A-Za-z0-9_]+)?=)([^,\s
 
 
 def hidden(node: Any, path: tuple[str, ...] = ()) -> Any:
-    """A copy of a config tree or record (dicts, lists, strings) with every value under ``hardware.env`` and
-    every ``hardware.env...=VALUE`` in its strings written as :data:`HIDDEN`."""
+    """A copy of a config tree or record (dicts, lists, strings) with its ``hardware.env`` values hidden.
+
+    Every value under ``hardware.env`` and every ``hardware.env...=VALUE`` in its strings is written as
+    :data:`HIDDEN`."""
     if isinstance(node, Mapping):
         under_env = path[-2:] == ("hardware", "env")
         return {
@@ -41,8 +44,10 @@ def hidden(node: Any, path: tuple[str, ...] = ()) -> Any:
 
 
 def hide_file(path: Path) -> None:
-    """Rewrite the YAML file ``path`` (Hydra's ``config.yaml``, ``hydra.yaml``, ``overrides.yaml``,
-    ``multirun.yaml``) with its ``hardware.env`` values hidden, atomically; nothing when it holds none."""
+    """Rewrite the YAML file ``path`` with its ``hardware.env`` values hidden, atomically.
+
+    ``path``: Hydra's ``config.yaml``, ``hydra.yaml``, ``overrides.yaml``, ``multirun.yaml``. Nothing when it
+    holds none."""
     import yaml
 
     from runner.run_folder import write_atomic
@@ -62,9 +67,10 @@ def hide_file(path: Path) -> None:
 def fill_hidden(
     env: dict[str, Any], given: set[str], config: Path, environ: Mapping[str, str] = os.environ
 ) -> None:
-    """``resume=``: give each hidden value of ``env`` (the run's ``hardware.env``) back, from the launcher's
-    environment variable of the same name unless the command line gave it (``given``: those keys). Raises
-    ValueError naming every key left without a value, and the fixes."""
+    """``resume=``: give each hidden value of ``env`` (the run's ``hardware.env``) back.
+
+    From the launcher's environment variable of the same name unless the command line gave it (``given``:
+    those keys). Raises ValueError naming every key left without a value, and the fixes."""
     missing = []
     for key, value in env.items():
         if value != HIDDEN or key in given:
@@ -83,10 +89,11 @@ def fill_hidden(
 
 
 def restored_override(text: str, environ: Mapping[str, str] = os.environ) -> str:
-    """A recorded override whose ``hardware.env`` value was hidden, given back as an interpolation of the
-    launcher's environment variable of the same name (``+hardware.env.TOKEN=${oc.env:TOKEN}``: the value
-    still appears on no command line); any other override as it is. Raises ValueError naming the key when
-    that variable is not set (or the whole ``hardware.env`` map was given)."""
+    """A recorded override whose ``hardware.env`` value was hidden, given back; any other override as it is.
+
+    Given back as an interpolation of the launcher's environment variable of the same name
+    (``+hardware.env.TOKEN=${oc.env:TOKEN}``: the value still appears on no command line). Raises ValueError
+    naming the key when that variable is not set (or the whole ``hardware.env`` map was given)."""
     found = OVERRIDE.fullmatch(text)
     if found is None or found.group(2) != HIDDEN:
         return text

@@ -1,8 +1,7 @@
-"""The schemas of the top-level sections of ``conf/config.yaml``: ``train``, ``checkpoint``, ``simulate``,
-``sweep``.
+"""The schemas of the top-level sections of ``conf/config.yaml``.
 
-Like the groups' schemas, each holds its keys' defaults and checks; :mod:`runner.schema.config` puts them
-together.
+The sections are ``train``, ``checkpoint``, ``simulate`` and ``sweep``. Like the groups' schemas, each holds
+its keys' defaults and checks; :mod:`runner.schema.config` puts them together.
 """
 
 from __future__ import annotations
@@ -158,10 +157,11 @@ class CheckpointConfig:
 
 @dataclass
 class SweepConfig:
-    """How a sweep (``-m``) treats its points: ``fail_fast`` starts no further point once one failed;
-    ``retry``: ``resume=SWEEP_DIR`` runs the points that failed again (false: keeps them as they ended);
-    ``zip``: keys whose values vary together, the i-th of each in one point. Read by the sweep
-    (:mod:`runner.launcher.sweeper`), not by the ranks."""
+    """How a sweep (``-m``) treats its points.
+
+    ``fail_fast`` starts no further point once one failed; ``retry``: ``resume=SWEEP_DIR`` runs the points
+    that failed again (false: keeps them as they ended); ``zip``: keys whose values vary together, the i-th of
+    each in one point. Read by the sweep (:mod:`runner.launcher.sweeper`), not by the ranks."""
 
     retry: bool = True
     fail_fast: bool = False
@@ -197,8 +197,10 @@ def _shown(value: Any) -> str:
 
 @dataclass
 class LinkEventConfig:
-    """Emulated node ``node``'s link carries ``gbps`` Gbit/s (null: it is down, and what crosses it waits
-    until it is back) from ``at_s`` for ``for_s`` seconds of the job's clock."""
+    """Emulated node ``node``'s link carries ``gbps`` Gbit/s from ``at_s`` for ``for_s`` seconds.
+
+    Seconds of the job's clock. ``gbps`` null: the link is down, and what crosses it waits until it is
+    back."""
 
     node: int = MISSING
     at_s: float = MISSING
@@ -208,27 +210,27 @@ class LinkEventConfig:
 
 @dataclass
 class SimulateConfig:
-    """Conditions imposed on a healthy job to study the rules under them: ``straggler_ranks`` (worker
-    ranks, ``0 .. devices-1``) each sleep ``straggler_ms`` milliseconds at the start of every training
-    step, a worker whose compute is that much slower. Either one empty or zero leaves the job as it is,
-    with a warning when the other is set (so a sweep may include the no-straggler point). ``jitter_ms``:
-    every worker also sleeps a delay of its own per step, drawn once from [0, jitter_ms] (seeded by its
-    rank): workers of random speeds. ``spin``: the delays are spent spinning on the CPU instead of sleeping,
-    as a slower machine would spend them computing: on a machine with fewer cores than ranks a sleeping
-    worker gives its core to the others, which then run faster than beside a slow machine.
+    """Conditions imposed on a healthy job to study the rules under them.
+
+    ``straggler_ranks`` (worker ranks, ``0 .. devices-1``) each sleep ``straggler_ms`` milliseconds at the
+    start of every training step, a worker whose compute is that much slower. Either one empty or zero leaves
+    the job as it is, with a warning when the other is set (so a sweep may include the no-straggler point).
+    ``jitter_ms``: every worker also sleeps a delay of its own per step, drawn once from [0, jitter_ms]
+    (seeded by its rank): workers of random speeds. ``spin``: the delays are spent spinning on the CPU instead
+    of sleeping, as a slower machine would spend them computing: on a machine with fewer cores than ranks a
+    sleeping worker gives its core to the others, which then run faster than beside a slow machine.
 
     Emulated links (:mod:`runner.comm.links`): the job's ranks, in rank order, make nodes of
-    ``ranks_per_node`` each, whose links carry ``link_gbps`` Gbit/s; every message or collective that
-    crosses a node boundary costs ``link_latency_ms`` per round of its algorithm (a ring all-reduce of N
-    ranks: 2(N-1)) plus its bytes over the bandwidth, spent after the
-    real operation (slept, or spun with ``spin``). Each of the two is one value for every node or a list
-    of one per node (``[1,1,1,0.05]``: the fourth node at 50 Mbit/s); a node past the list (a rule's
-    server, a worker that joined) takes its last value. Either one unset leaves the links free, with a warning
-    when the other is set (a sweep may include the point without links). The latency's default, 0.05 ms,
-    is a one-way TCP message between hosts on one Ethernet switch (tens of microseconds), the transport
-    Open MPI takes between nodes without InfiniBand. ``link_events``: times a node's link slows down or
-    goes away and comes back (:class:`LinkEventConfig`), recorded in ``metrics.jsonl`` as ``link``
-    records."""
+    ``ranks_per_node`` each, whose links carry ``link_gbps`` Gbit/s; every message or collective that crosses
+    a node boundary costs ``link_latency_ms`` per round of its algorithm (a ring all-reduce of N ranks:
+    2(N-1)) plus its bytes over the bandwidth, spent after the real operation (slept, or spun with ``spin``).
+    Each of the two is one value for every node or a list of one per node (``[1,1,1,0.05]``: the fourth node
+    at 50 Mbit/s); a node past the list (a rule's server, a worker that joined) takes its last value. Either
+    one unset leaves the links free, with a warning when the other is set (a sweep may include the point
+    without links). The latency's default, 0.05 ms, is a one-way TCP message between hosts on one Ethernet
+    switch (tens of microseconds), the transport Open MPI takes between nodes without InfiniBand.
+    ``link_events``: times a node's link slows down or goes away and comes back (:class:`LinkEventConfig`),
+    recorded in ``metrics.jsonl`` as ``link`` records."""
 
     straggler_ranks: list[int] = field(default_factory=list)
     straggler_ms: float = 0.0
@@ -286,8 +288,9 @@ class SimulateConfig:
         self.check_events()
 
     def check_events(self) -> None:
-        """Each link event names a node, a start >= 0, a length > 0 and a speed > 0 (or null: down); events
-        need links."""
+        """Each link event names a node, a start >= 0, a length > 0 and a speed > 0 (or null: down).
+
+        Events need links."""
         example = "e.g. simulate.link_events=[{node:1,at_s:10,for_s:20,gbps:0.01}]"
         for i, e in enumerate(self.link_events):
             key = f"link_events[{i}]"
@@ -318,8 +321,9 @@ class SimulateConfig:
         )
 
     def per_node(self, key: str, scale: float = 1.0) -> float | tuple[float, ...]:
-        """``link_gbps`` or ``link_latency_ms`` (times ``scale``) as :class:`runner.comm.links.Links` takes
-        it: a number, or a tuple of one per node."""
+        """The value of ``key`` (times ``scale``) as :class:`runner.comm.links.Links` takes it.
+
+        ``key``: ``link_gbps`` or ``link_latency_ms``. A number, or a tuple of one per node."""
         value = getattr(self, key)
         if isinstance(value, (list, tuple)):
             return tuple(float(v) * scale for v in value)
@@ -335,8 +339,9 @@ class SimulateConfig:
         return (straggler + self.jitter_ms * random.Random(rank).random()) / 1e3
 
     def record(self) -> dict[str, Any] | None:
-        """summary.json's ``straggler``: the ranks slowed down and the delay (and the jitter), or None when
-        no rank is."""
+        """summary.json's ``straggler``: the ranks slowed down and the delay (and the jitter).
+
+        None when no rank is."""
         slowed = bool(self.straggler_ranks and self.straggler_ms)
         if not slowed and not self.jitter_ms:
             return None

@@ -17,8 +17,9 @@ from runner.schema import GROUPS, option_modules, schema_of
 
 
 class SchemaSource(ConfigSource):
-    """Hydra config source ``mpitrain://``: ``schema/<group>/<module>`` is the schema dataclass of that
-    module, imported when a config asks for it (Hydra's ConfigStore would need them all imported first)."""
+    """Hydra config source ``mpitrain://``: ``schema/<group>/<module>`` is that module's schema dataclass.
+
+    It is imported when a config asks for it (Hydra's ConfigStore would need them all imported first)."""
 
     @staticmethod
     def scheme() -> str:

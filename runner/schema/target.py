@@ -31,8 +31,9 @@ HYDRA_KEYS = ("_args_", "_partial_", "_recursive_", "_convert_")
 
 @dataclass
 class Target:
-    """A class (or any callable) named by its dotted ``path``, with its keyword arguments ``args``; ``key``
-    is where the config holds it (``model``, ``task.loss``), for messages."""
+    """A class (or any callable) named by its dotted ``path``, with its keyword arguments ``args``.
+
+    ``key`` is where the config holds it (``model``, ``task.loss``), for messages."""
 
     key: str
     path: str
@@ -40,8 +41,9 @@ class Target:
 
     @classmethod
     def of(cls, key: str, node: Any, group: str = "") -> Target:
-        """Check the node at ``key`` (of ``group``, which the caller's error handling names) and make it a
-        Target; ValueError names the key and the fix."""
+        """Check the node at ``key`` and make it a Target; ValueError names the key and the fix.
+
+        ``group``: the node's group, which the caller's error handling names."""
         full = f"{group}.{key}" if group else key
         if not isinstance(node, Mapping) or TARGET not in node:
             raise ValueError(
@@ -85,8 +87,9 @@ class Target:
         return cls(full, path, args)
 
     def locate(self) -> Any:
-        """The class: the longest prefix of the path that is a module, then its attributes
-        (``mod.Outer.Inner``)."""
+        """The class: the longest prefix of the path that is a module, then its attributes.
+
+        As in ``mod.Outer.Inner``."""
         module, rest, _ = find_module(self.path)
         found: Any = importlib.import_module(module)
         for name in rest.split("."):
@@ -100,12 +103,14 @@ class Target:
 
     def build(self, *args: Any) -> Any:
         """Call the class with ``args`` (such as an optimizer's parameters) and the node's keyword arguments.
+
         An argument it does not take, or one it needs and was not given, is a ValueError naming the key."""
         return self.checked(*args)(*args, **self.kwargs())
 
     def build_named(self, *args: Any) -> Any:
-        """:meth:`build`, with what the class raises re-raised as a ValueError naming the key (for data sets
-        and nested arguments, whose traceback would not say which key made them)."""
+        """:meth:`build`, with what the class raises re-raised as a ValueError naming the key.
+
+        For data sets and nested arguments, whose traceback would not say which key made them."""
         call, kwargs = self.checked(*args), self.kwargs()
         try:
             return call(*args, **kwargs)
@@ -139,9 +144,11 @@ class Target:
 
 
 def find_module(path: str) -> tuple[str, str, bool]:
-    """``(module, rest, package)`` of a dotted ``path``: its longest prefix that names a module, found on
-    the search path without importing anything (no package's ``__init__`` runs), what follows it, and
-    whether that module is a package. ``module`` is empty when not even the first part is one."""
+    """``(module, rest, package)`` of a dotted ``path``, found on the search path without importing anything.
+
+    ``module``: its longest prefix that names a module (no package's ``__init__`` runs); ``rest``: what
+    follows it; ``package``: whether that module is a package. ``module`` is empty when not even the first
+    part is one."""
     found, spec = longest_module(path)
     if spec is None:
         return "", path, False
@@ -150,8 +157,10 @@ def find_module(path: str) -> tuple[str, str, bool]:
 
 
 def resolved(key: str, value: Any, target: Callable[[str, Mapping[str, Any]], Any]) -> Any:
-    """The argument ``value`` at ``key`` with each node that has a ``_target_`` (at any depth of dicts and
-    lists, not inside such a node) replaced by ``target(its key, the node)``, config containers made plain."""
+    """The argument ``value`` at ``key``, each ``_target_`` node replaced by ``target(its key, the node)``.
+
+    A node that has a ``_target_``, at any depth of dicts and lists, not inside such a node. Config containers
+    are made plain."""
     if isinstance(value, Mapping):
         if TARGET in value:
             return target(key, value)

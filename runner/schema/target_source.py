@@ -1,5 +1,6 @@
-"""What a ``_target_``'s source says before anything is imported: whether its module defines the name, and
-which keyword arguments it takes.
+"""What a ``_target_``'s source says before anything is imported.
+
+Whether its module defines the name, and which keyword arguments it takes.
 
 The launcher imports no user code (it would import torch, and run the user's module top-level code), so the
 source file of the module :func:`runner.schema.target.find_module` found is read and parsed. An answer is
@@ -22,8 +23,9 @@ UNKNOWN = None
 
 
 def longest_module(path: str) -> tuple[int, ModuleSpec | None]:
-    """How many of the dotted ``path``'s first parts name a module, and its spec: found on the search path
-    without importing anything (no package's ``__init__`` runs)."""
+    """How many of the dotted ``path``'s first parts name a module, and its spec.
+
+    Found on the search path without importing anything (no package's ``__init__`` runs)."""
     parts = path.split(".")
     try:
         spec = importlib.util.find_spec(parts[0])
@@ -56,8 +58,9 @@ def _tree(module: str) -> ast.Module | None:
 
 
 def _bound_names(tree: ast.Module) -> set[str] | None:
-    """Every name the module's top level binds, or None when it cannot be told (a star import, a module
-    ``__getattr__``)."""
+    """Every name the module's top level binds, or None when it cannot be told.
+
+    It cannot be told with a star import or a module ``__getattr__``."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -103,8 +106,9 @@ def keyword_arguments(module: str, name: str) -> list[str] | None:
 
 
 def missing_name(module: str, name: str) -> list[str] | None:
-    """None unless ``module``'s source surely binds no ``name`` at any level; then the classes and
-    functions it defines at its top level, the closest to ``name`` first."""
+    """The classes and functions ``module`` defines at its top level, where its source surely lacks ``name``.
+
+    None unless the source surely binds no ``name`` at any level. The closest to ``name`` first."""
     tree = _tree(module)
     names = None if tree is None else _bound_names(tree)
     if names is None or name in names:

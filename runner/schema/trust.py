@@ -77,8 +77,9 @@ def refused(where: str, key: str, path: str, why: str) -> ValueError:
 
 
 def targets(node: Any, key: str = "") -> list[tuple[str, str, str]]:
-    """``(key, kind, path)`` of every node with a ``_target_`` in a plain config container, at any depth
-    (arguments given as nodes too), outermost first."""
+    """``(key, kind, path)`` of every node with a ``_target_`` in a plain config container, at any depth.
+
+    Arguments given as nodes too; outermost first."""
     found: list[tuple[str, str, str]] = []
     if isinstance(node, Mapping):
         if node.get(TARGET) is not None:
@@ -102,8 +103,9 @@ def in_stdlib(path: str) -> bool:
 
 
 def check_paths(found: list[tuple[str, str, str]], where: str) -> None:
-    """Refuse targets of the standard library (but plain data types as arguments) without importing
-    anything: nothing there is a model, an optimizer, a loss or a data set."""
+    """Refuse targets of the standard library (but plain data types as arguments) without importing anything.
+
+    Nothing there is a model, an optimizer, a loss or a data set."""
     for key, kind, path in found:
         if not all(part.isidentifier() for part in path.split(".")) or "." not in path:
             raise refused(where, key, path, "not a dotted path to a class, e.g. my_project.models.Net")
@@ -131,8 +133,10 @@ def library_roots() -> tuple[Path, ...]:
 
 
 def in_project(file: str | None) -> bool:
-    """Whether a source ``file`` is the user's (found from the working folder, PYTHONPATH or an editable
-    install), not the standard library's, an installed package's, nor the runner's own."""
+    """Whether a source ``file`` is the user's.
+
+    Found from the working folder, PYTHONPATH or an editable install; not the standard library's, an installed
+    package's, nor the runner's own."""
     if not file:
         return False
     where = Path(file).resolve()
@@ -187,8 +191,10 @@ def kind_problem(kind: str, obj: Any) -> str | None:
 
 
 def check_kinds(found: list[tuple[str, str, str]], where: str) -> None:
-    """Refuse any target that is not the kind of object its key builds; imports each target's module
-    (and torch), calls nothing. :func:`check_paths` first, so no standard library module is imported."""
+    """Refuse any target that is not the kind of object its key builds.
+
+    Imports each target's module (and torch), calls nothing. :func:`check_paths` first, so no standard library
+    module is imported."""
     from runner.schema.target import Target
 
     check_paths(found, where)
@@ -204,9 +210,11 @@ def check_kinds(found: list[tuple[str, str, str]], where: str) -> None:
 
 
 def check_schemas(schemas: Mapping[str, Any], where: str, classless: dict[str, tuple[str, ...]]) -> None:
-    """Refuse ``_schemas_`` entries (``group: module.Class``, as this version names them) that are not the
-    runner's schemas of that group nor a class defined in a module of the user's project; imports nothing.
-    ``classless``: the entry of a group given by its class (``target``) and the groups that may be."""
+    """Refuse ``_schemas_`` entries that are neither the runner's schemas nor the user's classes.
+
+    An entry is ``group: module.Class``, as this version names them: one of the runner's schemas of that
+    group, or a class defined in a module of the user's project. Imports nothing. ``classless``: the entry of
+    a group given by its class (``target``) and the groups that may be."""
     from runner.schema import GROUPS
 
     ((target_node, target_groups),) = classless.items()
@@ -234,8 +242,9 @@ def check_schemas(schemas: Mapping[str, Any], where: str, classless: dict[str, t
 
 
 def project_defines(module: str, name: str) -> bool:
-    """Whether ``module`` is a module of the user's project whose source defines the class ``name`` at its
-    top level, found and read without importing it (nor its packages)."""
+    """Whether ``module`` is of the user's project and its source defines the class ``name`` at its top level.
+
+    Found and read without importing it (nor its packages)."""
     if in_stdlib(module) or top_module(module) == "runner":
         return False
     try:
@@ -264,8 +273,9 @@ def module_origin(module: str) -> str | None:
 
 
 def check_schema_class(group: str, path: str, cls: Any, where: str) -> None:
-    """After import: the schema ``cls`` that ``_schemas_.<group>`` names is a dataclass subclassing the
-    group's base (:func:`runner.schema.schema_of`'s rule)."""
+    """After import: the schema ``cls`` that ``_schemas_.<group>`` names is a subclass of the group's base.
+
+    A dataclass subclassing the group's base (:func:`runner.schema.schema_of`'s rule)."""
     import dataclasses
 
     from runner.schema import GROUPS, locate
@@ -277,8 +287,9 @@ def check_schema_class(group: str, path: str, cls: Any, where: str) -> None:
 
 
 def check_file(path: str | Path) -> None:
-    """The targets of a run folder's ``config.yaml`` (:func:`check_kinds`; imports their modules and
-    torch); its ``_schemas_`` are :func:`check_schemas`'s, when the file is loaded."""
+    """The targets of a run folder's ``config.yaml`` (:func:`check_kinds`; imports their modules and torch).
+
+    Its ``_schemas_`` are :func:`check_schemas`'s, when the file is loaded."""
     from omegaconf import OmegaConf
 
     raw = OmegaConf.load(path)

@@ -1,5 +1,7 @@
-"""Tasks: one module per ``conf/task`` option. A task decides the training loss and the validation metrics,
-and checks on the first batch that the model's outputs and the data's targets fit it.
+"""Tasks: one module per ``conf/task`` option.
+
+A task decides the training loss and the validation metrics, and checks on the first batch that the model's
+outputs and the data's targets fit it.
 
 The schema (:class:`TaskConfig`) is read by the launcher and imports no torch; :class:`Task`, what the
 training loop and the evaluation use, imports torch when first called.
@@ -34,9 +36,11 @@ def describe(x: torch.Tensor) -> str:
 
 @dataclass
 class TaskConfig:
-    """Base of the tasks' schemas. ``loss``: any loss given by its class, ``{_target_: torch.nn.HuberLoss,
-    delta: 0.5}``, called as ``loss(outputs, targets)`` and returning the batch mean, instead of the task's
-    own; the metrics stay the task's."""
+    """Base of the tasks' schemas.
+
+    ``loss``: any loss given by its class, ``{_target_: torch.nn.HuberLoss, delta: 0.5}``, called as
+    ``loss(outputs, targets)`` and returning the batch mean, instead of the task's own; the metrics stay the
+    task's."""
 
     loss: Any = None
 
@@ -65,12 +69,14 @@ class TaskConfig:
 
 
 class Task:
-    """What the loop asks of a task: the training ``loss``, a ``check`` of the first batch, and per batch the
-    ``sums`` that validation adds over all ranks and turns into metrics with ``results``.
+    """What the loop asks of a task: its loss, a check of the first batch, and the validation's sums.
 
-    ``sums`` returns 0-dim tensors (no host synchronisation per batch): the loss summed over the counted
-    items (the batch mean times their number), then the task's own sums, then the count last: ``width``
-    values, whatever the batch."""
+    The training ``loss``, a ``check`` of the first batch, and per batch the ``sums`` that validation adds
+    over all ranks and turns into metrics with ``results``.
+
+    ``sums`` returns 0-dim tensors (no host synchronisation per batch): the loss summed over the counted items
+    (the batch mean times their number), then the task's own sums, then the count last: ``width`` values,
+    whatever the batch."""
 
     width: int = 3
 

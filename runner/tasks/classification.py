@@ -17,15 +17,17 @@ else:
 
 @dataclass
 class ClassificationConfig(TaskConfig):
-    """Outputs ``[batch, classes]`` (or ``[batch, classes, ...]`` with targets ``[batch, ...]``), integer
-    class targets. Metrics: ``loss`` (cross-entropy), ``acc``, and ``top5`` when there are more than 5
-    classes."""
+    """Outputs ``[batch, classes]`` with integer class targets.
+
+    Or outputs ``[batch, classes, ...]`` with targets ``[batch, ...]``. Metrics: ``loss`` (cross-entropy),
+    ``acc``, and ``top5`` when there are more than 5 classes."""
 
     METRICS = ("acc", "loss", "top5")
 
     def metrics(self, num_classes: int | None) -> tuple[str, ...]:
-        """Top-5 needs a known class count above 5 (``data.num_classes``, or the data set's own), the same
-        on every rank whatever its share of the validation set."""
+        """Top-5 needs a known class count above 5 (``data.num_classes``, or the data set's own).
+
+        The count is the same on every rank whatever its share of the validation set."""
         return self.METRICS if num_classes is not None and num_classes > 5 else ("acc", "loss")
 
     def build(self, num_classes: int | None = None) -> Classification:

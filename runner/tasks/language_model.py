@@ -18,10 +18,11 @@ else:
 
 @dataclass
 class LanguageModelConfig(TaskConfig):
-    """Outputs ``[batch, time, vocabulary]`` scores for targets ``[batch, time]`` of token ids: the data set
-    gives each sequence's next tokens as its targets (inputs ``t[:-1]``, targets ``t[1:]``). Targets equal to
-    ``ignore_index`` (padding) count in neither loss nor metrics. Metrics: ``loss`` (per token), ``ppl``
-    (its exponential), ``acc`` (next tokens predicted exactly)."""
+    """Outputs ``[batch, time, vocabulary]`` scores for targets ``[batch, time]`` of token ids.
+
+    The data set gives each sequence's next tokens as its targets (inputs ``t[:-1]``, targets ``t[1:]``).
+    Targets equal to ``ignore_index`` (padding) count in neither loss nor metrics. Metrics: ``loss`` (per
+    token), ``ppl`` (its exponential), ``acc`` (next tokens predicted exactly)."""
 
     METRICS = ("loss", "ppl", "acc")
     ignore_index: int = -100

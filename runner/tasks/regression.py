@@ -16,9 +16,11 @@ else:
 
 @dataclass
 class RegressionConfig(TaskConfig):
-    """Outputs and float targets of the same shape (no broadcasting: outputs ``[batch, 1]`` against targets
-    ``[batch]`` are refused rather than compared all against all). Metrics: ``loss`` (the MSE, or the given
-    loss) and ``mae`` (mean absolute error per element)."""
+    """Outputs and float targets of the same shape.
+
+    No broadcasting: outputs ``[batch, 1]`` against targets ``[batch]`` are refused rather than compared all
+    against all. Metrics: ``loss`` (the MSE, or the given loss) and ``mae`` (mean absolute error per
+    element)."""
 
     METRICS = ("loss", "mae")
 
@@ -28,8 +30,9 @@ class RegressionConfig(TaskConfig):
 
 class Regression(Task):
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss in float32 at least, whatever the targets' type (numpy gives float64) or the autocast
-        type of the outputs (bf16 would round the targets to 3 digits)."""
+        """The loss in float32 at least, whatever the targets' type or the autocast type of the outputs.
+
+        Numpy gives float64 targets; bf16 outputs would round the targets to 3 digits."""
         dtype = torch.promote_types(out.dtype, torch.float32)
         return super().loss(out.to(dtype), y.to(dtype))
 

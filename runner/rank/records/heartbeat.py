@@ -24,9 +24,11 @@ INTERVAL_S = 1.0
 
 
 class Heartbeat:
-    """Call :meth:`progress` whenever the rank gets somewhere (a step, a phase). ``counter`` (read by the
-    thread: this rank's seconds spent in communication calls) counts as progress whenever it moves, so a
-    server that answers messages, or a worker that validates, is seen making progress too."""
+    """Call :meth:`progress` whenever the rank gets somewhere (a step, a phase).
+
+    ``counter`` (read by the thread: this rank's seconds spent in communication calls) counts as progress
+    whenever it moves, so a server that answers messages, or a worker that validates, is seen making
+    progress too."""
 
     def __init__(self, run_dir: Path, rank: int, counter: Callable[[], float] | None = None):
         self.counter = counter

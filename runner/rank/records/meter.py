@@ -44,16 +44,18 @@ RECORD_EVERY_S = 0.2
 
 @dataclass(frozen=True)
 class Display:
-    """How progress is shown: ``bar`` (records for the launcher's bar), ``lines`` (plain, now and then),
-    ``none``."""
+    """How progress is shown: ``bar``, ``lines`` or ``none``.
+
+    ``bar``: records for the launcher's bar; ``lines``: plain, now and then."""
 
     mode: str
 
 
 def display(progress: bool, terminal: TextIO | None, environ: Mapping[str, str] = os.environ) -> Display:
-    """How to show progress on ``terminal`` (``None``: this rank shows none) with ``train.progress``: a bar
-    when the launcher says its output is a terminal (:data:`TTY_ENV`), plain lines otherwise (also for a
-    worker started by hand: no launcher draws its bar)."""
+    """How to show progress on ``terminal`` (``None``: this rank shows none) with ``train.progress``.
+
+    A bar when the launcher says its output is a terminal (:data:`TTY_ENV`), plain lines otherwise (also for
+    a worker started by hand: no launcher draws its bar)."""
     if not progress or terminal is None:
         return Display("none")
     return Display("bar" if environ.get(TTY_ENV, "").strip() == "1" else "lines")
@@ -79,9 +81,11 @@ def progress_line(
 
 
 class Peek:
-    """The value of a loss on the device as the host can read it without waiting (progress shown between
-    steps): a copy to pinned memory is started behind the device's work and read once it has arrived, so
-    the value shown may be a step or two old. On the CPU, or ``exact``, the value itself."""
+    """The value of a loss on the device as the host can read it without waiting.
+
+    For progress shown between steps: a copy to pinned memory is started behind the device's work and read
+    once it has arrived, so the value shown may be a step or two old. On the CPU, or ``exact``, the value
+    itself."""
 
     def __init__(self) -> None:
         self.host: torch.Tensor | None = None  # pinned
@@ -104,10 +108,11 @@ class Peek:
 
 @dataclass
 class Timing:
-    """Seconds of a span of steps, split into data wait, compute and (exposed) communication, and the sum of
-    its steps' losses (a float64 tensor on the training device while steps are added: ``float()`` it
-    where it is read); ``emulated``: the part of ``comm`` spent waiting on emulated links
-    (``simulate.link_gbps``, :mod:`runner.comm.links`)."""
+    """Seconds of a span of steps, split into data wait, compute and (exposed) communication.
+
+    It also holds the sum of its steps' losses (a float64 tensor on the training device while steps are
+    added: ``float()`` it where it is read); ``emulated``: the part of ``comm`` spent waiting on emulated
+    links (``simulate.link_gbps``, :mod:`runner.comm.links`)."""
 
     data: float = 0.0
     compute: float = 0.0
@@ -131,8 +136,10 @@ class Timing:
         self.emulated += other.emulated
 
     def rates(self, world: int, tokens_per_sample: int | None = None) -> dict[str, float]:
-        """Throughput (samples/s of all ``world`` workers, and tokens/s where a sample holds
-        ``tokens_per_sample``: a language model's) and the split of the step time."""
+        """Throughput and the split of the step time.
+
+        Throughput is samples/s of all ``world`` workers, and tokens/s where a sample holds
+        ``tokens_per_sample`` (a language model's)."""
         total = max(self.total, 1e-12)
         per = tokens_per_sample
         tokens = {"tokens_per_s": self.samples * world * per / total} if per else {}
@@ -148,8 +155,9 @@ class Timing:
 
 
 class Meter:
-    """Times the steps of a run, writes a ``step`` record every ``log_every`` steps, and shows rank 0's
-    progress on ``terminal`` (:func:`display`; ``line_every_s``: seconds between plain lines).
+    """Times a run's steps, writes a ``step`` record every ``log_every`` steps, and shows rank 0's progress.
+
+    Progress is shown on ``terminal`` (:func:`display`; ``line_every_s``: seconds between plain lines).
     The last progress of an epoch and of the run is always written.
 
     ``batches(loader)`` yields the loader's batches and starts each step's clock; ``step_done`` closes it.
@@ -208,20 +216,24 @@ class Meter:
         return self.total.samples - self._counted
 
     def count_job(self, new: float) -> None:
-        """Every worker, with the sum of their :meth:`new_samples`, once the count is agreed (a retry after
-        a loss takes it again): the job's samples trained so far grow by ``new``. A worker lost since the
-        last count takes its new ones with it; a joined one counts from its join."""
+        """Every worker, once the count is agreed: the job's samples trained so far grow by ``new``.
+
+        ``new`` is the sum of the workers' :meth:`new_samples`; a retry after a loss takes the count again.
+        A worker lost since the last count takes its new ones with it; a joined one counts from its join."""
         self.job_samples += new
         self._counted = self.total.samples
 
     def rebase(self) -> None:
-        """A worker that joined took worker 0's records (within an epoch, its timing too, which the epoch's
-        end adds to the total): its own samples count from now."""
+        """A worker that joined took worker 0's records: its own samples count from now.
+
+        Within an epoch it took its timing too, which the epoch's end adds to the total."""
         self._counted = self.total.samples + (self.epoch.samples if self._resumed else 0)
 
     def forget_epoch(self) -> None:
-        """The epoch's timing was added to the run's total: a checkpoint within the epoch taken now (a
-        train.max_steps cut) leaves a resumed run to time the rest alone, not to count it twice."""
+        """The epoch's timing was added to the run's total.
+
+        A checkpoint within the epoch taken now (a train.max_steps cut) leaves a resumed run to time the
+        rest alone, not to count it twice."""
         self.epoch = Timing()
 
     @property
@@ -246,8 +258,9 @@ class Meter:
             self._ready = time.perf_counter()
 
     def restart_step(self) -> None:
-        """The step starts now: what came since its batch arrived (a meeting of the workers, a validation)
-        is not the step's time."""
+        """The step starts now: what came since its batch arrived is not the step's time.
+
+        For example a meeting of the workers, or a validation."""
         self._arrived, self._comm0 = time.perf_counter(), self.stats.seconds
         self._emulated0 = self.stats.emulated_seconds
 
@@ -270,9 +283,10 @@ class Meter:
         lr: float,
         shown: int | None = None,
     ) -> None:
-        """Account the step that just ended (``step`` counts steps done; ``loss``: its loss, a number or a
-        0-dim tensor left on its device) and log or draw what is due; ``shown``: the run's progress in
-        steps, where it is not this worker's count (dynamic assignment)."""
+        """Account the step that just ended and log or draw what is due.
+
+        ``step`` counts steps done; ``loss``: its loss, a number or a 0-dim tensor left on its device;
+        ``shown``: the run's progress in steps, where it is not this worker's count (dynamic assignment)."""
         now = time.perf_counter()
         comm = self.stats.seconds - self._comm0
         if isinstance(loss, torch.Tensor):
@@ -295,8 +309,10 @@ class Meter:
             self._show(step if shown is None else shown, epoch, loss)
 
     def reach(self, step: int, epoch: int) -> None:
-        """The run's progress stands at ``step`` (dynamic assignment: every worker has trained the chunks
-        up to the epoch's end, wherever this worker's own last chunk was)."""
+        """The run's progress stands at ``step``.
+
+        Dynamic assignment: every worker has trained the chunks up to the epoch's end, wherever this
+        worker's own last chunk was."""
         self._progress = max(self._progress, step)
         if self.display.mode != "none" and self._loss is not None and step > self._shown:
             self._show(step, epoch, self._loss)

@@ -1,5 +1,6 @@
-"""Run-folder records: metrics.jsonl (one strict-JSON object per line), and the same records to the loggers
-chosen (``logger=[tensorboard,mlflow]``; :mod:`runner.rank.records.tracking`)."""
+"""Run-folder records: metrics.jsonl (one strict-JSON object per line), and the same records to the loggers.
+
+The loggers are those chosen (``logger=[tensorboard,mlflow]``; :mod:`runner.rank.records.tracking`)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ from runner.schema.logger import DEFAULT_LOGGERS, LoggerConfig
 
 
 class MetricsLog:
-    """Appends records to ``metrics.jsonl`` and the loggers' trackers; every record is flushed to
-    metrics.jsonl when written.
+    """Appends records to ``metrics.jsonl`` and the loggers' trackers.
 
-    Only the writing rank (rank 0) opens files and starts trackers; on other ranks every call is a no-op.
-    ``loggers``: the config's ``logger`` (name -> schema; None: TensorBoard alone). A resumed run passes
-    ``resume=(lines, step, elapsed)`` from its checkpoint: ``metrics.jsonl`` is cut back to the ``lines``
-    records written before that checkpoint, TensorBoard discards the earlier run's events after ``step``
-    (``purge_step``), MLflow and W&B continue the same run, and times continue from ``elapsed`` seconds.
-    The run's end, its summary and model, go to the trackers with :meth:`finish`, after ``summary.json``.
+    Every record is flushed to metrics.jsonl when written. Only the writing rank (rank 0) opens files and
+    starts trackers; on other ranks every call is a no-op. ``loggers``: the config's ``logger`` (name ->
+    schema; None: TensorBoard alone). A resumed run passes ``resume=(lines, step, elapsed)`` from its
+    checkpoint: ``metrics.jsonl`` is cut back to the ``lines`` records written before that checkpoint,
+    TensorBoard discards the earlier run's events after ``step`` (``purge_step``), MLflow and W&B continue
+    the same run, and times continue from ``elapsed`` seconds. The run's end, its summary and model, go to
+    the trackers with :meth:`finish`, after ``summary.json``.
     """
 
     def __init__(
@@ -50,8 +51,10 @@ class MetricsLog:
         self.trackers = Trackers(self.loggers, RunInfo.read(run_dir, resume[1] if resume else None))
 
     def take_over(self) -> None:
-        """This rank writes the records from now on (the writing rank was lost): append to what it wrote,
-        without a line it may have left half-written; the trackers continue the run's records."""
+        """This rank writes the records from now on (the writing rank was lost).
+
+        It appends to what the lost rank wrote, without a line that rank may have left half-written; the
+        trackers continue the run's records."""
         path = self.dir / METRICS
         kept = _lines(path)
         if kept and not kept[-1].endswith("\n"):
@@ -65,8 +68,9 @@ class MetricsLog:
         return time.time() - self.start
 
     def write(self, kind: str, step: int, at: float | None = None, **values: Any) -> None:
-        """A record: a line of metrics.jsonl, and its numbers to every tracker (``<kind>/<key>``); ``at``:
-        when it happened (``time.time()``; default now)."""
+        """A record: a line of metrics.jsonl, and its numbers to every tracker (``<kind>/<key>``).
+
+        ``at``: when it happened (``time.time()``; default now)."""
         if not self.enabled:
             return
         when = time.time() if at is None else at
@@ -96,8 +100,10 @@ class MetricsLog:
             self.trackers.call("flush")
 
     def close(self) -> None:
-        """Close metrics.jsonl and the trackers' files. Called in a ``finally``: while an exception goes up,
-        the trackers' runs end failed, with its cause; otherwise they wait for :meth:`finish`."""
+        """Close metrics.jsonl and the trackers' files.
+
+        Called in a ``finally``: while an exception goes up, the trackers' runs end failed, with its cause;
+        otherwise they wait for :meth:`finish`."""
         if not self.enabled:
             return
         self.file.close()
@@ -108,8 +114,9 @@ class MetricsLog:
             self.trackers.live.clear()
 
     def finish(self) -> None:
-        """The run's end to the trackers: ``summary.json``'s status and numbers, and ``model.pt`` (when
-        saved). Call it after both are written."""
+        """The run's end to the trackers: ``summary.json``'s status and numbers, and ``model.pt`` when saved.
+
+        Call it after both are written."""
         if not self.enabled or self.trackers is None:
             return
         model = self.dir / MODEL

@@ -52,8 +52,9 @@ def redirect_output(run_dir: Path, rank: int) -> tuple[TextIO, TextIO]:
 
 
 def root_cause(err: BaseException) -> str:
-    """``Type: message (file:line)`` of the innermost exception that ``err`` was raised from or during
-    (``raise ... from None`` ends the chain: that error already says what went wrong)."""
+    """``Type: message (file:line)`` of the innermost exception that ``err`` was raised from or during.
+
+    ``raise ... from None`` ends the chain: that error already says what went wrong."""
     while True:
         inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
         if inner is None or inner is err:
@@ -68,9 +69,10 @@ def root_cause(err: BaseException) -> str:
 
 
 def _where(err: BaseException) -> str:
-    """`` (file:line)`` for the cause's line, decided by the innermost frame outside the libraries: the
-    user's own code, its line; the runner's, nothing for a refusal (a ValueError: its message names the key
-    and the fix), else (a bug of the runner or a library) the innermost frame."""
+    """`` (file:line)`` for the cause's line, decided by the innermost frame outside the libraries.
+
+    For the user's own code, its line; for the runner's, nothing for a refusal (a ValueError: its message
+    names the key and the fix), else (a bug of the runner or a library) the innermost frame."""
     from runner.schema.trust import in_project, library_roots
 
     frames = traceback.extract_tb(err.__traceback__)
@@ -95,8 +97,9 @@ FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
 
 
 def from_loader_process(text: str) -> str:
-    """``Type: message (file:line, in DataLoader worker process N)`` of the exception a loader process
-    raised, from the message torch re-raised it with in the training process."""
+    """``Type: message (file:line, in DataLoader worker process N)`` of the exception a loader process raised.
+
+    Read from the message torch re-raised it with in the training process."""
     head, _, trace = text.partition(ORIGINAL)
     lines = [line for line in trace.splitlines() if line.strip()]
     frames = [m for line in lines if (m := FRAME.match(line))]
@@ -107,9 +110,10 @@ def from_loader_process(text: str) -> str:
 
 
 def end_job(run_dir: Path, rank: int, cause: str, status: int, detail: str = "") -> None:
-    """Name this rank's failure (``logs/rank<r>.error``: ``cause``, then ``detail``; a line on stderr, which
-    the launcher shows) and abort the job with ``status``. Callable from any thread (the main one may be
-    blocked in MPI)."""
+    """Name this rank's failure and abort the job with ``status``.
+
+    ``logs/rank<r>.error`` holds ``cause``, then ``detail``; a line goes on stderr, which the launcher
+    shows. Callable from any thread (the main one may be blocked in MPI)."""
     from runner.comm import mpi
 
     try:

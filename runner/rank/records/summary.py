@@ -15,10 +15,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Outcome:
-    """What the loop ends with: the validations (``history``, the reported model's under ``prefix``), the
-    metric the run reports (``monitor``), the epoch after which early stopping ended training (None: it
-    did not), whether the loss was scaled (fp16: overflowed steps are counted), and the items a validation
-    counts (``val_count``: samples, tokens for a language model; None before the first validation)."""
+    """What the loop ends with.
+
+    The validations (``history``, the reported model's under ``prefix``), the metric the run reports
+    (``monitor``), the epoch after which early stopping ended training (None: it did not), whether the loss
+    was scaled (fp16: overflowed steps are counted), and the items a validation counts (``val_count``:
+    samples, tokens for a language model; None before the first validation)."""
 
     history: list[dict[str, float]]
     prefix: str
@@ -32,8 +34,10 @@ class Outcome:
 def summary(
     outcome: Outcome, epochs: int, steps: int, meter: Meter, guard: Guard, workers: CommLike
 ) -> dict[str, Any]:
-    """Collective over the workers: the run's results (validation results None when it was preempted
-    before its first); rates are this worker's, samples per second and bytes sent all workers'."""
+    """Collective over the workers: the run's results.
+
+    Validation results are None when it was preempted before its first; rates are this worker's, samples
+    per second and bytes sent all workers'."""
     rates = meter.total.rates(workers.size)
     own = meter.total.samples / max(meter.total.total, 1e-12)  # this worker's samples/s
     rates["samples_per_s"] = workers.allreduce_values([own])[0]  # all workers' (unequal: dynamic)

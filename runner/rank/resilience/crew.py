@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Crew:
-    """What :class:`~runner.rank.resilience.survivor.Survivors` and
-    :class:`~runner.rank.resilience.growth.Growth` are given of the loop (never the loop itself)."""
+    """What the survivor protocol and the job's growth are given of the loop (never the loop itself).
+
+    The survivor protocol is :class:`~runner.rank.resilience.survivor.Survivors`, the growth
+    :class:`~runner.rank.resilience.growth.Growth`."""
 
     workers: Comm
     rule: Rule

@@ -55,8 +55,10 @@ PASSED_ENV = (
 
 
 def spawn_argv(run_dir: Path, first_id: int, env: dict[str, str]) -> list[str]:
-    """The command of the workers spawned into the job: the worker module with ``--joined`` and the id of
-    the first of them (the others count up), through ``env`` so they get this rank's environment."""
+    """The command of the workers spawned into the job.
+
+    The worker module with ``--joined`` and the id of the first of them (the others count up), through
+    ``env`` so they get this rank's environment."""
     passed = [f"{k}={os.environ[k]}" for k in (*PASSED_ENV, *env) if k in os.environ]
     return [
         "env",
@@ -102,8 +104,9 @@ class Elastic:
         return self.max_workers - (self.world.size - self.servers)
 
     def grow(self, want: int) -> list[int]:
-        """Collective over the living ranks of the world: add ``want`` workers (worker 0's count counts;
-        servers pass 0), at most :attr:`room`; returns the new workers' ids (:attr:`refusal` says why
+        """Collective over the living ranks of the world: add ``want`` workers, at most :attr:`room`.
+
+        Worker 0's count counts; servers pass 0. Returns the new workers' ids (:attr:`refusal` says why
         fewer than wanted)."""
         world = self.world
         if self.workers is not None:
@@ -149,8 +152,9 @@ class Elastic:
         return [] if why is not None else list(range(first, first + want))
 
     def settle(self, key: int) -> None:
-        """Collective over the world as it now is (a spawned worker calls it too, from :func:`arrive`):
-        learn every rank's host and split the workers' communicator anew."""
+        """Collective over the world: learn every rank's host and split the workers' communicator anew.
+
+        The world as it now is: a spawned worker calls it too, from :func:`arrive`."""
         world = self.world
         pairs = world.allgather_object((world.launch_rank(), platform.node()))
         for rank, host in sorted(pairs):
@@ -179,7 +183,9 @@ SPAWN_GRACE_S = 3.0
 
 
 class SpawnWatch:
-    """While this rank grows the job (``with``): a loss it learns of, still in the growth
+    """Ends the job, naming the cause, when a loss stalls this rank's growth of the job.
+
+    While this rank grows the job (``with``): a loss it learns of, still in the growth
     :data:`SPAWN_GRACE_S` later, ends the job with that cause named (:func:`stuck_in_spawn`), instead of
     a stall the watchdog ends a minute later naming a rank that waits."""
 
@@ -223,8 +229,10 @@ class NotJoined(RuntimeError):
 
 
 def arrive(world: Comm, servers: int, run_dir: Path, max_workers: int, env: dict[str, str]) -> Elastic:
-    """A spawned worker, right after it merged into the job (:func:`runner.comm.mpi.join`): take part in
-    :meth:`Elastic.settle` with the ranks that spawned it (its workers: ``elastic.workers``).
+    """A spawned worker, right after it merged into the job: take part in :meth:`Elastic.settle`.
+
+    It merged through :func:`runner.comm.mpi.join`, and settles with the ranks that spawned it (its workers:
+    ``elastic.workers``).
 
     A loss in this first meeting (a rank lost while it was spawned) raises :class:`NotJoined`: the ranks that
     spawned it count it lost with the other and spawn anew (an error here would end the job they go on

@@ -1,5 +1,6 @@
-"""The loop's side of growing the job (:mod:`runner.rank.resilience.elastic`): when to grow, and welcoming
-the new workers into the training."""
+"""The loop's side of growing the job (:mod:`runner.rank.resilience.elastic`).
+
+When to grow, and welcoming the new workers into the training."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ if TYPE_CHECKING:
 
 
 class Growth:
-    """Growing the job from one worker (``recovery``: its fault tolerance, which grows the job): the workers
-    agree to grow at an agreement (:meth:`note`), grow at the next step's or epoch's start (:meth:`if_due`),
-    and welcome the new workers. ``retry(fn, pos, *args)``: the loop's, recovering from lost workers."""
+    """Growing the job from one worker.
+
+    ``recovery``: its fault tolerance, which grows the job. The workers agree to grow at an agreement
+    (:meth:`note`), grow at the next step's or epoch's start (:meth:`if_due`), and welcome the new workers.
+    ``retry(fn, pos, *args)``: the loop's, recovering from lost workers."""
 
     def __init__(self, recovery: Recovery | None, crew: Crew, model: nn.Module, retry: Callable[..., Any]):
         self.recovery, self.crew, self.model, self.retry = recovery, crew, model, retry
@@ -28,8 +31,9 @@ class Growth:
         self.noted = 0  # the lost workers to replace when the workers agreed to grow
 
     def note(self, decision: Decision) -> None:
-        """At an agreement: the workers to add at the next step's start (lost ones to replace, and those
-        ``RUN_DIR/JOIN`` asks for); the same on every worker."""
+        """At an agreement: the workers to add at the next step's start; the same on every worker.
+
+        Lost ones to replace, and those ``RUN_DIR/JOIN`` asks for."""
         recovery = self.recovery
         if decision.polled and recovery is not None and recovery.elastic is not None:
             self.due, self.noted = decision.join + recovery.heal_pending, recovery.heal_pending
@@ -59,8 +63,9 @@ class Growth:
             self.crew.meter.echo(f"{line} (in {seconds:.2f} s)")
 
     def welcome(self, pos: Position, mid_epoch: bool, joined: bool) -> tuple[Position, bool]:
-        """Collective over the workers once the job grew (``joined``: this worker is one of the new ones):
-        worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
+        """Collective over the workers once the job grew (``joined``: this worker is one of the new ones).
+
+        Worker 0 gives the new ones its state and position, the data is dealt anew among all, the rule
         grows, and the workers agree on their next agreement. Returns where the new ones start, and
         whether that is within an epoch (they then take the lost workers' shards of it)."""
         c = self.crew

@@ -63,9 +63,10 @@ class Survivor(Protocol):
         """Take the states :meth:`share_state` returned (this survivor was behind)."""
 
     def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
-        """Go on over the survivors: the rule's own recovery, the validation share, the next agreement, and
-        (dynamic assignment) the lost workers' data back to the pool; ``before``: the workers' launch ranks
-        before the loss, ``lost``: the lost ones'."""
+        """Go on over the survivors: the rule's own recovery, the validation share and the next agreement.
+
+        With dynamic assignment the lost workers' data goes back to the pool too. ``before``: the workers'
+        launch ranks before the loss, ``lost``: the lost ones'."""
 
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
@@ -123,9 +124,10 @@ class Recovery:
         self.heal_pending = 0  # lost workers to replace at the next agreement (heal)
 
     def recover(self, trainer: Survivor, pos: Position, holding: bool, applied: bool) -> bool:
-        """Collective over the surviving workers. ``holding``: the failure came inside a step, on a batch
-        this rank had not finished (``applied``: its optimizer step was taken). Returns True when that batch
-        counts as done, False when it must be redone.
+        """Collective over the surviving workers.
+
+        ``holding``: the failure came inside a step, on a batch this rank had not finished (``applied``: its
+        optimizer step was taken). Returns True when that batch counts as done, False when it must be redone.
 
         A worker lost during the recovery itself (two lost at once, noticed one after the other) makes its
         collectives fail: the survivors recover again, over the fewer, from the shrink on."""
@@ -160,8 +162,9 @@ class Recovery:
     def _go_on(
         self, trainer: Survivor, pos: Position, holding: bool, steps: Steps, before: list[int], lost: list
     ) -> None:
-        """Collective over the survivors, once shrunk: go on or stop (a partition, too few workers), agree
-        on the step (synchronous rules), and rejoin."""
+        """Collective over the survivors, once shrunk: go on or stop, agree on the step, and rejoin.
+
+        They stop on a partition or with too few workers; the step is agreed under synchronous rules."""
         self._go_on_or_stop(before)
         if trainer.synchronous and (took := self._agree(trainer, pos, holding, steps.done)) is not None:
             steps.done, steps.adopted = took, True  # (kept if the survivors recover again)
@@ -197,9 +200,10 @@ class Recovery:
             self.elastic.spawning = False
 
     def lost_at_end(self, trainer: Survivor, lost: list[int], step: int) -> None:
-        """Collective over the surviving workers, after training: record the workers lost in the job's
-        closing barrier (``lost``: ids; the world is shrunk already, the workers' communicator is shrunk
-        here), so that the summary counts them."""
+        """Collective over the survivors after training: record the workers lost in the job's closing barrier.
+
+        ``lost``: ids; the world is shrunk already, the workers' communicator is shrunk here. Recorded so
+        that the summary counts them."""
         self.check_servers(step)
         if not lost:
             return
@@ -208,9 +212,11 @@ class Recovery:
         self._record(trainer, lost, step, time.time(), 0.0, "after training")
 
     def _go_on_or_stop(self, before: list[int]) -> None:
-        """Collective over the survivors: raise :class:`Partitioned` unless they are the side of a possible
-        partition that goes on (:func:`runner.rank.fence.quorum`) and their rank 0 claims the run folder's
-        next membership generation first."""
+        """Collective over the survivors: raise :class:`Partitioned` unless they are the side that goes on.
+
+        They go on when they are the side of a possible partition that goes on
+        (:func:`runner.rank.fence.quorum`) and their rank 0 claims the run folder's next membership
+        generation first."""
         survivors = [self.workers.launch_rank(r) for r in range(self.workers.size)]
         why = quorum(before, survivors, self.hosts)
         if why is not None:
@@ -228,8 +234,10 @@ class Recovery:
         self.fence.generation = claimed
 
     def _to_replace(self, lost: list[int], step: int) -> int:
-        """How many of ``lost`` to replace (heal): not a replacement that died before it trained (it joined
-        at this step or the one before), which would be spawned again and again; worker 0 says so."""
+        """How many of ``lost`` to replace (heal).
+
+        Not a replacement that died before it trained (it joined at this step or the one before), which
+        would be spawned again and again; worker 0 says so."""
         joined = {j["rank"]: j["step"] for j in (self.elastic.joins if self.elastic is not None else [])}
         early = [r for r in lost if r in joined and joined[r] >= step - 1]
         if early and self.workers.rank == 0:
@@ -254,8 +262,10 @@ class Recovery:
             ) from None
 
     def _agree(self, trainer: Survivor, pos: Position, holding: bool, done: int) -> int | None:
-        """Bring every survivor to the state of the most advanced one (``done``: steps applied); the steps
-        of the state this one took, if it took one (the loop then counts a held batch as a step)."""
+        """Bring every survivor to the state of the most advanced one (``done``: steps applied).
+
+        Returns the steps of the state this one took, if it took one (the loop then counts a held batch as
+        a step)."""
         w = self.workers
         top = int(w.allreduce_values([done], "max")[0])
         if not w.allreduce_values([float(done != top)], "max")[0]:

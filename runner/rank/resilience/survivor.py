@@ -1,5 +1,7 @@
-"""The loop's side of surviving lost workers: what :class:`~runner.rank.resilience.recovery.Recovery` asks of
-the training loop (its :class:`~runner.rank.resilience.recovery.Survivor` protocol)."""
+"""The loop's side of surviving lost workers.
+
+What :class:`~runner.rank.resilience.recovery.Recovery` asks of the training loop (its
+:class:`~runner.rank.resilience.recovery.Survivor` protocol)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ if TYPE_CHECKING:
 
 
 class Survivors:
-    """The survivor protocol of one worker: recovery calls these, collectively over the surviving workers,
-    wherever they were when the loss surfaced. ``save(pos, end)``: the loop's checkpoint."""
+    """The survivor protocol of one worker.
+
+    Recovery calls these, collectively over the surviving workers, wherever they were when the loss
+    surfaced. ``save(pos, end)``: the loop's checkpoint."""
 
     def __init__(self, crew: Crew, save: Callable[[Position, bool], None]):
         self.crew, self._save = crew, save
@@ -41,8 +45,9 @@ class Survivors:
         self.crew.state.adopt(state)
 
     def rejoin(self, val_loader: Any, next_poll: int, before: list[int], lost: list[int]) -> None:
-        """Go on over the survivors: the rule's own recovery, the validation share, the next agreement, and
-        (dynamic assignment) the lost workers' data back to the pool."""
+        """Go on over the survivors: the rule's own recovery, the validation share and the next agreement.
+
+        With dynamic assignment the lost workers' data goes back to the pool too."""
         self.crew.rule.recover()
         self.crew.validator.resend(record=before[0] not in lost)
         self.crew.validator.val_loader = val_loader

@@ -23,9 +23,10 @@ DEFAULT_LOGGERS = ("tensorboard",)
 
 @dataclass
 class LoggerConfig:
-    """Base of the loggers' schemas. ``package``: the module the logger imports on the writing rank, which
-    the optional dependency of the same name installs (``pip install "mpitrain[mlflow]"``); None for a
-    logger installed with mpitrain."""
+    """Base of the loggers' schemas.
+
+    ``package``: the module the logger imports on the writing rank, which the optional dependency of the same
+    name installs (``pip install "mpitrain[mlflow]"``); None for a logger installed with mpitrain."""
 
     package: ClassVar[str | None] = None
 
@@ -34,8 +35,9 @@ class LoggerConfig:
         require(ok, f"{option_name(type(self))}.{key}", value, hint)
 
     def check_installed(self) -> None:
-        """Raise ValueError naming the option and the install command when its package is missing (the
-        launcher asks, before any process starts)."""
+        """Raise ValueError naming the option and the install command when its package is missing.
+
+        The launcher asks, before any process starts."""
         if self.package is None or importlib.util.find_spec(self.package) is not None:
             return
         name = option_name(type(self))
@@ -52,9 +54,10 @@ def logger_names() -> list[str]:
 
 
 def as_loggers(node: Mapping[str, Any]) -> dict[str, LoggerConfig]:
-    """``name -> schema object`` of a config's ``logger`` node; a node read without its schema (a run
-    folder's config.yaml on the ranks) is made one by its name. Raises ValueError for a name that is no
-    logger."""
+    """``name -> schema object`` of a config's ``logger`` node.
+
+    A node read without its schema (a run folder's config.yaml on the ranks) is made one by its name. Raises
+    ValueError for a name that is no logger."""
     out = {}
     for name, value in node.items():
         if isinstance(value, LoggerConfig):

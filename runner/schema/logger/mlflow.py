@@ -1,6 +1,7 @@
-"""MLflow tracking: the config and the compared keys as params, the rule, model, data and optimizer as tags,
-the records as metrics, the model file as an artifact (runner/rank/records/tracking/mlflow_tracker.py
-writes them; ``pip install "mpitrain[mlflow]"``)."""
+"""MLflow tracking: the config as params, the records as metrics, the model file as an artifact.
+
+The compared keys are params too, the rule, model, data and optimizer tags;
+runner/rank/records/tracking/mlflow_tracker.py writes them (``pip install "mpitrain[mlflow]"``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""TensorBoard event files in the run folder's ``tb/`` (the default logger;
-rank/records/tracking/tensorboard_tracker.py)."""
+"""TensorBoard event files in the run folder's ``tb/`` (the default logger).
+
+rank/records/tracking/tensorboard_tracker.py writes them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from runner.schema.logger import LoggerConfig
 
 @dataclass
 class TensorBoardConfig(LoggerConfig):
-    """Scalars of every record, the run's compared keys and its outcome for the HParams dashboard, in
-    ``RUN_DIR/tb/<run name>/``; ``flush_secs``: the longest time a record waits in memory."""
+    """Scalars of every record, the run's compared keys and its outcome for the HParams dashboard.
+
+    Written in ``RUN_DIR/tb/<run name>/``; ``flush_secs``: the longest time a record waits in memory."""
 
     flush_secs: float = 10.0
 

@@ -1,5 +1,6 @@
-"""Weights & Biases: the config, the records, the summary and the model file as an artifact
-(runner/rank/records/tracking/wandb_tracker.py writes them; ``pip install "mpitrain[wandb]"``)."""
+"""Weights & Biases: the config, the records, the summary and the model file as an artifact.
+
+runner/rank/records/tracking/wandb_tracker.py writes them (``pip install "mpitrain[wandb]"``)."""
 
 from __future__ import annotations
 
