@@ -1,5 +1,6 @@
-"""How a worker's steps are paced through an epoch: by its static shard (:class:`Static`) or by the chunks a
-dealer deals it (:class:`Dynamic`, ``data.assignment=dynamic``). The loop chooses one at construction and
+"""How a worker's steps are paced through an epoch: by its static shard, or by the chunks a dealer deals it.
+
+:class:`Static` or :class:`Dynamic` (``data.assignment=dynamic``): the loop chooses one at construction and
 calls it at the same points, with no branch of its own on which it is:
 
 * :meth:`~Static.begin_epoch` deals the epoch's data and says the run's steps;
@@ -30,7 +31,7 @@ from runner.rank.assignment import (
     regrow,
     val_chunks,
 )
-from runner.rank.state import Position, run_length
+from runner.rank.state import Owner, Position, run_length
 
 if TYPE_CHECKING:
     from torch import nn
@@ -66,12 +67,63 @@ class Given:
     grow: Callable[[Position], None]
 
 
-class Static:
-    """Static shards: this worker's shard of each epoch (``DistributedSampler``), the same number of steps
-    on every worker; the workers agree after every step (an interval of them, asynchronous rules). With
-    ``replan`` (fault tolerance) the run's steps are planned anew at each epoch's start."""
+class PaceState(Owner):
+    """The pace's part of a worker's training state, by key: computed when asked, given back at a position.
+
+    ``shard``: the sampler's split (static shards); ``deal``: what is left to deal and the meetings passed
+    (dynamic assignment; collective over the workers, so a use takes only the keys it carries);
+    ``dealing``: the dealer's plan as it is (a joining worker's package)."""
+
+    STATE = ("shard", "deal", "dealing")
+
+    def state_dict(self, keys: tuple[str, ...] = STATE) -> dict[str, Any]:
+        take = {"shard": self.shard, "deal": self.left_to_deal, "dealing": self.dealing}
+        return {key: take[key]() for key in keys}
+
+    def load_state_dict(self, state: dict[str, Any], pos: Position | None = None) -> None:
+        """Take back what :meth:`state_dict` returned, or a part of it, for training at ``pos``."""
+        pos = pos or Position()
+        give = {
+            "shard": lambda v: self.take_shard(v, pos),
+            "deal": lambda v: self.deal_rest(v, pos),
+            "dealing": self.take_dealing,
+        }
+        for key, value in state.items():
+            give[key](value)
+
+    def shard(self) -> list[int] | None:
+        raise NotImplementedError
+
+    def take_shard(self, shard: list[int] | None, pos: Position) -> None:
+        raise NotImplementedError
+
+    def left_to_deal(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def deal_rest(self, deal: dict[str, Any] | None, pos: Position) -> None:
+        raise NotImplementedError
+
+    def dealing(self) -> tuple | None:
+        raise NotImplementedError
+
+    def take_dealing(self, dealing: tuple | None) -> None:
+        raise NotImplementedError
+
+
+class Static(PaceState):
+    """Static shards: this worker's shard of each epoch (``DistributedSampler``).
+
+    The same number of steps on every worker; the workers agree after every step (an interval of them,
+    asynchronous rules). With ``replan`` (fault tolerance) the run's steps are planned anew at each epoch's
+    start."""
 
     ahead = True  # on a GPU the next step's batch is copied while this one computes
+    TRANSIENT = {
+        "given": "what the loop gives it",
+        "replan": "set at construction from train.fault_tolerance",
+        "shard_plan": "given back as 'shard', the split a resumed or joined worker's epoch takes",
+        "val_steps": "planned anew at each epoch's start",
+    }
 
     def __init__(self, given: Given, replan: bool = False):
         self.given, self.replan = given, replan
@@ -79,8 +131,9 @@ class Static:
         self.val_steps: int | None = None  # steps between validations within the epoch
 
     def begin_epoch(self, pos: Position, epochs: int, start: Position, max_steps: int) -> int:
-        """Deal epoch ``pos.epoch``'s shard from ``pos.batch`` on; returns the run's steps, which the
-        survivors of a lost worker re-plan with their longer epochs."""
+        """Deal epoch ``pos.epoch``'s shard from ``pos.batch`` on; returns the run's steps.
+
+        The survivors of a lost worker re-plan them with their longer epochs."""
         g, cfg = self.given, self.given.cfg
         sampler = g.loader.sampler
         plan = self.shard_plan if pos.epoch == start.epoch and self.shard_plan else None
@@ -103,7 +156,8 @@ class Static:
         return False
 
     def cut_at(self, pos: Position, max_steps: int) -> float | None:
-        """The part of the epoch trained where ``train.max_steps`` ended the run before its last batch;
+        """The part of the epoch trained where ``train.max_steps`` ended the run before its last batch.
+
         None where it did not."""
         steps = self.steps_per_epoch()
         return pos.batch / steps if pos.step >= max_steps and pos.batch < steps else None
@@ -124,8 +178,10 @@ class Static:
         return self.given.retry(self.agree, pos) or pos.step >= max_steps
 
     def agree(self, pos: Position) -> bool:
-        """Validate within the epoch when due, then checkpoint when the workers agree or the step count asks
-        (every worker decides alike); True when the launcher asked to stop."""
+        """Validate within the epoch when due, then checkpoint when asked; True when asked to stop.
+
+        A checkpoint is taken when the workers agree or the step count asks (every worker decides alike); the
+        launcher asks to stop."""
         g, every, steps = self.given, self.val_steps, self.steps_per_epoch()
         if every and pos.batch % every == 0 and pos.batch < steps:
             g.validator.validate(pos.epoch, pos.step, done=pos.batch / steps)
@@ -143,8 +199,10 @@ class Static:
         return pos.step
 
     def checkpoint_words(self, step: int, pos: Position) -> str:
-        """The console's line for a checkpoint after ``step`` (at an epoch's start: the end of the one before;
-        a run's last is at the start of an epoch it does not have)."""
+        """The console's line for a checkpoint after ``step``.
+
+        At an epoch's start it is the end of the one before (a run's last is at the start of an epoch it does
+        not have)."""
         if pos.batch == 0 and pos.epoch > 0:
             return f"checkpoint after step {step} (end of epoch {pos.epoch - 1})"
         return f"checkpoint after step {step} (epoch {pos.epoch}, batch {pos.batch})"
@@ -191,12 +249,21 @@ class Static:
             self.shard_plan = lost_shard(plans, w.rank)
 
 
-class Dynamic:
-    """Dynamic assignment: this worker trains the chunks its dealer draws from the counter all workers
-    share, until the epoch's are spent; the workers meet at fixed positions of the epoch (agreement points,
+class Dynamic(PaceState):
+    """Dynamic assignment: this worker trains the chunks its dealer draws from the counter all workers share.
+
+    It draws until the epoch's are spent; the workers meet at fixed positions of the epoch (agreement points,
     validations, its end), which each passes as its next chunk comes after them."""
 
     ahead = False  # drawing the next batch ahead would hold a chunk of the shared counter's
+    TRANSIENT = {
+        "given": "what the loop gives it",
+        "dealer": "its counter is the job's; what is left to deal is carried as 'deal' and 'dealing'",
+        "meetings": "carried in 'dealing'; a resumed job plans it from its config, as the original did",
+        "passed": "carried in 'deal' and 'dealing'",
+        "meetings_done": "carried in 'deal' and 'dealing'",
+        "stopped": "a job that agreed to stop has stopped: a resumed one starts not stopped",
+    }
 
     def __init__(self, given: Given, dealer: Dealer):
         self.given, self.dealer = given, dealer
@@ -213,8 +280,7 @@ class Dynamic:
         return sys.maxsize
 
     def before_step(self, pos: Position) -> bool:
-        """Pass the meetings before the chunk this worker is about to train; True when the workers agreed
-        to stop there."""
+        """Pass the meetings before the chunk this worker is about to train; True when they agreed to stop."""
         return self.given.retry(self.meet, pos, self.dealer.take())
 
     def start_step(self) -> None:
@@ -235,12 +301,14 @@ class Dynamic:
         return False
 
     def cut_at(self, pos: Position, max_steps: int) -> float | None:
-        """(What is left to deal is in the checkpoint's dealing state.)"""
+        """None: what is left to deal is in the checkpoint's dealing state."""
         return None
 
     def end_of_span(self, pos: Position) -> bool:
-        """At the epoch's end (where a loss may be noticed): pass its last meetings; True when chunks were
-        dealt anew after this worker's draws were spent (a lost worker's), to be trained now. Under fault
+        """At the epoch's end (where a loss may be noticed): pass its last meetings.
+
+        True when chunks were dealt anew after this worker's draws were spent (a lost worker's), to be
+        trained now. Under fault
         tolerance the workers first meet in a barrier: the meetings are one-sided (the counter's), so a
         worker lost holding chunks could otherwise be noticed only after the epoch, too late to train them
         in it (and, in the last epoch, at all). The meeting is ULFM's agreement (:func:`settle`), which all
@@ -257,9 +325,10 @@ class Dynamic:
         settle(self.given.workers, meet=True)
 
     def meet(self, pos: Position, ticket: int | None) -> bool:
-        """Pass the meetings of this epoch that come before ``ticket``, the one this worker is about to train
-        (None: the epoch has ended, pass them all); at each, validate when due, and checkpoint or stop as
-        the workers agreed. True when they agreed to stop."""
+        """Pass the meetings of this epoch that come before ``ticket``; True when the workers agreed to stop.
+
+        ``ticket`` is the one this worker is about to train (None: the epoch has ended, pass them all); at
+        each meeting, validate when due, and checkpoint or stop as the workers agreed."""
         g, meetings, chunks = self.given, self.meetings, self.dealer.chunks
         alone, validator = g.validator.alone, g.validator
         if g.workers.rank == 0 and alone:
@@ -287,8 +356,9 @@ class Dynamic:
         return False
 
     def agree(self, pos: Position, before: int, position: int) -> bool:
-        """At a meeting at ticket ``position`` (the previous one at ``before``): validate by time, note a
-        growth, checkpoint or stop as the workers agreed; True when they agreed to stop."""
+        """At a meeting at ticket ``position`` (the previous at ``before``); True when they agreed to stop.
+
+        Validate by time, note a growth, checkpoint or stop as the workers agreed."""
         control, steps = self.given.control, self.dealer.steps_at
         decision = control.poll(self.meetings_done)
         due = control.checkpointer.due_between(steps(before), steps(position))
@@ -306,8 +376,10 @@ class Dynamic:
         return int(self.given.workers.broadcast_object(pos.step))
 
     def checkpoint_words(self, step: int, pos: Position) -> str:
-        """The console's line for a checkpoint after worker 0's ``step``: the progress bar counts the run's
-        steps (all workers' chunks), which a fast worker 0 is ahead of and a slow one behind."""
+        """The console's line for a checkpoint after worker 0's ``step``.
+
+        The progress bar counts the run's steps (all workers' chunks), which a fast worker 0 is ahead of and
+        a slow one behind."""
         run, total = self.given.meter.shown_step, self.given.meter.total_steps
         return f"checkpoint after step {step} (worker 0's own steps; the run's: {run} of {total})"
 

@@ -1,5 +1,6 @@
-"""A worker's training state, registered once: one list of fields, each with how it is taken from the part
-that owns it (:class:`Owners`) and given back, serving the three uses that move it.
+"""A worker's training state, registered once: one list of fields, serving the three uses that move it.
+
+Each field says how it is taken from the part that owns it (:class:`Owners`) and given back.
 
 * the **checkpoint** (:meth:`TrainerState.checkpoint` / :meth:`TrainerState.restore`): this rank's part
   of a checkpoint, written to disk and read on ``resume=``;
@@ -54,8 +55,9 @@ class Owners:
 
 @dataclass
 class At:
-    """Where training stands as a state is taken or given back: the position, and (a joining worker's
-    package) whether it is within an epoch."""
+    """Where training stands as a state is taken or given back.
+
+    The position, and (a joining worker's package) whether it is within an epoch."""
 
     pos: Position = field(default_factory=Position)
     mid_epoch: bool = False
@@ -80,14 +82,27 @@ def _give_scaler(o: Owners, value: Any, at: At) -> None:
 
 
 def _owned(owner: str, key: str, absent: Any = None) -> tuple[Callable, Callable]:
-    """``(take, give)`` of ``key`` of the part ``owner`` (its state_dict); ``absent``: the value a checkpoint
-    written before the field existed gives back."""
+    """``(take, give)`` of ``key`` of the part ``owner`` (its state_dict).
+
+    ``absent``: the value a checkpoint written before the field existed gives back."""
 
     def take(o: Owners, at: At) -> Any:
         return getattr(o, owner).state_dict()[key]
 
     def give(o: Owners, value: Any, at: At) -> None:
         getattr(o, owner).load_state_dict({key: absent if value is None else value})
+
+    return take, give
+
+
+def _paced(key: str) -> tuple[Callable, Callable]:
+    """``(take, give)`` of ``key`` of the pace's state (taken alone: ``deal`` is collective)."""
+
+    def take(o: Owners, at: At) -> Any:
+        return o.pace.state_dict((key,))[key]
+
+    def give(o: Owners, value: Any, at: At) -> None:
+        o.pace.load_state_dict({key: value}, at.pos)
 
     return take, give
 
@@ -137,9 +152,9 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field("checkpoints", _take_checkpoints, _give_checkpoints),
     Field("schedule", lambda o, at: o.schedule.state_dict()["total_steps"], _give_schedule),
-    Field("shard", lambda o, at: o.pace.shard(), lambda o, v, at: o.pace.take_shard(v, at.pos)),
-    Field("deal", lambda o, at: o.pace.left_to_deal(), lambda o, v, at: o.pace.deal_rest(v, at.pos)),
-    Field("dealing", lambda o, at: o.pace.dealing(), lambda o, v, at: o.pace.take_dealing(v)),
+    Field("shard", *_paced("shard")),
+    Field("deal", *_paced("deal")),
+    Field("dealing", *_paced("dealing")),
     Field("rng", lambda o, at: rng_state(), lambda o, v, at: set_rng_state(v)),
 )
 
@@ -200,14 +215,17 @@ class TrainerState:
         self.owners = owners
 
     def take(self, use: str, at: At) -> dict[str, Any]:
-        """The fields ``use`` carries, taken in :data:`FIELDS` order (collective where a field is: under
-        dynamic assignment the checkpoint's ``deal`` gathers what is left over the workers)."""
+        """The fields ``use`` carries, taken in :data:`FIELDS` order.
+
+        Collective where a field is: under dynamic assignment the checkpoint's ``deal`` gathers what is left
+        over the workers."""
         names = USES[use]
         return {f.name: f.take(self.owners, at) for f in FIELDS if f.name in names}
 
     def give(self, use: str, state: dict[str, Any], at: At | None = None) -> At:
-        """Give back what :meth:`take` returned (a field missing from ``state``: None), in :data:`FIELDS`
-        order; returns where training stands."""
+        """Give back what :meth:`take` returned, in :data:`FIELDS` order; returns where training stands.
+
+        A field missing from ``state`` is given back as None."""
         at = at or At()
         names = USES[use]
         for f in FIELDS:
@@ -216,8 +234,9 @@ class TrainerState:
         return at
 
     def checkpoint(self, pos: Position) -> dict[str, Any]:
-        """This rank's part of a checkpoint at ``pos``: :data:`CHECKPOINT_TOP` at its top level, the rest
-        under ``"loop"``."""
+        """This rank's part of a checkpoint at ``pos``.
+
+        :data:`CHECKPOINT_TOP` at its top level, the rest under ``"loop"``."""
         state = self.take("checkpoint", At(Position(pos.step, pos.epoch, pos.batch)))
         part = {name: state.pop(name) for name in CHECKPOINT_TOP}
         return {**part, "loop": state}

@@ -240,7 +240,8 @@ def test_a_validation_within_an_epoch_says_how_far_into_it(tmp_path, capsys):
     assert lines == ["epoch 0 (25%)", "epoch 0 (50%), by time #2", "epoch 0"], lines
 
 
-def test_every_attribute_of_a_part_that_owns_state_is_state_or_says_why_not(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_every_attribute_of_a_part_that_owns_state_is_state_or_says_why_not(tmp_path, dynamic):
     """An owner's new attribute must go through its state_dict (STATE) or be declared TRANSIENT with the
     reason; and every STATE name is a field of the table, carried by a use or left out with a reason (the
     test above). Caught this way: the validator's last validation by time (a resumed job validated at
@@ -248,10 +249,11 @@ def test_every_attribute_of_a_part_that_owns_state_is_state_or_says_why_not(tmp_
     from runner.schedule import Schedule
 
     def rank(comm) -> list[str]:
-        loop, wrong = trainer(comm, tmp_path, False), []
+        loop, wrong = trainer(comm, tmp_path, dynamic), []
         owners = loop.state.owners
-        for part in (owners.validator, owners.guard, owners.checkpointer, owners.schedule):
+        for part in (owners.validator, owners.guard, owners.checkpointer, owners.schedule, owners.pace):
             name, attrs = type(part).__name__, set(vars(part))
+            attrs |= set(part.STATE) if part is owners.pace else set()  # its keys: computed when asked
             declared = set(part.STATE) | set(part.TRANSIENT)
             wrong += [f"{name}.{a}: neither STATE nor TRANSIENT" for a in sorted(attrs - declared)]
             wrong += [f"{name}.{a}: declared but not set" for a in sorted(declared - attrs)]
