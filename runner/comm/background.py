@@ -35,8 +35,9 @@ class Background:
         return request
 
     def close(self) -> None:
-        """End the thread once the all-reduces queued so far are done (without waiting for it: a thread
-        stuck in a call on a lost peer must not hold its caller too)."""
+        """End the thread once the all-reduces queued so far are done, without waiting for it.
+
+        A thread stuck in a call on a lost peer must not hold its caller too."""
         self._closed = True
         self._queue.put(None)
 

@@ -20,6 +20,7 @@ ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
 
 
-def version() -> str:
-    """mpi4py's version."""
-    return mpi4py.__version__
+def versions() -> dict[str, str]:
+    """The versions of mpi4py and of the MPI library this process runs with."""
+    library = MPI.Get_library_version().replace("\0", "").strip()  # Open MPI's ends with a NUL
+    return {"mpi4py": mpi4py.__version__, "mpi": library.splitlines()[0]}

@@ -1,6 +1,7 @@
-"""The one-sided counter: int64 slots held by one rank, updated by any rank without the host's help
-(as mpi4py's ``util/sync.py``): in an MPI window (:class:`Counter`), or, for a fault-tolerant job on one
-node, in a locked file of the node's memory (:class:`FileCounter`)."""
+"""The one-sided counter: int64 slots held by one rank, updated by any rank without the host's help.
+
+The slots are in an MPI window (:class:`Counter`, as mpi4py's ``util/sync.py``), or, for a fault-tolerant job
+on one node, in a locked file of the node's memory (:class:`FileCounter`)."""
 
 from __future__ import annotations
 
@@ -89,8 +90,9 @@ class Counter:
         return np.frombuffer(self._win.tomemory(), dtype=np.int64).tolist()
 
     def close(self) -> None:
-        """Collective: end the access epoch and free the window. After a peer was lost, the window is
-        dropped instead (freeing it would wait for the dead)."""
+        """Collective: end the access epoch and free the window.
+
+        After a peer was lost, the window is dropped instead (freeing it would wait for the dead)."""
         if self._win is None:
             return
         try:
@@ -109,8 +111,9 @@ def _memory_dir() -> str:
 
 
 class FileCounter:
-    """:class:`Counter`'s values in a file of the node's memory, each update under a POSIX record lock: the
-    counter of a fault-tolerant job whose ranks share one node.
+    """:class:`Counter`'s values in a file of the node's memory, each update under a POSIX record lock.
+
+    The counter of a fault-tolerant job whose ranks share one node.
 
     Open MPI's one-sided atomics over shared memory (``osc/sm``) take a spinlock in the host's segment for
     every update; a process killed while it holds it (a worker SIGKILLed in a draw) leaves every other rank
@@ -118,6 +121,7 @@ class FileCounter:
     locks (and a forked loader process does not inherit them), so here a rank lost at any instant holds up
     nobody. The file is unlinked once every rank opened it: nothing is left behind, whoever dies. Collective
     over ``comm`` to make.
+
     """
 
     def __init__(self, comm: Membership, slots: int, host: int = 0):

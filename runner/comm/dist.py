@@ -49,9 +49,10 @@ def nccl_version() -> str | None:
 
 
 def store_host(comm: Comm) -> str:
-    """Collective: the address the other ranks reach rank 0's store at: the loopback when every rank is
-    on its node, else its host name (``MPITRAIN_STORE_HOST`` overrides it, e.g. with a fast network's
-    address)."""
+    """Collective: the address the other ranks reach rank 0's store at.
+
+    The loopback when every rank is on its node, else its host name (``MPITRAIN_STORE_HOST`` overrides it,
+    e.g. with a fast network's address)."""
     forced = os.environ.get("MPITRAIN_STORE_HOST")
     if forced:
         return forced
@@ -59,11 +60,12 @@ def store_host(comm: Comm) -> str:
 
 
 def listen(host: str, one_node: bool) -> tuple[int, str, int]:
-    """A socket listening for the store on a free port (port 0: no race): its descriptor, which torch's
-    store takes over (and closes), the address the ranks connect to, and the port. On one node it is on the
-    loopback only; on several on ``host``'s address only (the first this machine can bind that is not a
-    loopback one), else, where ``host`` names none, on every interface: the secret keys still keep the store
-    the job's."""
+    """A socket listening for the store on a free port (port 0: no race).
+
+    Returns its descriptor, which torch's store takes over (and closes), the address the ranks connect to, and
+    the port. On one node it is on the loopback only; on several on ``host``'s address only (the first this
+    machine can bind that is not a loopback one), else, where ``host`` names none, on every interface: the
+    secret keys still keep the store the job's."""
     if one_node:
         addresses = [(socket.AF_INET, "127.0.0.1")]
     else:
@@ -93,10 +95,11 @@ def _loopback(address: str) -> bool:
 
 
 class Transport:
-    """A process group of ``backend`` (``nccl`` or ``gloo``) over the ranks of the MPI communicator
-    ``comm``, in the same order; collective over ``comm`` to make. Its operations return torch's ``Work``
-    objects: the caller waits (:meth:`runner.comm.mpi.Comm.await_work`), so that under fault tolerance a
-    wait can watch MPI for lost peers."""
+    """A process group of ``backend`` (``nccl`` or ``gloo``) over the ranks of the MPI communicator ``comm``.
+
+    The ranks keep ``comm``'s order; collective over ``comm`` to make. Its operations return torch's ``Work``
+    objects: the caller waits (:meth:`runner.comm.mpi.Comm.await_work`), so that under fault tolerance a wait
+    can watch MPI for lost peers."""
 
     def __init__(self, comm: Comm, backend: str, timeout_s: float = 1800.0):
         assert backend in DEVICE, backend
@@ -109,8 +112,10 @@ class Transport:
         self.rebuild(comm)
 
     def rebuild(self, comm: Comm) -> None:
-        """Collective over ``comm`` (whose ranks may have changed): a new store on its rank 0 and a new group
-        over its ranks; the previous group is aborted (operations a lost peer left pending end there)."""
+        """Collective over ``comm``: a new store on its rank 0 and a new group over its ranks.
+
+        ``comm``'s ranks may have changed. The previous group is aborted (operations a lost peer left pending
+        end there)."""
         if self.group is not None:
             self._retire(self.group)
         host = store_host(comm)  # collective (it asks which ranks share a node)
@@ -174,8 +179,9 @@ class Transport:
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the backends take it: contiguous, and 16-bit floats moved as bytes by gloo, which has no
-    bfloat16 (only data movement is asked in 16 bits: the 16-bit exchange sums in float32)."""
+    """``t`` as the backends take it: contiguous, and 16-bit floats moved as bytes by gloo.
+
+    gloo has no bfloat16 (only data movement is asked in 16 bits: the 16-bit exchange sums in float32)."""
     assert t.is_contiguous(), "transport buffers must be contiguous"
     if t.element_size() == 2 and t.device.type == "cpu":
         return t.detach().view(torch.uint8)

@@ -1,5 +1,6 @@
-"""A lost peer as one exception: ULFM's failure errors of an MPI call mapped to :class:`PeerLost`, in one
-place."""
+"""A lost peer as one exception: ULFM's failure errors of an MPI call mapped to :class:`PeerLost`.
+
+The mapping is in this one place."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def _unpickling(tb: Any) -> bool:
 
 
 class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
-    """Turn ULFM's failure errors of the MPI calls in the block into :class:`PeerLost` (named ``what``); under
-    fault tolerance, any error (a collective cut short by a peer's death may fail with a generic class, or
-    complete here with the dead peer's part unwritten: its object then fails to unpickle): the survivors'
+    """Turn ULFM's failure errors of the MPI calls in the block into :class:`PeerLost` (named ``what``).
+
+    Under fault tolerance, any error (a collective cut short by a peer's death may fail with a generic class,
+    or complete here with the dead peer's part unwritten: its object then fails to unpickle): the survivors'
     recovery then finds out whether a process was lost."""
 
     __slots__ = ("comm", "what")
@@ -63,8 +65,9 @@ class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
 
 
 def faulted(fn: F) -> F:
-    """A method whose MPI errors are mapped by :func:`faults`, for its object's communicator (``self._comm``,
-    else ``self``)."""
+    """A method whose MPI errors are mapped by :func:`faults`, for its object's communicator.
+
+    The communicator is ``self._comm``, else ``self``."""
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:

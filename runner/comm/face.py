@@ -114,8 +114,9 @@ class CommLike(Protocol):
 
 @runtime_checkable
 class MembershipLike(Protocol):
-    """What only a real job's communicator has: ULFM's recovery and the job's growth
-    (:class:`runner.comm.membership.Membership`)."""
+    """What only a real job's communicator has: ULFM's recovery and the job's growth.
+
+    A real communicator has it from :class:`runner.comm.membership.Membership`."""
 
     ids: list[int] | None
     grown: bool

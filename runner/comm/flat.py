@@ -19,9 +19,11 @@ else:
 
 
 def message_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
-    """A contiguous buffer that MPI will send. On the CPU it is numpy's memory, which numpy asks Linux to
-    back with transparent huge pages (madvise, arrays of 4 MB and more), which Open MPI's shared-memory
-    all-reduce reads faster than torch's own memory (benchmarks/README.md)."""
+    """A contiguous buffer that MPI will send.
+
+    On the CPU it is numpy's memory, which numpy asks Linux to back with transparent huge pages (madvise,
+    arrays of 4 MB and more), which Open MPI's shared-memory all-reduce reads faster than torch's own memory
+    (benchmarks/README.md)."""
     import numpy as np
 
     np_dtype = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}.get(dtype)

@@ -58,9 +58,10 @@ class Event(NamedTuple):
 
 @dataclass(frozen=True)
 class Links:
-    """Nodes of ``ranks_per_node`` ranks each, with links of ``gbps`` Gbit/s and ``latency_s`` per crossing
-    round (one value for every node, or one per node); ``spin``: the wait is spent busy on the CPU instead
-    of sleeping (``simulate.spin``)."""
+    """Nodes of ``ranks_per_node`` ranks, with links of ``gbps`` Gbit/s and ``latency_s`` per crossing round.
+
+    One value for every node, or one per node. ``spin``: the wait is spent busy on the CPU instead of sleeping
+    (``simulate.spin``)."""
 
     ranks_per_node: int
     gbps: float | tuple[float, ...]
@@ -111,8 +112,10 @@ class Links:
         return _of(self.latency_s, node)
 
     def over(self, by_node: dict[int, float], steps: int, wait: bool = True) -> float:
-        """Seconds of ``steps`` rounds that move ``by_node[n]`` bytes over node ``n``'s link (0: none),
-        after the wait for a link that is down (``wait``: an operation's first part pays it, once)."""
+        """Seconds of ``steps`` rounds that move ``by_node[n]`` bytes over node ``n``'s link (0: none).
+
+        They come after the wait for a link that is down (``wait``: an operation's first part pays it,
+        once)."""
         crossed = [n for n, b in by_node.items() if b > 0]
         if not crossed:
             return 0.0
@@ -121,25 +124,29 @@ class Links:
         return down + steps * latency + max(8 * by_node[n] / (self.rate(n) * 1e9) for n in crossed)
 
     def collective(self, op: str, nodes: Sequence[int], nbytes: int, wait: bool = True) -> float:
-        """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes`` (each
-        rank's node, in the communicator's rank order)."""
+        """Seconds of collective ``op`` of a buffer of ``nbytes`` per rank over ranks on ``nodes``.
+
+        ``nodes``: each rank's node, in the communicator's rank order."""
         return self.over(link_bytes(op, nodes, nbytes), latency_steps(op, len(nodes)), wait)
 
     def two_phase(self, nodes: Sequence[int], row: int) -> float:
-        """Seconds of an all-reduce done as an all-to-all of one ``row`` of bytes per rank and an all-gather
-        of one (the 16-bit and the 8-bit exchanges); a down link is waited for once."""
+        """Seconds of an all-reduce done as an all-to-all and an all-gather of one ``row`` of bytes per rank.
+
+        As the 16-bit and the 8-bit exchanges do it; a down link is waited for once."""
         gather = self.collective("allgather", nodes, row, wait=False)
         return self.collective("alltoall", nodes, len(nodes) * row) + gather
 
     def wire_allreduce(self, nodes: Sequence[int], numel: int, itemsize: int) -> float:
-        """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes: an
-        all-to-all of the padded buffer, then an all-gather of one chunk (:mod:`runner.comm.wire`)."""
+        """Seconds of the 16-bit exchange's all-reduce of ``numel`` values of ``itemsize`` bytes.
+
+        An all-to-all of the padded buffer, then an all-gather of one chunk (:mod:`runner.comm.wire`)."""
         return self.two_phase(nodes, -(-numel // len(nodes)) * itemsize)
 
     def exchange(self, op: str, nodes: Sequence[int], numel: int, itemsize: int, wire: int | None) -> float:
-        """Seconds of collective ``op`` of ``numel`` values of ``itemsize`` bytes, or, with ``wire`` (a
-        16-bit type's itemsize), of the 16-bit exchange's all-reduce of them: what a communicator spends
-        and what a rule's background exchange owes, priced once."""
+        """Seconds of collective ``op`` of ``numel`` values of ``itemsize`` bytes.
+
+        With ``wire`` (a 16-bit type's itemsize), of the 16-bit exchange's all-reduce of them instead. What a
+        communicator spends and what a rule's background exchange owes, priced once."""
         if wire is not None:
             return self.wire_allreduce(nodes, numel, wire)
         return self.collective(op, nodes, numel * itemsize)
@@ -161,8 +168,9 @@ def _of(value: float | tuple[float, ...], node: int) -> float:
 
 
 def link_bytes(op: str, nodes: Sequence[int], nbytes: int) -> dict[int, float]:
-    """Bytes collective ``op`` of ``nbytes`` per rank moves over each node's link, each way (the module's
-    docstring); every node of the communicator is named, 0 where nothing crosses."""
+    """Bytes collective ``op`` of ``nbytes`` per rank moves over each node's link, each way.
+
+    See the module's docstring. Every node of the communicator is named, 0 where nothing crosses."""
     n, per_node = len(nodes), collections.Counter(nodes)
     if len(per_node) < 2:
         return dict.fromkeys(per_node, 0.0)
@@ -187,8 +195,9 @@ def latency_steps(op: str, n: int) -> int:
 
 
 def leaving_edges(nodes: Sequence[int]) -> dict[int, int]:
-    """For each node, the edges of the ring over ranks in order (rank i to i+1, the last to the first)
-    that leave it."""
+    """For each node, the edges of the ring over ranks in order that leave it.
+
+    The ring goes from rank i to i+1, the last to the first."""
     n = len(nodes)
     leaving = collections.Counter(nodes[i] for i in range(n) if nodes[i] != nodes[(i + 1) % n])
     return {node: leaving.get(node, 0) for node in dict.fromkeys(nodes)}

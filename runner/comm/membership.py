@@ -1,9 +1,12 @@
-"""Who is in the job: ULFM's failure detection and recovery (revoke, agree, shrink) and the job's growth
-(spawned processes merged in), as the part of :class:`runner.comm.mpi.Comm` that changes its members.
+"""Who is in the job: ULFM's failure detection and recovery (revoke, agree, shrink) and the job's growth.
+
+The job grows by spawned processes merged in. This module is the part of :class:`runner.comm.mpi.Comm` that
+changes its members.
 
 A communicator made tolerant (:meth:`Membership.return_errors`, ``hardware.fault_tolerance=continue`` or
 ``heal``) raises :class:`~runner.comm.errors.PeerLost` from every call once a peer died; the survivors then
 revoke it (everyone comes to recover), agree, and shrink it to themselves, or grow it with new processes.
+
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ SERVER_KEY = 1 << 21
 
 
 class Membership:
-    """The membership half of a communicator over the MPI communicator ``_c``; ``ids``: each rank's id in
-    the job, once processes were spawned into it; ``grown``: processes were (then MPI_Finalize is not called
-    at the end)."""
+    """The membership half of a communicator over the MPI communicator ``_c``.
+
+    ``ids``: each rank's id in the job, once processes were spawned into it; ``grown``: processes were (then
+    MPI_Finalize is not called at the end)."""
 
     _c: Any
     rank: int
@@ -42,8 +46,9 @@ class Membership:
     _background: Background | None
 
     def return_errors(self) -> None:
-        """Failures of peers raise :class:`PeerLost` instead of aborting the job (call before splitting:
-        communicators made from this one inherit it)."""
+        """Failures of peers raise :class:`PeerLost` instead of aborting the job.
+
+        Call before splitting: communicators made from this one inherit it."""
         self._c.Set_errhandler(MPI.ERRORS_RETURN)
         self.tolerant = True
 
@@ -61,14 +66,17 @@ class Membership:
 
     @faulted
     def agree(self) -> None:
-        """Collective: ULFM's agreement (``MPI_Comm_agree``), which every survivor leaves alike: all go on,
-        or all raise :class:`PeerLost` (a member was lost before it). It completes on a revoked communicator
-        too, so a survivor that another's revoke sent to recovery still meets the others."""
+        """Collective: ULFM's agreement (``MPI_Comm_agree``), which every survivor leaves alike.
+
+        All go on, or all raise :class:`PeerLost` (a member was lost before it). It completes on a revoked
+        communicator too, so a survivor that another's revoke sent to recovery still meets the others."""
         self._c.Agree(1)
 
     def revoke(self) -> None:
-        """Revoke this communicator and those split from it: every survivor's pending and later calls on
-        them raise :class:`PeerLost`, wherever it is, so all of them come to recover."""
+        """Revoke this communicator and those split from it.
+
+        Every survivor's pending and later calls on them raise :class:`PeerLost`, wherever it is, so all of
+        them come to recover."""
         for comm in [self, *self._children]:
             try:
                 comm._c.Revoke()
@@ -76,15 +84,17 @@ class Membership:
                 pass  # revoked already, by a peer
 
     def lost_peers(self) -> list[int]:
-        """Acknowledge the failures this process knows of (so that wildcard receives go on among the
-        living); the failed ranks, in this communicator."""
+        """Acknowledge the failures this process knows of; the failed ranks, in this communicator.
+
+        Acknowledging them lets wildcard receives go on among the living."""
         self._c.Ack_failed()
         group = self._c.Get_failed()
         return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
 
     def failed_ids(self) -> list[int]:
-        """The ids (:meth:`launch_rank`) of the members this process knows died, not acknowledged (a local
-        call, safe beside another thread's call on this communicator)."""
+        """The ids (:meth:`launch_rank`) of the members this process knows died, not acknowledged.
+
+        A local call, safe beside another thread's call on this communicator."""
         group = self._c.Get_failed()
         ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
         return [self.launch_rank(r) for r in ranks]
@@ -94,10 +104,11 @@ class Membership:
         return [self.launch_rank(r) for r in self.lost_peers()]
 
     def shrink(self) -> list[int]:
-        """Replace the communicator, in place, by one of its survivors (ranks renumbered in order); returns
-        the lost ones' ranks as launched (:meth:`launch_rank`). Collective over the survivors. Split
-        communicators are dropped: split anew. The background thread is idle first (its calls on the
-        revoked communicator fail)."""
+        """Replace the communicator, in place, by one of its survivors (ranks renumbered in order).
+
+        Returns the lost ones' ranks as launched (:meth:`launch_rank`). Collective over the survivors. Split
+        communicators are dropped: split anew. The background thread is idle first (its calls on the revoked
+        communicator fail)."""
         if self._background is not None:
             self._background.drain()
         before = [self.launch_rank(r) for r in range(self.size)]
@@ -107,8 +118,9 @@ class Membership:
         return [launched for launched in before if launched not in after]
 
     def _replace(self, new: Any, mine: int) -> None:
-        """Make this object wrap ``new`` (this process's id in the job: ``mine``); split communicators
-        are dropped (split anew)."""
+        """Make this object wrap ``new`` (this process's id in the job: ``mine``).
+
+        Split communicators are dropped (split anew)."""
         self._c = new
         if self.tolerant:
             self._c.Set_errhandler(MPI.ERRORS_RETURN)
@@ -120,8 +132,9 @@ class Membership:
             self.dist.rebuild(self)
 
     def fault_barrier(self) -> list[int]:
-        """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``),
-        then shrinks the communicator if any had; returns the lost ones' ranks as launched."""
+        """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``).
+
+        Then it shrinks the communicator if any had; returns the lost ones' ranks as launched."""
         while True:
             try:
                 self._c.Agree(1)
@@ -134,10 +147,11 @@ class Membership:
 
     # -- growth -----------------------------------------------------------------------------------------
     def grow(self, argv: list[str], count: int, key: int, wdir: str) -> str | None:
-        """Collective over this communicator (no lost ranks in it): start ``count`` processes running
-        ``argv`` (``MPI_Comm_spawn``) and merge them in, in place; this process takes place ``key`` in
-        the new order (the new ones take ``GROWN_KEY + i``). Returns why no process was started (MPI's
-        message: no free slot, a command that failed), else None."""
+        """Start ``count`` processes running ``argv`` (``MPI_Comm_spawn``) and merge them in, in place.
+
+        Collective over this communicator (no lost ranks in it). This process takes place ``key`` in the new
+        order (the new ones take ``GROWN_KEY + i``). Returns why no process was started (MPI's message: no
+        free slot, a command that failed), else None."""
         mine = self.launch_rank()
         info = MPI.Info.Create()
         info.Set("wdir", wdir)
@@ -155,8 +169,9 @@ class Membership:
         return None
 
     def merge_parent(self, first: int) -> None:
-        """A spawned process, on its world: merge into the job that spawned it, in place (fault tolerant), in
-        which the spawned processes have ids ``first``, ``first + 1``..."""
+        """A spawned process, on its world: merge into the job that spawned it, in place (fault tolerant).
+
+        In that job the spawned processes have ids ``first``, ``first + 1``..."""
         mine = first + self.rank
         parent = MPI.Comm.Get_parent()
         merged = parent.Merge(high=True)
@@ -168,8 +183,9 @@ class Membership:
 
     @faulted
     def resplit(self, parent: Membership, color: int) -> None:
-        """Collective over ``parent``: wrap, in place, ``parent``'s ranks of the same ``color`` (after the
-        job grew; ranks keep ``parent``'s order)."""
+        """Collective over ``parent``: wrap, in place, ``parent``'s ranks of the same ``color``.
+
+        For a job that grew; ranks keep ``parent``'s order."""
         self.tolerant = parent.tolerant
         self._replace(parent._c.Split(color, parent.rank), parent.launch_rank())
         if self not in parent._children:

@@ -15,7 +15,6 @@ names below are kept importable from here.
 from __future__ import annotations
 
 import atexit
-import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,9 +23,10 @@ import numpy as np
 import torch
 
 from runner.comm.background import Background
-from runner.comm.binding import ANY_SOURCE, ANY_TAG, MPI, OPS, version
+from runner.comm.binding import ANY_SOURCE, ANY_TAG, MPI, OPS, versions
+from runner.comm.call import Call, communication
 from runner.comm.counter import Counter, FileCounter
-from runner.comm.errors import F, PeerLost, faulted, faults
+from runner.comm.errors import PeerLost, faulted, faults
 from runner.comm.membership import GROWN_KEY, SERVER_KEY, Membership
 from runner.comm.requests import BackgroundRequest, DistRequest, Request, progress, wait_all
 from runner.comm.routes import choose as choose_route
@@ -62,34 +62,6 @@ __all__ = [
 ]
 
 
-class Call:
-    """One communication call of ``comm``: MPI's failure errors mapped to :class:`PeerLost`
-    (:class:`~runner.comm.errors.faults`), its seconds counted once (:class:`~runner.comm.stats.clock`)."""
-
-    __slots__ = ("clock", "faults")
-
-    def __init__(self, comm: Comm, what: str):
-        self.faults, self.clock = faults(comm, what), clock(comm.stats)
-
-    def __enter__(self) -> None:
-        self.clock.__enter__()
-
-    def __exit__(self, *exc: Any) -> bool:
-        self.clock.__exit__(*exc)
-        return self.faults.__exit__(*exc)
-
-
-def communication(fn: F) -> F:
-    """A method of :class:`Comm` that is one communication :class:`Call`."""
-
-    @functools.wraps(fn)
-    def wrapper(self: Comm, *args: Any, **kwargs: Any) -> Any:
-        with Call(self, fn.__name__):
-            return fn(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
 class Comm(Membership):
     """A thin wrapper over one MPI communicator, with byte and time accounting.
 
@@ -120,8 +92,10 @@ class Comm(Membership):
         self._node_list: list[int] = []
 
     def _collective(self, op: str, tensors: tuple[torch.Tensor, ...], *args: Any, **accounting: Any) -> Any:
-        """Collective ``op`` of ``tensors`` (``args``: the rest of its arguments) by the first route that
-        takes it; ``accounting``: ``wire`` (bytes counted by the 16-bit exchange's own steps) and ``root``."""
+        """Collective ``op`` of ``tensors`` by the first route that takes it.
+
+        ``args``: the rest of its arguments; ``accounting``: ``wire`` (bytes counted by the 16-bit exchange's
+        own steps) and ``root``."""
         wire = accounting.get("wire")
         factor = 0.0 if wire is not None else share(op, self.size, accounting.get("root") == self.rank)
         route = self.route_for(op, tensors, wire)
@@ -140,8 +114,10 @@ class Comm(Membership):
         return result
 
     def _spend(self, op: str, t: torch.Tensor, wire: torch.dtype | None, result: Any) -> None:
-        """Spend the emulated link seconds of collective ``op`` of ``t`` (in ``wire``'s type): owed by a
-        blocking call, a transfer of the request of a non-blocking one (:mod:`runner.comm.stats`)."""
+        """Spend the emulated link seconds of collective ``op`` of ``t`` (in ``wire``'s type).
+
+        They are owed by a blocking call, a transfer of the request of a non-blocking one
+        (:mod:`runner.comm.stats`)."""
         links = self.stats.links
         assert links is not None
         itemsize = None if wire is None else wire.itemsize
@@ -177,16 +153,18 @@ class Comm(Membership):
         return choose_route(self.routes_tried, self, op, tensors, wire)
 
     def keep(self, t: torch.Tensor) -> None:
-        """Prepare the long-lived contiguous CPU buffer ``t`` (a gradient bucket) once, for every later call
-        on it: saves the few microseconds of wrapping it for MPI on each call. ``t`` is kept alive with this
-        communicator."""
+        """Prepare the long-lived contiguous CPU buffer ``t`` once, for every later call on it.
+
+        Meant for a gradient bucket: it saves the few microseconds of wrapping ``t`` for MPI on each call.
+        ``t`` is kept alive with this communicator."""
         self.buffers.keep(t)
 
     # -- the torch.distributed transport -------------------------------------------------------------
     def use_transport(self, backend: str, timeout_s: float = 1800.0) -> None:
-        """Collective: carry the collectives of ``backend``'s tensors (``nccl``: CUDA, ``gloo``: CPU) on a
-        ``torch.distributed`` group over this communicator's ranks; it follows the communicator when
-        ranks are lost (:meth:`shrink`)."""
+        """Collective: carry the collectives of ``backend``'s tensors on a ``torch.distributed`` group.
+
+        ``nccl``: CUDA tensors, ``gloo``: CPU ones. The group is over this communicator's ranks; it follows
+        the communicator when ranks are lost (:meth:`shrink`)."""
         from runner.comm.dist import Transport
 
         self.dist = Transport(self, backend, timeout_s)
@@ -196,10 +174,11 @@ class Comm(Membership):
         return self.dist is not None and self.dist.takes(t)
 
     def await_work(self, work: Any) -> None:
-        """Wait for a ``torch.distributed`` operation. Under fault tolerance it is polled between probes of
-        MPI, so that a peer's death (which ULFM reports, or a survivor's revocation) raises
-        :class:`PeerLost` here instead of leaving this rank waiting for the dead; an error of the backend
-        raises it too."""
+        """Wait for a ``torch.distributed`` operation.
+
+        Under fault tolerance it is polled between probes of MPI, so that a peer's death (which ULFM reports,
+        or a survivor's revocation) raises :class:`PeerLost` here instead of leaving this rank waiting for the
+        dead; an error of the backend raises it too."""
         with clock(self.stats):
             try:
                 if self.tolerant:
@@ -284,8 +263,9 @@ class Comm(Membership):
     def _reduce_queued(
         self, t: torch.Tensor, op: str, wire: torch.dtype | None, encoding: EncodingLike | None
     ) -> None:
-        """A queued all-reduce, on the background thread: by ``encoding``, or by the first route that
-        performs a blocking one."""
+        """A queued all-reduce, on the background thread.
+
+        It runs by ``encoding``, or by the first route that performs a blocking one."""
         with faults(self, "allreduce"):
             if encoding is not None:
                 encoding.reduce(self, t)
@@ -321,8 +301,9 @@ class Comm(Membership):
 
     @communication
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0, wire: torch.dtype | None = None) -> Request:
-        """Start sending ``t``; ``t`` must not change until the request completes (with ``wire``, a copy
-        is sent and ``t`` is free at once)."""
+        """Start sending ``t``; ``t`` must not change until the request completes.
+
+        With ``wire``, a copy is sent and ``t`` is free at once."""
         t = t if wire is None else t.to(wire)
         buf, _ = self.buffers.get(t)
         request = Request(self, self._c.Isend(buf, dest=dest, tag=tag), None, buf)
@@ -383,8 +364,9 @@ class Comm(Membership):
     # -- structure --------------------------------------------------------------------------------
     @faulted
     def split(self, color: int, key: int | None = None, keep: bool = True) -> Comm:
-        """A sub-communicator of the ranks that pass the same ``color`` (revoked with this one; ``keep``
-        False: a short-lived one, which the caller frees)."""
+        """A sub-communicator of the ranks that pass the same ``color`` (revoked with this one).
+
+        ``keep`` False: a short-lived one, which the caller frees."""
         child = Comm(self._c.Split(color, self.rank if key is None else key), self.cuda_aware, self.stats)
         child.tolerant = self.tolerant
         if self.ids is not None:
@@ -402,8 +384,9 @@ class Comm(Membership):
         self._c.Split(color, key).Free()
 
     def counter(self, slots: int = 1, host: int = 0) -> Counter | FileCounter:
-        """Collective: a :class:`Counter` of ``slots`` int64 values, all zero, held in ``host``'s memory; a
-        :class:`FileCounter` when peers may die and all share one node (MPI's would hang the survivors of a
+        """Collective: a :class:`Counter` of ``slots`` int64 values, all zero, held in ``host``'s memory.
+
+        A :class:`FileCounter` when peers may die and all share one node (MPI's would hang the survivors of a
         rank killed inside an update)."""
         if self.tolerant:
             with faults(self, "counter"):
@@ -440,8 +423,9 @@ def init(cuda_aware: bool | None = None) -> Comm:
 
 
 def join(first: int, cuda_aware: bool | None = None) -> Comm:
-    """Initialise MPI in a spawned process and merge it into the job that spawned it: the job's world
-    (fault tolerant), in which the spawned processes have ids ``first``, ``first + 1``...."""
+    """Initialise MPI in a spawned process and merge it into the job that spawned it; the job's world.
+
+    The world is fault tolerant; in it the spawned processes have ids ``first``, ``first + 1``...."""
     world = init(cuda_aware)
     world.merge_parent(first)
     return world
@@ -457,9 +441,3 @@ def abort(status: int = 1) -> None:
     """End the whole job now (every rank): what a rank does when it fails, so that no peer waits forever."""
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(status)
-
-
-def versions() -> dict[str, str]:
-    """The versions of mpi4py and of the MPI library this process runs with."""
-    library = MPI.Get_library_version().replace("\0", "").strip()  # Open MPI's ends with a NUL
-    return {"mpi4py": version(), "mpi": library.splitlines()[0]}

@@ -93,9 +93,10 @@ class BackgroundRequest:
 
 
 class DistRequest:
-    """A collective running on the ``torch.distributed`` transport; ``wait`` completes it (on a GPU it makes
-    the current stream wait for it, without blocking the host). ``comm``: its communicator, which waits
-    (:meth:`runner.comm.mpi.Comm.await_work`); ``work`` None: nothing is pending."""
+    """A collective running on the ``torch.distributed`` transport; ``wait`` completes it.
+
+    On a GPU ``wait`` makes the current stream wait for it, without blocking the host. ``comm``: its
+    communicator, which waits (:meth:`runner.comm.mpi.Comm.await_work`); ``work`` None: nothing is pending."""
 
     transfer: Transfer | None = None  # its emulated link's (runner/comm/links.py); None: none
     sent = 0  # the bytes sent for it (runner/comm/mpi.py's allreduce_background)

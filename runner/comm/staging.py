@@ -1,9 +1,9 @@
-"""Device memory and MPI: whether the loaded MPI library is CUDA-aware, what MPI is given for a tensor, and
-staging through host buffers.
+"""Device memory and MPI: whether the loaded MPI library is CUDA-aware and what MPI is given for a tensor.
 
-A tensor MPI cannot read in place (on a GPU without CUDA-aware MPI, or not contiguous) goes through a
-contiguous host copy; CUDA tensors use pinned buffers kept from call to call. It imports no MPI binding:
-the MPI library is found among the process's loaded libraries and asked through ctypes.
+That includes staging through host buffers: a tensor MPI cannot read in place (on a GPU without CUDA-aware
+MPI, or not contiguous) goes through a contiguous host copy; CUDA tensors use pinned buffers kept from call to
+call. It imports no MPI binding: the MPI library is found among the process's loaded libraries and asked
+through ctypes.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def cuda_aware_mpi() -> bool:
 
 
 class Staged:
-    """A tensor MPI cannot read in place (on a GPU without CUDA-aware MPI, or not contiguous), staged
-    through a contiguous host copy; ``finish`` copies the result back."""
+    """A tensor MPI cannot read in place, staged through a contiguous host copy.
+
+    MPI cannot read it in place on a GPU without CUDA-aware MPI, or when it is not contiguous. ``finish``
+    copies the result back."""
 
     def __init__(self, t: torch.Tensor, host: torch.Tensor, copy_in: bool):
         self.tensor, self.host = t, host
@@ -110,8 +112,10 @@ def view(t: torch.Tensor) -> np.ndarray:
 
 
 class Buffers:
-    """What MPI is given for each tensor: a view of it, the device memory itself (CUDA-aware MPI,
-    ``cuda_aware``) or a staged host copy; long-lived buffers prepared once (:meth:`keep`)."""
+    """What MPI is given for each tensor: a view of it, the device memory itself or a staged host copy.
+
+    The device memory itself with CUDA-aware MPI (``cuda_aware``); long-lived buffers are prepared once
+    (:meth:`keep`)."""
 
     def __init__(self, cuda_aware: bool):
         self.cuda_aware = cuda_aware
@@ -140,7 +144,8 @@ class Buffers:
         return view(host), staged
 
     def keep(self, t: torch.Tensor) -> None:
-        """Prepare the long-lived contiguous CPU buffer ``t`` once, for every later call on it (kept alive
-        here)."""
+        """Prepare the long-lived contiguous CPU buffer ``t`` once, for every later call on it.
+
+        It is kept alive here."""
         if t.is_contiguous() and t.device.type == "cpu":
             self._ready[id(t)] = (t, view(t))

@@ -34,9 +34,10 @@ _local = threading.local()
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent and seconds it spent in communication, over all of its communicators; ``links``:
-    the emulated links its messages and collectives cross (None: none are emulated), whose waits are counted
-    in ``emulated_seconds`` as well."""
+    """Bytes this rank sent and seconds it spent in communication, over all of its communicators.
+
+    ``links``: the emulated links its messages and collectives cross (None: none are emulated), whose waits
+    are counted in ``emulated_seconds`` as well."""
 
     bytes_sent: int = 0
     seconds: float = 0.0
@@ -54,8 +55,10 @@ class CommStats:
             _local.tally += nbytes
 
     def book(self, seconds: float, start: float | None = None) -> float:
-        """Book ``seconds`` of this rank's link for a transfer that starts at ``start`` (default now), after
-        the transfers booked before it; when it is through (``time.perf_counter``'s clock)."""
+        """Book ``seconds`` of this rank's link for a transfer that starts at ``start`` (default now).
+
+        It goes after the transfers booked before it; returns when it is through (``time.perf_counter``'s
+        clock)."""
         start = time.perf_counter() if start is None else start
         with self._lock:
             self.link_free = max(start, self.link_free) + seconds
@@ -75,9 +78,10 @@ class CommStats:
 
 
 class clock:  # noqa: N801 (used as a function: ``with clock(stats):``)
-    """Add the block's seconds to ``stats.seconds``, unless a timed block of this thread encloses it. The
-    outermost block ends by paying its emulated link seconds: those it owes (:func:`owe`), and until the end
-    of the transfers waited for inside it (:meth:`Transfer.wait`)."""
+    """Add the block's seconds to ``stats.seconds``, unless a timed block of this thread encloses it.
+
+    The outermost block ends by paying its emulated link seconds: those it owes (:func:`owe`), and until the
+    end of the transfers waited for inside it (:meth:`Transfer.wait`)."""
 
     __slots__ = ("stats", "t0")
 
@@ -110,21 +114,25 @@ def counted() -> bool:
 
 
 def outermost() -> bool:
-    """Whether the call running is the outermost timed call of a counted thread: the one that spends the
-    emulated link seconds of what it does (the calls inside it spend none)."""
+    """Whether the call running is the outermost timed call of a counted thread.
+
+    That call spends the emulated link seconds of what it does (the calls inside it spend none)."""
     return getattr(_local, "depth", 0) == 1 and not getattr(_local, "uncounted", False)
 
 
 def owe(seconds: float) -> None:
-    """The outermost call running owes ``seconds`` of its link (paid when it ends); inside another call,
-    or on an uncounted thread, nothing."""
+    """The outermost call running owes ``seconds`` of its link (paid when it ends).
+
+    Inside another call, or on an uncounted thread, nothing is owed."""
     if seconds and outermost():
         _local.owed += seconds
 
 
 class Transfer:
-    """A non-blocking operation's emulated transfer: ``seconds`` of its rank's link, from when the real
-    operation is complete (the link's earlier transfers permitting) until ``due``."""
+    """A non-blocking operation's emulated transfer: ``seconds`` of its rank's link.
+
+    It runs from when the real operation is complete (the link's earlier transfers permitting) until
+    ``due``."""
 
     __slots__ = ("due", "seconds", "stats")
 
@@ -142,8 +150,9 @@ class Transfer:
         return time.perf_counter() >= self.complete(at)
 
     def wait(self, at: float | None = None) -> None:
-        """Inside a request's wait, once its operation is complete (since ``at``): the outermost timed call
-        ends when the transfer is through (on an uncounted thread, nothing)."""
+        """Have the outermost timed call end when the transfer is through (on an uncounted thread, nothing).
+
+        For use inside a request's wait, once its operation is complete (since ``at``)."""
         due = self.complete(at)
         if counted():
             _local.due = max(_local.due, due)
@@ -173,9 +182,10 @@ def uncounted_thread() -> None:
 
 
 def share(op: str, size: int, root: bool = False) -> float:
-    """The bytes a rank sends in ``op`` over ``size`` ranks, as a multiple of the tensor's: an all-reduce
-    2(N-1)/N, a broadcast N-1 from the root (``root``: this rank is it) and none elsewhere, an all-to-all
-    (N-1)/N of what it sends, an all-gather N-1 times it, a point-to-point message once."""
+    """The bytes a rank sends in ``op`` over ``size`` ranks, as a multiple of the tensor's.
+
+    An all-reduce 2(N-1)/N, a broadcast N-1 from the root (``root``: this rank is it) and none elsewhere, an
+    all-to-all (N-1)/N of what it sends, an all-gather N-1 times it, a point-to-point message once."""
     if op in ("allreduce", "iallreduce", "allreduce_background"):
         return 2 * (size - 1) / size if size > 1 else 0.0
     if op == "broadcast":

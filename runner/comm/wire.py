@@ -43,9 +43,10 @@ def wire_dtype(name: str) -> torch.dtype | None:
 def allreduce(
     comm: Comm, t: torch.Tensor, dtype: torch.dtype, kept: dict[Any, Any] | None = None
 ) -> torch.Tensor:
-    """In-place sum of the floating-point tensor ``t`` over ``comm`` with 16-bit ``dtype`` traffic (see
-    above), accumulated in float32 (float64 for a float64 ``t``); ``kept``: the buffers of earlier calls,
-    by size (the route's own; a model's buckets or tensors have few sizes)."""
+    """In-place sum of the floating-point tensor ``t`` over ``comm`` with 16-bit ``dtype`` traffic.
+
+    See the module's docstring. Accumulated in float32 (float64 for a float64 ``t``); ``kept``: the buffers of
+    earlier calls, by size (the route's own; a model's buckets or tensors have few sizes)."""
     n = comm.size
     if n == 1:
         return t
@@ -74,8 +75,9 @@ def allreduce(
 def _buffers(
     kept: dict[Any, Any], total: int, chunk: int, dtype: torch.dtype, acc: torch.dtype, device: torch.device
 ) -> Any:
-    """Buffers for one size on ``device``, made once into ``kept``: on the host for MPI, on the GPU for the
-    NCCL transport (:meth:`Comm.routes`)."""
+    """Buffers for one size on ``device``, made once into ``kept``.
+
+    On the host for MPI, on the GPU for the NCCL transport (:meth:`Comm.routes`)."""
     key = (total, dtype, acc, device)
     if key not in kept:
         new = functools.partial(torch.empty, device=device)

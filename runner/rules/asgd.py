@@ -1,9 +1,8 @@
-"""ASGD / Downpour SGD: asynchronous parameter servers (Dean et al. 2012, "Large Scale Distributed Deep
-Networks", NeurIPS).
+"""ASGD / Downpour SGD: asynchronous parameter servers.
 
-``servers`` extra ranks hold the parameters, sharded into contiguous slices of the flat parameter vector;
-each keeps a version counter for its shard. Workers train with any torch optimizer and, without waiting for
-each other,
+Downpour SGD (Dean et al. 2012, "Large Scale Distributed Deep Networks", NeurIPS). ``servers`` extra ranks
+hold the parameters, sharded into contiguous slices of the flat parameter vector; each keeps a version counter
+for its shard. Workers train with any torch optimizer and, without waiting for each other,
 
     every ``n_push`` steps:  Δ = x − x_ref (the change the local optimizer made since the last push);
                              send each server its slice of Δ with the version the worker last fetched;
@@ -102,9 +101,10 @@ class ASGDConfig(RuleConfig):
 
 
 def corrected_momentum(mu: float, staleness: float) -> float:
-    """The explicit momentum that, with the implicit momentum of asynchrony at mean staleness ``staleness``
-    (1 − 1/M, M = 1 + τ̄ updates in flight; Mitliagkas et al. 2016), makes up ``mu``: μ − τ̄/(1 + τ̄), at least
-    0; ``mu`` itself at staleness 0."""
+    """The explicit momentum that, with the implicit momentum of asynchrony, makes up ``mu``.
+
+    At mean staleness ``staleness`` the implicit momentum is 1 − 1/M, M = 1 + τ̄ updates in flight (Mitliagkas
+    et al. 2016); the result is μ − τ̄/(1 + τ̄), at least 0; ``mu`` itself at staleness 0."""
     if staleness <= 0:
         return mu
     return max(0.0, mu - staleness / (1.0 + staleness))
@@ -190,8 +190,9 @@ class ASGD(Rule):
         self.pushes += 1
 
     def _fetch_into(self, target: torch.Tensor, exact: bool = False) -> list[int]:
-        """The servers' parameters into ``target`` (``exact``: in float32 even with a 16-bit
-        ``comm_dtype``, asked for by a negative header); returns the shards' versions."""
+        """The servers' parameters into ``target``; returns the shards' versions.
+
+        ``exact``: in float32 even with a 16-bit ``comm_dtype``, asked for by a negative header."""
         versions = []
         for server, part in zip(self.server_ranks, self.slices, strict=True):
             self.header.fill_(-1.0 if exact else 0.0)
@@ -207,8 +208,9 @@ class ASGD(Rule):
         self.push_header.fill_(version)
 
     def _read_reply(self, server: int) -> None:
-        """Worker: read a server's answer to a fetch beyond its version (momentum_correction: the servers'
-        mean staleness, averaged over them)."""
+        """Worker: read a server's answer to a fetch beyond its version.
+
+        With momentum_correction: the servers' mean staleness, averaged over them."""
         if self.correct:
             first = server == self.server_ranks[0]
             self.mean_staleness = (0.0 if first else self.mean_staleness) + float(
@@ -228,8 +230,9 @@ class ASGD(Rule):
 
     @no_grad
     def solo_model(self) -> torch.nn.Module:
-        """The servers' parameters as they are now (fetched exactly), with this worker's BatchNorm
-        statistics; nothing is pushed."""
+        """The servers' parameters as they are now (fetched exactly), with this worker's BatchNorm statistics.
+
+        Nothing is pushed."""
         if self.server_model is None:
             self.server_model = flat_copy(self.model)
         model, flat = self.server_model
@@ -264,8 +267,10 @@ class ASGD(Rule):
             self.comm.send(self.header, server, DONE)
 
     def before_grow(self) -> None:
-        """A fetch from every server: it answers after the pushes this worker sent before (messages between
-        two ranks arrive in order), so none is left unread when the communicators are replaced."""
+        """A fetch from every server.
+
+        Each answers after the pushes this worker sent before (messages between two ranks arrive in order), so
+        none is left unread when the communicators are replaced."""
         self.fetch()
 
     @no_grad
@@ -279,8 +284,9 @@ class ASGD(Rule):
             self.pushes = self.fetches = 0
 
     def before_checkpoint(self, step: int) -> None:
-        """Tell every server; each saves its shard once all workers' earlier pushes are applied (messages
-        between two ranks arrive in order). The updates not yet pushed are saved with the worker."""
+        """Tell every server; each saves its shard once all workers' earlier pushes are applied.
+
+        Messages between two ranks arrive in order. The updates not yet pushed are saved with the worker."""
         self.header.fill_(step)
         for server in self.server_ranks:
             self.comm.send(self.header, server, CHECKPOINT)
@@ -338,8 +344,9 @@ class ASGD(Rule):
         self._serve_workers(handle, DONE, CHECKPOINT)
 
     def _apply_push(self, delta: torch.Tensor, staleness: int, source: int) -> None:
-        """Server: apply a worker's Δ to the shard (``staleness=scale``: Δ / (1 + τ)); ``self.push_header``
-        holds the push's header."""
+        """Server: apply a worker's Δ to the shard (``staleness=scale``: Δ / (1 + τ)).
+
+        ``self.push_header`` holds the push's header."""
         self.shard.add_(delta, alpha=1.0 / (1 + staleness) if self.policy == "scale" else 1.0)
 
     def _reply_header(self) -> None:
@@ -349,11 +356,12 @@ class ASGD(Rule):
             self.reply[1] = mean_of(self.histogram)
 
     def final_metrics(self) -> dict[str, object]:
-        """Collective: the servers' staleness histogram and drops (counted per shard push) and versions, the
-        workers' pushes and fetches.
+        """Collective: the servers' staleness histogram, drops and versions, the workers' pushes and fetches.
 
-        Over all ranks alone: the job-wide barrier before it goes on without a rank lost meanwhile, which
-        the workers' communicator would still hold."""
+        The histogram and the drops count shard pushes.
+
+        Over all ranks alone: the job-wide barrier before it goes on without a rank lost meanwhile, which the
+        workers' communicator would still hold."""
         mine = (self.histogram, self.dropped, self.version) if self.is_server else (self.pushes, self.fetches)
         everyone = self.comm.allgather_object((self.is_server, mine))
         stats = [s for server, s in everyone if server]

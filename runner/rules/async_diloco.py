@@ -1,13 +1,13 @@
-"""Asynchronous DiLoCo: asynchronous local SGD with Delayed Nesterov and Dynamic Local Updates (Liu,
-Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato 2024, "Asynchronous Local-SGD Training for Language
-Modeling", arXiv 2401.09135).
+"""Asynchronous DiLoCo: asynchronous local SGD with Delayed Nesterov and Dynamic Local Updates.
 
-The parameters x live on ``servers`` extra ranks, sharded as ASGD's (runner/rules/asgd.py, whose servers
-this rule reuses). Each worker, without waiting for the others, takes H_i steps of the loop's (inner)
-optimizer from the parameters x_start it last fetched, reaching x_i; it pushes its outer gradient
-g = x_start − x_i, fetches the servers' x and continues from it (x_start ← x). A server applies the pushes in
-arrival order, the t-th (t = 1, 2, ...) with **Delayed Nesterov** (the paper's Algorithm; momentum β =
-``outer_momentum``, outer lr η, buffer delay N = ``delay``, momentum activation c = ``momentum_activation``):
+Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato 2024, "Asynchronous Local-SGD Training for
+Language Modeling", arXiv 2401.09135. The parameters x live on ``servers`` extra ranks, sharded as ASGD's
+(runner/rules/asgd.py, whose servers this rule reuses). Each worker, without waiting for the others, takes H_i
+steps of the loop's (inner) optimizer from the parameters x_start it last fetched, reaching x_i; it pushes its
+outer gradient g = x_start − x_i, fetches the servers' x and continues from it (x_start ← x). A server applies
+the pushes in arrival order, the t-th (t = 1, 2, ...) with **Delayed Nesterov** (the paper's Algorithm;
+momentum β = ``outer_momentum``, outer lr η, buffer delay N = ``delay``, momentum activation c =
+``momentum_activation``):
 
     A ← A + g
     if t mod N = 0:  m ← β·m + A/N;  x ← x − η·((1 − cN + c)·β·m + g/N);  A ← 0
@@ -107,7 +107,8 @@ def delayed_nesterov(
     state: tuple[torch.Tensor, torch.Tensor],
     g: torch.Tensor,
 ) -> None:
-    """The t-th push's (t = 1, 2, ...) Delayed Nesterov update of ``x`` in place with outer gradient ``g``;
+    """The t-th push's (t = 1, 2, ...) Delayed Nesterov update of ``x`` in place with outer gradient ``g``.
+
     ``state``: the momentum m and the accumulated outer gradients A (the module's docstring)."""
     momentum, accumulated = state
     beta, c = cfg.outer_momentum, cfg.momentum_activation
@@ -179,8 +180,10 @@ class AsyncDiLoCo(ASGD):
         return {**super().metrics(), "local_steps_min": fewest, "local_steps_max": most}
 
     def state_dict(self) -> dict[str, Any]:
-        """ASGD's, the servers' m and A, the workers' place in the round and H_i. The speeds are
-        measurements, not state: they are measured afresh after a resumption (until then H_i stays)."""
+        """ASGD's, the servers' m and A, the workers' place in the round and H_i.
+
+        The speeds are measurements, not state: they are measured afresh after a resumption (until then H_i
+        stays)."""
         state = super().state_dict()
         if self.is_server:
             return {**state, "outer": [t.clone() for t in self.outer]}

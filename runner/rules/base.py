@@ -41,8 +41,10 @@ def no_grad(fn: F) -> F:
 
 
 def split_roles(comm: Comm, servers: int) -> Comm | None:
-    """Collective over all ranks: ranks ``0 .. size-servers-1`` train and get their communicator; the last
-    ``servers`` ranks serve and get None. Rank 0 is always a worker and writes the run's records."""
+    """Collective over all ranks: split them into workers and ``servers`` servers.
+
+    Ranks ``0 .. size-servers-1`` train and get their communicator; the last ``servers`` ranks serve and get
+    None. Rank 0 is always a worker and writes the run's records."""
     assert 0 <= servers < comm.size, f"{servers} server ranks leave no worker in a job of {comm.size}"
     if servers == 0:
         return comm
@@ -111,23 +113,28 @@ class Rule:
         raise NotImplementedError(f"{type(self).__name__} has no server ranks")
 
     def lr_factor(self, step: int) -> float:
-        """The rule's own factor on the learning rate at ``step`` (BSP's ``lr_scaling``), multiplied into the
-        schedule's (runner/schedule); 1 for rules that keep the rate as configured."""
+        """The rule's own factor on the learning rate at ``step`` (BSP's ``lr_scaling``).
+
+        It is multiplied into the schedule's (runner/schedule); 1 for rules that keep the rate as
+        configured."""
         return 1.0
 
     def micro_batch(self, last: bool) -> None:
-        """Called before each micro-batch's forward pass of an accumulated step (``train.accumulate``):
-        ``last`` for the one whose backward completes the step's gradients."""
+        """Called before each micro-batch's forward pass of an accumulated step (``train.accumulate``).
+
+        ``last`` is true for the one whose backward completes the step's gradients."""
 
     @property
     def loss_scale(self) -> float:
-        """The factor the loop multiplies the loss by before backward, so gradients arrive scaled (BSP: 1/N,
-        so the all-reduced sum is the mean with no pass of its own over the gradients)."""
+        """The factor the loop multiplies the loss by before backward, so gradients arrive scaled.
+
+        BSP: 1/N, so the all-reduced sum is the mean with no pass of its own over the gradients."""
         return 1.0
 
     def grad_buffers(self) -> list[torch.Tensor]:
-        """After ``after_backward``: flat buffers that hold every gradient, if the rule keeps them so (the
-        loop checks them for non-finite values in one pass); else empty."""
+        """After ``after_backward``: flat buffers that hold every gradient, if the rule keeps them so.
+
+        The loop checks them for non-finite values in one pass. Empty if the rule does not keep them so."""
         return []
 
     def before_step(self, step: int) -> None:
@@ -147,8 +154,9 @@ class Rule:
         return {"": self.model}
 
     def solo_model(self) -> torch.nn.Module:
-        """Worker 0 alone, where :attr:`solo_validation`: the reported model as it can read it now, without
-        the other workers (BatchNorm statistics: its own)."""
+        """Worker 0 alone, where :attr:`solo_validation`: the reported model as it can read it now.
+
+        It is read without the other workers (BatchNorm statistics: its own)."""
         raise NotImplementedError(f"{type(self).__name__} reports a model only all workers together can make")
 
     def metrics(self) -> dict[str, float]:
@@ -174,12 +182,14 @@ class Rule:
 
     # -- fault tolerance (hardware.fault_tolerance=continue; runner/rank/resilience/recovery.py) ------------
     def abandon(self) -> None:
-        """Workers, when a worker was lost and the communicator is revoked: complete or forget the
-        operations in flight (they fail), leaving the local state as it was before them."""
+        """Workers, when a worker was lost: complete or forget the operations in flight (they fail).
+
+        By then the communicator is revoked; the local state is left as it was before those operations."""
 
     def recover(self) -> None:
-        """Workers, once the communicator holds the survivors only (and, for synchronous rules, all are at
-        the same step): make the rule's state consistent again, by the rule's own math."""
+        """Workers, once the communicator holds the survivors only: make the rule's state consistent again.
+
+        For synchronous rules all survivors are at the same step by then. The rule's own math decides how."""
 
     # -- growing the job (fault_tolerance=heal, RUN_DIR/JOIN; runner/rank/resilience/elastic.py) ------------
     @property
@@ -188,23 +198,27 @@ class Rule:
         return True
 
     def before_grow(self) -> None:
-        """Workers, collective, before the job grows: leave nothing in flight (the communicators are
-        replaced)."""
+        """Workers, collective, before the job grows: leave nothing in flight.
+
+        The communicators are replaced."""
 
     def grow(self, joined: bool) -> None:
-        """Workers, collective over all of them once new ones joined (``joined``: this one is new and has
-        taken worker 0's model, optimizer and rule state): make the rule's state consistent again, by the
-        rule's own math."""
+        """Workers, collective over all of them once new ones joined: make the rule's state consistent again.
+
+        ``joined``: this one is new and has taken worker 0's model, optimizer and rule state. The rule's own
+        math decides how."""
         self.num_workers = self.comm.size - self.num_servers
 
     # -- servers --------------------------------------------------------------------------------------------
     def _serve_workers(self, handle: Callable[[int, int], None], done: int, checkpoint: int) -> None:
-        """Server ranks: ``handle(source, tag)`` each message of the workers in arrival order until every
-        worker has sent tag ``done`` or was lost; when every living worker has sent tag ``checkpoint``
-        (a float64 header: the step), save this server's state. A lost worker (its messages fail, or it dies
-        while the server waits) is no longer served, and a push or exchange it did not finish is dropped.
-        Which workers asked for the checkpoint is kept by id: a loss noticed after every survivor asked
-        (they wait for this server in the checkpoint) saves at once; a lost worker's ask counts no more."""
+        """Server ranks: ``handle(source, tag)`` each message of the workers in arrival order.
+
+        This goes on until every worker has sent tag ``done`` or was lost; when every living worker has sent
+        tag ``checkpoint`` (a float64 header: the step), save this server's state. A lost worker (its messages
+        fail, or it dies while the server waits) is no longer served, and a push or exchange it did not finish
+        is dropped. Which workers asked for the checkpoint is kept by id: a loss noticed after every survivor
+        asked (they wait for this server in the checkpoint) saves at once; a lost worker's ask counts no
+        more."""
         from runner.comm import PeerLost
 
         header = torch.zeros(1, dtype=torch.float64)
@@ -242,8 +256,10 @@ class Rule:
     # -- helpers for rules that report a model other than the local one -----------------------------------
     @no_grad
     def _workers_mean(self, local: FlatTensors, weight: float) -> tuple[torch.nn.Module, FlatTensors]:
-        """A model copy (made once) set to Σ_workers weight_i · x_i: this worker's x_i is in ``local``, the
-        weights sum to 1; its BatchNorm statistics are the workers' mean."""
+        """A model copy (made once) set to Σ_workers weight_i · x_i.
+
+        This worker's x_i is in ``local``, the weights sum to 1; the copy's BatchNorm statistics are the
+        workers' mean."""
         if self._mean is None:
             self._mean = flat_copy(self.model)
         model, flat = self._mean
@@ -255,9 +271,11 @@ class Rule:
 
     @no_grad
     def _workers_mean_copy(self, flat: FlatTensors) -> tuple[torch.nn.Module, FlatTensors]:
-        """A copy of the model (made once) set to the workers' mean: of ``flat`` (this worker's trainable
-        parameters) and of the float buffers (BatchNorm statistics); its other state this worker's. The
-        copy's model and flat buffers; this worker's model is left as it is."""
+        """A copy of the model (made once) set to the workers' mean.
+
+        The mean is of ``flat`` (this worker's trainable parameters) and of the float buffers (BatchNorm
+        statistics); the copy's other state is this worker's. Returns the copy's model and flat buffers; this
+        worker's model is left as it is."""
         if self._mean_copy is None:
             model = copy.deepcopy(self.model)
             self._mean_copy = model, FlatTensors(p for p in model.parameters() if p.requires_grad)
@@ -285,15 +303,17 @@ class Rule:
 
     @no_grad
     def _average(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> None:
-        """Set each of ``tensors`` to its mean over the workers (sent in ``wire``'s type, if given). Reduced
-        in a copy, so that a failed all-reduce (a lost worker) leaves them as they were."""
+        """Set each of ``tensors`` to its mean over the workers (sent in ``wire``'s type, if given).
+
+        Reduced in a copy, so that a failed all-reduce (a lost worker) leaves them as they were."""
         for t, mean in zip(tensors, self._mean_of_workers(tensors, wire), strict=True):
             t.copy_(mean)
 
     @no_grad
     def _average_buffers_into(self, target: torch.nn.Module) -> None:
-        """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones, and
-        its other buffers (BatchNorm's batch counts, equal on all workers) to the local ones."""
+        """Set ``target``'s float buffers (BatchNorm statistics) to the workers' mean of the local ones.
+
+        Its other buffers (BatchNorm's batch counts, equal on all workers) are set to the local ones."""
         n = self.workers.size
         for mine, theirs in zip(float_buffers(self.model), float_buffers(target), strict=True):
             theirs.copy_(mine)
@@ -304,8 +324,9 @@ class Rule:
 
 
 def check_compress(compress: str, topk_ratio: float, comm_dtype: str) -> None:
-    """The checks of ``rule.compress`` and ``rule.topk_ratio`` that every rule taking them shares; raise
-    ValueError naming the key and the fix."""
+    """The checks of ``rule.compress`` and ``rule.topk_ratio`` that every rule taking them shares.
+
+    Raise ValueError naming the key and the fix."""
     one_of("compress", compress, KINDS)
     require(
         0 < topk_ratio <= 1,

@@ -163,9 +163,10 @@ class BSP(Rule):
 
     @staticmethod
     def auto_overlap(device: torch.device) -> str:
-        """``thread`` where the all-reduce can run beside the backward pass (a GPU, or two or more cores
-        for this rank), else ``none``: on one core the communication thread only competes with compute
-        (benchmarks/README.md, "Numbers behind design choices")."""
+        """``thread`` where the all-reduce can run beside the backward pass, else ``none``.
+
+        It can with a GPU, or two or more cores for this rank; on one core the communication thread only
+        competes with compute (benchmarks/README.md, "Numbers behind design choices")."""
         return "thread" if device.type == "cuda" or len(os.sched_getaffinity(0)) >= 2 else "none"
 
     @staticmethod
@@ -210,8 +211,9 @@ class BSP(Rule):
         return [b.buffer for b in self.buckets]
 
     def _pack(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
-        """Put gradient ``i`` of ``bucket`` (already divided by N through the loss) into the bucket's buffer,
-        unless backward wrote it there."""
+        """Put gradient ``i`` of ``bucket`` into the bucket's buffer, unless backward wrote it there.
+
+        The gradient is already divided by N through the loss."""
         view = bucket.views[i]
         if grad is None:
             view.zero_()
@@ -282,13 +284,16 @@ class BSP(Rule):
 
     # -- error feedback in checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``compress`` with error feedback: this worker's residuals (and its chunks' of the sums), with the
-        number of workers they were made for; ``mode: params``: where its period schedule stands."""
+        """``compress``'s error feedback and, with ``mode: params``, where the period schedule stands.
+
+        The error feedback is this worker's residuals (and its chunks' of the sums), with the number of
+        workers they were made for."""
         return {**feedback_state(self.compressed, self.comm.size), "periods": self.periods.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take the saved residuals where they fit (the same compression and number of workers); else start
-        from none, as after a change of workers."""
+        """Take the saved residuals where they fit (the same compression and number of workers).
+
+        Else start from none, as after a change of workers."""
         load_feedback(self.compressed, state, self.comm.size)
         self.periods.load_state_dict(state.get("periods"))
 
@@ -308,15 +313,19 @@ class BSP(Rule):
         self.next_launch = 0
 
     def grow(self, joined: bool) -> None:
-        """Nothing to do: the new workers took worker 0's parameters and optimizer, and from now on the
-        mean (and ``lr_scaling``) is over all workers. A run started alone has no buckets to grow from."""
+        """Nothing to do: the new workers took worker 0's parameters and optimizer.
+
+        From now on the mean (and ``lr_scaling``) is over all workers. A run started alone has no buckets to
+        grow from."""
         super().grow(joined)
         if self.alone and self.comm.size > 1:
             raise ValueError("rule=bsp started with devices=1 cannot take joining workers: start with 2")
         self.compressed = self._compressors()  # each residual was this worker's, its chunks over N before
 
     def recover(self) -> None:
-        """``grads``: nothing (from now on the mean is over the survivors, and ``lr_scaling`` scales by their
+        """Make the survivors' state consistent again, as the mode requires.
+
+        ``grads``: nothing (from now on the mean is over the survivors, and ``lr_scaling`` scales by their
         number). ``params``: the survivors average their parameters at once, so all start equal again.
         ``compress``: the error feedback starts anew (the chunks of the sums have other owners now)."""
         self.compressed = self._compressors()

@@ -125,8 +125,10 @@ class DiLoCoConfig(PeriodicConfig, RuleConfig):
         )
 
     def momentum_at(self, outer_steps: int) -> float:
-        """μ of the outer step after ``outer_steps`` earlier ones: ``outer_momentum``, reached linearly
-        from 0 over ``outer_momentum_warmup`` steps (Pier, arXiv 2511.17849)."""
+        """μ of the outer step after ``outer_steps`` earlier ones.
+
+        It is ``outer_momentum``, reached linearly from 0 over ``outer_momentum_warmup`` steps (Pier, arXiv
+        2511.17849)."""
         warmup = self.outer_momentum_warmup
         return self.outer_momentum * min(1.0, outer_steps / warmup) if warmup else self.outer_momentum
 
@@ -142,9 +144,10 @@ def outer_sgd(
     deltas: list[torch.Tensor],
     mu: float | None = None,
 ) -> None:
-    """The outer step in place: each x_start of ``start`` takes Δ of ``deltas`` as its gradient, with its
-    buffer of ``momentum`` (empty when μ = 0), as torch.optim.SGD does (the module's docstring); ``mu``:
-    this step's μ, if not ``outer_momentum`` (a warm-up)."""
+    """The outer step in place: each x_start of ``start`` takes Δ of ``deltas`` as its gradient.
+
+    Each uses its buffer of ``momentum`` (empty when μ = 0), as torch.optim.SGD does (the module's docstring);
+    ``mu``: this step's μ, if not ``outer_momentum`` (a warm-up)."""
     mu = cfg.outer_momentum if mu is None else mu
     for i, (x0, delta) in enumerate(zip(start, deltas, strict=True)):
         step = delta
@@ -228,8 +231,9 @@ class DiLoCo(Rule):
         return {"": self._workers_mean_copy(self.flat)[0]}
 
     def metrics(self) -> dict[str, float]:
-        """Outer steps so far, the norm of the last pseudo-gradient Δ (equal on all workers), and with a
-        period schedule the current round's length."""
+        """Outer steps so far, the norm of the last pseudo-gradient Δ and the current round's length.
+
+        The norm is equal on all workers; the round's length is reported with a period schedule only."""
         scheduled = {"period": self.periods.current} if self.cfg.period_schedule != "constant" else {}
         return {"outer_steps": self.outer_steps, "pseudo_grad_norm": self.delta_norm, **scheduled}
 
@@ -237,8 +241,9 @@ class DiLoCo(Rule):
         return {"outer_steps": self.outer_steps}
 
     def state_dict(self) -> dict[str, Any]:
-        """x_start, the outer momentum buffer, the position in the round; the local parameters and the
-        inner optimizer are saved with the model and the optimizer."""
+        """x_start, the outer momentum buffer, the position in the round.
+
+        The local parameters and the inner optimizer are saved with the model and the optimizer."""
         state = {
             "start": [x0.clone() for x0 in self.start],
             "momentum": [b.clone() for b in self.momentum],
@@ -266,17 +271,19 @@ class DiLoCo(Rule):
         return self.round_step == 0
 
     def grow(self, joined: bool) -> None:
-        """``compress``: the error feedback starts anew on every worker (a residual is one worker's, and the
-        chunks of the sums have other owners now)."""
+        """``compress``: the error feedback starts anew on every worker.
+
+        A residual is one worker's, and the chunks of the sums have other owners now."""
         super().grow(joined)
         self.compressed = self._compressors()
 
     def recover(self) -> None:
-        """Make the survivors' round state worker 0's (an outer step may have completed on some of them
-        only). If every survivor had finished the round's H steps (its exchange failed), take the outer step
-        over them; otherwise restart the round from x_start, BatchNorm statistics averaged. The inner
-        optimizers' states stay their own. From now on the mean is over the survivors; ``compress``'s
-        error feedback starts anew."""
+        """Make the survivors' round state worker 0's.
+
+        An outer step may have completed on some of them only. If every survivor had finished the round's H
+        steps (its exchange failed), take the outer step over them; otherwise restart the round from x_start,
+        BatchNorm statistics averaged. The inner optimizers' states stay their own. From now on the mean is
+        over the survivors; ``compress``'s error feedback starts anew."""
         self.compressed = self._compressors()
         for t in [*self.start, *self.momentum]:
             self.workers.broadcast(t, root=0)

@@ -87,6 +87,7 @@ class EASGDConfig(PeriodicConfig, RuleConfig):
 
     def check_devices(self, devices: int) -> None:
         """Sync: the center moves by beta·(mean of workers − center) per exchange, unstable for beta >= 2.
+
         ``devices`` is a count of workers the job has, or may grow to: the messages say which count."""
         require(
             0 < self.alpha_for(devices) <= 1,
@@ -222,9 +223,10 @@ class EASGD(Rule):
         self.periods.load_state_dict(state.get("periods"))
 
     def grow(self, joined: bool) -> None:
-        """The new workers took worker 0's center (sync: its replica); ``alpha`` is the configured one for
-        the workers there now (with ``beta``, or the default beta = 0.9: beta / N, so the center's pull
-        stays beta); async: the server serves them from now on."""
+        """The new workers took worker 0's center (sync: its replica).
+
+        ``alpha`` is the configured one for the workers there now (with ``beta``, or the default beta = 0.9:
+        beta / N, so the center's pull stays beta). Async: the server serves them from now on."""
         super().grow(joined)
         self.alpha = self.cfg.alpha_for(self.num_workers)  # beta (default 0.9) stays: alpha = beta / N
         if joined:
@@ -232,9 +234,10 @@ class EASGD(Rule):
 
     @no_grad
     def recover(self) -> None:
-        """Sync: the survivors' center replicas are made identical (the lowest survivor's, broadcast), and
-        the center goes on with their pulls only (alpha unchanged: beta = alpha × survivors). Async: a lost
-        worker is no longer served (the server counts it out)."""
+        """Sync: the survivors' center replicas are made identical; async: a lost worker is no longer served.
+
+        Sync: the lowest survivor's replica is broadcast, and the center goes on with their pulls only (alpha
+        unchanged: beta = alpha × survivors). Async: the server counts the lost worker out."""
         if self.cfg.variant == "sync":
             for c in self.center.buffers:
                 self.comm.broadcast(c, root=0)
@@ -242,8 +245,9 @@ class EASGD(Rule):
     # -- server (async) ------------------------------------------------------------------------------------
     @no_grad
     def serve(self) -> None:
-        """Hold the center; answer exchanges and fetches in arrival order until every worker is done. An
-        exchange with a worker lost midway is not applied (the center moves once all of it has arrived)."""
+        """Hold the center; answer exchanges and fetches in arrival order until every worker is done.
+
+        An exchange with a worker lost midway is not applied (the center moves once all of it has arrived)."""
         center = self.center
         incoming = [torch.empty_like(c) for c in center.buffers]
 

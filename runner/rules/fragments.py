@@ -24,8 +24,10 @@ else:
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]] | None:
-    """The model's repeated blocks, with the list's name: the ``nn.ModuleList`` whose modules are all of one
-    type and which holds the most trainable values (the first such list on a tie); None if it has none."""
+    """The model's repeated blocks, with the list's name; None if it has none.
+
+    The blocks are the ``nn.ModuleList`` whose modules are all of one type and which holds the most trainable
+    values (the first such list on a tie)."""
     best: tuple[int, str, list[torch.nn.Module]] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len({type(m) for m in module}) != 1:
@@ -37,9 +39,10 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]] | N
 
 
 def block_fragments(model: torch.nn.Module, fragments: int) -> list[int]:
-    """The fragment of each trainable parameter of ``model`` (in ``model.parameters()`` order): block b's
-    go to b mod ``fragments``, all others to 0. ValueError, naming the fix, without blocks or with more
-    fragments than blocks."""
+    """The fragment of each trainable parameter of ``model`` (in ``model.parameters()`` order).
+
+    Block b's go to b mod ``fragments``, all others to 0. ValueError, naming the fix, without blocks or with
+    more fragments than blocks."""
     found = find_blocks(model)
     if found is None:
         raise ValueError(
@@ -64,9 +67,11 @@ def block_fragments(model: torch.nn.Module, fragments: int) -> list[int]:
 def layout(
     params: list[torch.Tensor], fragment_of: list[int], fragments: int
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """``params`` in fragment order (stable: the model's order within a fragment), and, for the flat buffers
-    :class:`runner.comm.flat.FlatTensors` makes of them (one per dtype and device, in order of first
-    appearance), each fragment's bounds in each buffer."""
+    """``params`` in fragment order, and each fragment's bounds in each of the flat buffers made of them.
+
+    The order is stable: the model's order within a fragment. The flat buffers are those
+    :class:`runner.comm.flat.FlatTensors` makes of ``params`` (one per dtype and device, in order of first
+    appearance)."""
     order = sorted(range(len(params)), key=fragment_of.__getitem__)
     keys = list(
         dict.fromkeys((params[i].dtype, params[i].device) for i in order)

@@ -227,8 +227,9 @@ class GoSGD(Rule):
         self.quiesce()
 
     def grow(self, joined: bool) -> None:
-        """Worker 0 shares its weight with the k new workers, which took its parameters: each of the k+1
-        gets a_0 / (k+1), so Σ a_i stays 1 and the consensus x̄ = Σ a_i·x_i does not move."""
+        """Worker 0 shares its weight with the k new workers, which took its parameters.
+
+        Each of the k+1 gets a_0 / (k+1), so Σ a_i stays 1 and the consensus x̄ = Σ a_i·x_i does not move."""
         super().grow(joined)
         grown = int(self.comm.allreduce_values([float(joined)])[0])
         if self.comm.rank == 0 or joined:
@@ -240,8 +241,10 @@ class GoSGD(Rule):
         self.weight_sum = self.comm.allreduce_values([self.weight])[0]
 
     def recover(self) -> None:
-        """The weight mass of the lost worker and of the pushes lost in flight is gone: the survivors divide
-        their weights by the sum of what is left, so that Σ a_i = 1 again; peers are drawn among them."""
+        """The survivors divide their weights by the sum of what is left, so that Σ a_i = 1 again.
+
+        What is gone: the weight mass of the lost worker and of the pushes lost in flight. Peers are drawn
+        among the survivors."""
         self.sent_to, self.received = [0] * self.comm.size, 0
         total = self.comm.allreduce_values([self.weight])[0]
         self.weight /= total

@@ -80,8 +80,10 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
     fragment_by: str = "size"
 
     def check_model(self, model: ModelConfig) -> None:
-        """``fragment_by: blocks``: the model (built on the meta device: no memory, no data) has blocks, at
-        least one per fragment. A model that cannot be built so is checked by the ranks, at build."""
+        """``fragment_by: blocks``: check that the model has blocks, at least one per fragment.
+
+        The model is built on the meta device (no memory, no data). A model that cannot be built so is checked
+        by the ranks, at build."""
         if self.fragment_by != "blocks":
             return
         try:
@@ -146,9 +148,11 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
 
 @dataclass
 class Exchange:
-    """One fragment's exchange, from its start to its apply: the tensors being summed over ``size``
-    workers (the fragment's parameters, or Δ with ``int8``; then the statistics), their requests (empty
-    once complete), the step count it is applied at, and the bytes this worker sent for it."""
+    """One fragment's exchange, from its start to its apply.
+
+    It holds the tensors being summed over ``size`` workers (the fragment's parameters, or Δ with ``int8``;
+    then the statistics), their requests (empty once complete), the step count it is applied at, and the bytes
+    this worker sent for it."""
 
     fragment: int
     due: int
@@ -183,10 +187,11 @@ class StreamingDiLoCo(DiLoCo):
             self._new_link()
 
     def _lay_out_by_blocks(self, fragment_of: list[int]) -> None:
-        """``fragment_by: blocks``: the flat buffers made anew (from worker 0's values, taken at build) with
-        the parameters fragment by fragment, and x_start and the momentum buffer with them. Every worker (and
-        a resumed or joined one) builds the same layout from the same model, so the flat order of x_start,
-        momentum and pending sums in a checkpoint is the order they are restored into."""
+        """``fragment_by: blocks``: the flat buffers made anew with the parameters fragment by fragment.
+
+        They hold worker 0's values, taken at build; x_start and the momentum buffer are made anew with them.
+        Every worker (and a resumed or joined one) builds the same layout from the same model, so the flat
+        order of x_start, momentum and pending sums in a checkpoint is the order they are restored into."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         ordered, self.bounds = layout(params, fragment_of, self.cfg.fragments)
         self.start = self.momentum = []  # (DiLoCo's, in the model's order: freed before new ones are made)
@@ -220,8 +225,10 @@ class StreamingDiLoCo(DiLoCo):
 
     @no_grad
     def _start(self, p: int) -> None:
-        """Fragment ``p``'s exchange: its parameters (``int8``: Δ_i,p) and, for fragment 0, the BatchNorm
-        statistics, summed in the background."""
+        """Start fragment ``p``'s exchange, which sums its tensors in the background.
+
+        The tensors: the fragment's parameters (``int8``: Δ_i,p) and, for fragment 0, the BatchNorm
+        statistics."""
         x = self._views(self.flat.buffers, p)
         if self.cfg.quantize == "int8":
             sums = [x0 - xi for x0, xi in zip(self._views(self.start, p), x, strict=True)]
@@ -292,8 +299,10 @@ class StreamingDiLoCo(DiLoCo):
 
     @no_grad
     def eval_models(self) -> dict[str, torch.nn.Module]:
-        """The workers' model where every fragment equals x_start on all of them (before the first step;
-        DiLoCo's round ends when the fragments synchronize together); else a copy set to their mean."""
+        """The workers' model if every fragment equals x_start on all of them, else a copy set to their mean.
+
+        Every fragment does before the first step, and at the end of a round where the fragments synchronize
+        together (DiLoCo's round)."""
         together = not self.cfg.stagger or self.cfg.fragments == 1
         boundary = self.steps == 0 or (together and self.round_step == 0 and self.cfg.fragment_alpha == 0)
         if self.workers.size == 1 or (boundary and not self.pending):
@@ -313,8 +322,9 @@ class StreamingDiLoCo(DiLoCo):
         return {**super().final_metrics(), "sync_bytes_peak": self.sync_bytes_peak}
 
     def state_dict(self) -> dict[str, Any]:
-        """DiLoCo's, the step count, the peak and the pending exchanges' results (complete: see
-        :meth:`before_checkpoint`)."""
+        """DiLoCo's, the step count, the peak and the pending exchanges' results.
+
+        The results are complete: see :meth:`before_checkpoint`."""
         assert all(not e.requests for e in self.pending), "an exchange in flight at a checkpoint"
         pending = [
             {
@@ -336,8 +346,10 @@ class StreamingDiLoCo(DiLoCo):
 
     @property
     def ready_to_grow(self) -> bool:
-        """Workers may join at any step: the exchanges in flight complete first and the new workers take
-        their results with worker 0's state."""
+        """Workers may join at any step.
+
+        The exchanges in flight complete first and the new workers take their results with worker 0's
+        state."""
         return True
 
     def grow(self, joined: bool) -> None:
@@ -357,9 +369,11 @@ class StreamingDiLoCo(DiLoCo):
 
     @no_grad
     def recover(self) -> None:
-        """The survivors take worker 0's x_start, momentum buffer and counts, forget the exchanges in flight
-        (their results may have reached some survivors only), and every fragment restarts from x_start,
-        BatchNorm statistics averaged. The inner optimizers' states stay their own."""
+        """The survivors take worker 0's x_start, momentum buffer and counts.
+
+        They forget the exchanges in flight (their results may have reached some survivors only), and every
+        fragment restarts from x_start, BatchNorm statistics averaged. The inner optimizers' states stay their
+        own."""
         for t in [*self.start, *self.momentum]:
             self.workers.broadcast(t, root=0)
         self.steps, self.outer_steps, self.delta_norm = self.workers.broadcast_object(

@@ -32,8 +32,7 @@ BLOCK = 256
 
 
 class Int8(Encoding):
-    """:func:`int8_allreduce` of a tensor in blocks of ``block``, with its error feedback and the chunk
-    owner's."""
+    """:func:`int8_allreduce` in blocks of ``block``, with its error feedback and the chunk owner's."""
 
     name = "int8"
 
@@ -64,12 +63,15 @@ def int8_allreduce(
     residual: torch.Tensor | None = None,
     owner: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """In-place sum of the flat floating-point tensor ``t`` over ``comm`` with 8-bit traffic (the module's
-    docstring): all-to-all of 8-bit chunks with their scales, sums in float32 (float64 for a float64 ``t``)
-    in rank order, the sums quantized again, all-gather. Every rank ends with the same bits.
+    """In-place sum of the flat floating-point tensor ``t`` over ``comm`` with 8-bit traffic.
+
+    The steps (the module's docstring): all-to-all of 8-bit chunks with their scales, sums in float32 (float64
+    for a float64 ``t``) in rank order, the sums quantized again, all-gather. Every rank ends with the same
+    bits.
 
     ``residual`` (``t``'s size): this rank's error feedback, added to ``t`` before quantizing and set to what
     the quantization left out. ``owner`` (:func:`int8_chunk` long): the same for this rank's chunk of the sum.
+
     """
     n = comm.size
     if n == 1:
@@ -114,8 +116,9 @@ def int8_row_bytes(chunk: int, block: int = BLOCK) -> int:
 
 
 def _pack(x: torch.Tensor, rows: int, block: int = BLOCK) -> torch.Tensor:
-    """``x`` (a multiple of ``rows``·``block`` long) in 8 bits as bytes: per row its values' int8 then their
-    blocks' float32 scales (the largest |value| / 127)."""
+    """``x`` (a multiple of ``rows``·``block`` long) in 8 bits as bytes.
+
+    Per row, its values' int8 then their blocks' float32 scales (the largest |value| / 127)."""
     blocks = x.view(-1, block)
     scales = blocks.abs().amax(dim=1).div_(127).to(torch.float32)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).to(x.dtype)

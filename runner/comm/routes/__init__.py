@@ -1,10 +1,12 @@
-"""The routes a tensor collective may take, in the order a communicator tries them (Horovod's dispatch):
-the first route that takes a call performs it (:func:`choose`).
+"""The routes a tensor collective may take, in the order a communicator tries them (Horovod's dispatch).
+
+The first route that takes a call performs it (:func:`choose`).
 
 Adding a route is one new file, a :class:`~runner.comm.routes.base.Route` subclass, and one line in
 :data:`ROUTES`, before the routes it should be tried before. It imports no route until one is chosen. Each
 communicator has route objects of its own (:func:`load`), which keep what they made for it (the 16-bit
 exchange's buffers, the hierarchical exchange's sub-communicators).
+
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ ROUTES = [
 
 
 def load(names: tuple[str, ...] | None = None) -> list[Route]:
-    """New objects of the routes of ``names`` (default: :data:`ROUTES` as it is now), in order: a
-    communicator's own."""
+    """New objects of the routes of ``names`` (default: :data:`ROUTES` as it is now), in order.
+
+    They are a communicator's own."""
     return [_route_class(name)() for name in (ROUTES if names is None else names)]
 
 

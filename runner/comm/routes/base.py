@@ -1,5 +1,6 @@
-"""What a route is: one way a tensor collective travels, which says whether it takes a call and performs
-it."""
+"""What a route is: one way a tensor collective travels.
+
+A route says whether it takes a call, and performs it."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ class Carrier(Protocol):
 
 
 class Route:
-    """One way tensors travel. A route performs the operations of :data:`OPERATIONS` it defines a method for
-    (with the arguments of ``Comm``'s method of that name after the communicator), for the calls it
-    :meth:`takes`; a communicator tries its routes in order (``runner.comm.routes.ROUTES``) and the first that
-    takes a call performs it. Timing, byte accounting and the mapping of MPI's errors are the communicator's:
-    a route only moves the data."""
+    """One way tensors travel.
+
+    A route performs the operations of :data:`OPERATIONS` it defines a method for (with the arguments of
+    ``Comm``'s method of that name after the communicator), for the calls it :meth:`takes`; a communicator
+    tries its routes in order (``runner.comm.routes.ROUTES``) and the first that takes a call performs it.
+    Timing, byte accounting and the mapping of MPI's errors are the communicator's: a route only moves the
+    data."""
 
     def performs(self, op: str) -> bool:
         """Whether this route defines operation ``op``."""

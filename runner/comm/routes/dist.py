@@ -1,5 +1,7 @@
-"""The ``torch.distributed`` transport's route (``hardware.transport``: NCCL on GPUs, gloo on CPU): the
-collectives of the tensors of its device type, waited for by the communicator (:meth:`Comm.await_work`)."""
+"""The ``torch.distributed`` transport's route (``hardware.transport``: NCCL on GPUs, gloo on CPU).
+
+It carries the collectives of the tensors of its device type, waited for by the communicator
+(:meth:`Comm.await_work`)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ class TorchDistributed(Route):
     def allreduce_background(
         self, comm: Carrier, t: torch.Tensor, op: str, wire: torch.dtype | None
     ) -> DistRequest:
-        """No thread: the backend runs the all-reduce on a stream (NCCL) or threads (gloo) of its own; the
-        16-bit exchange's steps queue on the backend's stream (NCCL), and the request is complete."""
+        """No thread: the backend runs the all-reduce on a stream (NCCL) or threads (gloo) of its own.
+
+        The 16-bit exchange's steps queue on the backend's stream (NCCL), and the request is complete."""
         if wire is not None:
             comm.allreduce(t, op, wire)
             return DistRequest(comm, None)

@@ -1,6 +1,7 @@
-"""The hierarchical exchange (``hardware.hierarchical``): an all-reduce over ranks on several hosts, several
-on some, as a reduce to one leader inside each host (shared memory), an all-reduce among the leaders, and a
-broadcast inside each host.
+"""The hierarchical exchange (``hardware.hierarchical``): an all-reduce across hosts via one leader per host.
+
+An all-reduce over ranks on several hosts, several on some, is done as a reduce to one leader inside each host
+(shared memory), an all-reduce among the leaders, and a broadcast inside each host.
 
 A host's link then carries the buffer once each way (``2(k-1)/k`` of it over ``k`` hosts), the least any
 all-reduce moves across it, against ``3/2`` for a ring over 2 hosts of 2 ranks and 2 for recursive
@@ -17,6 +18,7 @@ hierarchical (Open MPI 5's coll/han). It performs the blocking all-reduce of flo
 here too (it runs blocking ones); the non-blocking ``iallreduce`` stays flat (docs/hardware.md, "Hierarchical
 exchange"). The bytes counted for it are the flat all-reduce's ``2(N-1)/N`` of the buffer per rank
 (:mod:`runner.comm.stats`): the leaders send more, the others less.
+
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 @dataclass
 class Hosts:
-    """How a communicator's ranks sit on hosts, and the sub-communicators of the exchange: ``node`` (this
-    host's ranks), ``across`` (the hosts' leaders, None on the others); ``mpi``: the communicator they were
-    made from."""
+    """How a communicator's ranks sit on hosts, and the sub-communicators of the exchange.
+
+    ``node`` (this host's ranks), ``across`` (the hosts' leaders, None on the others); ``mpi``: the
+    communicator they were made from."""
 
     mpi: Any
     sizes: list[int]  # ranks per host, by host
@@ -87,9 +90,11 @@ def why_not(comm: Comm) -> str | None:
 
 
 def library_does_it(environ: dict[str, str] | None = None, library: str | None = None) -> str | None:
-    """Why MPI's own all-reduce across hosts is hierarchical already, or None: Open MPI 5 selects coll/han
-    for communicators that span nodes (its priority 35 above coll/tuned's 30) unless the job's MCA options
-    (``hardware.mca``, which reach the ranks as ``OMPI_MCA_*``) exclude it or lower its priority."""
+    """Why MPI's own all-reduce across hosts is hierarchical already, or None.
+
+    Open MPI 5 selects coll/han for communicators that span nodes (its priority 35 above coll/tuned's 30)
+    unless the job's MCA options (``hardware.mca``, which reach the ranks as ``OMPI_MCA_*``) exclude it or
+    lower its priority."""
     env = os.environ if environ is None else environ
     library = MPI.Get_library_version() if library is None else library
     version = re.search(r"Open MPI v(\d+)", library)
@@ -144,8 +149,9 @@ def settle(comm: Comm, mode: str, host: int | None = None) -> str:
 
 
 def split_hosts(comm: Comm, host: int | None = None) -> Hosts:
-    """Collective: ``comm``'s ranks by host and the sub-communicators; ``host``: this rank's host as a
-    number (default: MPI's shared-memory split, one node's ranks)."""
+    """Collective: ``comm``'s ranks by host and the sub-communicators.
+
+    ``host``: this rank's host as a number (default: MPI's shared-memory split, one node's ranks)."""
     if host is None:
         node = comm._c.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     else:
@@ -157,8 +163,9 @@ def split_hosts(comm: Comm, host: int | None = None) -> Hosts:
 
 
 class Hierarchical(Route):
-    """Blocking all-reduces of float tensors on a communicator :func:`settle` set the exchange on (it gave
-    this, the communicator's own route, the :class:`Hosts`)."""
+    """Blocking all-reduces of float tensors on a communicator :func:`settle` set the exchange on.
+
+    :func:`settle` gave this, the communicator's own route, the :class:`Hosts`."""
 
     def __init__(self) -> None:
         self.hosts: Hosts | None = None
@@ -195,10 +202,12 @@ def _received(hosts: Hosts, numel: int, dtype: torch.dtype) -> np.ndarray:
 
 
 def _across(hosts: Hosts, part: np.ndarray, dtype: torch.dtype, op: str) -> None:
-    """All-reduce ``part`` across the hosts. Between two, each sends its part to the other in segments
-    of :data:`SEGMENT` values, all posted at once, and combines (``a + b`` is ``b + a``: both get the same
-    bits). Over a 100 Mbit/s link Open MPI's all-reduce of two ranks sent one way and then back (twice the
-    time), and one whole-buffer exchange took twice as long one time in three (benchmarks/hierarchical.py)."""
+    """All-reduce ``part`` across the hosts.
+
+    Between two, each sends its part to the other in segments of :data:`SEGMENT` values, all posted at once,
+    and combines (``a + b`` is ``b + a``: both get the same bits). Over a 100 Mbit/s link Open MPI's
+    all-reduce of two ranks sent one way and then back (twice the time), and one whole-buffer exchange took
+    twice as long one time in three (benchmarks/hierarchical.py)."""
     if hosts.across.Get_size() != 2:
         hosts.across.Allreduce(MPI.IN_PLACE, part, op=OPS[op])
         return

@@ -1,5 +1,7 @@
-"""MPI itself, the last route: every collective, on a view of a CPU tensor, the device memory of a CUDA
-tensor (CUDA-aware MPI) or a staged host copy (:mod:`runner.comm.staging`)."""
+"""MPI itself, the last route: every collective.
+
+It runs on a view of a CPU tensor, the device memory of a CUDA tensor (CUDA-aware MPI) or a staged host copy
+(:mod:`runner.comm.staging`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Queued all-reduces on MPI: run by the communicator's background thread (:mod:`runner.comm.background`),
-which overlaps truly where MPI's non-blocking collectives would not."""
+"""Queued all-reduces on MPI: run by the communicator's background thread (:mod:`runner.comm.background`).
+
+The thread overlaps truly where MPI's non-blocking collectives would not."""
 
 from __future__ import annotations
 

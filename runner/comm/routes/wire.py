@@ -1,6 +1,7 @@
-"""The 16-bit exchange (``rule.comm_dtype``): an all-reduce asked in a 16-bit ``wire`` type, over several
-ranks, is an all-to-all and an all-gather in that type (:mod:`runner.comm.wire`), which take their
-own routes."""
+"""The 16-bit exchange (``rule.comm_dtype``): the route of all-reduces asked in a 16-bit ``wire`` type.
+
+Over several ranks, such an all-reduce is an all-to-all and an all-gather in that type
+(:mod:`runner.comm.wire`), which take their own routes."""
 
 from __future__ import annotations
 
