@@ -281,3 +281,31 @@ def test_the_defaults_check_sees_a_changed_a_missing_and_an_extra_key():
     yaml["simulate"]["new_key"] = 1
     yaml["devices"] = 3
     assert default_mismatches(yaml) == ["checkpoint.keep", "devices", "simulate.new_key", "train.epochs"]
+
+
+#: The most lines a module of runner/ may have, and the launcher's supervisor class (issue 47).
+MODULE_LINES, SUPERVISOR_LINES, SUPERVISOR_ATTRIBUTES = 450, 160, 14
+
+
+def test_no_module_of_the_runner_is_over_450_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / "runner").rglob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MODULE_LINES
+    }
+    assert not long, f"split these modules (one concept each): {long}"
+
+
+def test_the_supervisor_stays_small():
+    """Its watches are objects of their own (runner/launcher/watches.py); it starts, ticks and ends."""
+    tree = ast.parse((ROOT / "runner/launcher/supervise.py").read_text(encoding="utf-8"))
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Supervisor"]
+    attributes = {
+        t.attr
+        for n in ast.walk(cls)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in ast.walk(n.targets[0] if isinstance(n, ast.Assign) else n.target)
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    assert cls.end_lineno - cls.lineno + 1 <= SUPERVISOR_LINES
+    assert len(attributes) <= SUPERVISOR_ATTRIBUTES, sorted(attributes)

@@ -31,7 +31,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +156,7 @@ class Supervisor:
                 self._signal_group(signal.SIGKILL)
                 reader.join(timeout=TERM_TIMEOUT_S)
             if self.ending_since is None:  # (a job the launcher ended was killed whole)
-                self._await_outliving()
+                await_outliving(self.watches, self.output.say)
         except BaseException:
             self._signal_group(signal.SIGKILL)
             raise
@@ -184,28 +184,6 @@ class Supervisor:
             e.after_summary,
             e.lost,
         )
-
-    def _await_outliving(self) -> None:
-        """Wait up to :data:`OUTLIVED_WAIT_S` for the ranks that outlived mpirun.
-
-        This way what the job left (its last checkpoint) is read after its last write. Kill those on this
-        machine that go on, and name those elsewhere."""
-        assert self.watches is not None
-        host, deadline = socket.gethostname(), time.time() + OUTLIVED_WAIT_S
-        while True:
-            running = outliving(self.watches.read_beats(), time.time(), host, _is_rank)
-            if not running or time.time() >= deadline:
-                break
-            time.sleep(0.1)
-        for rank, beat in running.items():
-            where = f"rank {rank} (host {beat.get('host')}, pid {beat.get('pid')})"
-            if beat.get("host") == host:
-                _kill(int(beat["pid"]))
-                self.output.say(f"{where} outlived mpirun by {OUTLIVED_WAIT_S:.0f} s: killed")
-            else:
-                self.output.say(
-                    f"{where} still runs {OUTLIVED_WAIT_S:.0f} s after mpirun ended: end it there"
-                )
 
     def _install_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -248,6 +226,26 @@ class Supervisor:
         if signum == signal.SIGKILL:
             for pid in session_members(self.proc.pid):
                 _kill(pid)
+
+
+def await_outliving(watches: Watches, say: Callable[[str], None]) -> None:
+    """Wait up to :data:`OUTLIVED_WAIT_S` for the ranks that outlived mpirun.
+
+    This way what the job left (its last checkpoint) is read after its last write. Kill those on this
+    machine that go on, and name those elsewhere (``say``)."""
+    host, deadline = socket.gethostname(), time.time() + OUTLIVED_WAIT_S
+    while True:
+        running = outliving(watches.read_beats(), time.time(), host, _is_rank)
+        if not running or time.time() >= deadline:
+            break
+        time.sleep(0.1)
+    for rank, beat in running.items():
+        where = f"rank {rank} (host {beat.get('host')}, pid {beat.get('pid')})"
+        if beat.get("host") == host:
+            _kill(int(beat["pid"]))
+            say(f"{where} outlived mpirun by {OUTLIVED_WAIT_S:.0f} s: killed")
+        else:
+            say(f"{where} still runs {OUTLIVED_WAIT_S:.0f} s after mpirun ended: end it there")
 
 
 def session_members(sid: int) -> list[int]:
