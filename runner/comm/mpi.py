@@ -228,10 +228,11 @@ class Comm(Membership):
     ) -> BackgroundRequest | DistRequest:
         """Queue a blocking in-place allreduce of ``t`` on this communicator's background thread.
 
-        (:mod:`runner.comm.background`; every rank must queue the same tensors in the same order), or, for a
-        tensor of the ``torch.distributed`` transport, start it there. The time spent in ``wait`` is counted
-        as communication time. ``wire`` and ``encoding``: as :meth:`allreduce`'s; an encoded sum of a
-        transport's tensor is done at once (its all-to-all and all-gather queue on the transport)."""
+        Every rank must queue the same tensors in the same order (:mod:`runner.comm.background`); a tensor of
+        the ``torch.distributed`` transport starts there instead. The time spent in ``wait`` is counted as
+        communication time; the request holds the bytes sent for it (``sent``). ``wire`` and ``encoding``: as
+        :meth:`allreduce`'s; an encoded sum of a transport's tensor is done at once (its all-to-all and
+        all-gather queue on the transport)."""
         if encoding is None:
             return self._collective("allreduce_background", (t,), op, wire, wire=wire)
         if self.routes(t):
