@@ -61,9 +61,15 @@ def test_bad_fault_tolerance_values_are_refused(key, value, hint):
         checked_config([f"hardware.{key}={value}"])
 
 
+def stacks_of(run) -> str:
+    """The threads' stacks the ranks wrote when the launcher ended a stalled job (none otherwise)."""
+    written = sorted((run.dir / "logs").glob("rank*.stacks"))
+    return "".join(f"\n== {p.name}\n{p.read_text()}" for p in written if p.stat().st_size)
+
+
 def lost_once(run, rank: int) -> dict:
     """Checks the records of a run that lost launch rank ``rank`` once and finished; its failure record."""
-    assert run.returncode == 0, run.output
+    assert run.returncode == 0, run.output + stacks_of(run)
     summary = run.summary
     assert summary["status"] == "ok" and summary["exit_status"] == 0
     assert summary["workers_at_end"] == 3
@@ -111,6 +117,7 @@ def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, setting):
         "schedule=cosine",
         "train.log_every=1",
         "train.progress=true",
+        "train.stall_timeout=60",  # a stall ends the job with the ranks' stacks, before the test's timeout
         timeout=240,
     )
     failure = lost_once(run, die)
