@@ -7,16 +7,15 @@ and the communication layer only for type hints: importing a rule starts neither
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from runner.comm.encodings import KINDS
 from runner.comm.flat import FlatTensors, flat_copy, float_buffers
 from runner.comm.tags import GROW
 from runner.comm.wire import wire_dtype
-from runner.lazy import lazy_import
+from runner.lazy import lazy_import, no_grad
 from runner.schema import one_of, require
 
 if TYPE_CHECKING:
@@ -25,19 +24,6 @@ if TYPE_CHECKING:
     from runner.comm import Comm
 else:
     torch = lazy_import("torch")
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def no_grad(fn: F) -> F:
-    """``torch.no_grad()`` as a decorator that imports torch when called, not when the module loads."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def split_roles(comm: Comm, servers: int) -> Comm | None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from runner.lazy import lazy_import
+from runner.lazy import lazy_import, no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -15,19 +14,6 @@ if TYPE_CHECKING:
     from runner.comm.links import Links
 else:
     torch = lazy_import("torch")
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def no_grad(fn: F) -> F:
-    """``torch.no_grad()`` as a decorator that imports torch when called, not when the module loads."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def acc(t: torch.Tensor) -> torch.dtype:
