@@ -99,18 +99,12 @@ class Comm(Membership):
         wire = accounting.get("wire")
         factor = 0.0 if wire is not None else share(op, self.size, accounting.get("root") == self.rank)
         route = self.route_for(op, tensors, wire)
-        with tally() as here:
-            with Call(self, op):
-                result = getattr(route, op)(self, *tensors, *args)
-                if self.stats.links is not None and outermost():
-                    self._spend(op, tensors[0], wire, result)
-            if factor:
-                self.stats.sent(tensors[0], factor)
-        if op == "allreduce_background":  # its request holds its bytes (the thread's add to them)
-            if isinstance(result, BackgroundRequest):
-                result.caller_sent = here.bytes
-            else:
-                result.sent = here.bytes
+        with Call(self, op):
+            result = getattr(route, op)(self, *tensors, *args)
+            if self.stats.links is not None and outermost():
+                self._spend(op, tensors[0], wire, result)
+        if factor:
+            self.stats.sent(tensors[0], factor)
         return result
 
     def _spend(self, op: str, t: torch.Tensor, wire: torch.dtype | None, result: Any) -> None:
@@ -233,20 +227,24 @@ class Comm(Membership):
         communication time; the request holds the bytes sent for it (``sent``). ``wire`` and ``encoding``: as
         :meth:`allreduce`'s; an encoded sum of a transport's tensor is done at once (its all-to-all and
         all-gather queue on the transport)."""
-        if encoding is None:
-            return self._collective("allreduce_background", (t,), op, wire, wire=wire)
-        if self.routes(t):
-            with tally() as sent:
-                self.allreduce(t, op, encoding=encoding)
-            request = DistRequest(self, None)
-            request.sent = sent.bytes
+        if encoding is not None and not self.routes(t):
+            assert op == "sum" and wire is None, (op, wire)
+            with Call(self, "allreduce_background"):
+                request = self.background().submit(t, op, None, encoding)  # (the thread counts its bytes)
+                if self.stats.links is not None and outermost():
+                    seconds = encoding.seconds(self.stats.links, self._nodes(), t)
+                    request.transfer = Transfer(self.stats, seconds) if seconds else None
             return request
-        assert op == "sum" and wire is None, (op, wire)
-        with Call(self, "allreduce_background"):
-            request = self.background().submit(t, op, None, encoding)
-            if self.stats.links is not None and outermost():
-                seconds = encoding.seconds(self.stats.links, self._nodes(), t)
-                request.transfer = Transfer(self.stats, seconds) if seconds else None
+        with tally() as here:  # the bytes this thread counts for it (the background thread's add to them)
+            if encoding is None:
+                request = self._collective("allreduce_background", (t,), op, wire, wire=wire)
+            else:  # a transport's tensor
+                self.allreduce(t, op, encoding=encoding)
+                request = DistRequest(self, None)
+        if isinstance(request, BackgroundRequest):
+            request.caller_sent = here.bytes
+        else:
+            request.sent = here.bytes
         return request
 
     def background(self) -> Background:

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.comm.encodings.base import Encoding, no_grad
-from runner.lazy import lazy_import
+from runner.comm.encodings.base import Encoding
+from runner.lazy import lazy_import, no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -134,20 +134,20 @@ class Chunked(Encoding):
     def __init__(
         self,
         like: torch.Tensor,
-        size: int,
         code: SparseCode,
         feedback: bool = True,
         decay: float = 1.0,
         wire: torch.dtype | None = None,
     ):
-        super().__init__(like, size, feedback=feedback, decay=decay)
-        self.code, self.wire = code, wire
+        super().__init__(like, feedback)
+        self.code, self.decay, self.wire = code, decay, wire
 
     @no_grad
     def _reduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:
         given = t.view(-1) if self.residual is None else t.view(-1).add(self.residual, alpha=self.decay)
         total, mine = sparse_allgather(comm, given if self.wire is None else given.to(self.wire), self.code)
-        self.keep(given, mine)
+        if self.residual is not None:  # e ← a − c(a)
+            torch.sub(given, mine.view(-1).to(given.dtype), out=self.residual)
         return t.copy_(total.view_as(t))
 
     def seconds(self, links: Links, nodes: Sequence[int], t: torch.Tensor) -> float:

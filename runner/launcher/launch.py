@@ -376,10 +376,9 @@ def launch(
 ) -> dict[str, Any]:
     """Run one training job; returns summary.json's content if it ended ok, else raises JobEnded.
 
-    Raises ValueError on bad input, before anything starts. ``ident``
-    (:func:`runner.schema.identity.identity`) goes to ``run.json`` and the summary; ``label`` prefixes the
-    job's lines on the terminal (a sweep's points); ``share``: the jobs that run at once on this machine,
-    which share its cores."""
+    ValueError on bad input, before anything starts. ``ident`` (:func:`runner.schema.identity.identity`)
+    goes to run.json and the summary; ``label`` prefixes its terminal lines (a sweep's points); ``share``:
+    the jobs running at once on this machine, sharing its cores."""
     planned, checked = _prepare(cfg, run_dir, ident, reserve=True, share=share)
     argv = planned.argv
     tag = f"[{label}] " if label else ""  # points of a sweep that run at once: whose line is it

@@ -76,9 +76,9 @@ class PaceState(Owner):
 
     STATE = ("shard", "deal", "dealing")
 
-    def state_dict(self, keys: tuple[str, ...] = STATE) -> dict[str, Any]:
+    def state_dict(self, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
         take = {"shard": self.shard, "deal": self.left_to_deal, "dealing": self.dealing}
-        return {key: take[key]() for key in keys}
+        return {key: take[key]() for key in keys or self.STATE}
 
     def load_state_dict(self, state: dict[str, Any], pos: Position | None = None) -> None:
         """Take back what :meth:`state_dict` returned, or a part of it, for training at ``pos``."""

@@ -30,8 +30,9 @@ class Owner:
     STATE: ClassVar[tuple[str, ...]] = ()
     TRANSIENT: ClassVar[dict[str, str]] = {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.STATE}
+    def state_dict(self, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """The state ``keys`` name (default: all of ``STATE``)."""
+        return {name: getattr(self, name) for name in self.STATE if keys is None or name in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back what :meth:`state_dict` returned, or a part of it."""

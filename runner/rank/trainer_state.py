@@ -87,7 +87,7 @@ def _owned(owner: str, key: str, absent: Any = None) -> tuple[Callable, Callable
     ``absent``: the value a checkpoint written before the field existed gives back."""
 
     def take(o: Owners, at: At) -> Any:
-        return getattr(o, owner).state_dict()[key]
+        return getattr(o, owner).state_dict((key,))[key]  # (the key alone: the pace's deal is collective)
 
     def give(o: Owners, value: Any, at: At) -> None:
         getattr(o, owner).load_state_dict({key: absent if value is None else value})
@@ -96,15 +96,12 @@ def _owned(owner: str, key: str, absent: Any = None) -> tuple[Callable, Callable
 
 
 def _paced(key: str) -> tuple[Callable, Callable]:
-    """``(take, give)`` of ``key`` of the pace's state (taken alone: ``deal`` is collective)."""
-
-    def take(o: Owners, at: At) -> Any:
-        return o.pace.state_dict((key,))[key]
+    """``(take, give)`` of ``key`` of the pace's state, given back at the position."""
 
     def give(o: Owners, value: Any, at: At) -> None:
         o.pace.load_state_dict({key: value}, at.pos)
 
-    return take, give
+    return _owned("pace", key)[0], give
 
 
 def _take_checkpoints(o: Owners, at: At) -> tuple[int, str | None]:

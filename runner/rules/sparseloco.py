@@ -153,8 +153,7 @@ class SparseLoCo(DiLoCo):
         """Fresh (zero) error feedback per flat buffer: DiLoCo's outer step sends through it."""
         cfg = self.sparse
         code = SparseCode(cfg.chunk, cfg.topk, cfg.bits)
-        size = self.workers.size
-        return [ErrorFeedback(b, size, code, decay=cfg.ef_decay, wire=self.wire) for b in self.flat.buffers]
+        return [ErrorFeedback(b, code, decay=cfg.ef_decay, wire=self.wire) for b in self.flat.buffers]
 
     def outer_step(self) -> None:
         """DiLoCo's (its sums encoded by :class:`ErrorFeedback`), its bytes counted."""

@@ -182,7 +182,8 @@ class StreamingDiLoCo(DiLoCo):
         self.pending: list[Exchange] = []  # started, not yet applied, in the order started
         self.sync_bytes_peak = 0
         self.link: CommLike | None = None  # the exchanges' communicator (joined: made in grow)
-        self.int8 = Int8(torch.zeros(0), 1, feedback=False, block=BLOCK)  # Δ's (no state without feedback)
+        # Δ's encoding (without feedback it keeps no state, so one serves every exchange)
+        self.int8 = Int8(torch.zeros(0), 1, feedback=False, block=BLOCK) if cfg.quantize == "int8" else None
         if not self.joined:
             self._new_link()
 
@@ -236,10 +237,10 @@ class StreamingDiLoCo(DiLoCo):
             sums = [xi.clone() for xi in x]
         stats = [b.clone() for b in float_buffers(self.model)] if p == 0 else []
         exchange = Exchange(p, self.steps + self.cfg.delay, self.link.size, sums + stats)
-        int8 = self.int8 if self.cfg.quantize == "int8" else None
         for i, t in enumerate(exchange.sums):
             if i < len(sums):
-                request = self.link.allreduce_background(t, wire=None if int8 else self.wire, encoding=int8)
+                wire = None if self.int8 else self.wire
+                request = self.link.allreduce_background(t, wire=wire, encoding=self.int8)
             else:  # statistics: float32 sums, as DiLoCo's
                 request = self.link.allreduce_background(t)
             exchange.requests.append(request)

@@ -215,13 +215,12 @@ class FakeComm:
         self, t: torch.Tensor, op: str = "sum", wire: torch.dtype | None = None, encoding: Any = None
     ):
         """At once with ``wire`` or ``encoding`` (its request holds the bytes sent, as the thread's does)."""
+        before = self.stats.bytes_sent
         if (wire is None and encoding is None) or self.size == 1:
             request = self.iallreduce(t, op)
-            request.sent = int(t.numel() * t.element_size() * 2 * (self.size - 1) / self.size)
-            return request
-        before = self.stats.bytes_sent
-        self.allreduce(t, op, wire, encoding)
-        request = FakeRequest(self, lambda block: True)
+        else:
+            self.allreduce(t, op, wire, encoding)
+            request = FakeRequest(self, lambda block: True)
         request.sent = self.stats.bytes_sent - before
         return request
 

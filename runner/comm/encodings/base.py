@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from runner.lazy import lazy_import, no_grad
+from runner.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch
@@ -22,46 +22,30 @@ def acc(t: torch.Tensor) -> torch.dtype:
 
 
 class Encoding:
-    """One tensor's sums in an encoding over ``size`` ranks, with this rank's error feedback.
+    """One tensor's sums in an encoding, with this rank's error feedback.
 
     The communicator calls :meth:`reduce` (``Comm.allreduce(t, encoding=self)``, blocking or on its
     background thread) and spends :meth:`seconds` on emulated links once for it; the all-to-all and
-    all-gather inside count their own bytes. Error feedback: a = t + ``decay``·e is encoded, this rank
-    contributes c(a), and e ← a − c(a); ``feedback`` False: no e, what is not sent is lost. One rank alone
-    sends nothing and keeps ``t`` as it is.
+    all-gather inside count their own bytes. Error feedback: a = t + e is encoded (SparseLoCo's decays e),
+    this rank contributes c(a), and e ← a − c(a), the ``residual`` (a tensor like ``like``, flat);
+    ``feedback`` False: no e, what is not sent is lost. One rank alone sends nothing and keeps ``t`` as it is.
     """
 
     name: ClassVar[str]
 
-    def __init__(
-        self, like: torch.Tensor, size: int, ratio: float = 0.01, feedback: bool = True, decay: float = 1.0
-    ):
-        self.size, self.ratio, self.decay = size, ratio, decay
+    def __init__(self, like: torch.Tensor, feedback: bool = True):
         self.residual = torch.zeros_like(like).view(-1) if feedback else None
 
     def reduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:
         """In place: ``t`` becomes the sum over ``comm`` of what every rank sends of its ``t``."""
         return t if comm.size == 1 else self._reduce(comm, t)
 
-    @no_grad
     def _reduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def seconds(self, links: Links, nodes: Sequence[int], t: torch.Tensor) -> float:
         """Emulated seconds of one :meth:`reduce` of ``t`` over ranks on ``nodes`` (in rank order)."""
         raise NotImplementedError
-
-    def given(self, t: torch.Tensor) -> torch.Tensor:
-        """a = t + β·e, flat (a new tensor; ``t`` itself without error feedback)."""
-        flat = t.view(-1)
-        if self.residual is None:
-            return flat
-        return flat.add(self.residual.to(flat.dtype), alpha=self.decay)
-
-    def keep(self, given: torch.Tensor, mine: torch.Tensor) -> None:
-        """e ← a − c(a): what this rank's code of ``given`` (decoded: ``mine``) left out."""
-        if self.residual is not None:
-            torch.sub(given, mine.view(-1).to(given.dtype), out=self.residual)
 
     def feedback(self) -> list[torch.Tensor]:
         """The error feedback's tensors (none without it)."""

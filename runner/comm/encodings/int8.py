@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from runner.comm.encodings.base import Encoding, acc, no_grad
-from runner.lazy import lazy_import
+from runner.comm.encodings.base import Encoding, acc
+from runner.lazy import lazy_import, no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +39,7 @@ class Int8(Encoding):
     def __init__(
         self, like: torch.Tensor, size: int, ratio: float = 0.01, feedback: bool = True, block: int = BLOCK
     ):
-        super().__init__(like, size, ratio, feedback)
+        super().__init__(like, feedback)
         self.block = block
         chunk = int8_chunk(like.numel(), size, block)
         self.owner = torch.zeros(chunk, dtype=acc(like), device=like.device) if feedback else None

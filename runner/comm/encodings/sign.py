@@ -24,4 +24,4 @@ class Sign(Chunked):
 
     def __init__(self, like: torch.Tensor, size: int, ratio: float = 0.01, feedback: bool = True):
         chunk = min(CHUNK, like.numel())
-        super().__init__(like, size, SparseCode(chunk, chunk, 1), feedback)
+        super().__init__(like, SparseCode(chunk, chunk, 1), feedback)

@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from runner.comm.encodings.base import Encoding, acc, no_grad
-from runner.lazy import lazy_import
+from runner.comm.encodings.base import Encoding, acc
+from runner.lazy import lazy_import, no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ class TopK(Encoding):
     name = "topk"
 
     def __init__(self, like: torch.Tensor, size: int, ratio: float = 0.01, feedback: bool = True):
-        super().__init__(like, size, ratio, feedback)
+        super().__init__(like, feedback)
         self.k = topk_count(like.numel(), ratio)
 
     def _reduce(self, comm: CommLike, t: torch.Tensor) -> torch.Tensor:

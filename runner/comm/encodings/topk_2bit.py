@@ -25,4 +25,4 @@ class TopK2Bit(Chunked):
 
     def __init__(self, like: torch.Tensor, size: int, ratio: float = 0.01, feedback: bool = True):
         chunk = min(CHUNK, like.numel())
-        super().__init__(like, size, SparseCode(chunk, topk_count(chunk, ratio), 2), feedback)
+        super().__init__(like, SparseCode(chunk, topk_count(chunk, ratio), 2), feedback)
