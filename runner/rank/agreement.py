@@ -9,6 +9,7 @@ the workers must all leave together, or none.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,7 @@ class Control:
         self.comm: Comm | None = None
         self.next_poll, self.forced, self.request = (start // interval + 1) * interval, False, None
         self.rejoin_at: int | None = None  # the first agreement after workers were lost or joined
+        self.seconds = 0.0  # spent deciding (:meth:`poll`), for the summary's control time per step
         if split:  # (not: a worker spawned into the job; it splits with the others when welcomed)
             if workers.rank == 0:
                 self.drop_stale_join()
@@ -109,6 +111,13 @@ class Control:
 
     def poll(self, step: int) -> Decision:
         """Call after every step (``step`` steps done); the decision is the same on every worker."""
+        start = time.perf_counter()
+        try:
+            return self._decide(step)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _decide(self, step: int) -> Decision:
         if self.rejoin_at is not None and step < self.rejoin_at:
             return Decision(passed=True)
         if step != self.next_poll:
@@ -226,7 +235,7 @@ class Board(Control):
         """After workers were lost or joined: with ``forced``, a checkpoint at meeting ``next_poll``."""
         self.forced_at = next_poll if forced else None
 
-    def poll(self, step: int) -> Decision:
+    def _decide(self, step: int) -> Decision:
         """The decision for the ``step``-th meeting of the run: the one posted for it, or this worker's own.
 
         Every worker passes each meeting; when none is posted yet, this worker posts its own first."""

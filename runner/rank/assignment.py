@@ -22,6 +22,7 @@ it holds in the counter's memory, and the survivors of its loss deal them again 
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterator
@@ -104,6 +105,7 @@ class Dealer:
         self.last_position = -1  # the last counter position this worker drew
         self.again = False  # restarted: the epoch's chunks may not all be dealt (:meth:`reopen`)
         self.members: list[int] | None = None  # the workers the counter's rows are for (None: as launched)
+        self.seconds = 0.0  # spent on the counter (draws, published rows): the summary's control time
 
     def __len__(self) -> int:
         """Micro-batches of an epoch over all workers (each worker trains a share of them)."""
@@ -139,10 +141,13 @@ class Dealer:
         """The next ticket from the counter; None once the run's tickets are spent."""
         from runner.comm.errors import PeerLost
 
+        start = time.perf_counter()
         try:
             position = self.last_position = self.counter.fetch_add()
         except PeerLost:  # its host, worker 0, was lost: no more chunks for now; the survivors meet at the
             return None  # epoch's end (Dynamic.end_of_span), recover, and deal what is left anew
+        finally:
+            self.seconds += time.perf_counter() - start
         if position < len(self.pending):
             return self.pending[position]
         ticket = self.base + position - len(self.pending)
@@ -191,10 +196,12 @@ class Dealer:
             assert len(row) <= HELD_SLOTS, f"a worker holds {len(row)} chunks, more than {HELD_SLOTS}"
             from runner.comm.errors import PeerLost
 
+            start = time.perf_counter()
             try:
                 self.counter.put(1 + self.rank * HELD_SLOTS, row + [-1] * (HELD_SLOTS - len(row)))
             except PeerLost:  # its host was lost with what the workers held (redeal says so)
                 pass
+            self.seconds += time.perf_counter() - start
 
 
 def counter_slots(workers: int) -> int:

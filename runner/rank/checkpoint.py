@@ -219,6 +219,7 @@ class Checkpointer(Owner):
         **dict.fromkeys(("cfg", "world", "servers", "fence"), "given"),
         "root": "the run folder's checkpoints folder",
         "last_time": "checkpoint.every_minutes counts this job's time",
+        "seconds": "the last checkpoint's time, a measurement of this job (summary.json)",
     }
 
     def __init__(
@@ -240,6 +241,7 @@ class Checkpointer(Owner):
         self.last_time = time.time()
         self.count = resumed["seq"] if resumed else 0
         self.latest: str | None = resumed["dir"] if resumed else None
+        self.seconds = 0.0  # the last checkpoint's, from its fence to the index (summary.json)
 
     def due(self, step: int) -> bool:
         """Whether the step count alone asks for a checkpoint after ``step`` steps (the same on all ranks)."""
@@ -261,7 +263,7 @@ class Checkpointer(Owner):
 
         Once every rank has written, rank 0 indexes it with ``info``. Every rank saves the same sequence of
         checkpoints, so the k-th is in the same folder everywhere."""
-        name = checkpoint_folder(self.count + 1, step)
+        name, start = checkpoint_folder(self.count + 1, step), time.perf_counter()
         if self.world.tolerant and self.servers:  # ranks may have died: the parts are the survivors'
             self.world.fault_barrier()
             self.fenced(f"checkpoint {name}")
@@ -274,6 +276,7 @@ class Checkpointer(Owner):
         parts = self.world.allgather_object(digest)  # and a barrier: every rank has written its part
         self.latest = name
         self.last_time = time.time()
+        self.seconds = time.perf_counter() - start
         if self.world.rank != 0:
             return
         entry = {
@@ -287,6 +290,7 @@ class Checkpointer(Owner):
         }
         write_atomic(self.root / name / CHECKPOINT_ENTRY, dumps(entry, indent=1))
         self.index(entry)
+        self.seconds = time.perf_counter() - start
 
     def fenced(self, what: str) -> None:
         """Collective: raise :class:`Partitioned` on every rank if a later membership claimed the run folder.

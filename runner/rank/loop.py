@@ -230,9 +230,14 @@ class Trainer:
         Called by :meth:`tolerant`: they come after the last checkpoint's job-wide barrier, which goes on
         without a lost worker, while the workers' communicator still holds it."""
         v, fp16 = self.validator, self.scaler is not None
+        control, dealer = self.control, self.dealer
+        spent = {"agreement": control.seconds, "heartbeat": self.beat.seconds}
+        if dealer is not None:
+            spent["deal"] = dealer.seconds
         outcome = Outcome(
-            v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count, v.val_bytes
-        )
+            v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count, v.val_bytes,
+            spent, control.checkpointer.seconds,
+        )  # fmt: skip
         results = summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
         settle(self.workers)  # (fault tolerance) all go on to the job-wide barrier after training, or none
         return results

@@ -56,7 +56,7 @@ def rank_main(comm: Any, cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     hosts = ["local"] * comm.size
     workers = split_roles(comm, cfg.rule.extra_ranks())
     streams = (io.StringIO(), io.StringIO())
-    beat = SimpleNamespace(progress=lambda step=None: None, set_role=lambda role: None)
+    beat = SimpleNamespace(progress=lambda step=None: None, set_role=lambda role: None, seconds=0.0)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, comm, None, servers=cfg.rule.extra_ranks())
     device = torch.device("cpu")
     rank = Rank(cfg, run_dir, comm, workers, device, hosts, None, None, checkpointer, streams, beat, {}, {})

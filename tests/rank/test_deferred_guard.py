@@ -87,7 +87,7 @@ def train(run_dir: Path, log_every: int, every: int | None = None, **options) ->
         meter = Meter(comm.stats, 2, total, log, log_every, progress=False)
         control = Control(comm, run_dir, Checkpointer(CheckpointConfig(every=every), run_dir, comm, None), 1)
         done: list[int] = [0]
-        beat = SimpleNamespace(progress=done.append)
+        beat = SimpleNamespace(progress=done.append, seconds=0.0)
         cfg = TrainConfig(epochs=EPOCHS, batch_size=BATCH, log_every=log_every, **options)
         trainer = Trainer(
             cfg, parts, loaders, Place(comm, torch.device("cpu")), Records(log, meter, beat, control)

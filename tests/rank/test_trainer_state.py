@@ -70,7 +70,7 @@ def trainer(comm: Any, run_dir: Path, dynamic: bool) -> Trainer:
     log = MetricsLog(run_dir, enabled=comm.rank == 0, loggers={})
     meter = Meter(comm.stats, comm.size, total, log, 1, progress=False)
     control = Control(comm, run_dir, Checkpointer(CheckpointConfig(), run_dir, comm, None), 1)
-    records = Records(log, meter, SimpleNamespace(progress=lambda step: None), control)
+    records = Records(log, meter, SimpleNamespace(progress=lambda step: None, seconds=0.0), control)
     cfg = TrainConfig(epochs=2, batch_size=BATCH)
     loop = Trainer(
         cfg,

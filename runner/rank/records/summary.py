@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runner.results import final_and_best
@@ -29,6 +29,10 @@ class Outcome:
     fp16: bool
     val_count: float | None = None
     val_bytes: float = 0.0  # bytes this worker sent validating (the rule's models made, the sums)
+    #: This worker's seconds in each part of the control plane (agreement, deal, heartbeat), and its
+    #: part of the last checkpoint.
+    control_s: dict[str, float] = field(default_factory=dict)
+    checkpoint_s: float = 0.0
 
 
 def summary(
@@ -65,4 +69,20 @@ def summary(
         "skipped_steps": guard.skipped,
         "validations": outcome.history,
         "val_count": outcome.val_count,  # one validation sample is 1/val_count of an accuracy (the report)
+        **control(outcome, steps, workers),
+    }
+
+
+def control(outcome: Outcome, steps: int, workers: CommLike) -> dict[str, Any]:
+    """Collective over the workers: what the control plane cost.
+
+    Milliseconds per step in each of its parts (the workers' mean; the heartbeat's are spent on its own
+    thread), and the last checkpoint's seconds (the slowest worker's: the job waits for it)."""
+    parts = sorted(outcome.control_s)
+    per_step = [1000 * outcome.control_s[p] / max(steps, 1) for p in parts]
+    means = workers.allreduce_values(per_step) if parts else []
+    slowest = workers.allreduce_values([outcome.checkpoint_s], op="max")[0]
+    return {
+        "control_ms_per_step": {p: m / workers.size for p, m in zip(parts, means, strict=True)},
+        "checkpoint_s": slowest,
     }
