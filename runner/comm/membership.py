@@ -11,6 +11,7 @@ revoke it (everyone comes to recover), agree, and shrink it to themselves, or gr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.binding import MPI
@@ -146,15 +147,31 @@ class Membership:
         return self.shrink() if self.lost_peers() else []
 
     # -- growth -----------------------------------------------------------------------------------------
-    def grow(self, argv: list[str], count: int, key: int, wdir: str) -> str | None:
+    def grow(
+        self,
+        argv: list[str],
+        count: int,
+        key: int,
+        wdir: str,
+        oversubscribe: bool = False,
+        hosts: Sequence[str] = (),
+    ) -> str | None:
         """Start ``count`` processes running ``argv`` (``MPI_Comm_spawn``) and merge them in, in place.
 
         Collective over this communicator (no lost ranks in it). This process takes place ``key`` in the new
-        order (the new ones take ``GROWN_KEY + i``). Returns why no process was started (MPI's message: no
-        free slot, a command that failed), else None."""
+        order (the new ones take ``GROWN_KEY + i``). With ``oversubscribe`` (the job was launched so) they
+        may share cores, unbound, on ``hosts`` (none: where Open MPI chooses): Open MPI does not pass the
+        launch's ``--oversubscribe`` on, maps a spawn by core, and refused one that found no free core.
+        Returns why no process was started (MPI's message: no free slot, a command that failed), else
+        None."""
         mine = self.launch_rank()
         info = MPI.Info.Create()
         info.Set("wdir", wdir)
+        if oversubscribe:
+            info.Set("map_by", "slot:OVERSUBSCRIBE")
+            info.Set("bind_to", "none")
+            if hosts:
+                info.Set("host", ",".join(dict.fromkeys(hosts)))
         try:
             inter = self._c.Spawn(argv[0], argv[1:], maxprocs=count, info=info, root=0)
         except MPI.Exception as err:

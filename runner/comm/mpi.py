@@ -25,7 +25,7 @@ import torch
 from runner.comm.background import Background
 from runner.comm.binding import ANY_SOURCE, ANY_TAG, MPI, OPS, versions
 from runner.comm.call import Call, communication
-from runner.comm.counter import Counter, FileCounter
+from runner.comm.counter import SERVING, Counter, FileCounter
 from runner.comm.errors import PeerLost, faulted, faults
 from runner.comm.membership import GROWN_KEY, SERVER_KEY, Membership
 from runner.comm.requests import BackgroundRequest, DistRequest, Request, progress, wait_all
@@ -431,7 +431,11 @@ def join(first: int, cuda_aware: bool | None = None) -> Comm:
 
 
 def finalize() -> None:
-    """End MPI in this process (once; also at exit)."""
+    """End MPI in this process (once; also at exit).
+
+    A counter's host thread, which calls MPI, ends first."""
+    for counter in list(SERVING):
+        counter.stop_serving()
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 

@@ -32,6 +32,7 @@ GROW = 99  # worker 0 tells each server that the job grows (runner/rank/resilien
 
 # -- the communication layer (runner/comm/)
 WATCH = 32001  # never sent: Comm.check_peers probes for it only to ask ULFM whether a peer died
+COUNTER_PROGRESS = 32002  # never sent: a counter's host probes for it only to enter MPI (counter.py)
 
 
 def table() -> dict[str, int]:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from runner.hardware.mca import check_mca, mca_env, one_node, render
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
-from runner.run_folder import CONFIG_SHA_ENV, TTY_ENV
+from runner.run_folder import CONFIG_SHA_ENV, OVERSUBSCRIBED_ENV, TTY_ENV
 
 
 class Settings(Protocol):
@@ -193,6 +193,7 @@ def build_argv(
             argv.append("--report-bindings")
         if ranks * threads > cores or hw.oversubscribe:
             argv.append("--oversubscribe")
+            env = {**env, OVERSUBSCRIBED_ENV: "1"}  # (for the workers it spawns: heal, growth)
         if as_root:
             argv.append("--allow-run-as-root")
         argv += hw.host_args(flavor)

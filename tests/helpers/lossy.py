@@ -237,7 +237,15 @@ class LossyComm(FakeComm):
     def return_errors(self) -> None:
         self.tolerant = True
 
-    def grow(self, argv: list[str], count: int, key: int, wdir: str) -> str | None:
+    def grow(
+        self,
+        argv: list[str],
+        count: int,
+        key: int,
+        wdir: str,
+        oversubscribe: bool = False,
+        hosts: Sequence[str] = (),
+    ) -> str | None:
         return "no process is spawned in-process"
 
     def resplit(self, parent: Any, color: int) -> None:

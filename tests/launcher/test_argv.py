@@ -9,6 +9,8 @@ import pytest
 from runner.hardware.cluster import ClusterConfig
 from runner.hardware.cpu import CPUConfig
 from runner.hardware.mpirun import build_argv, threads_per_rank
+from runner.rank.resilience.elastic import PASSED_ENV
+from runner.run_folder import OVERSUBSCRIBED_ENV
 
 
 def argv(ranks=2, cores=2, as_root=False, flavor="openmpi", **hw):
@@ -60,6 +62,15 @@ def test_more_ranks_than_cores_oversubscribes_without_binding():
 def test_oversubscribe_asked_for_is_passed_on():
     assert "--oversubscribe" in argv(ranks=2, cores=2, oversubscribe=True)
     assert "--oversubscribe" not in argv(ranks=2, cores=2)
+
+
+@pytest.mark.parametrize("ranks, asked", [(4, False), (2, True)])
+def test_an_oversubscribed_job_tells_its_ranks_so_that_their_spawns_may_share_cores(ranks, asked):
+    """Open MPI does not pass ``--oversubscribe`` on to MPI_Comm_spawn: heal's replacement on a node with
+    a free slot but no free core was refused (seen on the namespaced nodes)."""
+    assert f"{OVERSUBSCRIBED_ENV}=1" in argv(ranks=ranks, cores=2, oversubscribe=asked)
+    assert not any(OVERSUBSCRIBED_ENV in a for a in argv(ranks=2, cores=2))
+    assert OVERSUBSCRIBED_ENV in PASSED_ENV  # and on to the workers spawned (one may spawn later)
 
 
 def test_bind_none():

@@ -72,9 +72,8 @@ def trainer_on(
     log = SimpleNamespace(write=lambda kind, step, **v: written.append(v["loss"]))
     meter = Meter(stats, 1, 100, log, LOG_EVERY, terminal=io.StringIO() if bar else None, progress=bar)
     meter.every_s = 0.0
-    control = SimpleNamespace(
-        poll=lambda step: Decision(), seconds=0.0, checkpointer=SimpleNamespace(due=lambda s: False, seconds=0.0)
-    )
+    checkpointer = SimpleNamespace(due=lambda s: False, seconds=0.0)
+    control = SimpleNamespace(poll=lambda step: Decision(), seconds=0.0, checkpointer=checkpointer)
     records = Records(log, meter, SimpleNamespace(progress=lambda step: None, seconds=0.0), control)
     cfg = TrainConfig(batch_size=BATCH, log_every=LOG_EVERY)
     return Trainer(cfg, parts, (loader, None), Place(alone, device), records), written

@@ -37,7 +37,7 @@ class Heartbeat:
         self.record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "role": "worker"}
         self.step = -1
         self.progress_time = time.time()
-        self.seconds = 0.0  # spent writing beats (on its thread): the summary's control time
+        self.seconds = 0.0  # CPU spent writing beats (on its own thread): the summary's control time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         # the launcher's signal when it found the job stalled: every thread's stack, written in C (a thread
@@ -57,7 +57,7 @@ class Heartbeat:
         self.record["role"] = role
 
     def _write(self) -> None:
-        start = time.perf_counter()
+        start = time.thread_time()  # its CPU: a thread waiting for a core would count the wait
         record = {
             **self.record,
             "step": self.step,
@@ -68,7 +68,7 @@ class Heartbeat:
             write_atomic(self.path, json.dumps(record))
         except OSError:
             pass  # a full or read-only disk: the watchdog then sees this rank as silent, which it reports
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.thread_time() - start
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):

@@ -37,7 +37,7 @@ from runner.comm.mpi import SERVER_KEY, PeerLost
 from runner.comm.tags import GROW
 from runner.rank.records.output import end_job
 from runner.rules.base import split_roles
-from runner.run_folder import CONFIG_SHA_ENV, EXIT, TTY_ENV
+from runner.run_folder import CONFIG_SHA_ENV, EXIT, OVERSUBSCRIBED_ENV, TTY_ENV
 
 if TYPE_CHECKING:
     from runner.comm import Comm
@@ -48,6 +48,7 @@ PASSED_ENV = (
     "OMP_NUM_THREADS",
     "PYTHONUNBUFFERED",
     TTY_ENV,
+    OVERSUBSCRIBED_ENV,
     "CUDA_DEVICE_ORDER",
     "PYTHONPATH",
     CONFIG_SHA_ENV,
@@ -103,11 +104,12 @@ class Elastic:
         """Workers that may still join (``hardware.max_workers`` less the workers there are)."""
         return self.max_workers - (self.world.size - self.servers)
 
-    def grow(self, want: int) -> list[int]:
+    def grow(self, want: int, near: list[str] | tuple[str, ...] = ()) -> list[int]:
         """Collective over the living ranks of the world: add ``want`` workers, at most :attr:`room`.
 
-        Worker 0's count counts; servers pass 0. Returns the new workers' ids (:attr:`refusal` says why
-        fewer than wanted)."""
+        Worker 0's count counts; servers pass 0. ``near``: the hosts of the lost workers they replace
+        (heal), where an oversubscribed job starts them (Open MPI then sees every node as free, and chose
+        the first). Returns the new workers' ids (:attr:`refusal` says why fewer than wanted)."""
         world = self.world
         if self.workers is not None:
             # every worker is done with its calls on the world (a checkpoint's); ULFM's agreement, not a
@@ -135,7 +137,10 @@ class Elastic:
         key = world.rank if world.rank < world.size - self.servers else SERVER_KEY + world.rank
         self.spawning = True  # until the new workers are settled in (a loss meanwhile: Recovery.shrink)
         with SpawnWatch(world, self.hosts, self.run_dir):
-            why = world.grow(spawn_argv(self.run_dir, first, self.env), want, key, os.getcwd())
+            argv = spawn_argv(self.run_dir, first, self.env)
+            shared = os.environ.get(OVERSUBSCRIBED_ENV) == "1"
+            where = list(near) if shared else []
+            why = world.grow(argv, want, key, os.getcwd(), oversubscribe=shared, hosts=where)
             if why is not None:
                 self.refusal = (
                     f"could not start {want} worker(s) (MPI_Comm_spawn: {why}); give mpirun free slots "

@@ -49,8 +49,8 @@ class Growth:
         self.crew.control.close()  # the agreement in flight (every worker started it)
         self.crew.rule.before_grow()
         # (workers lost since the agreement, in a growth they cut short: replaced too, the same on every one)
-        ids = recovery.elastic.grow(self.due + recovery.heal_pending - self.noted)
-        self.due, self.noted, recovery.heal_pending = 0, 0, 0
+        ids = recovery.elastic.grow(self.due + recovery.heal_pending - self.noted, near=recovery.heal_hosts)
+        self.due, self.noted, recovery.heal_pending, recovery.heal_hosts = 0, 0, 0, []
         self.welcome(pos, mid_epoch, joined=False)
         refusal = recovery.elastic.refusal
         if refusal and self.crew.workers.rank == 0:

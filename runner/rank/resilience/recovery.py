@@ -122,6 +122,7 @@ class Recovery:
         self.server_ids = [world.launch_rank(r) for r in range(world.size - servers, world.size)]
         self.seconds = 0.0
         self.heal_pending = 0  # lost workers to replace at the next agreement (heal)
+        self.heal_hosts: list[str] = []  # where they ran
 
     def recover(self, trainer: Survivor, pos: Position, holding: bool, applied: bool) -> bool:
         """Collective over the surviving workers.
@@ -156,7 +157,9 @@ class Recovery:
         self.seconds += seconds
         self._record(trainer, lost, pos.step, start, seconds)
         if self.heal:
-            self.heal_pending += self._to_replace(lost, pos.step)
+            replaced = self._to_replace(lost, pos.step)
+            self.heal_pending += len(replaced)
+            self.heal_hosts += [self.hosts[r] for r in replaced]
         return steps.adopted or applied
 
     def _go_on(
@@ -233,8 +236,8 @@ class Recovery:
             ) from None
         self.fence.generation = claimed
 
-    def _to_replace(self, lost: list[int], step: int) -> int:
-        """How many of ``lost`` to replace (heal).
+    def _to_replace(self, lost: list[int], step: int) -> list[int]:
+        """Those of ``lost`` to replace (heal).
 
         Not a replacement that died before it trained (it joined at this step or the one before), which
         would be spawned again and again; worker 0 says so."""
@@ -243,7 +246,7 @@ class Recovery:
         if early and self.workers.rank == 0:
             names = ", ".join(f"rank {r}" for r in early)
             print(f"warning: {names} died right after joining (step {step}): not replaced again", flush=True)
-        return len(lost) - len(early)
+        return [r for r in lost if r not in early]
 
     def check_servers(self, step: int) -> None:
         """Raise :class:`ServerLost` naming a lost server (its part of the state is nowhere else).

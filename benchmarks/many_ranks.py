@@ -1,0 +1,276 @@
+"""The job as it grows: one job on 4 to 64 ranks over up to 16 namespaced nodes, and what each part costs.
+
+    python benchmarks/many_ranks.py                          # BSP and ASGD at 4, 8, 16, 32, 64 ranks
+    python benchmarks/many_ranks.py --rules all --sizes 32   # every rule at 32 ranks
+    python benchmarks/many_ranks.py --smoke                  # BSP at 4 ranks on 2 nodes, resume and heal
+
+Needs root: the nodes are network and UTS namespaces (``tests/cluster/nodes.py``), brought up once for the
+largest size (16 nodes in about a second); a size of N ranks uses N/2 nodes of 2 ranks, at most 16 nodes
+(64 ranks: 4 a node). Each rank trains an MLP on synthetic data with one torch thread, the same 20 steps an
+epoch at every size (the data grows with the workers: weak scaling), 2 epochs, a checkpoint every 10 steps.
+Per size and rule a row of a table:
+
+- ``first step``: from the launcher's start to the first training step on record (``metrics.jsonl``);
+  ``CPU floor``: the ranks' CPU seconds until then (imports, MPI's start, the model) over this machine's
+  cores, the soonest it could come here, whatever mpitrain does (every rank shares the cores);
+- ``step``: the median step; the control plane's parts in ms per step, as each worker measured them
+  (``summary.json``'s ``control_ms_per_step``): the agreement (or ASGD's board), the dealer's counter
+  (dynamic assignment), the heartbeat's writes (CPU, on its own thread);
+- ``checkpoint``: the last checkpoint, the slowest worker's (every rank writes its part, rank 0 the index);
+- ``launcher CPU``: the launcher's own CPU seconds per second of the job (it reads every rank's heartbeat);
+- ``ranks' RSS``: the ranks' memory at its peak, in all;
+- (BSP) ``resume``: ``python -m runner resume=...`` to its first step; ``heal``: the last rank on the last
+  node SIGKILLed at step 8 under ``hardware.fault_tolerance=heal``, and ``healed``: from the kill to the
+  first step with every worker again (a free slot waits on the last node).
+
+A size whose ranks would not fit in the memory left (the last size's RSS per rank times the ranks, plus a
+margin) is skipped and said so. ``--out FILE`` keeps every row (JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.cluster.many import job, kill_rank, layout, ranks_usage  # noqa: E402
+from tests.cluster.nodes import Nodes, metrics_records, why_unsupported  # noqa: E402
+from tests.helpers.kill_battery import healed  # noqa: E402
+from tests.helpers.rules import rules  # noqa: E402
+
+EPOCHS = 2
+KILL_AT = 8
+#: The cores every rank shares here: the ranks' CPU to their first step, over these, is its floor.
+CORES = len(os.sched_getaffinity(0))
+#: Memory kept free beside the ranks (the launcher, mpirun's daemons, the page cache).
+MARGIN_MB = 1500
+
+
+@dataclass
+class Row:
+    rule: str
+    ranks: int
+    nodes: int
+    what: str = "job"  # job, resume, heal
+    status: str = ""
+    first_step_s: float | None = None
+    wall_s: float | None = None
+    step_ms: float | None = None
+    control_ms: dict[str, float] = field(default_factory=dict)
+    checkpoint_s: float | None = None
+    launcher_cpu: float | None = None
+    rank_cpu_s: float | None = None
+    rss_mb: float | None = None
+    healed_s: float | None = None
+    workers_at_end: int | None = None
+    note: str = ""
+
+
+def _cpu_s(pid: int) -> float | None:
+    """A process's own CPU seconds (user + system, its children's not counted)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Watch:
+    """What is sampled while a job runs."""
+
+    start: float
+    first_step: float | None = None
+    cpu: float | None = None
+    rss: float = 0.0
+    rank_cpu: float | None = None  # the ranks' mean CPU seconds when the first step was on record
+    killed_at: float | None = None
+
+
+def run_job(nodes: Nodes, run_dir: Path, argv_overrides: list[str], count: int, kill: bool, timeout: float):
+    """Run the launcher on node 1; sample its first step, its CPU and the ranks' memory; maybe kill a rank.
+
+    Returns the exit status, the output's tail and the :class:`Watch`."""
+    argv = [sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", *argv_overrides]
+    log = run_dir.parent / f"{run_dir.name}.out"
+    env = {**os.environ, **nodes.mpi_env(), "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        before = _steps_on_record(run_dir)  # (a resumed run's metrics.jsonl goes on)
+        watch = Watch(time.time())
+        proc = nodes.popen(
+            0, argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        last_rss = 0.0
+        while proc.poll() is None:
+            now = time.time()
+            if now - watch.start > timeout:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                break
+            watch.cpu = _cpu_s(proc.pid) or watch.cpu
+            if watch.first_step is None and _steps_on_record(run_dir) > before:
+                watch.first_step = now - watch.start
+                _, cpu, found = ranks_usage(nodes, count)
+                watch.rank_cpu = cpu / max(found, 1)
+            if now - last_rss > 1.0:
+                watch.rss, last_rss = max(watch.rss, ranks_usage(nodes, count)[0]), now
+            if kill and watch.killed_at is None and _reached(run_dir, KILL_AT):
+                watch.killed_at = kill_rank(nodes, count - 1)
+            time.sleep(0.02)
+    return proc.returncode, log.read_text()[-3000:], watch
+
+
+def _steps_on_record(run_dir: Path) -> int:
+    return sum(r.get("kind") == "step" for r in metrics_records(run_dir))
+
+
+def _reached(run_dir: Path, step: int) -> bool:
+    return any(r.get("kind") == "step" and r["step"] >= step for r in metrics_records(run_dir))
+
+
+def measure(nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job") -> Row:
+    """One row: the job (``what`` = job), its resume, or the job with a rank killed under heal."""
+    count, _ = layout(ranks)
+    row = Row(rule, ranks, count, what)
+    run_dir = scratch / f"{rule}-{ranks}"
+    argv = job(rule, ranks, nodes.names, EPOCHS, spare=1 if what == "heal" else 0)
+    if what == "resume":
+        argv = [f"resume={run_dir}", f"train.epochs={EPOCHS + 1}"]
+    elif what == "heal":
+        run_dir = scratch / f"{rule}-{ranks}-heal"
+        argv += ["hardware.fault_tolerance=heal"]
+    code, tail, watch = run_job(nodes, run_dir, argv, count, kill=what == "heal", timeout=600)
+    wall = time.time() - watch.start
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    row.status = summary.get("status", f"exit {code}")
+    if row.status != "ok":
+        row.note = tail.strip().splitlines()[-1][:200] if tail.strip() else ""
+    steps = [r["step_ms"] for r in metrics_records(run_dir) if r.get("kind") == "step" and "step_ms" in r]
+    row.first_step_s, row.wall_s = watch.first_step, wall
+    row.step_ms = statistics.median(steps) if steps else None
+    row.control_ms = summary.get("control_ms_per_step", {})
+    row.checkpoint_s = summary.get("checkpoint_s")
+    row.launcher_cpu = (watch.cpu / wall) if watch.cpu is not None else None
+    row.rss_mb, row.workers_at_end = watch.rss or None, summary.get("workers_at_end")
+    row.rank_cpu_s = watch.rank_cpu
+    if what == "heal" and watch.killed_at is not None and summary.get("joins"):
+        row.healed_s, _ = healed(run_dir, summary, watch.killed_at)
+    return row
+
+
+def fits(ranks: int, per_rank_mb: float | None) -> str | None:
+    """Why ``ranks`` ranks would not fit in the memory available now (None: they fit, or unknown)."""
+    if per_rank_mb is None:
+        return None
+    available = (
+        int(
+            next(
+                line.split()[1]
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemAvailable")
+            )
+        )
+        / 1024
+    )
+    need = ranks * per_rank_mb + MARGIN_MB
+    if need <= available:
+        return None
+    return f"skipped: {ranks} ranks x {per_rank_mb:.0f} MB + {MARGIN_MB} MB > {available:.0f} MB available"
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+#: The table's columns.
+HEADER = (
+    "| rule | ranks | nodes | run | status | first step s | CPU floor s | wall s | step ms | agreement ms "
+    "| deal ms | heartbeat ms | checkpoint s | launcher CPU s/s | ranks' RSS MB | healed s |"
+)
+
+
+def show(row: Row) -> str:
+    """One row of the table (ms per step for the control plane's parts; ``-``: not measured, or none)."""
+    c = row.control_ms
+    cells = [
+        row.rule,
+        str(row.ranks),
+        str(row.nodes),
+        row.what,
+        row.status,
+        _cell(row.first_step_s, 1),
+        _cell(None if row.rank_cpu_s is None else row.rank_cpu_s * row.ranks / CORES, 1),
+        _cell(row.wall_s, 1),
+        _cell(row.step_ms, 1),
+        *(_cell(c.get(part)) for part in ("agreement", "deal", "heartbeat")),
+        _cell(row.checkpoint_s, 3),
+        _cell(row.launcher_cpu, 3),
+        _cell(row.rss_mb, 0),
+        _cell(row.healed_s, 1) if row.what == "heal" else "-",
+    ]
+    line = "| " + " | ".join(cells) + " |"
+    return line + (f"\n  ({row.note})" if row.note else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sizes and rules asked; print a line per job; 1 if a job did not end ok."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--rules", nargs="+", default=["bsp", "asgd"], help="rule names, or 'all'")
+    parser.add_argument("--no-resume", action="store_true", help="skip the resume of each BSP job")
+    parser.add_argument("--no-heal", action="store_true", help="skip BSP's job with a rank killed (heal)")
+    parser.add_argument("--out", type=Path, help="append every row to this file (JSON lines)")
+    parser.add_argument("--scratch", type=Path, help="keep the run folders here (default: a temporary one)")
+    parser.add_argument("--smoke", action="store_true", help="BSP at 4 ranks on 2 nodes, resume and heal")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.rules = [4], ["bsp"]
+    chosen = rules() if args.rules == ["all"] else args.rules
+    unknown = sorted(set(chosen) - set(rules()))
+    if unknown:
+        parser.error(f"--rules: no rule {', '.join(unknown)} (rules: {', '.join(rules())}, or all)")
+    reason = why_unsupported()
+    if reason:
+        print(f"many_ranks: {reason}")
+        return 2
+    failed, per_rank = 0, None
+    largest, _ = layout(max(args.sizes))
+    with Nodes.up(largest) as nodes, tempfile.TemporaryDirectory(prefix="many-ranks-") as temporary:
+        scratch = args.scratch or temporary
+        print(f"{largest} nodes up in {nodes.timings['up']:.2f} s\n\n{HEADER}", flush=True)
+        print("|" + " --- |" * HEADER.count(" |"), flush=True)
+        for ranks in sorted(args.sizes):
+            if why := fits(ranks, per_rank):
+                print(f"| all | {ranks} | {layout(ranks)[0]} | - | {why} |", flush=True)
+                continue
+            for rule in chosen:
+                whats = ["job"]
+                if rule == "bsp":
+                    whats += [w for w, off in (("resume", args.no_resume), ("heal", args.no_heal)) if not off]
+                for what in whats:
+                    row = measure(nodes, Path(scratch), rule, ranks, what)
+                    print(show(row), flush=True)
+                    failed += row.status != "ok"
+                    if row.rss_mb and row.what == "job":
+                        per_rank = max(per_rank or 0, row.rss_mb / ranks)
+                    if args.out:
+                        with args.out.open("a") as f:
+                            f.write(json.dumps(asdict(row)) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
