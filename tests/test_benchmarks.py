@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from tests.cluster.nodes import why_unsupported
 from tests.conftest import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
@@ -24,6 +25,8 @@ BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {"mpijob"}
 #: Benchmarks that measure in this process: every other one starts mpirun (itself, or through runner jobs).
 IN_PROCESS = {"precision", "reliability", "scaling_model"}
+#: Benchmarks on namespaced test nodes (root): in the cluster tier too, skipped where nodes cannot be made.
+ON_NODES = {"many_ranks"}
 TIMEOUT = 120
 
 NUM = r"-?\d+(?:\.\d+)?(?:e[+-]\d+)?"
@@ -42,6 +45,10 @@ RESULT = {
             r"\(the growth itself\)",
             "first step with 3 workers",
         )
+    ],
+    "many_ranks": [
+        rf"^\| bsp \| 4 \| 2 \| {run} \| ok \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| - \| {NUM} \| "
+        for run in ("job", "resume", "heal")
     ],
     "kill_battery": [
         rf"^\| bsp \| heal \| 1/1 \| 0 \| 0 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$",
@@ -80,7 +87,12 @@ RESULT = {
 def scripts() -> list:
     names = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in HELPERS)
     return [
-        pytest.param(name, marks=[pytest.mark.slow] + ([] if name in IN_PROCESS else [pytest.mark.mpi]))
+        pytest.param(
+            name,
+            marks=[pytest.mark.slow]
+            + ([] if name in IN_PROCESS else [pytest.mark.mpi])
+            + ([pytest.mark.cluster] if name in ON_NODES else []),
+        )
         for name in names
     ]
 
@@ -119,6 +131,8 @@ def test_benchmark_smoke(name):
     assert "--smoke" in source, (
         f"benchmarks/{name}.py has no --smoke mode: add one (see the other benchmarks)"
     )
+    if name in ON_NODES and (why := why_unsupported()):
+        pytest.skip(why)
     proc = smoke(name)
     output = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{name}.py --smoke exited with {proc.returncode}\n{output}"
