@@ -225,6 +225,60 @@ def show(row: Row) -> str:
     return line + (f"\n  ({row.note})" if row.note else "")
 
 
+def beat_reading(ranks: int, rounds: int = 5) -> tuple[float, float]:
+    """The launcher's reading of ``ranks`` heartbeats (one watch, local disk), and one rank's write of its
+    own: the medians, in ms."""
+    from runner.launcher.watchdog import read_beats
+    from runner.run_folder import rank_file, write_atomic
+
+    with tempfile.TemporaryDirectory(prefix="beats-") as folder:
+        run_dir = Path(folder)
+        (run_dir / "logs").mkdir()
+        writes = []
+        for r in range(ranks):
+            beat = {"rank": r, "pid": 1, "host": "n", "role": "worker", "step": 5}
+            start = time.perf_counter()
+            write_atomic(
+                rank_file(run_dir, r, "beat"),
+                json.dumps({**beat, "progress_time": time.time(), "alive_time": time.time()}),
+            )
+            writes.append(time.perf_counter() - start)
+        reads = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            beats = read_beats(run_dir / "logs", ranks, 0.0, {})
+            reads.append(time.perf_counter() - start)
+        assert len(beats) == ranks
+    return 1000 * statistics.median(reads), 1000 * statistics.median(writes)
+
+
+def counter_rate(nodes: Nodes, count: int, per_node: int, seconds: float = 3.0) -> str:
+    """The calls per second the dealer's counter serves, its host on node 1 computing, from ``per_node``
+    ranks on each of the first ``count`` nodes (``tests/helpers/counter_across.py --rate``)."""
+    script = ROOT / "tests" / "helpers" / "counter_across.py"
+    hosts = ",".join(f"{n}:{per_node}" for n in nodes.names[:count])
+    mpirun = str(Path(sys.executable).parent / "mpirun")
+    argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--host", hosts]
+    argv += ["-n", str(count * per_node), "--mca", "mpi_yield_when_idle", "1"]
+    argv += [sys.executable, str(script), str(seconds), "--rate"]
+    env = {**os.environ, **nodes.mpi_env(), "PYTHONPATH": str(ROOT)}
+    done = nodes.run(0, argv, env=env, timeout=120)
+    lines = [x for x in done.stdout.splitlines() if "calls/s" in x]
+    return lines[0] if done.returncode == 0 and lines else f"failed ({done.returncode}): {done.stderr[-300:]}"
+
+
+def at_size(nodes: Nodes, sizes: list[int]) -> None:
+    """The control plane's shared parts, measured beside the jobs: heartbeats and the counter."""
+    print("\n| heartbeats | the launcher's reading (one watch) | one rank's write |\n| --- | --- | --- |")
+    for ranks in (64, 1024, 8192):
+        read, write = beat_reading(ranks)
+        print(f"| {ranks:,} | {read:.1f} ms | {write:.3f} ms |", flush=True)
+    print("\ncounter (dealer, board), host on node 1:")
+    for ranks in sorted(sizes):
+        count, per_node = layout(ranks)
+        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, count, per_node)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sizes and rules asked; print a line per job; 1 if a job did not end ok."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -269,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.out:
                         with args.out.open("a") as f:
                             f.write(json.dumps(asdict(row)) + "\n")
+        if not args.smoke:
+            at_size(nodes, args.sizes)
     return 1 if failed else 0
 
 

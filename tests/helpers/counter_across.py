@@ -4,6 +4,9 @@ Rank 0 hosts the counter and then stays out of MPI for S seconds (a step's compu
 meanwhile makes 30 calls on it and reports how long they took. Exits 1 if any rank's calls waited for the
 host (took more than half of S): Open MPI's TCP transport serves a one-sided call only when the host
 enters MPI, which its counter's progress thread does (runner/comm/counter.py).
+
+``python counter_across.py S --rate``: the other ranks call it as fast as they can for S seconds instead;
+rank 0 prints the calls per second its host served (the dealer's and the board's capacity).
 """
 
 from __future__ import annotations
@@ -16,9 +19,29 @@ from runner.comm.mpi import init
 CALLS = 30
 
 
+def rate(comm, seconds: float) -> int:
+    """Every rank but the host calls the counter for ``seconds``; the calls per second served, on rank 0."""
+    counter = comm.counter(1)
+    comm.barrier()
+    calls, end = 0, time.perf_counter() + seconds
+    if comm.rank == 0:
+        time.sleep(seconds)
+    while comm.rank != 0 and time.perf_counter() < end:
+        counter.fetch_add()
+        calls += 1
+    comm.barrier()
+    total, counts = counter.read(0)[0], comm.allgather_object(calls)
+    counter.close()
+    if comm.rank == 0:
+        print(f"{comm.size - 1} ranks: {total / seconds:.0f} calls/s served by the counter's host")
+    return 0 if total == sum(counts) else 1
+
+
 def main() -> int:
     busy = float(sys.argv[1])
     comm = init()
+    if "--rate" in sys.argv:
+        return rate(comm, busy)
     counter = comm.counter(1)
     comm.barrier()
     took = 0.0
