@@ -72,6 +72,9 @@ class Row:
     rank_cpu_s: float | None = None
     rss_mb: float | None = None
     healed_s: float | None = None
+    spawn_s: float | None = None  # the growth itself (spawn, merge, welcome)
+    recovery_s: float | None = None  # the survivors' recovery (ULFM's agreement, the shrink)
+    part_mb: float | None = None  # one rank's part of a checkpoint
     workers_at_end: int | None = None
     note: str = ""
 
@@ -158,7 +161,8 @@ def measure(nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job
     row.status = summary.get("status", f"exit {code}")
     if row.status != "ok":
         row.note = tail.strip().splitlines()[-1][:200] if tail.strip() else ""
-    steps = [r["step_ms"] for r in metrics_records(run_dir) if r.get("kind") == "step" and "step_ms" in r]
+    records = metrics_records(run_dir)
+    steps = [r["step_ms"] for r in records if r.get("kind") == "step" and "step_ms" in r]
     row.first_step_s, row.wall_s = watch.first_step, wall
     row.step_ms = statistics.median(steps) if steps else None
     row.control_ms = summary.get("control_ms_per_step", {})
@@ -167,7 +171,10 @@ def measure(nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job
     row.rss_mb, row.workers_at_end = watch.rss or None, summary.get("workers_at_end")
     row.rank_cpu_s = watch.rank_cpu
     if what == "heal" and watch.killed_at is not None and summary.get("joins"):
-        row.healed_s, _ = healed(run_dir, summary, watch.killed_at)
+        row.healed_s, row.spawn_s = healed(run_dir, summary, watch.killed_at)
+    row.recovery_s = next((r["recovery_s"] for r in records if r.get("kind") == "failure"), None)
+    parts = sorted((run_dir / "checkpoints").glob("*/rank*"))  # the last checkpoints' parts
+    row.part_mb = parts[-1].stat().st_size / 2**20 if parts else None
     return row
 
 
@@ -197,8 +204,8 @@ def _cell(value: float | None, digits: int = 2) -> str:
 
 #: The table's columns.
 HEADER = (
-    "| rule | ranks | nodes | run | status | first step s | CPU floor s | wall s | step ms | agreement ms "
-    "| deal ms | heartbeat ms | checkpoint s | launcher CPU s/s | ranks' RSS MB | healed s |"
+    "| rule | ranks | nodes | run | status | first step s | CPU floor s | step ms | agreement ms | deal ms "
+    "| heartbeat ms | checkpoint s | part MB | launcher CPU s/s | ranks' RSS MB | recovery s | healed s |"
 )
 
 
@@ -213,13 +220,14 @@ def show(row: Row) -> str:
         row.status,
         _cell(row.first_step_s, 1),
         _cell(None if row.rank_cpu_s is None else row.rank_cpu_s * row.ranks / CORES, 1),
-        _cell(row.wall_s, 1),
         _cell(row.step_ms, 1),
         *(_cell(c.get(part)) for part in ("agreement", "deal", "heartbeat")),
         _cell(row.checkpoint_s, 3),
+        _cell(row.part_mb, 2),
         _cell(row.launcher_cpu, 3),
         _cell(row.rss_mb, 0),
-        _cell(row.healed_s, 1) if row.what == "heal" else "-",
+        _cell(row.recovery_s, 2),
+        _cell(row.healed_s, 1),
     ]
     line = "| " + " | ".join(cells) + " |"
     return line + (f"\n  ({row.note})" if row.note else "")
@@ -267,12 +275,34 @@ def counter_rate(nodes: Nodes, count: int, per_node: int, seconds: float = 3.0) 
     return lines[0] if done.returncode == 0 and lines else f"failed ({done.returncode}): {done.stderr[-300:]}"
 
 
+#: A rank that only starts MPI and meets the others: the launch's own part of the first step.
+HELLO = "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
+
+
+def mpi_start(nodes: Nodes, ranks: int) -> float:
+    """Seconds for mpirun to start ``ranks`` ranks of :data:`HELLO` on the job's nodes and end them."""
+    count, per_node = layout(ranks)
+    hosts = ",".join(f"{n}:{per_node}" for n in nodes.names[:count])
+    mpirun = str(Path(sys.executable).parent / "mpirun")
+    argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--host", hosts]
+    argv += ["-n", str(ranks), "--mca", "mpi_yield_when_idle", "1", sys.executable, "-c", HELLO]
+    start = time.perf_counter()
+    done = nodes.run(0, argv, env={**os.environ, **nodes.mpi_env()}, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"mpirun of {ranks} ranks failed: {done.stderr[-500:]}")
+    return time.perf_counter() - start
+
+
 def at_size(nodes: Nodes, sizes: list[int]) -> None:
     """The control plane's shared parts, measured beside the jobs: heartbeats and the counter."""
     print("\n| heartbeats | the launcher's reading (one watch) | one rank's write |\n| --- | --- | --- |")
     for ranks in (64, 1024, 8192):
         read, write = beat_reading(ranks)
         print(f"| {ranks:,} | {read:.1f} ms | {write:.3f} ms |", flush=True)
+    print("\nMPI's start alone (mpirun, MPI_Init, a barrier, the end):")
+    for ranks in sorted(sizes):
+        count, per_node = layout(ranks)
+        print(f"  {ranks} ranks on {count} nodes: {mpi_start(nodes, ranks):.2f} s", flush=True)
     print("\ncounter (dealer, board), host on node 1:")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)

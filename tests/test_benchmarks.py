@@ -47,7 +47,7 @@ RESULT = {
         )
     ],
     "many_ranks": [
-        rf"^\| bsp \| 4 \| 2 \| {run} \| ok \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| - \| {NUM} \| "
+        rf"^\| bsp \| 4 \| 2 \| {run} \| ok \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| - \| {NUM} \| {NUM} \| "
         for run in ("job", "resume", "heal")
     ],
     "kill_battery": [
