@@ -114,10 +114,12 @@ def effective_bind(hw: Settings, ranks: int, cores: int) -> str:
     """``hw.bind``, or ``none`` when the ranks' threads outnumber the cores (Open MPI cannot bind them).
 
     The count includes the workers a growing job may spawn (``heal``: one more; ``max_workers``), since Open
-    MPI refuses to spawn into a job bound to every core."""
+    MPI refuses to spawn into a job bound to every core. ``hardware.oversubscribe`` says the ranks share
+    cores, wherever they run: a cluster's hosts with more slots than cores refused every core binding."""
     if hw.grows:
         ranks = max(ranks + 1, hw.max_workers or 0)
-    return "none" if ranks * threads_per_rank(hw, ranks, cores) > cores else hw.bind
+    shared = hw.oversubscribe or ranks * threads_per_rank(hw, ranks, cores) > cores
+    return "none" if shared else hw.bind
 
 
 def rank_env(hw: Settings, threads: int, gpus: bool = False) -> dict[str, str]:

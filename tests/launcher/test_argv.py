@@ -59,9 +59,14 @@ def test_more_ranks_than_cores_oversubscribes_without_binding():
     assert flag_value(a, "--bind-to") == "none" and "--map-by" not in a and "--report-bindings" not in a
 
 
-def test_oversubscribe_asked_for_is_passed_on():
-    assert "--oversubscribe" in argv(ranks=2, cores=2, oversubscribe=True)
+def test_oversubscribe_asked_for_is_passed_on_without_binding():
+    """On a cluster whose hosts have more slots than cores, a core binding made mpirun refuse the job (64
+    ranks on 16 namespaced nodes of 2 cores): asked for, oversubscription switches binding off."""
+    a = argv(ranks=2, cores=2, oversubscribe=True)
+    assert "--oversubscribe" in a and flag_value(a, "--bind-to") == "none"
     assert "--oversubscribe" not in argv(ranks=2, cores=2)
+    hosts = argv(ranks=64, cores=64, hosts=[f"n{i}:4" for i in range(16)], oversubscribe=True)
+    assert flag_value(hosts, "--bind-to") == "none"
 
 
 @pytest.mark.parametrize("ranks, asked", [(4, False), (2, True)])
