@@ -71,7 +71,7 @@ def job(rule: str, ranks: int, names: list[str], epochs: int = 2, spare: int = 0
         f"train.epochs={epochs}",
         "train.log_every=1",
         "train.progress=false",
-        "train.stall_timeout=120",
+        "train.stall_timeout=300",  # (the default) 64 ranks took 110 s to start on 2 cores
         "checkpoint.every=10",
     ]
 

@@ -264,7 +264,7 @@ def test_a_replacement_that_dies_at_once_is_not_replaced_again(capsys):
 
     joins = [{"rank": 4, "step": 20}, {"rank": 5, "step": 3}]
     survivor = SimpleNamespace(elastic=SimpleNamespace(joins=joins), workers=SimpleNamespace(rank=0))
-    assert Recovery._to_replace(survivor, [2], 21) == 1
-    assert Recovery._to_replace(survivor, [4, 2], 21) == 1
+    assert Recovery._to_replace(survivor, [2], 21) == [2]
+    assert Recovery._to_replace(survivor, [4, 2], 21) == [2]
     assert "rank 4 died right after joining (step 21): not replaced again" in capsys.readouterr().out
-    assert Recovery._to_replace(survivor, [5], 21) == 1
+    assert Recovery._to_replace(survivor, [5], 21) == [5]

@@ -93,7 +93,7 @@ class SpawnedThenTorn:
     def broadcast_object(self, obj: object) -> object:
         return obj
 
-    def grow(self, argv, want, key, cwd) -> None:
+    def grow(self, argv, want, key, cwd, oversubscribe=False, hosts=()) -> None:
         self.size += want
 
     def failed_ids(self) -> list[int]:
