@@ -78,8 +78,9 @@ TTY_ENV = "MPITRAIN_TTY"
 #: vouches for (the user's own command line, or a run folder's config it checked for ``resume=``): a rank
 #: whose file has that hash does not check again what it names (:func:`runner.schema.config.load`).
 CONFIG_SHA_ENV = "MPITRAIN_CONFIG_SHA256"
-#: Set ("1") in the ranks' environment when mpirun was told ``--oversubscribe``: Open MPI does not pass
-#: that on to ``MPI_Comm_spawn``, whose workers must then be mapped with the same leave (heal, growth).
+#: Set in the ranks' environment when mpirun was told ``--oversubscribe`` (the job's hosts, comma-separated,
+#: or "1" on one machine): Open MPI does not pass that on to ``MPI_Comm_spawn``, whose workers must then be
+#: mapped with the same leave (heal, growth), on hosts mpirun knows by these names.
 OVERSUBSCRIBED_ENV = "MPITRAIN_OVERSUBSCRIBED"
 #: Starts a line of rank 0's progress for the launcher's bar (given ``MPITRAIN_TTY=1``), JSON after it:
 #: ``{"n": step, "total": steps, "text": "epoch 0, loss ...", "final": false}``; the launcher draws the bar

@@ -207,6 +207,10 @@ class HardwareConfig:
             raise ValueError(f"hardware.device='cuda' but {where} on this machine; use hardware=cpu")
         return plan(topo, ranks, threads, True, self.gpus_per_node, self.ranks_per_gpu)
 
+    def host_names(self) -> list[str]:
+        """The hosts the job runs on, by the names mpirun knows them (none: this machine alone)."""
+        return []
+
     def host_args(self, flavor: str) -> list[str]:
         """mpirun's arguments naming the hosts (none: this machine)."""
         return []

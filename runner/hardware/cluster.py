@@ -73,6 +73,13 @@ class ClusterConfig(HardwareConfig):
             return
         super().check_fits(ranks, cores)
 
+    def host_names(self) -> list[str]:
+        """The names of ``hosts`` or of the hostfile's lines, in order."""
+        if self.hosts:
+            return [h.partition(":")[0] for h in self.hosts]
+        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
+        return [ln[0] for ln in lines if ln]
+
     def slots_given(self) -> bool:
         """Whether every line of the hostfile says its ``slots=``."""
         lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]

@@ -195,7 +195,8 @@ def build_argv(
             argv.append("--report-bindings")
         if ranks * threads > cores or hw.oversubscribe:
             argv.append("--oversubscribe")
-            env = {**env, OVERSUBSCRIBED_ENV: "1"}  # (for the workers it spawns: heal, growth)
+            # (for the workers it spawns, heal's where the lost ones ran: the hosts by mpirun's names)
+            env = {**env, OVERSUBSCRIBED_ENV: ",".join(hw.host_names()) or "1"}
         if as_root:
             argv.append("--allow-run-as-root")
         argv += hw.host_args(flavor)

@@ -121,3 +121,41 @@ def test_replacements_lost_in_their_settling_are_named_by_recovery_not_an_index_
         elastic.grow(2)
     assert hosts == ["vm", "vm", "?", "?"]
     assert quorum([0, 1, 2, 3], [0, 1], hosts) is None, "half, with rank 0: the survivors go on"
+
+
+class Spawning(SpawnedThenTorn):
+    """A world that records how it was asked to spawn."""
+
+    def grow(self, argv, want, key, cwd, oversubscribe=False, hosts=()) -> None:
+        self.asked = (oversubscribe, list(hosts))
+        raise PeerLost("stop here: only the request is checked")
+
+
+@pytest.mark.parametrize(
+    "env, near, asked",
+    [
+        (None, ["n2"], (False, [])),  # not oversubscribed: Open MPI finds the free slots itself
+        ("1", ["n2"], (True, [])),  # one machine: nowhere else to go
+        ("n1,n2", ["n2", "?", "elsewhere"], (True, ["n2"])),  # heal: where the lost worker ran
+    ],
+)
+def test_an_oversubscribed_job_spawns_replacements_where_the_lost_ran(
+    tmp_path, monkeypatch, env, near, asked
+):
+    """Open MPI does not pass the launch's ``--oversubscribe`` on to MPI_Comm_spawn and then took the first
+    node (32 ranks on 16 nodes: the replacement of a rank on node 16 started on node 1). A host mpirun does
+    not know by that name (a worker still settling, "?") is left to Open MPI."""
+    from types import SimpleNamespace
+
+    from runner.rank.resilience.elastic import Elastic
+    from runner.run_folder import OVERSUBSCRIBED_ENV
+
+    if env is None:
+        monkeypatch.delenv(OVERSUBSCRIBED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(OVERSUBSCRIBED_ENV, env)
+    world = Spawning()
+    elastic = Elastic(world, SimpleNamespace(agree=lambda: None), 0, tmp_path, ["n1", "n2"], 4, {})
+    with pytest.raises(PeerLost):
+        elastic.grow(1, near=near)
+    assert world.asked == asked

@@ -76,6 +76,8 @@ def test_an_oversubscribed_job_tells_its_ranks_so_that_their_spawns_may_share_co
     assert f"{OVERSUBSCRIBED_ENV}=1" in argv(ranks=ranks, cores=2, oversubscribe=asked)
     assert not any(OVERSUBSCRIBED_ENV in a for a in argv(ranks=2, cores=2))
     assert OVERSUBSCRIBED_ENV in PASSED_ENV  # and on to the workers spawned (one may spawn later)
+    hosts = argv(ranks=4, cores=4, hosts=["a:2", "b.lan:2"], oversubscribe=True)
+    assert f"{OVERSUBSCRIBED_ENV}=a,b.lan" in hosts  # heal's replacements go where mpirun knows the names
 
 
 def test_bind_none():

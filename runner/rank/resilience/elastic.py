@@ -138,8 +138,9 @@ class Elastic:
         self.spawning = True  # until the new workers are settled in (a loss meanwhile: Recovery.shrink)
         with SpawnWatch(world, self.hosts, self.run_dir):
             argv = spawn_argv(self.run_dir, first, self.env)
-            shared = os.environ.get(OVERSUBSCRIBED_ENV) == "1"
-            where = list(near) if shared else []
+            known = os.environ.get(OVERSUBSCRIBED_ENV, "")  # the job's hosts when it is oversubscribed
+            shared = bool(known)
+            where = [h for h in near if h in known.split(",")]  # (a name mpirun knows, never a "?")
             why = world.grow(argv, want, key, os.getcwd(), oversubscribe=shared, hosts=where)
             if why is not None:
                 self.refusal = (
