@@ -16,12 +16,17 @@ Per size and rule a row of a table:
 - ``step``: the median step; the control plane's parts in ms per step, as each worker measured them
   (``summary.json``'s ``control_ms_per_step``): the agreement (or ASGD's board), the dealer's counter
   (dynamic assignment), the heartbeat's writes (CPU, on its own thread);
-- ``checkpoint``: the last checkpoint, the slowest worker's (every rank writes its part, rank 0 the index);
+- ``checkpoint``: the last checkpoint, the slowest worker's (every rank writes its part, rank 0 the index),
+  and ``part MB`` one rank's part;
 - ``launcher CPU``: the launcher's own CPU seconds per second of the job (it reads every rank's heartbeat);
 - ``ranks' RSS``: the ranks' memory at its peak, in all;
 - (BSP) ``resume``: ``python -m runner resume=...`` to its first step; ``heal``: the last rank on the last
-  node SIGKILLed at step 8 under ``hardware.fault_tolerance=heal``, and ``healed``: from the kill to the
-  first step with every worker again (a free slot waits on the last node).
+  node SIGKILLed at step 8 under ``hardware.fault_tolerance=heal``: ``recovery`` (the survivors' ULFM
+  agreement and shrink) and ``healed``, from the kill to the first step with every worker again (a free
+  slot waits on the last node).
+
+After the table (not in ``--smoke``): the launcher's reading of 64, 1,024 and 8,192 heartbeats and a rank's
+write of its own; MPI's start alone at each size; the calls per second the counter's host serves.
 
 A size whose ranks would not fit in the memory left (the last size's RSS per rank times the ranks, plus a
 margin) is skipped and said so. ``--out FILE`` keeps every row (JSON lines).
