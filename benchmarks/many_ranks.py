@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.cluster.many import job, kill_rank, layout, ranks_usage  # noqa: E402
+from tests.cluster.many import cpu_seconds, job, kill_rank, layout, ranks_usage  # noqa: E402
 from tests.cluster.nodes import Nodes, metrics_records, why_unsupported  # noqa: E402
 from tests.helpers.kill_battery import healed  # noqa: E402
 from tests.helpers.rules import rules  # noqa: E402
@@ -84,15 +84,6 @@ class Row:
     note: str = ""
 
 
-def _cpu_s(pid: int) -> float | None:
-    """A process's own CPU seconds (user + system, its children's not counted)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Watch:
     """What is sampled while a job runs."""
@@ -113,7 +104,7 @@ def run_job(nodes: Nodes, run_dir: Path, argv_overrides: list[str], count: int, 
     log = run_dir.parent / f"{run_dir.name}.out"
     env = {**os.environ, **nodes.mpi_env(), "PYTHONUNBUFFERED": "1"}
     with log.open("w") as out:
-        before = _steps_on_record(run_dir)  # (a resumed run's metrics.jsonl goes on)
+        before = len(_steps_on_record(run_dir))  # (a resumed run's metrics.jsonl goes on)
         watch = Watch(time.time())
         proc = nodes.popen(
             0, argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -125,25 +116,23 @@ def run_job(nodes: Nodes, run_dir: Path, argv_overrides: list[str], count: int, 
                 os.killpg(proc.pid, 9)
                 proc.wait()
                 break
-            watch.cpu = _cpu_s(proc.pid) or watch.cpu
-            if watch.first_step is None and _steps_on_record(run_dir) > before:
+            watch.cpu = cpu_seconds(proc.pid) or watch.cpu
+            steps = _steps_on_record(run_dir)
+            if watch.first_step is None and len(steps) > before:
                 watch.first_step = now - watch.start
                 _, cpu, found = ranks_usage(nodes, count)
                 watch.rank_cpu = cpu / max(found, 1)
             if now - last_rss > 1.0:
                 watch.rss, last_rss = max(watch.rss, ranks_usage(nodes, count)[0]), now
-            if kill and watch.killed_at is None and _reached(run_dir, KILL_AT):
+            if kill and watch.killed_at is None and steps and steps[-1] >= KILL_AT:
                 watch.killed_at = kill_rank(nodes, count - 1)
             time.sleep(0.02)
     return proc.returncode, log.read_text()[-3000:], watch
 
 
-def _steps_on_record(run_dir: Path) -> int:
-    return sum(r.get("kind") == "step" for r in metrics_records(run_dir))
-
-
-def _reached(run_dir: Path, step: int) -> bool:
-    return any(r.get("kind") == "step" and r["step"] >= step for r in metrics_records(run_dir))
+def _steps_on_record(run_dir: Path) -> list[int]:
+    """The steps of the training records in ``run_dir``'s metrics.jsonl so far, in order."""
+    return [r["step"] for r in metrics_records(run_dir) if r.get("kind") == "step"]
 
 
 def measure(nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job") -> Row:
@@ -187,16 +176,8 @@ def fits(ranks: int, per_rank_mb: float | None) -> str | None:
     """Why ``ranks`` ranks would not fit in the memory available now (None: they fit, or unknown)."""
     if per_rank_mb is None:
         return None
-    available = (
-        int(
-            next(
-                line.split()[1]
-                for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemAvailable")
-            )
-        )
-        / 1024
-    )
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    available = int(next(x.split()[1] for x in meminfo if x.startswith("MemAvailable"))) / 1024
     need = ranks * per_rank_mb + MARGIN_MB
     if need <= available:
         return None
@@ -265,15 +246,20 @@ def beat_reading(ranks: int, rounds: int = 5) -> tuple[float, float]:
     return 1000 * statistics.median(reads), 1000 * statistics.median(writes)
 
 
-def counter_rate(nodes: Nodes, count: int, per_node: int, seconds: float = 3.0) -> str:
-    """The calls per second the dealer's counter serves, its host on node 1 computing, from ``per_node``
-    ranks on each of the first ``count`` nodes (``tests/helpers/counter_across.py --rate``)."""
-    script = ROOT / "tests" / "helpers" / "counter_across.py"
+def _mpirun(nodes: Nodes, ranks: int, *python_args: str) -> list[str]:
+    """mpirun of ``python PYTHON_ARGS`` on ``ranks`` ranks laid out as the job's, unbound and yielding."""
+    count, per_node = layout(ranks)
     hosts = ",".join(f"{n}:{per_node}" for n in nodes.names[:count])
     mpirun = str(Path(sys.executable).parent / "mpirun")
     argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--host", hosts]
-    argv += ["-n", str(count * per_node), "--mca", "mpi_yield_when_idle", "1"]
-    argv += [sys.executable, str(script), str(seconds), "--rate"]
+    return argv + ["-n", str(ranks), "--mca", "mpi_yield_when_idle", "1", sys.executable, *python_args]
+
+
+def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0) -> str:
+    """The calls per second the dealer's counter serves, its host on node 1 computing, from the other
+    ranks of ``ranks`` laid out as the job's (``tests/helpers/counter_across.py --rate``)."""
+    script = ROOT / "tests" / "helpers" / "counter_across.py"
+    argv = _mpirun(nodes, ranks, str(script), str(seconds), "--rate")
     env = {**os.environ, **nodes.mpi_env(), "PYTHONPATH": str(ROOT)}
     done = nodes.run(0, argv, env=env, timeout=120)
     lines = [x for x in done.stdout.splitlines() if "calls/s" in x]
@@ -286,11 +272,7 @@ HELLO = "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
 
 def mpi_start(nodes: Nodes, ranks: int) -> float:
     """Seconds for mpirun to start ``ranks`` ranks of :data:`HELLO` on the job's nodes and end them."""
-    count, per_node = layout(ranks)
-    hosts = ",".join(f"{n}:{per_node}" for n in nodes.names[:count])
-    mpirun = str(Path(sys.executable).parent / "mpirun")
-    argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--host", hosts]
-    argv += ["-n", str(ranks), "--mca", "mpi_yield_when_idle", "1", sys.executable, "-c", HELLO]
+    argv = _mpirun(nodes, ranks, "-c", HELLO)
     start = time.perf_counter()
     done = nodes.run(0, argv, env={**os.environ, **nodes.mpi_env()}, timeout=300)
     if done.returncode != 0:
@@ -311,7 +293,7 @@ def at_size(nodes: Nodes, sizes: list[int]) -> None:
     print("\ncounter (dealer, board), host on node 1:")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, count, per_node)}", flush=True)
+        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

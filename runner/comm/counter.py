@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 
 #: How often the host of a counter used across nodes enters MPI for the others' calls (:class:`Counter`).
 PROGRESS_S = 0.001
-#: The tag its probe asks for, which no message carries (the probe never takes one).
-PROGRESS_TAG = COUNTER_PROGRESS
 
 
 #: The counters whose host thread runs: stopped before MPI is finalized (:func:`runner.comm.mpi.finalize`).
@@ -76,7 +74,7 @@ class Counter:
         comm = self._comm._c
         while not self._stop.wait(PROGRESS_S):
             try:
-                comm.Iprobe(self.host, PROGRESS_TAG)  # matches nothing: it only drives MPI's progress
+                comm.Iprobe(self.host, COUNTER_PROGRESS)  # matches nothing: it only drives MPI's progress
             except MPI.Exception:
                 return  # a peer was lost or the communicator revoked: the survivors make a new counter
 

@@ -53,8 +53,8 @@ class ClusterConfig(HardwareConfig):
         """Slots of ``hosts`` (``host:slots``, default 1) or of the hostfile (``slots=N``)."""
         if self.hosts:
             return sum(int(h.partition(":")[2] or 1) for h in self.hosts)
-        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
-        return sum(int(next((w[6:] for w in ln[1:] if w.startswith("slots=")), 1)) for ln in lines if ln)
+        lines = self._hostfile_lines()
+        return sum(int(next((w[6:] for w in ln[1:] if w.startswith("slots=")), 1)) for ln in lines)
 
     def cores(self) -> int:
         """The hosts' slots (this machine's cores when the hostfile gives none)."""
@@ -73,17 +73,20 @@ class ClusterConfig(HardwareConfig):
             return
         super().check_fits(ranks, cores)
 
+    def _hostfile_lines(self) -> list[list[str]]:
+        """The hostfile's lines as words, without comments and empty lines."""
+        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
+        return [ln for ln in lines if ln]
+
     def host_names(self) -> list[str]:
         """The names of ``hosts`` or of the hostfile's lines, in order."""
         if self.hosts:
             return [h.partition(":")[0] for h in self.hosts]
-        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
-        return [ln[0] for ln in lines if ln]
+        return [ln[0] for ln in self._hostfile_lines()]
 
     def slots_given(self) -> bool:
         """Whether every line of the hostfile says its ``slots=``."""
-        lines = [ln.split("#")[0].split() for ln in Path(self.hostfile).read_text().splitlines()]
-        return all(any(w.startswith("slots=") for w in ln[1:]) for ln in lines if ln)
+        return all(any(w.startswith("slots=") for w in ln[1:]) for ln in self._hostfile_lines())
 
     def gpu_plan(self, ranks: int, threads: int) -> list[Placement] | None:
         """None: the launcher cannot see the other hosts; each rank takes its node-local rank's GPU."""

@@ -79,10 +79,8 @@ def job(rule: str, ranks: int, names: list[str], epochs: int = 2, spare: int = 0
 def ranks_on(nodes: Nodes, node: int) -> dict[int, int]:
     """``{rank: pid}`` of mpitrain's workers on node index ``node`` (their launch ranks)."""
     found = {}
-    for pid in nodes.pids(node):
+    for pid in nodes.rank_pids(node):
         try:
-            if b"runner.rank.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
@@ -102,19 +100,28 @@ def kill_rank(nodes: Nodes, node: int, rank: int | None = None) -> float | None:
     return time.time()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """A process's own CPU seconds (user + system, its children's not counted); None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ranks_usage(nodes: Nodes, count: int) -> tuple[float, float, int]:
     """``(MB, CPU seconds, ranks)``: the resident memory and the CPU time (user + system) of every mpitrain
     rank now running on the first ``count`` nodes, and how many there are."""
-    rss_kb, ticks, found = 0, 0, 0
+    rss_kb, cpu, found = 0, 0.0, 0
     for name in nodes.names[:count]:
-        for pid in nodes.pids(name):
+        for pid in nodes.rank_pids(name, "runner.rank"):
             try:
-                if b"runner.rank" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    continue
                 status = Path(f"/proc/{pid}/status").read_text()
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
+            seconds = cpu_seconds(pid)
+            if seconds is None:
+                continue
             rss_kb += next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS")), 0)
-            ticks, found = ticks + int(stat[11]) + int(stat[12]), found + 1
-    return rss_kb / 1024, ticks / os.sysconf("SC_CLK_TCK"), found
+            cpu, found = cpu + seconds, found + 1
+    return rss_kb / 1024, cpu, found

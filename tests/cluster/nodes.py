@@ -686,9 +686,9 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
         inode = _netns_inode(self.node(node))
         return [] if inode is None else processes_in({inode})
 
-    def kill_ranks(self, node: int | str, pattern: str = "runner.rank.worker") -> list[int]:
-        """SIGKILL ``node``'s processes whose command line holds ``pattern`` (mpitrain's ranks); the PIDs."""
-        killed = []
+    def rank_pids(self, node: int | str, pattern: str = "runner.rank.worker") -> list[int]:
+        """The PIDs of ``node``'s processes whose command line holds ``pattern`` (mpitrain's ranks)."""
+        found = []
         for pid in self.pids(node):
             try:
                 cmdline = (
@@ -697,8 +697,13 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
             except OSError:
                 continue
             if pattern in cmdline:
-                _kill([pid])
-                killed.append(pid)
+                found.append(pid)
+        return found
+
+    def kill_ranks(self, node: int | str, pattern: str = "runner.rank.worker") -> list[int]:
+        """SIGKILL ``node``'s processes whose command line holds ``pattern`` (mpitrain's ranks); the PIDs."""
+        killed = self.rank_pids(node, pattern)
+        _kill(killed)
         return killed
 
     def kill_node(self, node: int | str) -> list[int]:

@@ -139,8 +139,8 @@ class Elastic:
         with SpawnWatch(world, self.hosts, self.run_dir):
             argv = spawn_argv(self.run_dir, first, self.env)
             known = os.environ.get(OVERSUBSCRIBED_ENV, "")  # the job's hosts when it is oversubscribed
-            shared = bool(known)
-            where = [h for h in near if h in known.split(",")]  # (a name mpirun knows, never a "?")
+            shared, names = bool(known), set(known.split(","))
+            where = [h for h in near if h in names]  # (a name mpirun knows, never a "?")
             why = world.grow(argv, want, key, os.getcwd(), oversubscribe=shared, hosts=where)
             if why is not None:
                 self.refusal = (
