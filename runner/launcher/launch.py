@@ -387,7 +387,6 @@ def launch(
         log.warning("%s%s", tag, planned.warning)
     log.debug("starting: %s", shlex.join(argv))  # also in mpirun.txt; shown with hydra.verbose=runner
     start, load_start = time.time(), load_average()
-    servers = range(checked.devices, checked.world_size)  # the last ranks serve (rules.base.split_roles)
     supervisor = Supervisor(
         argv,
         run_dir,
@@ -395,7 +394,7 @@ def launch(
         checked.train.stall_timeout,
         label,
         env=planned.env,
-        servers=servers,
+        servers=range(checked.devices, checked.world_size),  # the last ranks serve (rules.base.split_roles)
     )
     try:
         outcome = supervisor.run()
