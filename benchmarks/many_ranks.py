@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     largest, _ = layout(max(args.sizes))
     with Nodes.up(largest) as nodes, tempfile.TemporaryDirectory(prefix="many-ranks-") as temporary:
         scratch = args.scratch or temporary
+        Path(scratch).mkdir(parents=True, exist_ok=True)
         print(f"{largest} nodes up in {nodes.timings['up']:.2f} s\n\n{HEADER}", flush=True)
         print("|" + " --- |" * HEADER.count(" |"), flush=True)
         for ranks in sorted(args.sizes):

@@ -429,5 +429,5 @@ class Dynamic(PaceState):
         regrow(self.dealer, self.given.workers, joined)
 
 
-#: The pace of a loop's steps, chosen once by the loop.
+#: The pace of a loop's steps (the loop chooses one at its start).
 Pace = Static | Dynamic

@@ -14,7 +14,8 @@ the epoch's records, or the next epoch), as a ``kill -9`` at a validation line d
 delay instead runs from that training forward call (wherever the step, a validation or a checkpoint is
 then). ``model.also_rank=R`` has launch rank R die at the same moment (two workers lost at once);
 ``model.join_rank=R model.join_delay_s=S`` has rank R die S seconds into the job's first growth (while a
-replacement joins). A worker spawned into the job (``--joined``) never dies.
+replacement joins), or as its growth ends if that is sooner (a quick spawn: the loss still comes while
+the others merge, never after the run). A worker spawned into the job (``--joined``) never dies.
 ``model.die_in=barrier model.die_in_call=K`` (with ``die_delay_s``) kills it instead that long after it
 entered its K-th call of that method of the communicator (:class:`runner.comm.mpi.Comm`), while it waits
 there for the others: a collective it has entered, which the others may complete without it.
@@ -81,7 +82,7 @@ class Dies(torch.nn.Module):
         if in_call[0] and launch_rank() in self.ranks:
             die_in_call(in_call[0], in_call[1], at_val[1])
         if join[0] >= 0 and launch_rank() == join[0]:
-            die_in_call("grow", 1, join[1])
+            die_in_call("grow", 1, join[1], by_return=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -135,9 +136,10 @@ def die_later(seconds: float) -> None:
         timer.start()
 
 
-def die_in_call(method: str, k: int, seconds: float) -> None:
-    """Kill this process ``seconds`` after it entered its ``k``-th call of ``Comm.<method>``; ``summary``:
-    as it is about to write summary.json (after the last collective of training: the writer's last task)."""
+def die_in_call(method: str, k: int, seconds: float, by_return: bool = False) -> None:
+    """Kill this process ``seconds`` after it entered its ``k``-th call of ``Comm.<method>`` (``by_return``:
+    or as that call returns, if sooner); ``summary``: as it is about to write summary.json (after the last
+    collective of training: the writer's last task)."""
     from runner.comm.mpi import Comm
 
     if method == "summary":  # (the worker runs as ``python -m runner.rank.worker``: its module is __main__)
@@ -155,7 +157,10 @@ def die_in_call(method: str, k: int, seconds: float) -> None:
         calls[0] += 1
         if calls[0] == k:
             die_later(seconds)
-        return real(self, *args, **kwargs)
+        result = real(self, *args, **kwargs)
+        if calls[0] == k and by_return and not os.environ.get("MPITRAIN_TEST_NO_DIE"):
+            die()  # (still alive: the call ended before the timer)
+        return result
 
     setattr(Comm, method, wrapped)
 
