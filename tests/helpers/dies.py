@@ -16,6 +16,7 @@ then). ``model.also_rank=R`` has launch rank R die at the same moment (two worke
 ``model.join_rank=R model.join_delay_s=S`` has rank R die S seconds into the job's first growth (while a
 replacement joins), or as its growth ends if that is sooner (a quick spawn: the loss still comes while
 the others merge, never after the run). A worker spawned into the job (``--joined``) never dies.
+``model.merge_fails_rank=R`` has rank R's merge of the job's first growth fail (``MPI_ERR_INTERN``).
 ``model.die_in=barrier model.die_in_call=K`` (with ``die_delay_s``) kills it instead that long after it
 entered its K-th call of that method of the communicator (:class:`runner.comm.mpi.Comm`), while it waits
 there for the others: a collective it has entered, which the others may complete without it.
@@ -165,6 +166,25 @@ def die_in_call(method: str, k: int, seconds: float, by_return: bool = False) ->
     setattr(Comm, method, wrapped)
 
 
+def fail_merge() -> None:
+    """This rank's first merge of a growth raises ``MPI_ERR_INTERN`` (as one was seen to in CI)."""
+    from runner.comm import membership
+    from runner.comm.binding import MPI
+
+    if hasattr(membership, "_real_merge"):  # (the model is built again: patched once)
+        return
+    real = membership._real_merge = membership.merge_intercomm
+    calls = [0]
+
+    def merge(inter):
+        calls[0] += 1
+        if calls[0] > 1:
+            return real(inter)
+        raise MPI.Exception(MPI.ERR_INTERN)
+
+    membership.merge_intercomm = merge
+
+
 @dataclass
 class DiesCNNConfig(CNNConfig):
     die_rank: int = 2
@@ -180,8 +200,11 @@ class DiesCNNConfig(CNNConfig):
     also_rank: int = -2  # a second launch rank that dies at the same moment (two workers lost at once)
     join_rank: int = -1  # a launch rank that dies join_delay_s into the job's first growth (a replacement's)
     join_delay_s: float = 0.0
+    merge_fails_rank: int = -1  # a launch rank whose merge of the job's first growth fails (MPI_ERR_INTERN)
 
     def build(self) -> torch.nn.Module:
+        if self.merge_fails_rank >= 0 and launch_rank() == self.merge_fails_rank:
+            fail_merge()
         hold, at_val = (self.hold_rank, self.hold_s), (self.die_at_val, self.die_delay_s)
         in_call, join = (self.die_in, self.die_in_call), (self.join_rank, self.join_delay_s)
         when = (self.die_at, self.die_after_val, self.val_marker, hold, at_val, in_call, self.also_rank, join)
