@@ -3,6 +3,7 @@
     python benchmarks/many_ranks.py                          # BSP and ASGD at 4, 8, 16, 32, 64 ranks
     python benchmarks/many_ranks.py --rules all --sizes 32   # every rule at 32 ranks
     python benchmarks/many_ranks.py --smoke                  # BSP at 4 ranks on 2 nodes, resume and heal
+    python benchmarks/many_ranks.py --rules asgd --serve-first   # and with the serving ranks first
 
 Needs root: the nodes are network and UTS namespaces (``tests/cluster/nodes.py``), brought up once for the
 largest size (16 nodes in about a second); a size of N ranks uses N/2 nodes of 2 ranks, at most 16 nodes
@@ -23,7 +24,12 @@ Per size and rule a row of a table:
 - (BSP) ``resume``: ``python -m runner resume=...`` to its first step; ``heal``: the last rank on the last
   node SIGKILLed at step 8 under ``hardware.fault_tolerance=heal``: ``recovery`` (the survivors' ULFM
   agreement and shrink) and ``healed``, from the kill to the first step with every worker again (a free
-  slot waits on the last node).
+  slot waits on the last node). A heal that Open MPI's merge failed (``MPI_Intercomm_merge``, rare: the job
+  ends naming it) is run once more, both rows shown.
+
+``--serve-first`` runs each job once more with the ranks that serve the others' calls (worker 0, which
+holds the dealer's counter and the board; the servers) at a higher priority than the rest, as cores of
+their own would give them: here every rank shares 2 cores, so a served call waits for its host's turn.
 
 After the table (not in ``--smoke``): the launcher's reading of 64, 1,024 and 8,192 heartbeats and a rank's
 write of its own; MPI's start alone at each size; the calls per second the counter's host serves.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,7 +55,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.cluster.many import cpu_seconds, job, kill_rank, layout, ranks_usage  # noqa: E402
+from tests.cluster.many import (  # noqa: E402
+    cpu_seconds,
+    job,
+    kill_rank,
+    layout,
+    prioritize,
+    ranks_usage,
+    serving_ranks,
+)
 from tests.cluster.nodes import Nodes, metrics_records, why_unsupported  # noqa: E402
 from tests.helpers.kill_battery import healed  # noqa: E402
 from tests.helpers.rules import rules  # noqa: E402
@@ -96,8 +111,18 @@ class Watch:
     killed_at: float | None = None
 
 
-def run_job(nodes: Nodes, run_dir: Path, argv_overrides: list[str], count: int, kill: bool, timeout: float):
+def run_job(
+    nodes: Nodes,
+    run_dir: Path,
+    argv_overrides: list[str],
+    count: int,
+    kill: bool,
+    timeout: float,
+    serving: dict[int, set[int]] | None = None,
+):
     """Run the launcher on node 1; sample its first step, its CPU and the ranks' memory; maybe kill a rank.
+
+    ``serving``: ranks given priority over the others (``--serve-first``), checked every half second.
 
     Returns the exit status, the output's tail and the :class:`Watch`."""
     argv = [sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", *argv_overrides]
@@ -109,7 +134,7 @@ def run_job(nodes: Nodes, run_dir: Path, argv_overrides: list[str], count: int, 
         proc = nodes.popen(
             0, argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        last_rss = 0.0
+        last_rss = last_nice = 0.0
         while proc.poll() is None:
             now = time.time()
             if now - watch.start > timeout:
@@ -124,6 +149,9 @@ def run_job(nodes: Nodes, run_dir: Path, argv_overrides: list[str], count: int, 
                 watch.rank_cpu = cpu / max(found, 1)
             if now - last_rss > 1.0:
                 watch.rss, last_rss = max(watch.rss, ranks_usage(nodes, count)[0]), now
+            if serving and now - last_nice > 0.5:
+                prioritize(nodes, serving)
+                last_nice = now
             if kill and watch.killed_at is None and steps and steps[-1] >= KILL_AT:
                 watch.killed_at = kill_rank(nodes, count - 1)
             time.sleep(0.02)
@@ -135,10 +163,12 @@ def _steps_on_record(run_dir: Path) -> list[int]:
     return [r["step"] for r in metrics_records(run_dir) if r.get("kind") == "step"]
 
 
-def measure(nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job") -> Row:
+def measure(
+    nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job", serve_first: bool = False
+) -> Row:
     """One row: the job (``what`` = job), its resume, or the job with a rank killed under heal."""
     count, _ = layout(ranks)
-    row = Row(rule, ranks, count, what)
+    row = Row(rule, ranks, count, what + (" (serve first)" if serve_first else ""))
     run_dir = scratch / f"{rule}-{ranks}"
     argv = job(rule, ranks, nodes.names, EPOCHS, spare=1 if what == "heal" else 0)
     if what == "resume":
@@ -146,7 +176,12 @@ def measure(nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job
     elif what == "heal":
         run_dir = scratch / f"{rule}-{ranks}-heal"
         argv += ["hardware.fault_tolerance=heal"]
-    code, tail, watch = run_job(nodes, run_dir, argv, count, kill=what == "heal", timeout=600)
+    serving = serving_ranks(rule, ranks) if serve_first else None
+    if serve_first:
+        run_dir = scratch / f"{rule}-{ranks}-served"
+    code, tail, watch = run_job(
+        nodes, run_dir, argv, count, kill=what == "heal", timeout=600, serving=serving
+    )
     wall = time.time() - watch.start
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -255,14 +290,15 @@ def _mpirun(nodes: Nodes, ranks: int, *python_args: str) -> list[str]:
     return argv + ["-n", str(ranks), "--mca", "mpi_yield_when_idle", "1", sys.executable, *python_args]
 
 
-def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0) -> str:
+def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0, mode: str = "--rate") -> str:
     """The calls per second the dealer's counter serves, its host on node 1 computing, from the other
-    ranks of ``ranks`` laid out as the job's (``tests/helpers/counter_across.py --rate``)."""
+    ranks of ``ranks`` laid out as the job's (``tests/helpers/counter_across.py --rate``); ``--latency``:
+    a call's time and a 1 ms sleep's lateness while every rank computes."""
     script = ROOT / "tests" / "helpers" / "counter_across.py"
-    argv = _mpirun(nodes, ranks, str(script), str(seconds), "--rate")
+    argv = _mpirun(nodes, ranks, str(script), str(seconds), mode)
     env = {**os.environ, **nodes.mpi_env(), "PYTHONPATH": str(ROOT)}
-    done = nodes.run(0, argv, env=env, timeout=120)
-    lines = [x for x in done.stdout.splitlines() if "calls/s" in x]
+    done = nodes.run(0, argv, env=env, timeout=300)
+    lines = [x for x in done.stdout.splitlines() if "calls/s" in x or "medians" in x]
     return lines[0] if done.returncode == 0 and lines else f"failed ({done.returncode}): {done.stderr[-300:]}"
 
 
@@ -294,6 +330,10 @@ def at_size(nodes: Nodes, sizes: list[int]) -> None:
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
         print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks)}", flush=True)
+    print("\na call on the counter while every rank computes (the machine's share: a 1 ms sleep's lateness):")
+    for ranks in sorted(sizes):
+        count, per_node = layout(ranks)
+        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks, 8.0, '--latency')}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-heal", action="store_true", help="skip BSP's job with a rank killed (heal)")
     parser.add_argument("--out", type=Path, help="append every row to this file (JSON lines)")
     parser.add_argument("--scratch", type=Path, help="keep the run folders here (default: a temporary one)")
+    parser.add_argument(
+        "--serve-first",
+        action="store_true",
+        help="also run each job with the ranks that serve others' calls (worker 0, servers) given priority "
+        "over the rest, as cores of their own would",
+    )
     parser.add_argument("--smoke", action="store_true", help="BSP at 4 ranks on 2 nodes, resume and heal")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -332,8 +378,13 @@ def main(argv: list[str] | None = None) -> int:
                 whats = ["job"]
                 if rule == "bsp":
                     whats += [w for w, off in (("resume", args.no_resume), ("heal", args.no_heal)) if not off]
-                for what in whats:
-                    row = measure(nodes, Path(scratch), rule, ranks, what)
+                runs = [(what, False) for what in whats] + [("job", True)] * args.serve_first
+                for what, first in runs:
+                    row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)
+                    if what == "heal" and "MPI_Intercomm_merge" in row.note:  # Open MPI's, rare: once more
+                        print(show(row), flush=True)
+                        shutil.rmtree(Path(scratch) / f"{rule}-{ranks}-heal")
+                        row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)
                     print(show(row), flush=True)
                     failed += row.status != "ok"
                     if row.rss_mb and row.what == "job":

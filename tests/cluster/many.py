@@ -100,6 +100,43 @@ def kill_rank(nodes: Nodes, node: int, rank: int | None = None) -> float | None:
     return time.time()
 
 
+def prioritize(nodes: Nodes, serving: dict[int, set[int]], nice: int = -15) -> int:
+    """Raise the priority of every thread of the launch ranks ``serving`` ({node index: ranks}), as their
+    own cores would; the threads changed.
+
+    The ranks that serve others' calls (the counter's host, servers) share this machine's cores with every
+    other rank; on nodes of their own they would not wait for them. Threads started later are caught by the
+    next call (a new thread takes its creator's priority, so one call after the start is enough)."""
+    changed = 0
+    for node, ranks in serving.items():
+        for rank, pid in ranks_on(nodes, node).items():
+            if rank not in ranks:
+                continue
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                        os.setpriority(os.PRIO_PROCESS, tid, nice)
+                        changed += 1
+                except OSError:  # (a thread that ended)
+                    continue
+    return changed
+
+
+def serving_ranks(rule: str, ranks: int) -> dict[int, set[int]]:
+    """``{node index: launch ranks}`` of the ranks that serve the others' calls: worker 0 (the dealer's
+    counter, the board) and the servers (the last ranks, on the last node)."""
+    count, _ = layout(ranks)
+    served = {0: {0}}
+    servers = servers_of(rule, ranks)
+    if servers:
+        served.setdefault(count - 1, set()).update(range(ranks - servers, ranks))
+    return served
+
+
 def cpu_seconds(pid: int) -> float | None:
     """A process's own CPU seconds (user + system, its children's not counted); None once it is gone."""
     try:
