@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from runner.rules.async_diloco import AsyncDiLoCoConfig, delayed_nesterov
+from runner.rules.async_diloco import AsyncDiLoCoConfig, delayed_nesterov, local_steps
 from runner.rules.diloco import DiLoCoConfig, outer_sgd
 from tests.helpers.fakecomm import FakeWorld
 from tests.helpers.rule_math import DT, B, batch, build, fit, mlp, params, sgd
@@ -121,6 +121,41 @@ def test_a_slow_worker_gets_fewer_local_steps():
     assert fast == 8 and slow <= 4, (fast, slow)
 
 
+def test_a_worker_that_validates_alone_is_not_taken_for_a_slow_one():
+    """Both workers' steps take 5 ms; worker 1 validates alone (the servers' model, then 30 ms of
+    evaluating) after every other step. Neither is slower at its steps, so both keep H = 8, give or take
+    the timing's noise. Before, the round's wall time counted the validations: worker 1's H_i fell to 2."""
+
+    def worker(rule, model, optimizer):
+        def probe(step, stage):
+            if stage == "stepped":
+                time.sleep(0.005)
+            elif rule.workers.rank == 1 and step % 2:
+                rule.solo_model()
+                time.sleep(0.03)
+
+        fit(rule, model, optimizer, [(x, y) for x, y in BATCHES] * 6, probe)
+        return rule.local_steps
+
+    ranks = run(3, AsyncDiLoCoConfig(inner_steps=8), worker)
+    fast, validating = ranks[0][0], ranks[1][0]
+    assert fast == 8 and validating >= 6, (fast, validating)  # (7 seen on a busy machine)
+
+
+@pytest.mark.parametrize(
+    "speed, steps",
+    [(10.0, 10), (9.0, 10), (7.6, 10), (7.4, 7), (5.0, 5), (3.3, 3), (0.1, 1)],
+)
+def test_a_speed_within_the_tolerance_of_the_fastest_takes_every_step(speed, steps):
+    """H = 10, the fastest at 10 steps/s, the default tolerance 0.25: 7.5 steps/s and above take H (equal
+    workers' noise), below it H·s/s_max rounded (a slower worker), never under 1."""
+    assert local_steps(AsyncDiLoCoConfig(), speed, 10.0) == steps
+
+
+def test_without_tolerance_any_slower_speed_takes_fewer_steps():
+    assert local_steps(AsyncDiLoCoConfig(dynamic_tolerance=0.0), 9.0, 10.0) == 9
+
+
 @pytest.mark.parametrize(
     "kwargs,key",
     [
@@ -129,6 +164,8 @@ def test_a_slow_worker_gets_fewer_local_steps():
         ({"delay": 0}, "delay"),
         ({"delay": 2, "momentum_activation": 0.6}, "momentum_activation"),
         ({"servers": 0}, "servers"),
+        ({"dynamic_tolerance": 1.0}, "dynamic_tolerance"),
+        ({"dynamic_tolerance": -0.1}, "dynamic_tolerance"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, key):
