@@ -32,7 +32,8 @@ holds the dealer's counter and the board; the servers) at a higher priority than
 their own would give them: here every rank shares 2 cores, so a served call waits for its host's turn.
 
 After the table (not in ``--smoke``): the launcher's reading of 64, 1,024 and 8,192 heartbeats and a rank's
-write of its own; MPI's start alone at each size; the calls per second the counter's host serves.
+write of its own; MPI's start alone at each size; the calls per second the counter's host serves; a call's
+time while every rank computes, beside a 1 ms sleep's lateness (``counter_across.py --latency``).
 
 A size whose ranks would not fit in the memory left (the last size's RSS per rank times the ranks, plus a
 margin) is skipped and said so. ``--out FILE`` keeps every row (JSON lines).
@@ -176,9 +177,11 @@ def measure(
     elif what == "heal":
         run_dir = scratch / f"{rule}-{ranks}-heal"
         argv += ["hardware.fault_tolerance=heal"]
-    serving = serving_ranks(rule, ranks) if serve_first else None
+    serving = None
     if serve_first:
-        run_dir = scratch / f"{rule}-{ranks}-served"
+        run_dir, serving = scratch / f"{rule}-{ranks}-served", serving_ranks(rule, ranks)
+    if what != "resume":  # (a run measured again starts afresh)
+        shutil.rmtree(run_dir, ignore_errors=True)
     code, tail, watch = run_job(
         nodes, run_dir, argv, count, kill=what == "heal", timeout=600, serving=serving
     )
@@ -383,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
                     row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)
                     if what == "heal" and "MPI_Intercomm_merge" in row.note:  # Open MPI's, rare: once more
                         print(show(row), flush=True)
-                        shutil.rmtree(Path(scratch) / f"{rule}-{ranks}-heal")
                         row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)
                     print(show(row), flush=True)
                     failed += row.status != "ok"

@@ -158,11 +158,8 @@ class AsyncDiLoCo(ASGD):
         self.round_step = 0
         # the speed counts the time from one step's end to the next's, not a validation's or a checkpoint's
         # (on a machine where one takes a round's time, H_i fell for whoever had one in its round)
-        self.busy, self.timed, self.paused = (
-            0.0,
-            0,
-            True,
-        )  # the round's timed seconds and steps (the first: the start)
+        self.busy, self.timed = 0.0, 0  # the round's timed seconds and steps
+        self.paused = True  # the next step's interval is not timed (the first's holds the start)
         self.tick = time.perf_counter()  # the last step's end (after its push and fetch)
         self.speed = self.fastest = 0.0  # steps per second: this worker's last round, the fastest worker's
         # servers
