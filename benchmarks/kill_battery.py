@@ -5,6 +5,7 @@ whole run; how many survived, and how long heal took to be back to every worker.
     python benchmarks/kill_battery.py --draws 3 --rules asgd diloco --modes heal
     python benchmarks/kill_battery.py --rules asgd --modes heal --seeds 17     # replay one draw
     python benchmarks/kill_battery.py --smoke               # one draw (BSP, heal)
+    python benchmarks/kill_battery.py --modes heal --spares 2   # heal by warm spares, not spawned workers
 
 Each draw (``tests/helpers/kill_battery.py``) is one job of 4 workers training the CNN on digits for 2
 epochs, in which ``tests/helpers/dies.py`` SIGKILLs one worker (rank 0 included) a drawn delay after a
@@ -44,14 +45,16 @@ def early_seed(case: str, mode: str, last: int = 4) -> int:
 
 
 def battery(
-    cases_: list[str], modes: list[str], seeds: list[int], scratch: Path, out: Path | None
+    cases_: list[str], modes: list[str], seeds: list[int], scratch: Path, out: Path | None, spares: int = 0
 ) -> list[Outcome]:
-    """Run every draw; print one line per draw as it ends."""
+    """Run every draw (``heal`` with ``spares`` warm spares); print one line per draw as it ends."""
     done = []
     for case in cases_:
         for mode in modes:
             for seed in seeds:
                 d = draw(case, mode, seed)
+                if spares and mode == "heal":
+                    d.overrides.append(f"hardware.spares={spares}")
                 t0 = time.time()
                 o = run_draw(d, scratch / f"{case}-{mode}-{seed}")
                 done.append(o)
@@ -69,7 +72,7 @@ def table(outcomes: list[Outcome]) -> None:
     """Survived/draws and heal times per rule and mode (markdown)."""
     print(
         "\n| rule | mode | survived | ended, cause named | void | healed median (s) | healed max (s) "
-        "| of which the spawn, median (s) | recovery median (ms) |"
+        "| of which the growth, median (s) | recovery median (ms) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     keys = sorted({(o.draw.case, o.draw.mode) for o in outcomes})
@@ -98,6 +101,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--out", type=Path, help="append every draw's row here (JSON lines)")
     p.add_argument("--smoke", action="store_true", help="one draw: BSP under heal, a worker lost early")
+    p.add_argument("--spares", type=int, default=0, help="heal with this many warm spares (hardware.spares)")
     args = p.parse_args()
     known = cases()
     chosen = args.rules or sorted(known)
@@ -108,13 +112,14 @@ def main() -> None:
     if args.smoke:
         chosen, args.modes, seeds = ["bsp"], ["heal"], [early_seed("bsp", "heal")]
     with tempfile.TemporaryDirectory() as tmp:
-        outcomes = battery(chosen, args.modes, seeds, Path(tmp), args.out)
+        outcomes = battery(chosen, args.modes, seeds, Path(tmp), args.out, args.spares)
     table(outcomes)
     failed = [o for o in outcomes if o.problems]
     for o in failed:
         print(
             f"\nFAILED {o.draw.describe()}\n  {'; '.join(o.problems)}\n  replay: python benchmarks/"
-            f"kill_battery.py --rules {o.draw.case} --modes {o.draw.mode} --seeds {o.draw.seed}\n"
+            f"kill_battery.py --rules {o.draw.case} --modes {o.draw.mode} --seeds {o.draw.seed} "
+            f"--spares {args.spares}\n"
             f"  {o.tail[-1500:]}"
         )
     print(f"\n{len(outcomes) - len(failed)}/{len(outcomes)} draws survived")

@@ -21,6 +21,7 @@ from runner.comm.tags import WATCH
 
 if TYPE_CHECKING:
     from runner.comm.background import Background
+    from runner.comm.spares import Pool
 
 #: The order keys of a job's ranks after it grew (:meth:`Membership.grow`): its workers by rank, then the
 #: spawned ones, then its servers.
@@ -54,6 +55,7 @@ class Membership:
     _children: list[Any]
     _node_comm: Any
     _background: Background | None
+    spares: Pool | None = None  # hardware.spares: the launch's ranks, members and spares (runner.comm.spares)
 
     def return_errors(self) -> None:
         """Failures of peers raise :class:`PeerLost` instead of aborting the job.
@@ -127,15 +129,15 @@ class Membership:
         after = set(self.ids or ())
         return [launched for launched in before if launched not in after]
 
-    def _replace(self, new: Any, mine: int) -> None:
+    def _replace(self, new: Any, mine: int, ids: list[int] | None = None) -> None:
         """Make this object wrap ``new`` (this process's id in the job: ``mine``).
 
-        Split communicators are dropped (split anew)."""
+        ``ids``: every rank's id, when known (else gathered). Split communicators are dropped (split anew)."""
         self._c = new
         if self.tolerant:
             self._c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
-        self.ids = self._c.allgather(mine)
+        self.ids = ids if ids is not None else self._c.allgather(mine)
         self._children, self._node_comm = [], None
         self.routes_tried = load_routes()  # (what routes kept was for the old communicator)
         if self.dist is not None:  # the transport's group follows: a new one over the new ranks
@@ -200,6 +202,14 @@ class Membership:
         inter.Disconnect()  # (left connected, MPI_Finalize was seen to crash disconnecting it)
         self._replace(merged.Split(0, key), mine)
         return None
+
+    def adopt(self, new: Any, ids: list[int]) -> None:
+        """Wrap ``new`` in place (fault tolerant): the job's world after spares were promoted into it.
+
+        ``ids``: each of its ranks' id in the job (:meth:`launch_rank`)."""
+        self.tolerant = True
+        self._replace(new, ids[new.Get_rank()], ids)
+        self.grown = True
 
     def merge_parent(self, first: int) -> None:
         """A spawned process, on its world: merge into the job that spawned it, in place (fault tolerant).

@@ -29,6 +29,7 @@ ASGD_CHECKPOINT = 36  # a worker asks the servers to save (header: the step)
 # -- the loop and the job (runner/rank/)
 VALIDATED = 98  # a validation a worker took alone, to worker 0 to record (runner/rank/validator.py)
 GROW = 99  # worker 0 tells each server that the job grows (runner/rank/resilience/elastic.py)
+SPARE = 97  # the job's rank 0 calls each waiting spare: come, or leave (runner/comm/spares.py)
 
 # -- the communication layer (runner/comm/)
 WATCH = 32001  # never sent: Comm.check_peers probes for it only to ask ULFM whether a peer died

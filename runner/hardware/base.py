@@ -69,6 +69,7 @@ class HardwareConfig:
     fault_tolerance: str = "none"  # continue: survivors go on when a worker dies (ULFM); heal: and replace it
     min_workers: int = 1  # with fault_tolerance=continue|heal: fewer survivors end the job, with a checkpoint
     max_workers: int | None = None  # workers the job may grow to (RUN_DIR/JOIN); null: devices
+    spares: int = 0  # ranks started idle beside the job, promoted to replace a lost worker (heal) at once
     transport: str = "auto"  # the workers' tensor collectives: auto, mpi, nccl (GPUs), gloo (CPU stand-in)
     hierarchical: str = "auto"  # all-reduces across hosts reduce inside each host first: auto, on, off
 
@@ -105,6 +106,14 @@ class HardwareConfig:
             "hardware.fault_tolerance=heal (or continue), or leave max_workers null",
         )
 
+        require(self.spares >= 0, "spares", self.spares, "a count of idle ranks: 0 (none) or more")
+        require(
+            self.spares == 0 or self.grows,
+            "spares",
+            self.spares,
+            "spare ranks replace lost workers or serve RUN_DIR/JOIN: set hardware.fault_tolerance=heal "
+            "(or max_workers), or hardware.spares=0",
+        )
         self._check_transport()
         one_of("hierarchical", self.hierarchical, HIERARCHICAL)
         require(

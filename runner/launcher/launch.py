@@ -118,7 +118,7 @@ def _prepare(
     share: int = 1,
 ) -> tuple[Launch, Config]:
     checked = validate(cfg)
-    launch = checked.hardware.plan_launch(checked.world_size, run_dir, reserve=reserve, share=share)
+    launch = checked.hardware.plan_launch(checked.launched, run_dir, reserve=reserve, share=share)
     try:
         _write_run_folder(cfg, run_dir, ident, launch, checked.data.absolute_paths())
     except BaseException:
@@ -390,7 +390,7 @@ def launch(
     supervisor = Supervisor(
         argv,
         run_dir,
-        checked.world_size,
+        checked.launched,
         checked.train.stall_timeout,
         label,
         env=planned.env,

@@ -171,9 +171,9 @@ def read_beats(
 
     A beat written before ``launch_time`` (a previous job in this folder) counts as none; a rank whose beat
     says ``"done": true``, or whose beat file is gone after it was seen, has finished and is left out, as are
-    the ranks in ``lost.json``, which the others went on without. Workers spawned into the job (ids from
-    ``ranks`` on, :mod:`runner.rank.resilience.elastic`) are watched from their first beat. ``previous`` keeps
-    the last good beats between calls."""
+    the ranks in ``lost.json``, which the others went on without, and idle spares (``hardware.spares``).
+    Workers spawned into the job (ids from ``ranks`` on, :mod:`runner.rank.resilience.elastic`) are watched
+    from their first beat. ``previous`` keeps the last good beats between calls."""
     beats: dict[int, dict | None] = {}
     lost = read_lost(logs)
     for r in [*range(ranks), *spawned_ids(logs, ranks)]:
@@ -192,7 +192,7 @@ def read_beats(
                 beats[r] = None
             continue
         previous[r] = beat
-        if not beat.get("done"):
+        if not beat.get("done") and beat.get("role") != "spare":  # (a spare waits by design)
             beats[r] = beat
     return beats
 

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from runner.comm import mpi
+from runner.comm import mpi, spares
 from runner.comm.links import emulated
 from runner.comm.routes.hierarchical import settle as settle_hierarchy
 from runner.folder_files import write_text
@@ -48,6 +48,7 @@ from runner.rank.records.heartbeat import Heartbeat
 from runner.rank.records.output import end_job, redirect_output, root_cause
 from runner.rank.resilience.elastic import Elastic, NotJoined, arrive
 from runner.rank.resilience.growth import Growth
+from runner.rank.resilience.spare import stand_by
 from runner.rank.saved_model import save_model
 from runner.rank.state import Position
 from runner.rules.base import Rule, RuleContext, split_roles
@@ -139,7 +140,8 @@ def place(
     hosts = None
     if cfg.hardware.tolerant:
         comm.return_errors()
-        hosts = comm.allgather_object(platform.node())
+        # by id: the spares' too (runner.comm.spares), so that spawned workers' ids come after theirs
+        hosts = list(comm.spares.hosts) if comm.spares else comm.allgather_object(platform.node())
     servers = cfg.rule.extra_ranks()
     workers = split_roles(comm, servers)
     if workers is not None:
@@ -364,7 +366,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load(str(run_dir / CONFIG))
         if cfg.hardware.cuda_aware is not None:
             comm.cuda_aware = cfg.hardware.cuda_aware
+        if cfg.hardware.spares and not joined:
+            comm, joined = with_spares(cfg, comm, beat)
+            if comm is None:
+                beat.close()
+                leave(f"rank {me}: a spare, released: the job ended without needing it", log_file)
         run(cfg, run_dir, comm, (log_file, terminal), beat, joined)
+        if comm.spares is not None and comm.rank == 0:
+            spares.release(comm.spares)
     except Partitioned as err:
         beat.close()
         stop_partitioned(err, run_dir, me, log_file)
@@ -386,6 +395,19 @@ def main(argv: list[str] | None = None) -> None:
     # Everything is written and closed: leave without the interpreter's teardown, which with torch loaded
     # takes about a second (benchmarks/README.md, start-up).
     os._exit(0)
+
+
+def with_spares(cfg: Config, launch: mpi.Comm, beat: Heartbeat) -> tuple[mpi.Comm | None, bool]:
+    """Collective over the launch (``hardware.spares``): the job's world, and whether this rank joined it.
+
+    A member gets the world of the members; a spare waits (:func:`stand_by`) and gets the world it was
+    promoted into, or None when the job ended without it."""
+    members, pool = spares.split_launch(launch._c, cfg.hardware.spares)
+    if members is None:
+        return stand_by(cfg.hardware, launch, pool, beat), True
+    world = mpi.Comm(members, launch.cuda_aware, launch.stats)
+    world.spares = pool
+    return world, False
 
 
 def stop_partitioned(err: Partitioned, run_dir: Path, rank: int, log_file: TextIO) -> None:

@@ -78,6 +78,11 @@ class Config:
         """Ranks in the job: the workers plus any extra ranks the rule needs (servers)."""
         return self.devices + self.rule.extra_ranks()
 
+    @property
+    def launched(self) -> int:
+        """Ranks mpirun starts: :attr:`world_size` plus the idle spares (``hardware.spares``)."""
+        return self.world_size + self.hardware.spares
+
 
 def schema_paths(cfg: DictConfig) -> dict[str, str]:
     """``group -> module.Class`` of the schema each group of a composed config was built from."""

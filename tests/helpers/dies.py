@@ -16,6 +16,7 @@ then). ``model.also_rank=R`` has launch rank R die at the same moment (two worke
 ``model.join_rank=R model.join_delay_s=S`` has rank R die S seconds into the job's first growth (while a
 replacement joins), or as its growth ends if that is sooner (a quick spawn: the loss still comes while
 the others merge, never after the run). A worker spawned into the job (``--joined``) never dies.
+With warm spares (``hardware.spares``) it dies likewise in their first promotion.
 ``model.merge_fails_rank=R`` has rank R's merge of the job's first growth fail (``MPI_ERR_INTERN``).
 ``model.die_in=barrier model.die_in_call=K`` (with ``die_delay_s``) kills it instead that long after it
 entered its K-th call of that method of the communicator (:class:`runner.comm.mpi.Comm`), while it waits
@@ -84,6 +85,7 @@ class Dies(torch.nn.Module):
             die_in_call(in_call[0], in_call[1], at_val[1])
         if join[0] >= 0 and launch_rank() == join[0]:
             die_in_call("grow", 1, join[1], by_return=True)
+            die_in_promotion(join[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -164,6 +166,25 @@ def die_in_call(method: str, k: int, seconds: float, by_return: bool = False) ->
         return result
 
     setattr(Comm, method, wrapped)
+
+
+def die_in_promotion(seconds: float) -> None:
+    """Kill this process ``seconds`` into the job's first promotion of spares (``hardware.spares``), or as
+    its reform of the pool returns, if sooner: the loss comes while the spare settles in."""
+    from runner.comm import spares
+
+    real = spares.reform
+    if getattr(real, "dies", False):
+        return
+
+    def wrapped(*args, **kwargs):
+        die_later(seconds)
+        result = real(*args, **kwargs)
+        die()
+        return result
+
+    wrapped.dies = True  # type: ignore[attr-defined]
+    spares.reform = wrapped
 
 
 def fail_merge() -> None:

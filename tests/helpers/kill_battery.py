@@ -211,10 +211,13 @@ def problems(d: Draw, out: Outcome) -> list[str]:
     if not lost and not found and s.get("workers_at_end") == WORKERS:
         out.void = True  # killed after its last collective (the job's results were whole): nothing to survive
         return found
-    if not set(lost) <= set(d.victims) or not lost:
+    # (a replacement caught in its settling in by the loss of another leaves before it trained: recorded,
+    # and replaced in turn; ids from WORKERS on are replacements, spawned or promoted spares)
+    if not {r for r in lost if r < WORKERS} <= set(d.victims) or not lost:
         found.append(f"lost ranks recorded {lost}, killed {d.victims}")
-    joined = len(s.get("joins", []))
-    expected = WORKERS - len(lost) + joined
+    joins = {j["rank"] for j in s.get("joins", [])}
+    joined = len(joins)
+    expected = WORKERS - len([r for r in lost if r < WORKERS or r in joins]) + joined
     if s.get("workers_at_end") != expected:
         found.append(f"{s.get('workers_at_end')} workers at the end, {expected} expected")
     if d.mode == "continue" and joined:

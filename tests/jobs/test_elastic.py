@@ -233,6 +233,18 @@ def test_the_watchdog_watches_spawned_workers_from_their_first_beat(tmp_path):
     assert sorted(beats) == [0, 1, 5] and beats[5]["step"] == 3
 
 
+def test_the_watchdog_does_not_wait_for_a_waiting_spare(tmp_path):
+    """A spare (hardware.spares) makes no progress by design: not watched while it waits; watched once
+    promoted (its role is then a worker's)."""
+    from runner.launcher.watchdog import read_beats
+
+    now = time.time()
+    for rank, role in ((0, "worker"), (1, "worker"), (2, "spare"), (3, "worker")):
+        beat = {"rank": rank, "alive_time": now, "progress_time": now - 500, "step": 3, "role": role}
+        (tmp_path / f"rank{rank}.beat").write_text(json.dumps(beat))
+    assert sorted(read_beats(tmp_path, 4, now - 10, {})) == [0, 1, 3]
+
+
 def test_the_report_draws_the_workers_over_the_run(tmp_path):
     """A run that lost a worker and healed: the report's workers figure steps 4 -> 3 -> 4."""
     from runner.report.plots import figures, worker_counts
@@ -263,8 +275,23 @@ def test_a_replacement_that_dies_at_once_is_not_replaced_again(capsys):
     from runner.rank.resilience.recovery import Recovery
 
     joins = [{"rank": 4, "step": 20}, {"rank": 5, "step": 3}]
-    survivor = SimpleNamespace(elastic=SimpleNamespace(joins=joins), workers=SimpleNamespace(rank=0))
+    elastic = SimpleNamespace(joins=joins, arriving=[])
+    survivor = SimpleNamespace(elastic=elastic, workers=SimpleNamespace(rank=0))
     assert Recovery._to_replace(survivor, [2], 21) == [2]
     assert Recovery._to_replace(survivor, [4, 2], 21) == [2]
     assert "rank 4 died right after joining (step 21): not replaced again" in capsys.readouterr().out
     assert Recovery._to_replace(survivor, [5], 21) == [5]
+
+
+def test_a_replacement_lost_before_it_was_welcomed_is_not_replaced_itself():
+    """heal: a replacement (spawned or a promoted spare) lost in its settling in never trained; the loss
+    it was to replace is still pending, so replacing it too would add one worker too many."""
+    from types import SimpleNamespace
+
+    from runner.rank.resilience.recovery import Recovery
+
+    elastic = SimpleNamespace(joins=[], arriving=[6])
+    survivor = SimpleNamespace(elastic=elastic, workers=SimpleNamespace(rank=0))
+    assert Recovery._to_replace(survivor, [6, 3], 13) == [3]
+    elastic.arriving = []
+    assert Recovery._to_replace(survivor, [6, 3], 13) == [6, 3]

@@ -99,6 +99,7 @@ class SpawnedThenTorn:
     then meets a loss."""
 
     rank, size = 0, 2
+    spares = None  # (no warm spares: the growth spawns)
 
     def shrink(self) -> None: ...
     def broadcast_object(self, obj: object) -> object:

@@ -348,7 +348,9 @@ def test_the_launcher_records_the_machine_load_in_every_summary(tmp_path, monkey
             return Outcome(0)
 
     planned = types.SimpleNamespace(argv=["mpirun"], warning=None, lease=None, env={})
-    checked = types.SimpleNamespace(world_size=2, devices=2, train=types.SimpleNamespace(stall_timeout=60.0))
+    checked = types.SimpleNamespace(
+        world_size=2, launched=2, devices=2, train=types.SimpleNamespace(stall_timeout=60.0)
+    )
     monkeypatch.setattr(launcher, "_prepare", lambda *args, **kwargs: (planned, checked))
     monkeypatch.setattr(launcher, "Supervisor", Supervisor)
     done = launcher.launch(cfg, tmp_path / "ok")

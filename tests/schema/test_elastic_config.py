@@ -68,3 +68,23 @@ def test_the_join_file_asks_for_workers_once(tmp_path, capsys, text, asked):
 
 def test_no_join_file_asks_for_none(tmp_path):
     assert Control(None, tmp_path, None, interval=4, split=False).join_requested() == 0
+
+
+def test_spares_without_heal_are_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"hardware\.spares=1 is invalid.*fault_tolerance=heal"):
+        checked_config(["hardware.spares=1"])
+
+
+def test_negative_spares_are_refused():
+    with pytest.raises(ValueError, match=r"hardware\.spares=-1 is invalid.*0 \(none\) or more"):
+        checked_config(["hardware.spares=-1", "hardware.fault_tolerance=heal"])
+
+
+def test_spares_are_launched_beside_the_job_and_its_servers(tmp_path):
+    """mpirun starts the workers, the servers and the spares; the job's own world has no spare in it."""
+    cfg = checked_config(
+        ["rule=asgd", "hardware.fault_tolerance=heal", "hardware.spares=2", "hardware.oversubscribe=true"]
+    )
+    assert (cfg.world_size, cfg.launched) == (cfg.devices + 1, cfg.devices + 3)
+    argv = cfg.hardware.plan_launch(cfg.launched, tmp_path).argv
+    assert argv[argv.index("-n") + 1] == str(cfg.devices + 3)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runner.comm import spares
 from runner.comm.mpi import SERVER_KEY, PeerLost
 from runner.comm.tags import GROW
 from runner.rank.records.output import end_job
@@ -98,6 +99,9 @@ class Elastic:
         #: Within MPI_Comm_spawn and the new workers' settling in: a rank lost then may leave another rank
         #: waiting in the spawn for good (ULFM does not interrupt it), and the survivors' shrink with it.
         self.spawning = False
+        #: Workers promoted or spawned into the job and not yet welcomed (:meth:`record`): one lost then is a
+        #: replacement that never trained, whose loss leaves the one it replaced still to replace.
+        self.arriving: list[int] = []
 
     @property
     def room(self) -> int:
@@ -135,6 +139,13 @@ class Elastic:
             self.settle(world.rank)
             return []
         key = world.rank if world.rank < world.size - self.servers else SERVER_KEY + world.rank
+        pool = world.spares
+        if pool is not None and not pool.retired:
+            if want <= len(pool.spare_ids):
+                return self.promote(want, near, key)
+            if world.rank == 0:
+                spares.release(pool)  # (spawned workers are outside the pool: it serves no growth after)
+            pool.retired = True
         self.spawning = True  # until the new workers are settled in (a loss meanwhile: Recovery.shrink)
         with SpawnWatch(world, self.hosts, self.run_dir):
             argv = spawn_argv(self.run_dir, first, self.env)
@@ -153,9 +164,34 @@ class Elastic:
                 # the new ids are named before they say where they run (a loss in the settling: recovery
                 # names and fences them as "?", not an IndexError)
                 self.hosts.extend("?" * (first + want - len(self.hosts)))
+                self.arriving = list(range(first, first + want))
                 self.settle(key)
         self.spawning = False
         return [] if why is not None else list(range(first, first + want))
+
+    def promote(self, want: int, near: list[str] | tuple[str, ...], key: int) -> list[int]:
+        """Collective over the world's living ranks and the spares: promote ``want`` spares into the job.
+
+        Those on the ``near`` hosts first, then the lowest ids. Returns their ids (fewer where spares were
+        lost: :attr:`refusal` says so)."""
+        world, pool = self.world, self.world.spares
+        near = world.broadcast_object(list(near) if world.rank == 0 else None)
+        if world.rank == 0:
+            spares.call(pool)
+
+        def choose(living: list[int]) -> list[int]:  # (on the lowest member, from what every member knows)
+            return sorted(living, key=lambda i: (self.hosts[i] not in near, i))[:want]
+
+        new, chosen, ids = spares.reform(pool, key, choose)
+        world.adopt(new, ids)
+        self.arriving = list(chosen)
+        if len(chosen) < want:
+            self.refusal = (
+                f"{want} spare(s) wanted, {len(chosen)} alive (hardware.spares): the job goes on with "
+                f"{world.size - self.servers} workers"
+            )
+        self.settle(key)
+        return chosen
 
     def settle(self, key: int) -> None:
         """Collective over the world: learn every rank's host and split the workers' communicator anew.
@@ -175,7 +211,7 @@ class Elastic:
 
     def record(self, ids: list[int], step: int) -> str:
         """Note that workers ``ids`` joined at ``step``; the console's line."""
-        now = time.time()
+        now, self.arriving = time.time(), []
         self.joins += [{"rank": r, "host": self.hosts[r], "step": step, "time": now} for r in ids]
         who = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ids)
         workers = self.world.size - self.servers

@@ -246,7 +246,9 @@ class Recovery:
         if early and self.workers.rank == 0:
             names = ", ".join(f"rank {r}" for r in early)
             print(f"warning: {names} died right after joining (step {step}): not replaced again", flush=True)
-        return [r for r in lost if r not in early]
+        # (a replacement lost before it was welcomed: the loss it replaced is still to replace, once)
+        arriving = self.elastic.arriving if self.elastic is not None else []
+        return [r for r in lost if r not in early and r not in arriving]
 
     def check_servers(self, step: int) -> None:
         """Raise :class:`ServerLost` naming a lost server (its part of the state is nowhere else).
