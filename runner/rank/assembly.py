@@ -90,7 +90,8 @@ def dealer(rank: Rank, data: Any) -> Dealer | None:
     chunks = Chunks(len(data.train), train.batch_size, train.accumulate, train.seed)
     total, _, steps = plan(chunks, train.epochs, train.max_steps, workers.size)
     counter = None if rank.joined else workers.counter(counter_slots(workers.size))  # joined: when welcomed
-    return Dealer(chunks, counter, total, steps, workers.rank, publish=tolerant)
+    block = cfg.data.draw_block(cfg.devices)  # (the job's size as launched: the counter's layout stays)
+    return Dealer(chunks, counter, total, steps, workers.rank, publish=tolerant, block=block)
 
 
 def loaders(rank: Rank, data: Any) -> tuple[tuple[Any, Any], int]:

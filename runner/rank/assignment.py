@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 #: chunks behind it: 8 per worker lets one worker be about 8x slower than the rest before it holds them.
 CHUNKS_PER_WORKER = 8
 #: Tickets a worker may hold at once (the step's, its loader processes' one batch ahead each, the next
-#: epoch's first), published for the survivors under fault tolerance.
-HELD_SLOTS = 8
+#: epoch's first, and what is left of its last block: up to 8 chunks a draw), published for the survivors
+#: under fault tolerance.
+HELD_SLOTS = 16
 
 
 @dataclass
@@ -90,13 +91,28 @@ class Dealer:
     (tickets not trained when the dealing restarted: a checkpoint's, a lost worker's), then ``base``
     onwards. Tickets drawn and not yet trained are held: ``held`` (drawn, in order), ``current`` (the step's,
     taken by :meth:`take`) and ``carry``. With ``publish`` (fault tolerance) the worker writes the tickets it
-    holds into its row of the counter's slots, so the survivors of its loss can deal them again."""
+    holds into its row of the counter's slots, so the survivors of its loss can deal them again.
+
+    ``block``: positions taken in one call on the counter (``data.chunks_per_draw``); those not yet drawn
+    are ``ahead``, held as the others are. Fewer calls on the counter's host, whose service all workers
+    share (one call a step each queued behind 60 others: benchmarks/README.md), at the price of a coarser
+    share at an epoch's end: a worker holds up to ``block - 1`` chunks more than it trains yet."""
 
     def __init__(
-        self, chunks: Chunks, counter: Counter, total: int, steps: int, rank: int = 0, publish: bool = False
+        self,
+        chunks: Chunks,
+        counter: Counter,
+        total: int,
+        steps: int,
+        rank: int = 0,
+        publish: bool = False,
+        block: int = 1,
     ):
         self.chunks, self.counter, self.total = chunks, counter, total
         self.steps, self.rank, self.publish = steps, rank, publish
+        self.block = block
+        assert 1 <= block <= HELD_SLOTS // 2, f"{block} chunks a draw: at most {HELD_SLOTS // 2}"
+        self.ahead: deque[int] = deque()  # tickets of this worker's last block, not drawn yet
         self.base, self.pending = 0, []
         self.held: deque[int] = deque()
         self.current: int | None = None  # the ticket of the step in progress
@@ -138,20 +154,30 @@ class Dealer:
         return self.pending[position:], self.base + max(0, position - len(self.pending))
 
     def draw(self) -> int | None:
-        """The next ticket from the counter; None once the run's tickets are spent."""
+        """The next ticket: of this worker's block, else from the counter; None once the run's are spent."""
+        if not self.ahead:
+            self._draw_block()
+        return self.ahead.popleft() if self.ahead else None
+
+    def _draw_block(self) -> None:
+        """Take :attr:`block` positions from the counter, in one call, into :attr:`ahead` as tickets."""
         from runner.comm.errors import PeerLost
 
         start = time.perf_counter()
         try:
-            position = self.last_position = self.counter.fetch_add()
+            first = self.counter.fetch_add(0, self.block)
         except PeerLost:  # its host, worker 0, was lost: no more chunks for now; the survivors meet at the
-            return None  # epoch's end (Dynamic.end_of_span), recover, and deal what is left anew
+            return  # epoch's end (Dynamic.end_of_span), recover, and deal what is left anew
         finally:
             self.seconds += time.perf_counter() - start
-        if position < len(self.pending):
-            return self.pending[position]
-        ticket = self.base + position - len(self.pending)
-        return ticket if ticket < self.total else None
+        self.last_position = first + self.block - 1
+        for position in range(first, first + self.block):
+            if position < len(self.pending):
+                self.ahead.append(self.pending[position])
+            elif (ticket := self.base + position - len(self.pending)) < self.total:
+                self.ahead.append(ticket)
+        if self.block > 1:
+            self._publish()  # (one ticket at a time is published as the loader takes it, below)
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
@@ -163,7 +189,8 @@ class Dealer:
                 self._publish()
                 return
             self.held.append(ticket)
-            self._publish()
+            if self.block == 1:
+                self._publish()
             yield from self.chunks.micro_batches(ticket)
 
     def steps_at(self, tickets: int) -> int:
@@ -188,7 +215,7 @@ class Dealer:
 
     def holding(self) -> list[int]:
         """The tickets this worker holds, drawn and not trained."""
-        return sorted(t for t in (self.current, self.carry, *self.held) if t is not None)
+        return sorted(t for t in (self.current, self.carry, *self.held, *self.ahead) if t is not None)
 
     def _publish(self) -> None:
         if self.publish:
@@ -313,8 +340,11 @@ def redeal(dealer: Dealer, workers: CommLike, before: list[int], lost: list[int]
     left, base = dealer.undrawn(position)
     # A survivor at its epoch's end holds the next epoch's first chunk it drew (carry): back to the pool, so
     # the survivors first train this epoch's returned chunks, whichever of them draws them.
-    carried = [t for t in workers.allgather_object(dealer.carry) if t is not None]
+    # So do the chunks left of each survivor's block (none trained: the loader took none of them yet).
+    mine = [t for t in (dealer.carry, *dealer.ahead) if t is not None]
+    carried = [t for row in workers.allgather_object(mine) for t in row]
     dealer.carry = None
+    dealer.ahead.clear()
     counter = workers.counter(counter_slots(workers.size))
     if slots is not None:  # the validations by time claimed so far stay claimed
         if workers.rank == 0:

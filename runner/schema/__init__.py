@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 #: The types a rule may exchange parameters and gradients in (``rule.comm_dtype``; runner/comm/wire.py).
 WIRE_NAMES = ("fp32", "bf16", "fp16")
+#: The most chunks a worker takes in one call on the dealer's counter (``data.chunks_per_draw``); the
+#: dealer's published rows have room for as many (runner/rank/assignment.py, HELD_SLOTS).
+MAX_CHUNKS_PER_DRAW = 8
 
 
 #: Within :func:`collected`: the ("key=value", message) of each check failed so far, which :func:`require`
@@ -233,6 +236,7 @@ class DataConfig:
     shape: list[int] = field(default_factory=lambda: [1, 8, 8])
     num_classes: int = 10
     assignment: str = "auto"  # static, dynamic, or auto: dynamic for asynchronous rules (rank/assignment.py)
+    chunks_per_draw: int | None = None  # dynamic: chunks taken in one call on the counter (null: workers / 8)
 
     def absolute_paths(self) -> dict[str, str]:
         """Those of :data:`PATHS` given relative, made absolute from the current folder."""
@@ -249,6 +253,12 @@ class DataConfig:
         Raises ValueError for a setting that cannot work. ``asynchronous``: the rule's workers do not step
         together."""
         one_of("assignment", self.assignment, ("auto", "static", "dynamic"))
+        block = self.chunks_per_draw
+        if block is not None and not (isinstance(block, int) and 1 <= block <= MAX_CHUNKS_PER_DRAW):
+            raise ValueError(
+                f"data.chunks_per_draw={block!r} is invalid: use 1 to {MAX_CHUNKS_PER_DRAW} chunks a call on "
+                "the dealer's counter, or null (one per 8 workers)"
+            )
         if self.assignment == "dynamic" and not asynchronous:
             raise ValueError(
                 "assignment='dynamic' is invalid with this rule: its workers step together, so they take "
@@ -256,6 +266,15 @@ class DataConfig:
                 "rule=asgd, rule=easgd rule.variant=async)"
             )
         return asynchronous and self.assignment != "static"
+
+    def draw_block(self, workers: int) -> int:
+        """Chunks a worker takes in one call on the dealer's counter (``chunks_per_draw``) among ``workers``.
+
+        Null: one per 8 workers, so that the counter's host serves about as many calls a second at any size
+        (up to :data:`MAX_CHUNKS_PER_DRAW`, at 57 workers and more)."""
+        if self.chunks_per_draw is not None:
+            return self.chunks_per_draw
+        return min(MAX_CHUNKS_PER_DRAW, -(-workers // 8))
 
     @classmethod
     def files_outputs(cls, settings: Any) -> dict[str, Any]:

@@ -438,3 +438,120 @@ def test_a_growth_agreed_at_a_meeting_is_taken_before_the_next_meeting():
     assert pace.meet(Position(5, 0, 5), None) is False
     kinds = [kind for kind, _ in calls]
     assert kinds == ["agree", "grow"] * pace.meetings.count, calls
+
+
+class Calls:
+    """A counter that counts the calls made on it."""
+
+    def __init__(self, counter):
+        self.counter, self.calls = counter, 0
+
+    def __getattr__(self, name):
+        return getattr(self.counter, name)
+
+    def fetch_add(self, slot: int = 0, value: int = 1) -> int:
+        self.calls += 1
+        return self.counter.fetch_add(slot, value)
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+def test_draws_in_blocks_deal_every_chunk_once_in_a_call_per_block(block):
+    """``data.chunks_per_draw``: 3 workers, one 3x slower, 2 epochs: every chunk trained once, the slow
+    worker still trains fewer, and the counter is called about once per ``block`` chunks (once more a
+    worker and epoch, for the draw that ends it)."""
+    chunks = Chunks(480, 10, 1, seed=0)
+    total, epochs, _ = plan(chunks, 2, None, 3)
+
+    def worker(comm) -> tuple[list[int], int]:
+        counter = Calls(comm.counter(counter_slots(comm.size)))
+        dealer = Dealer(chunks, counter, total, total // comm.size, comm.rank, block=block)
+        trained = []
+        for epoch in range(epochs):
+            dealer.set_epoch(epoch)
+            for _ in dealer:
+                trained.append(dealer.take())
+                time.sleep(0.006 if comm.rank == 2 else 0.002)
+            comm.barrier()
+        return trained, counter.calls
+
+    got = FakeWorld(3).run(worker)
+    trained = [t for ts, _ in got for t in ts]
+    assert sorted(trained) == list(range(total)), "a chunk lost or dealt twice"
+    assert len(got[2][0]) < min(len(got[0][0]), len(got[1][0])), [len(g) for g, _ in got]
+    calls = sum(c for _, c in got)
+    assert calls <= total / block + 2 * 3 * epochs, (calls, total, block)
+
+
+def test_the_rest_of_a_lost_workers_block_is_dealt_again_to_the_survivors():
+    """Blocks of 3 under fault tolerance: worker 2 is lost holding the chunk it trains and the two left of
+    its block (published with it); the survivors deal them again, and every chunk is trained once."""
+    chunks = Chunks(120, 10, 1, seed=0)  # 12 chunks, one epoch
+    old = FakeWorld(1).comms[0].counter(counter_slots(3))
+    dealers = [Dealer(chunks, old, 12, 4, rank, publish=True, block=3) for rank in range(3)]
+    iters = [iter(d) for d in dealers]
+    trained = []
+    for rank in (0, 1, 2):  # blocks [0, 1, 2], [3, 4, 5], [6, 7, 8]; each takes its first
+        next(iters[rank])
+        ticket = dealers[rank].take()
+        if rank != 2:
+            dealers[rank].trained()
+            trained.append(ticket)
+    assert dealers[2].holding() == [6, 7, 8] and held_rows(old.snapshot(), 3)[2] == [6, 7, 8]
+
+    def survivor(comm) -> list[int]:
+        assert redeal(dealers[comm.rank], comm, before=[0, 1, 2], lost=[2]) is None
+        mine = []
+        for _ in dealers[comm.rank]:
+            mine.append(dealers[comm.rank].take())
+            dealers[comm.rank].trained()
+        return mine
+
+    after = FakeWorld(2).run(survivor)
+    assert sorted(trained + after[0] + after[1]) == list(range(12)), (trained, after)
+
+
+def test_chunks_per_draw_is_one_per_8_workers_and_checked():
+    from runner.rank.assignment import HELD_SLOTS
+    from runner.schema import MAX_CHUNKS_PER_DRAW, DataConfig
+
+    assert MAX_CHUNKS_PER_DRAW == HELD_SLOTS // 2, "the published rows have room for a block and 8 more"
+    data = DataConfig()
+    assert [data.draw_block(n) for n in (1, 8, 9, 32, 64, 1000)] == [1, 1, 2, 4, 8, 8]
+    assert DataConfig(chunks_per_draw=3).draw_block(64) == 3
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=r"data\.chunks_per_draw=.* 1 to 8"):
+            DataConfig(chunks_per_draw=bad, assignment="dynamic").dynamic(True)
+
+
+def test_a_block_across_the_epochs_end_goes_back_to_the_pool_when_survivors_deal_anew():
+    """Blocks of 4 over epochs of 6 chunks: worker 1's block [4, 5, 6, 7] crosses into epoch 1. Worker 2
+    is lost holding [8..11]. At the epoch's end the survivors deal anew: worker 1's 6 and 7 go back to the
+    pool with the lost ones (else its next epoch would start on them ahead of the rest), and epoch 1 is
+    trained once, in order of the tickets dealt."""
+    chunks = Chunks(60, 10, 1, seed=0)  # 6 chunks an epoch, 2 epochs
+    old = FakeWorld(1).comms[0].counter(counter_slots(3))
+    dealers = [Dealer(chunks, old, 12, 4, rank, publish=True, block=4) for rank in range(3)]
+    iters = [iter(d) for d in dealers]
+    trained = {0: [], 1: []}
+    for rank in (0, 0, 0, 0, 1, 1):  # worker 0 draws [0..3] and trains them; worker 1 draws [4..7]
+        next(iters[rank])
+        trained[rank].append(dealers[rank].take())
+        dealers[rank].trained()
+    assert next(iters[2], None) is None  # worker 2 draws [8..11]: epoch 1 (8 carried); it is lost
+    assert next(iters[1], None) is None and next(iters[0], None) is None  # 6 carried; no chunk left
+    assert dealers[1].carry == 6 and list(dealers[1].ahead) == [7]
+    assert trained == {0: [0, 1, 2, 3], 1: [4, 5]} and held_rows(old.snapshot(), 3)[2] == [8, 9, 10, 11]
+
+    def survivor(comm) -> list[int]:
+        dealer = dealers[comm.rank]
+        assert redeal(dealer, comm, before=[0, 1, 2], lost=[2]) is None
+        assert dealer.carry is None and not dealer.ahead
+        dealer.set_epoch(1)
+        mine = []
+        for _ in dealer:
+            mine.append(dealer.take())
+            dealer.trained()
+        return mine
+
+    after = FakeWorld(2).run(survivor)
+    assert sorted(after[0] + after[1]) == list(range(6, 12)), after
