@@ -120,10 +120,12 @@ def run_job(
     kill: bool,
     timeout: float,
     serving: dict[int, set[int]] | None = None,
+    victim: int | None = None,
 ):
     """Run the launcher on node 1; sample its first step, its CPU and the ranks' memory; maybe kill a rank.
 
-    ``serving``: ranks given priority over the others (``--serve-first``), checked every half second.
+    ``serving``: ranks given priority over the others (``--serve-first``), checked every half second;
+    ``victim``: the launch rank killed (None: the last node's highest).
 
     Returns the exit status, the output's tail and the :class:`Watch`."""
     argv = [sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", *argv_overrides]
@@ -154,7 +156,7 @@ def run_job(
                 prioritize(nodes, serving)
                 last_nice = now
             if kill and watch.killed_at is None and steps and steps[-1] >= KILL_AT:
-                watch.killed_at = kill_rank(nodes, count - 1)
+                watch.killed_at = kill_rank(nodes, count - 1, victim)
             time.sleep(0.02)
     return proc.returncode, log.read_text()[-3000:], watch
 
@@ -167,23 +169,28 @@ def _steps_on_record(run_dir: Path) -> list[int]:
 def measure(
     nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job", serve_first: bool = False
 ) -> Row:
-    """One row: the job (``what`` = job), its resume, or the job with a rank killed under heal."""
+    """One row: the job (``what`` = job), its resume, or the job with a rank killed under heal (``heal
+    (spare)``: replaced by a warm spare, ``hardware.spares=1``, in the last node's free slot)."""
     count, _ = layout(ranks)
     row = Row(rule, ranks, count, what + (" (serve first)" if serve_first else ""))
+    spare, victim = what == "heal (spare)", None
+    what = "heal" if spare else what
     run_dir = scratch / f"{rule}-{ranks}"
     argv = job(rule, ranks, nodes.names, EPOCHS, spare=1 if what == "heal" else 0)
     if what == "resume":
         argv = [f"resume={run_dir}", f"train.epochs={EPOCHS + 1}"]
     elif what == "heal":
-        run_dir = scratch / f"{rule}-{ranks}-heal"
+        run_dir = scratch / f"{rule}-{ranks}-heal{'-spare' if spare else ''}"
         argv += ["hardware.fault_tolerance=heal"]
+        if spare:  # (the spare is the last launch rank: the last worker dies beside it)
+            argv, victim = [*argv, "hardware.spares=1"], ranks - 1
     serving = None
     if serve_first:
         run_dir, serving = scratch / f"{rule}-{ranks}-served", serving_ranks(rule, ranks)
     if what != "resume":  # (a run measured again starts afresh)
         shutil.rmtree(run_dir, ignore_errors=True)
     code, tail, watch = run_job(
-        nodes, run_dir, argv, count, kill=what == "heal", timeout=600, serving=serving
+        nodes, run_dir, argv, count, kill=what == "heal", timeout=600, serving=serving, victim=victim
     )
     wall = time.time() - watch.start
     try:
@@ -346,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", nargs="+", default=["bsp", "asgd"], help="rule names, or 'all'")
     parser.add_argument("--no-resume", action="store_true", help="skip the resume of each BSP job")
     parser.add_argument("--no-heal", action="store_true", help="skip BSP's job with a rank killed (heal)")
+    parser.add_argument(
+        "--spares", action="store_true", help="BSP's heal by a warm spare too (hardware.spares)"
+    )
     parser.add_argument("--out", type=Path, help="append every row to this file (JSON lines)")
     parser.add_argument("--scratch", type=Path, help="keep the run folders here (default: a temporary one)")
     parser.add_argument(
@@ -381,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 whats = ["job"]
                 if rule == "bsp":
                     whats += [w for w, off in (("resume", args.no_resume), ("heal", args.no_heal)) if not off]
+                    whats += ["heal (spare)"] * (args.spares and not args.no_heal)
                 runs = [(what, False) for what in whats] + [("job", True)] * args.serve_first
                 for what, first in runs:
                     row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)

@@ -135,8 +135,10 @@ def reform(
     try:
         ids = shrunk.allgather(pool.mine)
         living = [i for i in pool.spare_ids if i in ids]
-        lowest = min(r for r, i in enumerate(ids) if i not in pool.spare_ids)
-        chosen = shrunk.bcast(choose(living) if shrunk.Get_rank() == lowest else None, lowest)
+        members = [r for r, i in enumerate(ids) if i not in pool.spare_ids]
+        if not members:  # (every member was lost after its call: nobody to join; the spares leave)
+            raise PeerLost("every member of the job was lost")
+        chosen = shrunk.bcast(choose(living) if shrunk.Get_rank() == members[0] else None, members[0])
         promoted = pool.mine in chosen
         order = PROMOTED_KEY + chosen.index(pool.mine) if promoted else key
         new = shrunk.Split(0 if promoted or not pool.is_spare else 1, order)
@@ -144,6 +146,8 @@ def reform(
         ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), shrunk.Get_group())
         world_ids = [ids[r] for r in ranks]
         group.Free()
+    except PeerLost:
+        ok = 0
     except MPI.Exception as err:
         if err.Get_error_class() not in FAULTS:
             raise
