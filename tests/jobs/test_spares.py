@@ -10,16 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_cli
+from tests.jobs.test_elastic import HEAL as ELASTIC
 
-HEAL = [
-    "hydra.searchpath=[file://tests/conf]",
-    "model=dies",
-    "devices=4",
-    "hardware.oversubscribe=true",
-    "hardware.fault_tolerance=heal",
-    "model.die_rank=2",
-    "model.die_at=20",
-]
+HEAL = [*ELASTIC, "model.die_rank=2", "model.die_at=20"]
 
 
 @pytest.mark.parametrize(

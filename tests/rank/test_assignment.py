@@ -95,6 +95,21 @@ def test_a_restarted_dealer_deals_pending_tickets_first_then_from_its_base():
     assert dealt == [3, 9, *range(12, 20)]
 
 
+def survivors_train(dealers: list[Dealer]) -> list[list[int]]:
+    """Workers 0 and 1 of 3 deal anew after worker 2 was lost (no note: worker 0 held the counter), then
+    train what they draw; the tickets each trained."""
+
+    def survivor(comm) -> list[int]:
+        assert redeal(dealers[comm.rank], comm, before=[0, 1, 2], lost=[2]) is None
+        mine = []
+        for _ in dealers[comm.rank]:
+            mine.append(dealers[comm.rank].take())
+            dealers[comm.rank].trained()
+        return mine
+
+    return FakeWorld(2).run(survivor)
+
+
 def test_the_chunks_a_lost_worker_held_are_dealt_again_to_the_survivors():
     """3 workers publish what they hold; worker 2 is lost holding a chunk it was training and one drawn
     ahead; the 2 survivors re-deal over a new counter: every chunk is then trained exactly once."""
@@ -112,16 +127,7 @@ def test_the_chunks_a_lost_worker_held_are_dealt_again_to_the_survivors():
                 trained.append(ticket)
     assert dealers[2].holding() == [2, 4] and held_rows(old.snapshot(), 3)[2] == [2, 4]
 
-    def survivor(comm) -> list[int]:
-        note = redeal(dealers[comm.rank], comm, before=[0, 1, 2], lost=[2])
-        assert note is None
-        mine = []
-        for _ in dealers[comm.rank]:
-            mine.append(dealers[comm.rank].take())
-            dealers[comm.rank].trained()
-        return mine
-
-    after = FakeWorld(2).run(survivor)
+    after = survivors_train(dealers)
     assert sorted(trained + after[0] + after[1]) == list(range(10)), (trained, after)
     assert {2, 4} <= set(after[0] + after[1])
 
@@ -498,15 +504,7 @@ def test_the_rest_of_a_lost_workers_block_is_dealt_again_to_the_survivors():
             trained.append(ticket)
     assert dealers[2].holding() == [6, 7, 8] and held_rows(old.snapshot(), 3)[2] == [6, 7, 8]
 
-    def survivor(comm) -> list[int]:
-        assert redeal(dealers[comm.rank], comm, before=[0, 1, 2], lost=[2]) is None
-        mine = []
-        for _ in dealers[comm.rank]:
-            mine.append(dealers[comm.rank].take())
-            dealers[comm.rank].trained()
-        return mine
-
-    after = FakeWorld(2).run(survivor)
+    after = survivors_train(dealers)
     assert sorted(trained + after[0] + after[1]) == list(range(12)), (trained, after)
 
 
