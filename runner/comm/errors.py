@@ -75,3 +75,18 @@ def faulted(fn: F) -> F:
             return fn(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def agreed(c: Any, flag: int) -> bool:
+    """ULFM's agreement (``MPI_Comm_agree``) of ``flag`` over the living ranks of MPI communicator ``c``.
+
+    Whether it was 1 on all of them, the same answer on every one. A loss during it is acknowledged and the
+    agreement taken again with 0 (what a lost rank would have said is unknown)."""
+    while True:
+        try:
+            return bool(c.Agree(flag))
+        except MPI.Exception as err:
+            if err.Get_error_class() not in FAULTS:
+                raise
+            c.Ack_failed()
+            flag = 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.binding import MPI
-from runner.comm.errors import FAULTS, faulted
+from runner.comm.errors import agreed, faulted
 from runner.comm.routes import load as load_routes
 from runner.comm.tags import WATCH
 
@@ -146,16 +146,14 @@ class Membership:
     def fault_barrier(self) -> list[int]:
         """A barrier that completes among the survivors when processes have died (``MPI_Comm_agree``).
 
-        Then it shrinks the communicator if any had; returns the lost ones' ranks as launched."""
-        while True:
-            try:
-                self._c.Agree(1)
-                break
-            except MPI.Exception as err:
-                if err.Get_error_class() not in FAULTS:
-                    raise
-                self.lost_peers()
-        return self.shrink() if self.lost_peers() else []
+        Then it shrinks the communicator if any had; returns the lost ones' ranks as launched. Whether to
+        shrink is agreed too: a survivor that alone knows of a loss (ULFM's detector tells each in its own
+        time) would otherwise wait in the shrink for the others, which go on, and record them lost as they
+        leave (the kill battery, once: a kill at the last validation, ranks 0-2 recorded lost by rank 3)."""
+        agreed(self._c, 1)
+        if agreed(self._c, 0 if self.lost_peers() else 1):
+            return []
+        return self.shrink()
 
     # -- growth -----------------------------------------------------------------------------------------
     def grow(

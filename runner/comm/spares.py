@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.comm.binding import MPI
-from runner.comm.errors import FAULTS, PeerLost
+from runner.comm.errors import FAULTS, PeerLost, agreed
 from runner.comm.tags import SPARE
 
 #: How often a waiting spare looks for its call (the promotion's delay at most; its CPU is negligible).
@@ -163,15 +163,3 @@ def reform(
         return None, chosen, []
     new.Set_errhandler(MPI.ERRORS_RETURN)
     return new, chosen, world_ids
-
-
-def agreed(c: Any, flag: int) -> bool:
-    """ULFM's agreement of ``flag`` over the living ranks of ``c``: whether it was 1 on all of them."""
-    while True:
-        try:
-            return bool(c.Agree(flag))
-        except MPI.Exception as err:
-            if err.Get_error_class() not in FAULTS:
-                raise
-            c.Ack_failed()
-            flag = 0  # a rank lost in it: its part of the split may be missing
