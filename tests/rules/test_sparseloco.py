@@ -271,30 +271,44 @@ def test_checkpoint_mid_round_resumes_exactly_error_feedback_included():
         assert (s_resumed["round_step"], s_resumed["outer_steps"]) == (0, 4)
 
 
-def test_recover_mid_round_restarts_from_worker_0s_x_start_with_no_error_feedback():
+def test_recover_mid_round_folds_each_survivors_progress_and_residual_into_worker_0s_x_start():
     """The survivors' rounds may differ after a loss (an outer step completed on some only): all take worker
-    0's x_start and count, set their parameters to it and their error feedback to zero."""
+    0's x_start and count, then x_start − outer_lr · mean_i((x_start − x_i) + e_i), densely; every survivor
+    takes it, with its error feedback zero and a new round (DiLoCo's restart would drop the residuals)."""
 
     def main(comm):
         model = mlp()
         rule = build(comm, sparse(), model, sgd(model))
         fit(rule, model, sgd(model), batches(comm.rank, H + 1))
         assert residual(rule).abs().max() > 0 and rule.round_step == 1
+        start0 = rule.start[0].clone()
         with torch.no_grad():
             rule.start[0].add_(comm.rank)
         rule.outer_steps += comm.rank
+        before = (params(model), residual(rule).clone())
         rule.recover()
-        return params(model), rule.start[0].clone(), residual(rule), (rule.round_step, rule.outer_steps)
+        return (
+            before,
+            start0,
+            params(model),
+            rule.start[0].clone(),
+            residual(rule),
+            (rule.round_step, rule.outer_steps),
+        )
 
     ranks = FakeWorld(N).run(main)
-    for x, start, e, counts in ranks:
-        assert torch.equal(x, ranks[0][1]) and torch.equal(start, ranks[0][1])
+    x0 = ranks[0][1]
+    expected = x0 - 0.7 * sum(x0 - x + e for (x, e), *_ in ranks) / N  # (outer_lr 0.7)
+    for _, _, x, start, e, counts in ranks:
+        assert_close(x, expected)
+        assert_close(start, expected)
+        assert torch.equal(x, ranks[0][2]), "the same bits on every survivor"
         assert not e.any() and counts == (0, 1)
 
 
-def test_recover_after_a_broken_exchange_takes_the_outer_step_without_the_old_error_feedback():
-    """Every survivor had finished the round: the outer step over their end points, as if the error feedback
-    were new (with every value sent in 32 bits: x_start − outer_lr·(x_start − mean x_i))."""
+def test_recover_after_a_broken_exchange_takes_a_dense_step_with_the_residuals():
+    """Every survivor had finished the round: the same dense step over their end points and residuals
+    (x_start − outer_lr·(x_start − mean x_i + mean e_i)), nothing of their progress left out."""
     cfg = sparse(chunk=16, topk=16, bits=32)
 
     def main(comm):
@@ -310,10 +324,10 @@ def test_recover_after_a_broken_exchange_takes_the_outer_step_without_the_old_er
 
     ranks = FakeWorld(N).run(main)
     x0 = params(mlp())
-    expected = x0 - 0.7 * (x0 - sum(r[0] for r in ranks) / N)
+    expected = x0 - 0.7 * (x0 - sum(r[0] for r in ranks) / N + 1.0)
     for _, x, counts in ranks:
         assert_close(x, expected)
-        assert counts == (0, 1)
+        assert counts == (0, 0)
 
 
 def test_new_workers_start_with_no_error_feedback_and_the_others_keep_theirs():
