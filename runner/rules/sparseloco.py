@@ -35,12 +35,12 @@ does. ``comm_dtype: bf16|fp16`` (``bits: 32`` only) sends the code's values in 1
 the rounding of this worker's own values goes into its e_i). ``final_metrics`` reports ``exchange_bytes``:
 what all workers sent in the outer steps (codes and statistics; without validations and broadcasts).
 
-Lost workers (``hardware.fault_tolerance=continue``): the survivors take worker 0's x_start and count, then
-fold into it, in one dense all-reduce, what each has not applied yet: its round's progress and its residual
-(:meth:`SparseLoCo.recover`); all go on from there with e_i = 0. An exchange broken by the loss may have
-completed on some survivors only; their d_i then counts the round's sparse mean once more or once less, at
-most one round's code. What is lost is the lost worker's progress, which no one has. New workers
-(``fault_tolerance=heal``) join at a round's start with worker 0's x_start and e_i = 0 (they have made no
+Lost workers (``hardware.fault_tolerance=continue``): the survivors take worker 0's x_start and count, end
+the round with one dense outer step over themselves, and keep their error feedback
+(:meth:`SparseLoCo.recover`). An exchange broken by the loss may have completed on some survivors only;
+the dense step then applies the round's sparse mean once more or once less for them, at most one round's
+code. What is lost is the lost worker's progress, which no one has. New workers (``fault_tolerance=heal``)
+join at a round's start with worker 0's x_start and e_i = 0 (they have made no
 progress); the others keep theirs (nothing was in flight). Checkpoints: DiLoCo's state, this worker's e_i
 and the bytes count.
 """
@@ -190,14 +190,16 @@ class SparseLoCo(DiLoCo):
 
     @no_grad
     def recover(self) -> None:
-        """The survivors fold what they have not yet applied to x_start into it, densely, and go on from it.
+        """The survivors end the round densely, once, and keep their error feedback.
 
-        Worker 0's x_start and counts first, as DiLoCo's recovery; then each survivor's d_i = (x_start −
-        x_i) + e_i, this round's progress and its unsent remainder, is averaged in float32 (one all-reduce a
-        loss) and x_start ← x_start − outer_lr · mean d_i; every survivor takes it, with e_i = 0 and a new
-        round. DiLoCo restarts the round from x_start instead, which drops e_i: most of a SparseLoCo
-        worker's progress early in a run (digits, 2 epochs: validation accuracy 0.21 against 0.67, which
-        the collapse guard ends)."""
+        Worker 0's x_start and counts first, as DiLoCo's recovery; then x_start ← x_start − outer_lr ·
+        mean_i(x_start − x_i), the round's outer step over the survivors in float32 (one all-reduce a loss),
+        and every survivor takes it and starts a new round. Each keeps its e_i, its own and full-size,
+        which later rounds send as before. DiLoCo instead restarts the round and zeroes the error
+        feedback, which early in a SparseLoCo run is most of a worker's progress (digits, 2 epochs:
+        validation accuracy 0.21 against 0.67, which the collapse guard ended). Folding e_i in at once
+        overshoots instead: it holds overlapping rounds' remainders, and two of four workers lost at once
+        ended at a validation loss above chance."""
         for t in self.start:
             self.workers.broadcast(t, root=0)
         self.outer_steps, self.delta_norm, periods = self.workers.broadcast_object(
@@ -205,17 +207,13 @@ class SparseLoCo(DiLoCo):
         )
         self.periods.load_state_dict(periods)
         k, stats = len(self.start), float_buffers(self.model)
-        pending = [
-            (x0 - x).add_(c.residual)
-            for x0, x, c in zip(self.start, self.flat.buffers, self.compressed, strict=True)
-        ]
-        means = self._mean_of_workers(pending) + self._mean_of_workers(stats)
+        deltas = [x0 - x for x0, x in zip(self.start, self.flat.buffers, strict=True)]
+        means = self._mean_of_workers(deltas) + self._mean_of_workers(stats)
         for x0, x, m in zip(self.start, self.flat.buffers, means[:k], strict=True):
             x0.sub_(m, alpha=self.cfg.outer_lr)
             x.copy_(x0)
         for b, m in zip(stats, means[k:], strict=True):
             b.copy_(m)
-        self.compressed = self._compressors()
         self.round_step = 0
 
     def grow(self, joined: bool) -> None:
