@@ -40,9 +40,8 @@ the round with one dense outer step over themselves, and keep their error feedba
 (:meth:`SparseLoCo.recover`). An exchange broken by the loss may have completed on some survivors only;
 the dense step then applies the round's sparse mean once more or once less for them, at most one round's
 code. What is lost is the lost worker's progress, which no one has. New workers (``fault_tolerance=heal``)
-join at a round's start with worker 0's x_start and e_i = 0 (they have made no
-progress); the others keep theirs (nothing was in flight). Checkpoints: DiLoCo's state, this worker's e_i
-and the bytes count.
+join at a round's start with worker 0's x_start and e_i = 0 (they have made no progress); the others keep
+theirs (nothing was in flight). Checkpoints: DiLoCo's state, this worker's e_i and the bytes count.
 """
 
 from __future__ import annotations
@@ -193,7 +192,7 @@ class SparseLoCo(DiLoCo):
         """The survivors end the round densely, once, and keep their error feedback.
 
         Worker 0's x_start and counts first, as DiLoCo's recovery; then x_start ← x_start − outer_lr ·
-        mean_i(x_start − x_i), the round's outer step over the survivors in float32 (one all-reduce a loss),
+        mean_i(x_start − x_i), the round's outer step over the survivors, uncompressed (one all-reduce a loss)
         and every survivor takes it and starts a new round. Each keeps its e_i, its own and full-size,
         which later rounds send as before. DiLoCo instead restarts the round and zeroes the error
         feedback, which early in a SparseLoCo run is most of a worker's progress (digits, 2 epochs:
