@@ -77,6 +77,12 @@ def faulted(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def failed_ranks(c: Any) -> list[int]:
+    """The ranks, in MPI communicator ``c``, of the processes this one knows died (acknowledged or not)."""
+    group = c.Get_failed()
+    return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), c.Get_group())
+
+
 def agreed(c: Any, flag: int) -> bool:
     """ULFM's agreement (``MPI_Comm_agree``) of ``flag`` over the living ranks of MPI communicator ``c``.
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.binding import MPI
-from runner.comm.errors import agreed, faulted
+from runner.comm.errors import agreed, failed_ranks, faulted
 from runner.comm.routes import load as load_routes
 from runner.comm.tags import WATCH
 
@@ -100,16 +100,13 @@ class Membership:
 
         Acknowledging them lets wildcard receives go on among the living."""
         self._c.Ack_failed()
-        group = self._c.Get_failed()
-        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
+        return failed_ranks(self._c)
 
     def failed_ids(self) -> list[int]:
         """The ids (:meth:`launch_rank`) of the members this process knows died, not acknowledged.
 
         A local call, safe beside another thread's call on this communicator."""
-        group = self._c.Get_failed()
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._c.Get_group())
-        return [self.launch_rank(r) for r in ranks]
+        return [self.launch_rank(r) for r in failed_ranks(self._c)]
 
     def lost_peers_ids(self) -> list[int]:
         """:meth:`lost_peers`, as ids in the job (:meth:`launch_rank`)."""

@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.comm.binding import MPI
-from runner.comm.errors import FAULTS, PeerLost, agreed
+from runner.comm.errors import FAULTS, PeerLost, agreed, failed_ranks
 from runner.comm.tags import SPARE
 
 #: How often a waiting spare looks for its call (the promotion's delay at most; its CPU is negligible).
 POLL_S = 0.02
-#: The split's order key of a promoted spare: after the members, before the servers (runner.comm.membership).
-PROMOTED_KEY = 1 << 20
 
 
 @dataclass
@@ -113,9 +111,7 @@ def wait(pool: Pool, beat: Callable[[], None]) -> str:
 
 def failed_ids(pool: Pool) -> list[int]:
     """The ids of the pool's ranks this process knows died."""
-    group = pool.c.Get_failed()
-    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), pool.c.Get_group())
-    return [pool.ids[r] for r in ranks]
+    return [pool.ids[r] for r in failed_ranks(pool.c)]
 
 
 def reform(
@@ -123,10 +119,12 @@ def reform(
 ) -> tuple[Any, list[int], list[int]]:
     """Collective over the pool's living ranks: shrink it, promote spares, split off the new world.
 
-    ``key``: a member's order in the new world (a spare: ignored); ``choose`` (the lowest member's): the
-    spares to promote, of the living ones. Returns the new world's MPI communicator (None on a spare left
-    waiting), the promoted ids, and the new world's ids by rank, found without a call: a loss right after
-    this surfaces in the job's next collective, which the members recover from.
+    ``key``: this rank's order in the new world (a spare's: the first promoted one's, the next ones count
+    on from it; ``runner.comm.membership.GROWN_KEY``, after the workers and before the servers).
+    ``choose`` (the lowest member's): the spares to promote, of the living ones. Returns the new world's MPI
+    communicator (None on a spare left waiting), the promoted ids, and the new world's ids by rank, found
+    without a call: a loss right after this surfaces in the job's next collective, which the members
+    recover from.
 
     Raises :class:`PeerLost` on every rank alike if a rank was lost in it; nobody was promoted then."""
     shrunk = pool.c.Shrink()
@@ -140,7 +138,7 @@ def reform(
             raise PeerLost("every member of the job was lost")
         chosen = shrunk.bcast(choose(living) if shrunk.Get_rank() == members[0] else None, members[0])
         promoted = pool.mine in chosen
-        order = PROMOTED_KEY + chosen.index(pool.mine) if promoted else key
+        order = key + chosen.index(pool.mine) if promoted else key
         new = shrunk.Split(0 if promoted or not pool.is_spare else 1, order)
         group = new.Get_group()
         ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), shrunk.Get_group())

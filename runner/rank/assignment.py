@@ -176,8 +176,8 @@ class Dealer:
                 self.ahead.append(self.pending[position])
             elif (ticket := self.base + position - len(self.pending)) < self.total:
                 self.ahead.append(ticket)
-        if self.block > 1:
-            self._publish()  # (one ticket at a time is published as the loader takes it, below)
+        if self.ahead:  # (published once: a ticket moved on to the loader or carried is held all the same)
+            self._publish()
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
@@ -186,11 +186,8 @@ class Dealer:
                 return
             if self.chunks.epoch_of(ticket) > self.epoch:
                 self.carry = ticket
-                self._publish()
                 return
             self.held.append(ticket)
-            if self.block == 1:
-                self._publish()
             yield from self.chunks.micro_batches(ticket)
 
     def steps_at(self, tickets: int) -> int:

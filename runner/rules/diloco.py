@@ -277,6 +277,15 @@ class DiLoCo(Rule):
         super().grow(joined)
         self.compressed = self._compressors()
 
+    def _take_worker_0s_rounds(self) -> None:
+        """Collective over the survivors of a loss: worker 0's x_start, outer momentum, counts and periods."""
+        for t in [*self.start, *self.momentum]:
+            self.workers.broadcast(t, root=0)
+        self.outer_steps, self.delta_norm, periods = self.workers.broadcast_object(
+            (self.outer_steps, self.delta_norm, self.periods.state_dict()), root=0
+        )
+        self.periods.load_state_dict(periods)
+
     def recover(self) -> None:
         """Make the survivors' round state worker 0's.
 
@@ -285,12 +294,7 @@ class DiLoCo(Rule):
         BatchNorm statistics averaged. The inner optimizers' states stay their own. From now on the mean is
         over the survivors; ``compress``'s error feedback starts anew."""
         self.compressed = self._compressors()
-        for t in [*self.start, *self.momentum]:
-            self.workers.broadcast(t, root=0)
-        self.outer_steps, self.delta_norm, periods = self.workers.broadcast_object(
-            (self.outer_steps, self.delta_norm, self.periods.state_dict()), root=0
-        )
-        self.periods.load_state_dict(periods)
+        self._take_worker_0s_rounds()
         if self.workers.allreduce_values([self.round_step], "min")[0] == self.periods.current:
             self.outer_step()
             return

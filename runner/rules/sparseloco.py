@@ -199,12 +199,7 @@ class SparseLoCo(DiLoCo):
         validation accuracy 0.21 against 0.67, which the collapse guard ended). Folding e_i in at once
         overshoots instead: it holds overlapping rounds' remainders, and two of four workers lost at once
         ended at a validation loss above chance."""
-        for t in self.start:
-            self.workers.broadcast(t, root=0)
-        self.outer_steps, self.delta_norm, periods = self.workers.broadcast_object(
-            (self.outer_steps, self.delta_norm, self.periods.state_dict()), root=0
-        )
-        self.periods.load_state_dict(periods)
+        self._take_worker_0s_rounds()  # (no outer momentum here: x_start and the counts)
         k, stats = len(self.start), float_buffers(self.model)
         deltas = [x0 - x for x0, x in zip(self.start, self.flat.buffers, strict=True)]
         means = self._mean_of_workers(deltas) + self._mean_of_workers(stats)

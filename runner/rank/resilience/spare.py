@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from runner.comm import spares
 from runner.comm.errors import PeerLost
+from runner.comm.mpi import GROWN_KEY
 from runner.hardware.topology import read_topology
 from runner.rank.placement import bind_threads
 
@@ -34,7 +35,7 @@ def stand_by(hw: HardwareConfig, launch: Comm, pool: spares.Pool, beat: Heartbea
         if spares.wait(pool, beat.progress) == "leave":
             return None
         try:
-            new, _, ids = spares.reform(pool, 0, None)
+            new, _, ids = spares.reform(pool, GROWN_KEY, None)
         except PeerLost:
             continue
         if new is not None:
