@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +27,11 @@ from runner.run_folder import (
 KILLED = re.compile(r"noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on\s+signal (\d+)")
 #: Open MPI's report of a rank that exited with a non-zero status without MPI_Abort.
 EXITED = re.compile(r"Process name:\s*\[.*?,(\d+)\]\s+Exit code:\s*(\d+)")
+#: Open MPI's own signal handler's report of a rank that crashed (SIGSEGV, SIGBUS, SIGABRT...): under ULFM it
+#: is the only trace of it, as mpirun then prints no "noticed that process rank" line.
+CRASHED = re.compile(
+    r"^\[(\S+):(\d+)\] \*\*\* Process received signal \*\*\*\n\[\1:\2\] Signal: ([^\n]*)", re.M
+)
 ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+)[^\n]*\n(?:.*\n)*?\s*Errorcode:\s*(\d+)")
 #: PRRTE's reports of a lost node: its daemon (``prted``) is gone or unreachable, and the job is ended (the
 #: second when the daemon's launch agent, ssh, ended with it).
@@ -76,18 +81,57 @@ def lost_node(run_dir: Path, node: str) -> Failure:
     return Failure(message, on_node[0] if on_node else None, cause)
 
 
-def unexplained(status: int, output: str = "") -> str:
+def unexplained(status: int, output: str = "", ranks_said: frozenset[str] = frozenset()) -> str:
     """The cause of a job that left nothing but mpirun's exit ``status`` and its ``output``.
 
     It is Open MPI's first message in the output, if any (why it did not start), with a hint where the message
-    names no fix."""
+    names no fix; else the output's last lines that no rank wrote to its log (``ranks_said``), which are
+    Open MPI's own."""
     if status < 0:
         return f"mpirun was killed by signal {-status} ({_signal_name(-status)})"
     if status > 0 and (said := HELP_TEXT.search(output)):
         text = " ".join(said.group(1).split())
         hints = [hint for phrase, hint in HINTS.items() if phrase in text]
         return f"mpirun exited with status {status}: {text[:400]}" + "".join(f" ({h})" for h in hints)
-    return f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
+    cause = f"the mpirun job exited with status {status} and no rank reported a cause (failed to start?)"
+    own = [line.strip() for line in output.splitlines() if line.strip() and line.strip() not in ranks_said]
+    if own and status != 0:
+        cause += "; Open MPI's last lines: " + " | ".join(own[-3:])[-400:]
+    return cause
+
+
+def _ranks_said(logs: Path) -> frozenset[str]:
+    """Every line the ranks wrote to their own logs (``logs/rank<r>.log``)."""
+    said: set[str] = set()
+    for path in logs.glob("rank*.log"):
+        try:
+            said.update(line.strip() for line in read_text(path, errors="replace").splitlines())
+        except OSError:
+            continue
+    return frozenset(said)
+
+
+def _crashed(
+    run_dir: Path, output: str, tolerated: Collection[int], causes: dict[int, str]
+) -> Failure | None:
+    """The first rank that Open MPI's signal handler reported crashed and the job did not go on without.
+
+    The rank is found by its pid in ``bindings.json``."""
+    pids = {r.get("pid"): r.get("rank") for r in read_json(run_dir / BINDINGS).get("ranks", [])}
+    for crash in CRASHED.finditer(output):
+        host, pid, signal_line = crash.group(1), int(crash.group(2)), crash.group(3).strip()
+        rank = pids.get(pid)
+        if rank in tolerated:
+            continue
+        cause = f"crashed: {signal_line}"
+        who = f"rank {rank}" if isinstance(rank, int) else "a rank"
+        also = _after([r for r in causes if r != rank])
+        return Failure(
+            f"{who} {cause}, pid {pid} on {host}{also}; Open MPI's backtrace is in {run_dir / MPIRUN_LOG}",
+            rank if isinstance(rank, int) else None,
+            cause,
+        )
+    return None
 
 
 def _signal_name(number: int) -> str:
@@ -173,6 +217,8 @@ def failure_report(
         return Failure(
             f"rank {rank} {cause}, pid {pid} on {node}{also}; its output is in {log}", int(rank), cause
         )
+    if crashed := _crashed(run_dir, output, tolerated, causes):
+        return crashed
     if causes:
         rank, cause = next(iter(causes.items()))
         if lost := SERVER_LOST.match(cause):  # the worker only noticed it
@@ -189,5 +235,5 @@ def failure_report(
     if aborted := ABORTED.search(output):
         cause = f"called MPI_Abort (error code {aborted.group(2)})"
         return Failure(f"rank {aborted.group(1)} {cause}; see {mpirun_log}", int(aborted.group(1)), cause)
-    cause = unexplained(status, output)
+    cause = unexplained(status, output, _ranks_said(logs))
     return Failure(f"{cause}; see {mpirun_log}", None, cause)

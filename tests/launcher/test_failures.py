@@ -136,6 +136,35 @@ def test_ranks_that_exited_or_aborted_without_a_word_are_named(tmp_path):
     assert failure_report(run_folder(tmp_path / "d"), -9).cause == "mpirun was killed by signal 9 (SIGKILL)"
 
 
+#: Open MPI's signal handler's report of a crashed rank (pid 4242), as mpirun.log has it under ULFM, where
+#: no "noticed that process rank" line follows.
+CRASHED = """epoch 0: val_loss 2.1
+[vm:4242] *** Process received signal ***
+[vm:4242] Signal: Segmentation fault (11)
+[vm:4242] Signal code:  (0)
+[vm:4242] [ 0] /lib/x86_64-linux-gnu/libc.so.6(+0x3c050)[0x7fdf80200050]
+[vm:4242] *** End of error message ***
+"""
+
+
+def test_a_rank_that_crashed_is_named_by_its_pid_unless_the_job_went_on_without_it(tmp_path):
+    folder = run_folder(tmp_path / "a", CRASHED, errors={0: "RuntimeError: peer gone (x.py:1)"})
+    ranks = [{"rank": 0, "pid": 100, "host": "vm"}, {"rank": 2, "pid": 4242, "host": "vm"}]
+    (folder / "bindings.json").write_text(json.dumps({"ranks": ranks}))
+    failure = failure_report(folder, 0)
+    assert failure.rank == 2 and failure.cause == "crashed: Segmentation fault (11)", failure
+    assert "pid 4242 on vm (rank 0 failed after it)" in failure.message
+    (folder / "logs" / "lost.json").write_text(json.dumps({"lost": [2]}))
+    assert failure_report(folder, 0).rank == 0, "a tolerated crash is not the job's cause"
+
+
+def test_an_end_no_rank_explains_quotes_open_mpis_last_lines_not_the_ranks(tmp_path):
+    folder = run_folder(tmp_path, "epoch 0: val_loss 2.1\nNBC_Progress: an error 75\n\nLAUNCHER JOB GONE\n")
+    (folder / "logs" / "rank0.log").write_text("epoch 0: val_loss 2.1\n")
+    cause = failure_report(folder, 255).cause
+    assert cause.endswith("Open MPI's last lines: NBC_Progress: an error 75 | LAUNCHER JOB GONE"), cause
+
+
 #: What Open MPI 5's mpirun printed when a killed mpirun's session files were in its way (exit 213).
 NOT_STARTED = """--------------------------------------------------------------------------
 The PMIx server's listener thread failed to start. We cannot
