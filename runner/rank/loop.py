@@ -225,10 +225,11 @@ class Trainer:
         return reported, self.tolerant(self.results, pos, epochs)
 
     def results(self, pos: Position, epochs: int) -> dict[str, Any]:
-        """Collective over the workers: the run's results.
+        """Collective over the workers: the rule's last exchanges (``Rule.finish``), then the results.
 
-        Called by :meth:`tolerant`: they come after the last checkpoint's job-wide barrier, which goes on
-        without a lost worker, while the workers' communicator still holds it."""
+        Called by :meth:`tolerant`, so both are done again after a recovery: they come after the last
+        checkpoint's job-wide barrier, which goes on without a lost worker, while the workers' communicator
+        still holds it."""
         v, fp16 = self.validator, self.scaler is not None
         control, dealer = self.control, self.dealer
         spent = {"agreement": control.seconds, "heartbeat": self.beat.seconds}
@@ -238,6 +239,7 @@ class Trainer:
             v.history, v.reported_prefix, self.monitor, self.stopped_early, fp16, v.val_count, v.val_bytes,
             spent, control.checkpointer.seconds,
         )  # fmt: skip
+        self.rule.finish()  # (not in end(): a loss in it may fail a probe on one survivor only)
         results = summary(outcome, epochs, pos.step, self.meter, self.guard, self.workers)
         settle(self.workers)  # (fault tolerance) all go on to the job-wide barrier after training, or none
         return results
@@ -372,7 +374,7 @@ class Trainer:
         return reported
 
     def end(self, pos: Position, epochs: int, start: Position) -> None:
-        """The end of training: the last agreement, the final checkpoint, the rule's last exchanges."""
+        """The end of training: the last agreement and the final checkpoint."""
         self.guard.check()
         self.control.close()
         self.validator.gather()  # a run stopped within an epoch
@@ -381,7 +383,6 @@ class Trainer:
                 self.meter.forget_epoch()
             self.save(self.cut or Position(pos.step, max(epochs, start.epoch), 0), True)
         settle(self.workers)  # (fault tolerance) all go on to the rule's last messages and results, or none
-        self.rule.finish()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
         """The loss of a micro-batch.

@@ -141,6 +141,7 @@ class ASGD(Rule):
         self.n_push, self.n_fetch = cfg.n_push, cfg.n_fetch
         self.policy, self.max_staleness = cfg.staleness, cfg.max_staleness
         self.pushes = self.fetches = 0
+        self.done_sent = False
         flat = FlatTensors(self.model.parameters())
         if len(flat.buffers) != 1:
             raise ValueError("rule=asgd needs all parameters of one dtype and device")
@@ -263,8 +264,9 @@ class ASGD(Rule):
     def finish(self) -> None:
         if not torch.equal(self.x, self.ref):
             self.push()
-        for server in self.server_ranks:
+        for server in self.server_ranks if not self.done_sent else []:
             self.comm.send(self.header, server, DONE)
+        self.done_sent = True  # (once: finish is called again after a recovery)
 
     def before_grow(self) -> None:
         """A fetch from every server.

@@ -150,7 +150,10 @@ class Rule:
         return {}
 
     def finish(self) -> None:
-        """Workers, once after training; must leave no message in flight."""
+        """Workers, after training; must leave no message in flight.
+
+        Called again after a recovery from a worker lost in it or in the results that follow: a message the
+        servers count (``done``) is sent once."""
 
     def before_checkpoint(self, step: int) -> None:
         """Workers, all at step ``step``: leave no message in flight; have the server ranks save."""

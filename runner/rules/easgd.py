@@ -122,7 +122,7 @@ class EASGD(Rule):
         self.solo_validation = cfg.asynchronous()  # worker 0 fetches the center alone
         self.exchanges = 0
         self.periods = Periods(cfg, cfg.tau)  # (``rule.period_schedule`` of tau)
-        self.served = 0
+        self.served, self.done_sent = 0, False
         self.center_model, self.center = self._init_center()
         self.local = None if self.is_server else FlatTensors(self.model.parameters())
 
@@ -198,8 +198,9 @@ class EASGD(Rule):
         return {"center_distance": mean_sq**0.5, "exchanges": self.exchanges}
 
     def finish(self) -> None:
-        if self.cfg.variant == "async":
+        if self.cfg.variant == "async" and not self.done_sent:
             self.comm.send(torch.zeros(1, dtype=torch.float64), self.server, DONE)
+        self.done_sent = True  # (once: finish is called again after a recovery)
 
     def before_checkpoint(self, step: int) -> None:
         """Async: tell the server; it saves the center once every worker's earlier exchanges are applied."""

@@ -92,3 +92,49 @@ def test_a_worker_lost_at_the_closing_meeting_is_recorded(tmp_path, case):
     deaths = {3: spans[3][-1]}
     results, _ = job(cfg, tmp_path / "killed", deaths, timeout=20)
     assert judge(case, results, deaths, synchronous=True) == []
+
+
+def test_a_worker_lost_while_another_makes_the_rules_last_probe(tmp_path, monkeypatch):
+    """GoSGD's last call after training is a probe, which fails on the one survivor that makes it after
+    the loss; the others notice the loss in the results' collectives. All must recover at the same place
+    (they once stood in different functions and the job failed)."""
+    import time
+
+    from runner.comm.errors import PeerLost
+    from runner.rank import loop
+    from runner.rules.gosgd import GoSGD
+
+    torch.set_num_threads(1)
+    late = []
+
+    def summary(*args, **kwargs):
+        workers = args[-1]
+        if workers.launch_rank() == 3:  # dies as it makes its first call of the results
+            with workers._w.cond:
+                workers._w.deaths[3] = workers._w.calls[3] + 1
+        return real_summary(*args, **kwargs)
+
+    def finish(self):
+        if self.comm.launch_rank() == 1 and not late:
+            probe = self.comm.iprobe
+
+            def slow(*args, **kwargs):
+                time.sleep(0.3)  # worker 3 reaches the results and dies meanwhile
+                try:
+                    return probe(*args, **kwargs)
+                except PeerLost:
+                    late.append(True)
+                    raise
+
+            self.comm.iprobe = slow
+        try:
+            real_finish(self)
+        finally:
+            self.comm.__dict__.pop("iprobe", None)
+
+    real_summary, real_finish = loop.summary, GoSGD.finish
+    monkeypatch.setattr(loop, "summary", summary)
+    monkeypatch.setattr(GoSGD, "finish", finish)
+    results, _ = job(config(cases()["gosgd"]), tmp_path, timeout=20)
+    assert late, "worker 1's probe did not fail: the draw did not happen as planned"
+    assert judge("gosgd", results, {3: 0}, synchronous=False) == []
