@@ -13,13 +13,14 @@ drawn training step (the last too), or after a validation began, or two workers 
 second worker while the first one's replacement joins. Survived: the job ended ok, every kill recorded as a
 loss, and as many workers at the end as the losses and joins leave. *healed*: from the kill to the end of
 the first step with 4 workers again. Failures print their seed and the command that replays them; ``--out``
-keeps every draw's row (JSON lines).
+keeps every draw's row (JSON lines), ``--keep DIR`` a failed draw's run folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -45,9 +46,18 @@ def early_seed(case: str, mode: str, last: int = 4) -> int:
 
 
 def battery(
-    cases_: list[str], modes: list[str], seeds: list[int], scratch: Path, out: Path | None, spares: int = 0
+    cases_: list[str],
+    modes: list[str],
+    seeds: list[int],
+    scratch: Path,
+    out: Path | None,
+    spares: int = 0,
+    keep: Path | None = None,
 ) -> list[Outcome]:
-    """Run every draw (``heal`` with ``spares`` warm spares); print one line per draw as it ends."""
+    """Run every draw (``heal`` with ``spares`` warm spares); print one line per draw as it ends.
+
+    ``keep``: a failed draw's run folder is copied there (its logs and the ranks' stacks: a rare failure
+    may not come back in a replay)."""
     done = []
     for case in cases_:
         for mode in modes:
@@ -58,6 +68,10 @@ def battery(
                 t0 = time.time()
                 o = run_draw(d, scratch / f"{case}-{mode}-{seed}")
                 done.append(o)
+                if keep is not None and o.problems:
+                    name = f"{case}-{mode}-{seed}"
+                    shutil.copytree(scratch / name, keep / name, dirs_exist_ok=True)
+                    (keep / name / "tail.txt").write_text(o.tail)
                 verdict = "ok" if not o.problems else "FAILED: " + "; ".join(o.problems)
                 verdict = "void (no kill came: the moment was past the run)" if o.void else verdict
                 heal = f", healed in {o.healed_s:.2f} s" if o.healed_s is not None else ""
@@ -100,6 +114,7 @@ def main() -> None:
     p.add_argument("--rules", nargs="*", default=None, help=f"of {sorted(cases())}")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--out", type=Path, help="append every draw's row here (JSON lines)")
+    p.add_argument("--keep", type=Path, help="copy a failed draw's run folder into this folder")
     p.add_argument("--smoke", action="store_true", help="one draw: BSP under heal, a worker lost early")
     p.add_argument("--spares", type=int, default=0, help="heal with this many warm spares (hardware.spares)")
     args = p.parse_args()
@@ -112,7 +127,7 @@ def main() -> None:
     if args.smoke:
         chosen, args.modes, seeds = ["bsp"], ["heal"], [early_seed("bsp", "heal")]
     with tempfile.TemporaryDirectory() as tmp:
-        outcomes = battery(chosen, args.modes, seeds, Path(tmp), args.out, args.spares)
+        outcomes = battery(chosen, args.modes, seeds, Path(tmp), args.out, args.spares, args.keep)
     table(outcomes)
     failed = [o for o in outcomes if o.problems]
     for o in failed:
