@@ -6,6 +6,10 @@ machine with ``simulate.ranks_per_node=1 simulate.link_gbps`` at the same rate.
     python benchmarks/links.py --rules bsp --rates 100mbit --steps 30
     python benchmarks/links.py --tcp-put        # Open MPI's default TCP BTL flags, with its put (see TCP)
     python benchmarks/links.py --smoke          # bsp at 100 Mbit/s, the default MLP, a few steps
+    python benchmarks/links.py --latency-ms 25 --rates 1gbit   # and 25 ms one way (50 ms round trip)
+
+``--latency-ms``: the real nodes are joined by the delaying forwarder (tests/cluster/delay.py, MTU 9000)
+instead of a bridge, and the emulated side gets ``simulate.link_latency_ms`` at the same value.
 
 The mean step time is taken over every step after the first three (DiLoCo exchanges every
 ``rule.inner_steps=4`` steps, so a median would miss its exchanges). Without root or network namespaces the
@@ -68,11 +72,13 @@ def job(rule: str, model: list[str], steps: int, tcp: list[str] = TCP) -> list[s
     ]
 
 
-def emulated(folder: Path, overrides: list[str], rate: str | None) -> float:
-    """Mean step ms on this machine, with links emulated at ``rate`` (None: none)."""
-    links = (
-        [] if rate is None else ["simulate.ranks_per_node=1", f"simulate.link_gbps={rate_bits(rate) / 1e9:g}"]
-    )
+def emulated(folder: Path, overrides: list[str], rate: str | None, latency_ms: float = 0.0) -> float:
+    """Mean step ms on this machine, with links emulated at ``rate`` (None: none) and ``latency_ms``."""
+    links = ["simulate.ranks_per_node=1"] if rate is not None or latency_ms else []
+    if rate is not None:
+        links.append(f"simulate.link_gbps={rate_bits(rate) / 1e9:g}")
+    if latency_ms:
+        links.append(f"simulate.link_latency_ms={latency_ms:g}")
     return step_ms(run_cli(folder, *overrides, *links, timeout=600))
 
 
@@ -96,8 +102,9 @@ def cell(
     """(real ms or None, emulated ms) of one job at one rate: medians over ``repeats`` runs of each side,
     the two alternating (``nodes`` None: the emulated side only)."""
     fakes, trues = [], []
+    latency_ms = 0.0 if nodes is None or nodes.latency_ms is None else float(nodes.latency_ms)
     for k in range(repeats):
-        fakes.append(emulated(folder / f"e{k}", overrides, rate))
+        fakes.append(emulated(folder / f"e{k}", overrides, rate, latency_ms))
         if nodes is not None:
             trues.append(real(nodes, folder / f"r{k}", overrides, rate))
         shown = f"{trues[-1]:.1f}" if trues else "-"
@@ -112,7 +119,7 @@ def measure(args: argparse.Namespace, model: list[str]) -> list[tuple[str, str, 
     if reason:
         print(f"real links left out: {reason}")
     rows = []
-    nodes = None if reason else Nodes.up(2)
+    nodes = None if reason else Nodes.up(2, latency_ms=args.latency_ms)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i, (rule, rate) in enumerate((r, s) for r in args.rules for s in [None, *args.rates]):
@@ -147,6 +154,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side per cell (medians)")
     parser.add_argument("--tcp-put", action="store_true", help="Open MPI's default TCP flags (PUT)")
     parser.add_argument("--smoke", action="store_true", help="bsp at 100 Mbit/s, the default MLP, 8 steps")
+    parser.add_argument("--latency-ms", type=float, default=None, help="each node's one-way latency")
     args = parser.parse_args()
     args.rules, args.rates = args.rules.split(","), args.rates.split(",")
     model = MLP

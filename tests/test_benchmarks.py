@@ -24,9 +24,9 @@ BENCHMARKS = ROOT / "benchmarks"
 #: Modules in benchmarks/ that the benchmarks import, not benchmarks themselves.
 HELPERS = {"mpijob"}
 #: Benchmarks that measure in this process: every other one starts mpirun (itself, or through runner jobs).
-IN_PROCESS = {"precision", "reliability", "scaling_model"}
+IN_PROCESS = {"forwarder", "precision", "reliability", "scaling_model"}
 #: Benchmarks on namespaced test nodes (root): in the cluster tier too, skipped where nodes cannot be made.
-ON_NODES = {"many_ranks"}
+ON_NODES = {"forwarder", "many_ranks"}
 TIMEOUT = 120
 
 NUM = r"-?\d+(?:\.\d+)?(?:e[+-]\d+)?"
@@ -59,6 +59,14 @@ RESULT = {
         for kind in ("staged MPI fp32", "NCCL fp32", "NCCL bf16")
     ],
     # the cells are right-aligned: under 100 s a total is padded after "="
+    "forwarder": [
+        rf"^\| {link} \| {NUM} \| {NUM} \| {NUM} \| {frames} \|$"
+        for link, frames in (
+            ("bridge", "-"),
+            ("forwarder, no latency", r"[\d,]+"),
+            ("forwarder, 25 ms", r"[\d,]+"),
+        )
+    ],
     "heldout_accuracy": [
         rf"^digits   one process\s+{NUM}\s+{NUM}$",
         rf"^digits   asgd\s+{NUM}\s+[+-]{NUM}\s+{NUM}$",

@@ -136,14 +136,17 @@ def slurm_cluster(cluster: Nodes) -> Nodes:
 
 @pytest.fixture
 def make_nodes() -> Iterator[Callable[..., Nodes]]:
-    """Call as ``make_nodes(n, slurm=False, cpus=2)`` for a cluster of this test's own, torn down after it."""
+    """Call as ``make_nodes(n, slurm=False, cpus=2, latency_ms=None)`` for a cluster of this test's own, torn
+    down after it."""
     require_nodes()
     made: list[Nodes] = []
 
-    def make(n: int, slurm: bool = False, cpus: int = 2) -> Nodes:
+    def make(
+        n: int, slurm: bool = False, cpus: int = 2, latency_ms: float | list[float] | None = None
+    ) -> Nodes:
         if slurm:
             require_slurm()
-        nodes = Nodes.up(n, slurm=slurm, cpus=cpus)
+        nodes = Nodes.up(n, slurm=slurm, cpus=cpus, latency_ms=latency_ms)
         print(
             f"test nodes {nodes.tag}: {n} up{' with Slurm' if slurm else ''} in {nodes.timings['up']:.2f} s"
         )

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.cluster import delay
+
 HERE = Path(__file__).resolve().parent
 #: PRRTE's launch agent (the nodes' "ssh"), for ``PRTE_MCA_plm_ssh_agent``.
 AGENT = HERE / "agent"
@@ -333,8 +335,10 @@ class Nodes:
     fail things with :meth:`kill_ranks`, :meth:`kill_node`, :meth:`cut`, :meth:`rate`; :meth:`down` ends all.
     """
 
-    def __init__(self, tag: str, n: int, cpus: int = 2):
+    def __init__(self, tag: str, n: int, cpus: int = 2, latency_ms: float | list[float] | None = None):
         self.tag = tag
+        self.latency_ms = latency_ms  # None: a bridge; else the delaying forwarder (tests/cluster/delay.py)
+        self.forwarder: subprocess.Popen | None = None
         self.names = [f"{tag}n{i}" for i in range(1, n + 1)]
         self.addrs = [f"{SUBNET}.{i}" for i in range(1, n + 1)]
         self.switch = f"{tag}sw"
@@ -352,8 +356,13 @@ class Nodes:
     # --- bring-up ---------------------------------------------------------------------------------------
 
     @classmethod
-    def up(cls, n: int, slurm: bool = False, cpus: int = 2) -> Nodes:
-        """Bring up ``n`` nodes (``slurm``: with slurmctld on node 1 and a slurmd per node, ``cpus`` each)."""
+    def up(
+        cls, n: int, slurm: bool = False, cpus: int = 2, latency_ms: float | list[float] | None = None
+    ) -> Nodes:
+        """Bring up ``n`` nodes (``slurm``: with slurmctld on node 1 and a slurmd per node, ``cpus`` each).
+
+        ``latency_ms``: each node's one-way latency (one value, or one per node), held by the delaying
+        forwarder in place of the bridge (:mod:`tests.cluster.delay`; MTU 9000); :meth:`latency` sets it."""
         if not isinstance(n, int) or not 1 <= n <= 250:
             raise ValueError(f"n={n!r}: the number of nodes must be an int from 1 to 250")
         if not isinstance(cpus, int) or cpus < 1:
@@ -365,7 +374,7 @@ class Nodes:
             raise RuntimeError(f"test nodes with Slurm need {', '.join(slurm_missing())}")
         t0 = time.monotonic()
         sweep_stale()
-        self = cls(cls._claim_tag(), n, cpus)
+        self = cls(cls._claim_tag(), n, cpus, latency_ms)
         atexit.register(self.down)
         try:
             self._write_owner()
@@ -407,32 +416,21 @@ class Nodes:
         self.scratch.mkdir(mode=0o755)
 
     def _make_network(self) -> None:
-        ip, sw = _tool("ip"), self.switch
+        ip, sw, bridged = _tool("ip"), self.switch, self.latency_ms is None
         _sh(ip, "netns", "add", sw)
-        _sh(ip, "-n", sw, "link", "add", "br0", "type", "bridge")
         _sh(ip, "-n", sw, "link", "set", "lo", "up")
-        _sh(ip, "-n", sw, "link", "set", "br0", "up")
+        if bridged:
+            _sh(ip, "-n", sw, "link", "add", "br0", "type", "bridge")
+            _sh(ip, "-n", sw, "link", "set", "br0", "up")
         hosts = "127.0.0.1 localhost\n" + "".join(
             f"{a} {n}\n" for a, n in zip(self.addrs, self.names, strict=True)
         )
         ETC_NETNS.mkdir(exist_ok=True)
         for name, addr in zip(self.names, self.addrs, strict=True):
             _sh(ip, "netns", "add", name)
-            _sh(
-                ip,
-                "link",
-                "add",
-                "eth0",
-                "netns",
-                name,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                f"{name}p",
-                "netns",
-                sw,
-            )
+            if bridged:
+                peer = ("peer", "name", f"{name}p", "netns", sw)
+                _sh(ip, "link", "add", "eth0", "netns", name, "type", "veth", *peer)
             _sh(
                 ip,
                 "netns",
@@ -443,15 +441,20 @@ class Nodes:
                 "net.ipv6.conf.all.disable_ipv6=1",
                 "net.ipv6.conf.default.disable_ipv6=1",
             )
-            _sh(ip, "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
             _sh(ip, "-n", name, "link", "set", "lo", "up")
-            _sh(ip, "-n", name, "link", "set", "eth0", "up")
-            _sh(ip, "-n", sw, "link", "set", f"{name}p", "master", "br0", "up")
+            if bridged:
+                _sh(ip, "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
+                _sh(ip, "-n", name, "link", "set", "eth0", "up")
+                _sh(ip, "-n", sw, "link", "set", f"{name}p", "master", "br0", "up")
             uts = self._uts(name)
             uts.touch()
             _sh(_tool("unshare"), f"--uts={uts}", _tool("hostname"), name)
             (ETC_NETNS / name).mkdir()
             (ETC_NETNS / name / "hosts").write_text(hosts)
+        if not bridged:
+            control = self.scratch / "forwarder"
+            self.forwarder = delay.start(ip, sw, self.names, self.addrs, control, self.latency_ms)
+            self._daemons.append(self.forwarder)
 
     def _uts(self, name: str) -> Path:
         return self.run_dir / "uts" / name
@@ -713,11 +716,27 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
 
     def cut(self, node: int | str) -> None:
         """Unplug ``node``: its port on the switch goes down (undo with :meth:`restore`)."""
-        _sh(_tool("ip"), "-n", self.switch, "link", "set", f"{self.node(node)}p", "down")
+        self._plug(node, False)
 
     def restore(self, node: int | str) -> None:
         """Plug ``node`` back in: its port on the switch goes up."""
-        _sh(_tool("ip"), "-n", self.switch, "link", "set", f"{self.node(node)}p", "up")
+        self._plug(node, True)
+
+    def _plug(self, node: int | str, up: bool) -> None:
+        name = self.node(node)
+        if self.forwarder is None:
+            _sh(_tool("ip"), "-n", self.switch, "link", "set", f"{name}p", "up" if up else "down")
+            return
+        control = self.scratch / "forwarder"
+        down = set(json.loads((control / "control.json").read_text())["down"])
+        port = self.names.index(name)
+        delay.set_control(self.forwarder, control, down=down - {port} if up else down | {port})
+
+    def latency(self, latency_ms: float | list[float]) -> None:
+        """Set the nodes' one-way latencies (one value or one per node) at once (nodes up with a latency)."""
+        if self.forwarder is None:
+            raise ValueError("latency: these nodes are joined by a bridge; bring them up with latency_ms=")
+        delay.set_control(self.forwarder, self.scratch / "forwarder", latency_ms=latency_ms)
 
     def rate(self, node: int | str, rate: str | None) -> None:
         """Limit ``node``'s egress to ``rate`` (tc tbf, e.g. ``"1gbit"``, ``"100mbit"``); None removes it."""
