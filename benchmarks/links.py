@@ -7,6 +7,7 @@ machine with ``simulate.ranks_per_node=1 simulate.link_gbps`` at the same rate.
     python benchmarks/links.py --tcp-put        # Open MPI's default TCP BTL flags, with its put (see TCP)
     python benchmarks/links.py --smoke          # bsp at 100 Mbit/s, the default MLP, a few steps
     python benchmarks/links.py --latency-ms 25 --rates 1gbit   # and 25 ms one way (50 ms round trip)
+    python benchmarks/links.py --latency-ms 25 --rates 1gbit --set rule.bucket_mb=64   # overrides, both sides
 
 ``--latency-ms``: the real nodes are joined by the delaying forwarder (tests/cluster/delay.py, MTU 9000)
 instead of a bridge, and the emulated side gets ``simulate.link_latency_ms`` at the same value.
@@ -122,9 +123,10 @@ def measure(args: argparse.Namespace, model: list[str]) -> list[tuple[str, str, 
     nodes = None if reason else Nodes.up(2, latency_ms=args.latency_ms)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for i, (rule, rate) in enumerate((r, s) for r in args.rules for s in [None, *args.rates]):
+            free = [] if args.latency_ms else [None]  # (the emulation has no latency without a rate)
+            for i, (rule, rate) in enumerate((r, s) for r in args.rules for s in [*free, *args.rates]):
                 print(rule, flush=True)
-                overrides = job(rule, model, args.steps, PUT if args.tcp_put else TCP)
+                overrides = [*job(rule, model, args.steps, PUT if args.tcp_put else TCP), *args.set]
                 true, fake = cell(nodes, Path(tmp) / str(i), overrides, rate, args.repeats)
                 rows.append((rule, rate or "free", true, fake))
     finally:
@@ -155,6 +157,7 @@ def main() -> None:
     parser.add_argument("--tcp-put", action="store_true", help="Open MPI's default TCP flags (PUT)")
     parser.add_argument("--smoke", action="store_true", help="bsp at 100 Mbit/s, the default MLP, 8 steps")
     parser.add_argument("--latency-ms", type=float, default=None, help="each node's one-way latency")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides for both sides' jobs")
     args = parser.parse_args()
     args.rules, args.rates = args.rules.split(","), args.rates.split(",")
     model = MLP

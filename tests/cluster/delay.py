@@ -33,6 +33,9 @@ from pathlib import Path
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
 MTU = 9000  # jumbo frames: a sixth of the frames per byte, so the forwarder's own cost stays small
+#: TCP buffers of up to 32 MB, as hosts on long links are tuned: with the kernel's 4 MB one stream made
+#: 440 Mbit/s at a 50 ms round trip (the window over the round trip), with these 1.5 Gbit/s.
+WINDOWS = ("net.ipv4.tcp_wmem=4096 16384 33554432", "net.ipv4.tcp_rmem=4096 131072 33554432")
 IDLE_S = 0.05  # the longest wait for a frame (a reload or a stats write waits at most this)
 
 
@@ -165,6 +168,7 @@ def start(
             ["-n", name, "link", "set", "eth0", "mtu", str(mtu)],
             ["-n", name, "addr", "add", f"{addr}/24", "dev", "eth0"],
             ["-n", name, "link", "set", "eth0", "up"],
+            ["netns", "exec", name, "sysctl", "-qw", *WINDOWS],
         )
         for step in steps:
             subprocess.run([ip, *step], check=True, capture_output=True, timeout=30)
