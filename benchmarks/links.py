@@ -39,7 +39,7 @@ from tests.conftest import Run, run_cli  # noqa: E402
 #: 1.05x one way). Unbound, as on nodes with cores of their own: 1.02x.
 UNBOUND = ["hardware.bind=none"]
 #: Per rule: overrides that make it exchange within a short run.
-RULES = {"bsp": [], "diloco": ["rule.inner_steps=4"]}
+RULES = {"bsp": [], "diloco": ["rule.inner_steps=4"], "gosgd": ["rule.p=0.5"]}
 #: Open MPI's ring all-reduce, which the emulation prices (its default for 2 ranks took twice the ring's time
 #: over 100 Mbit/s links: the buffer one way, then back).
 RING = ["+hardware.mca.coll_tuned_use_dynamic_rules=1", "+hardware.mca.coll_tuned_allreduce_algorithm=4"]
