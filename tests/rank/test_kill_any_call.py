@@ -138,3 +138,41 @@ def test_a_worker_lost_while_another_makes_the_rules_last_probe(tmp_path, monkey
     results, _ = job(config(cases()["gosgd"]), tmp_path, timeout=20)
     assert late, "worker 1's probe did not fail: the draw did not happen as planned"
     assert judge("gosgd", results, {3: 0}, synchronous=False) == []
+
+
+@pytest.mark.parametrize("case", ["asgd", "easgd-async", "async_diloco"])
+def test_a_worker_lost_after_its_last_message_leaves_the_server_whole(tmp_path, monkeypatch, case):
+    """A server, every worker done, probes that nothing was left unread; a worker that died after its last
+    message (in the results), between the server's acknowledging the losses and that probe, made the probe
+    fail and the server end with PeerLost, and the job with it."""
+    import threading
+    import time
+
+    from runner.rank import loop
+    from tests.helpers.lossy import LossyComm
+
+    torch.set_num_threads(1)
+    acked, dying = threading.Event(), threading.Event()
+
+    def summary(*args, **kwargs):
+        workers = args[-1]
+        if workers.launch_rank() == 3:  # after its DONE: dies once the server acknowledged, at its next call
+            assert acked.wait(10), "the server never came to its last probe"
+            with workers._w.cond:
+                workers._w.deaths[3] = workers._w.calls[3] + 1
+            dying.set()
+        return real_summary(*args, **kwargs)
+
+    def lost_peers(self):
+        found = real_lost_peers(self)
+        if self.launch_rank() == 4 and not acked.is_set():  # the server, before its last probe
+            acked.set()
+            assert dying.wait(10)
+            time.sleep(0.2)  # (worker 3 makes its call)
+        return found
+
+    real_summary, real_lost_peers = loop.summary, LossyComm.lost_peers
+    monkeypatch.setattr(loop, "summary", summary)
+    monkeypatch.setattr(LossyComm, "lost_peers", lost_peers)
+    results, _ = job(config(cases()[case]), tmp_path, timeout=20)
+    assert judge(case, results, {3: 0}, synchronous=False) == []
