@@ -32,7 +32,7 @@ def frames(nodes: Nodes) -> int | None:
     if nodes.forwarder is None:
         return None
     time.sleep(1.1)
-    return json.loads((nodes.scratch / "forwarder" / "stats.json").read_text())["frames_out"]
+    return json.loads((nodes.control / "stats.json").read_text())["frames_out"]
 
 
 def link(latency_ms: float | None, pings: int, mb: int) -> tuple[float, float, float | None]:

@@ -58,7 +58,6 @@ RESULT = {
         rf"^\| alexnet \| {kind} \| 1 \| 8 \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$"
         for kind in ("staged MPI fp32", "NCCL fp32", "NCCL bf16")
     ],
-    # the cells are right-aligned: under 100 s a total is padded after "="
     "forwarder": [
         rf"^\| {link} \| {NUM} \| {NUM} \| {NUM} \| {frames} \|$"
         for link, frames in (
@@ -67,6 +66,7 @@ RESULT = {
             ("forwarder, 25 ms", r"[\d,]+"),
         )
     ],
+    # the cells are right-aligned: under 100 s a total is padded after "="
     "heldout_accuracy": [
         rf"^digits   one process\s+{NUM}\s+{NUM}$",
         rf"^digits   asgd\s+{NUM}\s+[+-]{NUM}\s+{NUM}$",

@@ -264,9 +264,10 @@ class ASGD(Rule):
     def finish(self) -> None:
         if not torch.equal(self.x, self.ref):
             self.push()
-        for server in self.server_ranks if not self.done_sent else []:
-            self.comm.send(self.header, server, DONE)
-        self.done_sent = True  # (once: finish is called again after a recovery)
+        if not self.done_sent:  # (once: finish is called again after a recovery)
+            for server in self.server_ranks:
+                self.comm.send(self.header, server, DONE)
+        self.done_sent = True
 
     def before_grow(self) -> None:
         """A fetch from every server.

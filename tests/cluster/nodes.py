@@ -339,6 +339,7 @@ class Nodes:
         self.tag = tag
         self.latency_ms = latency_ms  # None: a bridge; else the delaying forwarder (tests/cluster/delay.py)
         self.forwarder: subprocess.Popen | None = None
+        self.cut_ports: set[int] = set()  # (the forwarder's ports down: nodes cut)
         self.names = [f"{tag}n{i}" for i in range(1, n + 1)]
         self.addrs = [f"{SUBNET}.{i}" for i in range(1, n + 1)]
         self.switch = f"{tag}sw"
@@ -452,8 +453,7 @@ class Nodes:
             (ETC_NETNS / name).mkdir()
             (ETC_NETNS / name / "hosts").write_text(hosts)
         if not bridged:
-            control = self.scratch / "forwarder"
-            self.forwarder = delay.start(ip, sw, self.names, self.addrs, control, self.latency_ms)
+            self.forwarder = delay.start(ip, sw, self.names, self.addrs, self.control, self.latency_ms)
             self._daemons.append(self.forwarder)
 
     def _uts(self, name: str) -> Path:
@@ -727,16 +727,20 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
         if self.forwarder is None:
             _sh(_tool("ip"), "-n", self.switch, "link", "set", f"{name}p", "up" if up else "down")
             return
-        control = self.scratch / "forwarder"
-        down = set(json.loads((control / "control.json").read_text())["down"])
         port = self.names.index(name)
-        delay.set_control(self.forwarder, control, down=down - {port} if up else down | {port})
+        self.cut_ports = self.cut_ports - {port} if up else self.cut_ports | {port}
+        delay.set_control(self.forwarder, self.control, down=self.cut_ports)
 
     def latency(self, latency_ms: float | list[float]) -> None:
         """Set the nodes' one-way latencies (one value or one per node) at once (nodes up with a latency)."""
         if self.forwarder is None:
             raise ValueError("latency: these nodes are joined by a bridge; bring them up with latency_ms=")
-        delay.set_control(self.forwarder, self.scratch / "forwarder", latency_ms=latency_ms)
+        delay.set_control(self.forwarder, self.control, latency_ms=latency_ms)
+
+    @property
+    def control(self) -> Path:
+        """The delaying forwarder's folder: its ``control.json``, ``stats.json`` and log."""
+        return self.scratch / "forwarder"
 
     def rate(self, node: int | str, rate: str | None) -> None:
         """Limit ``node``'s egress to ``rate`` (tc tbf, e.g. ``"1gbit"``, ``"100mbit"``); None removes it."""
