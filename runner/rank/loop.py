@@ -181,8 +181,8 @@ class Trainer:
         crew = Crew(
             self.workers, self.rule, self.state, self.pace, self.validator, self.control, self.meter, self.log
         )
-        self.survivors = Survivors(crew, self.save)  # what recovery asks (fault tolerance)
         self.growth = Growth(recovery, crew, self.model, self.tolerant)  # the job grows (heal, RUN_DIR/JOIN)
+        self.survivors = Survivors(crew, self.save, self.growth)  # what recovery asks (fault tolerance)
 
     def fit(self, max_steps: int, epochs: int, start: Position) -> tuple[nn.Module, dict[str, Any]]:
         """Train from ``start``; returns the model the run reports and the results.

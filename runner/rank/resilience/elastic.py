@@ -99,6 +99,10 @@ class Elastic:
         #: Within MPI_Comm_spawn and the new workers' settling in: a rank lost then may leave another rank
         #: waiting in the spawn for good (ULFM does not interrupt it), and the survivors' shrink with it.
         self.spawning = False
+        #: Every worker agreed to grow and is in the growth (a loss from here on is recovered from within it,
+        #: and the growth done again); until :class:`~runner.rank.resilience.growth.Growth` has welcomed
+        #: the new workers.
+        self.under_way = False
         #: Workers promoted or spawned into the job and not yet welcomed (:meth:`record`): one lost then is a
         #: replacement that never trained, whose loss leaves the one it replaced still to replace.
         self.arriving: list[int] = []
@@ -120,6 +124,7 @@ class Elastic:
             # barrier: one a worker lost in it had entered could let some go on to the spawn, the others
             # to recover, each waiting for the other
             self.workers.agree()
+            self.under_way = True
             # every worker tells each server (after its other messages), not worker 0 alone: one lost after
             # the agreement would leave the servers serving while the others wait for them in the shrink
             # (the server grows at the first; the others' stay on the world it replaces)

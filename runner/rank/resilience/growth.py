@@ -29,6 +29,7 @@ class Growth:
         self.recovery, self.crew, self.model, self.retry = recovery, crew, model, retry
         self.due = 0  # workers to add at the next step's start
         self.noted = 0  # the lost workers to replace when the workers agreed to grow
+        self.carried = 0  # RUN_DIR/JOIN's workers agreed before a loss put their growth off (:meth:`put_off`)
 
     def note(self, decision: Decision) -> None:
         """At an agreement: the workers to add at the next step's start; the same on every worker.
@@ -36,7 +37,25 @@ class Growth:
         Lost ones to replace, and those ``RUN_DIR/JOIN`` asks for."""
         recovery = self.recovery
         if decision.polled and recovery is not None and recovery.elastic is not None:
-            self.due, self.noted = decision.join + recovery.heal_pending, recovery.heal_pending
+            self.due = decision.join + self.carried + recovery.heal_pending
+            self.noted, self.carried = recovery.heal_pending, 0
+
+    def joins_agreed(self) -> int:
+        """The workers ``RUN_DIR/JOIN`` asked for that the workers agreed to add and have not added yet."""
+        return self.carried + max(self.due - self.noted, 0)
+
+    def put_off(self, joins: int) -> None:
+        """After a loss, on every survivor: a growth agreed and not under way waits for the next agreement.
+
+        ``joins``: the most :meth:`joins_agreed` of any survivor. The survivors may stand at different
+        places (dynamic assignment: one whose draws are spent at its next meeting, another at its next step;
+        one past the agreement, one not yet there), so one growing at once would wait for the others in
+        another collective. The recovery forces an agreement, which every survivor reaches: the growth is
+        agreed again there, for the lost workers too (:attr:`Recovery.heal_pending`)."""
+        elastic = self.recovery.elastic if self.recovery is not None else None
+        if elastic is None or elastic.under_way:  # (every survivor is in the growth: it is done again now)
+            return
+        self.carried, self.due, self.noted = joins, 0, 0
 
     def if_due(self, pos: Position, mid_epoch: bool) -> None:
         """Grow the job when the workers agreed to and the rule is ready (DiLoCo: at a round's start)."""
@@ -46,12 +65,15 @@ class Growth:
     def grow(self, pos: Position, mid_epoch: bool) -> None:
         """Collective over the workers and servers: spawn the new workers into the job and welcome them."""
         start, recovery = time.time(), self.recovery
+        if not self.due and not recovery.elastic.under_way:
+            return  # a loss put it off (:meth:`put_off`) before every worker was in it
         self.crew.control.close()  # the agreement in flight (every worker started it)
         self.crew.rule.before_grow()
         # (workers lost since the agreement, in a growth they cut short: replaced too, the same on every one)
         ids = recovery.elastic.grow(self.due + recovery.heal_pending - self.noted, near=recovery.heal_hosts)
         self.due, self.noted, recovery.heal_pending, recovery.heal_hosts = 0, 0, 0, []
         self.welcome(pos, mid_epoch, joined=False)
+        recovery.elastic.under_way = False
         refusal = recovery.elastic.refusal
         if refusal and self.crew.workers.rank == 0:
             self.crew.meter.echo(f"warning: {refusal}")

@@ -71,6 +71,14 @@ class Survivor(Protocol):
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
 
+    def joins_agreed(self) -> int:
+        """The workers ``RUN_DIR/JOIN`` asked for that the workers agreed to add and have not added yet."""
+
+    def put_off_growth(self, joins: int) -> None:
+        """A growth agreed and not under way waits for the agreement the recovery forces.
+
+        ``joins``: the most :meth:`joins_agreed` of any survivor."""
+
     def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: TextIO) -> None:
         """Record the loss in the run's records and on the console (the new rank 0 takes them over)."""
 
@@ -179,8 +187,10 @@ class Recovery:
                 f"hardware.min_workers={self.min_workers}; the job ends, resume=RUN_DIR continues it from "
                 "its last checkpoint"
             ) from None
-        next_poll = self.workers.allreduce_values([trainer.agreement_after(pos.step)], "max")[0]
+        wanted = [trainer.agreement_after(pos.step), trainer.joins_agreed()]
+        next_poll, joins = self.workers.allreduce_values(wanted, "max")
         trainer.rejoin(self.val_loader(self.workers.rank, self.workers.size), int(next_poll), before, lost)
+        trainer.put_off_growth(int(joins))
 
     def shrink(self) -> list[int]:
         """Shrink the workers' communicator to the survivors; the lost ones' ids.

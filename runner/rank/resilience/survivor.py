@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from runner.comm.face import CommLike
     from runner.rank.resilience.crew import Crew
+    from runner.rank.resilience.growth import Growth
     from runner.rank.state import Position
 
 
@@ -20,8 +21,8 @@ class Survivors:
     Recovery calls these, collectively over the surviving workers, wherever they were when the loss
     surfaced. ``save(pos, end)``: the loop's checkpoint."""
 
-    def __init__(self, crew: Crew, save: Callable[[Position, bool], None]):
-        self.crew, self._save = crew, save
+    def __init__(self, crew: Crew, save: Callable[[Position, bool], None], growth: Growth):
+        self.crew, self._save, self.growth = crew, save, growth
 
     @property
     def synchronous(self) -> bool:
@@ -58,6 +59,14 @@ class Survivors:
     def agreement_after(self, step: int) -> int:
         """The first step after ``step`` at which the workers agree on checkpoints and stops."""
         return self.crew.pace.agreement_after(step)
+
+    def joins_agreed(self) -> int:
+        """The workers ``RUN_DIR/JOIN`` asked for that the workers agreed to add and have not added yet."""
+        return self.growth.joins_agreed()
+
+    def put_off_growth(self, joins: int) -> None:
+        """A growth agreed and not under way waits for the agreement the recovery forces."""
+        self.growth.put_off(joins)
 
     def record_failure(self, step: int, lost: list[int], seconds: float, line: str, terminal: TextIO) -> None:
         """Record the loss in the run's records and on the console (the new rank 0 takes them over)."""
