@@ -15,11 +15,22 @@ validation and at the end the workers reach quiescence (they sum up how many pus
 drain until all have arrived), then compute x̄ and its spread sqrt(Σ_i a_i·|x_i − x̄|²), which pushes can
 only decrease. ``comm_dtype: bf16|fp16`` pushes x_i as a 16-bit copy (the weights stay float64); the merge is
 computed in float32, so x̄ moves by at most the copy's rounding, a_i/(a_i + a_j) of it, per push.
+
+``peers: by_link`` draws the peer by how fast the link to it is: each worker keeps, per peer, a running mean
+of the seconds its receives of that peer's pushes took (the transfer over the pair's links, which is taken to
+cost the same both ways; under ``simulate.link_gbps``, the emulated links). A peer whose mean exceeds
+``slow_factor`` times the median of the peers measured (and :data:`FLOOR_S`) is drawn with its weight scaled
+by median/mean (behind a link 20× slower, 1/20 as often), the others alike; while no peer is slow the draw is
+``uniform``'s, number for number. Any choice of peer keeps x̄ and Σ a_i (push-sum's invariants); only how
+fast the workers mix changes. The means follow timing, so a ``by_link`` run where a peer turns slow does not
+replay bit for bit.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,14 +49,60 @@ else:
     torch = lazy_import("torch")
 
 
+#: How a worker draws the peer it pushes to.
+PEERS = ("uniform", "by_link")
+#: The weight of a push's seconds in its peer's running mean (a single stall moves the mean a quarter).
+EMA = 0.25
+#: The clock a push's receive is timed by.
+clock = time.perf_counter
+#: Receives under this many seconds are on time whatever the others' (their jitter is not a link's speed).
+FLOOR_S = 0.002
+
+
+def peer_weights(me: int, push_s: list[float], slow_factor: float) -> list[float]:
+    """How likely ``me`` draws each worker, unnormalized: 1, a slow peer median/mean, itself 0.
+
+    ``push_s``: the running mean of the seconds a push from each worker took to receive (0: not measured,
+    not slow)."""
+    measured = [s for j, s in enumerate(push_s) if j != me and s > 0]
+    median = max(statistics.median_low(measured), FLOOR_S) if measured else 0.0
+    slow = slow_factor * median
+    return [0.0 if j == me else (median / s if s > slow else 1.0) for j, s in enumerate(push_s)]
+
+
+def choose_peer(rng: random.Random, me: int, push_s: list[float], slow_factor: float) -> int:
+    """A peer of ``me`` by :func:`peer_weights`: ``uniform``'s draw, number for number, while none is slow."""
+    weights = peer_weights(me, push_s, slow_factor)
+    if all(w == 1.0 for j, w in enumerate(weights) if j != me):
+        peer = rng.randrange(len(weights) - 1)
+        return peer + (peer >= me)
+    pick = rng.random() * sum(weights)
+    for j, w in enumerate(weights):
+        pick -= w
+        if pick < 0 and w > 0:
+            return j
+    return max(j for j, w in enumerate(weights) if w > 0)  # (rounding at the top end)
+
+
 @dataclass
 class GoSGDConfig(RuleConfig):
     p: float = 0.02
     seed: int = 0
     max_inflight: int = 4
+    peers: str = "uniform"
+    slow_factor: float = 4.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(
+            self.peers in PEERS, "peers", self.peers, f"one of {', '.join(PEERS)} (by_link: slow links less)"
+        )
+        require(
+            self.slow_factor > 1,
+            "slow_factor",
+            self.slow_factor,
+            "a peer is slow past this many times the peers' median seconds per push, > 1 (e.g. 4)",
+        )
         require(
             0 <= self.p <= 1, "p", self.p, "the push probability must be in [0, 1] (e.g. 0.02; 0: no gossip)"
         )
@@ -70,6 +127,8 @@ class GoSGD(Rule):
         super().__init__(ctx, comm_dtype=cfg.comm_dtype)
         self.synchronous = False
         self.p, self.max_inflight = cfg.p, cfg.max_inflight
+        self.by_link, self.slow_factor = cfg.peers == "by_link", cfg.slow_factor
+        self.push_s = [0.0] * self.comm.size  # by_link: running mean of seconds to receive a push, by peer
         self.rng = random.Random(cfg.seed * 100_003 + self.comm.rank)
         self.weight = 1.0 / self.comm.size
         self.pushes = self.merges = 0
@@ -87,10 +146,13 @@ class GoSGD(Rule):
     def drain(self) -> None:
         """Merge every push that has arrived."""
         while (found := self.comm.iprobe(tag=WEIGHT)) is not None:
-            source = found[0]
+            source, start = found[0], clock()
             self.comm.recv(self.weight_in, source, WEIGHT)
             for buf in self.incoming:  # all of the push before any of it is merged (its sender may die)
                 self.comm.recv(buf, source, PARAMS)
+            if self.by_link:
+                seconds, mean = clock() - start, self.push_s[source]
+                self.push_s[source] = seconds if mean == 0 else (1 - EMA) * mean + EMA * seconds
             theirs = float(self.weight_in)
             total = self.weight + theirs
             for x, buf in zip(self.local.buffers, self.incoming, strict=True):
@@ -116,8 +178,11 @@ class GoSGD(Rule):
     @no_grad
     def push(self) -> None:
         self._reap(self.max_inflight - 1)
-        peer = self.rng.randrange(self.comm.size - 1)
-        peer += peer >= self.comm.rank
+        if self.by_link:
+            peer = choose_peer(self.rng, self.comm.rank, self.push_s, self.slow_factor)
+        else:
+            peer = self.rng.randrange(self.comm.size - 1)
+            peer += peer >= self.comm.rank
         self.weight /= 2
         buffers = (
             self.free.pop()
@@ -182,7 +247,13 @@ class GoSGD(Rule):
             "spread": self.spread,
             "weight_sum": self.weight_sum,
             "weight": self.weight,
+            **({"slow_peers": self._slow_peers()} if self.by_link else {}),
         }
+
+    def _slow_peers(self) -> float:
+        """Collective: the (worker, peer) pairs whose pushes are slow, summed over the workers."""
+        weights = peer_weights(self.comm.rank, self.push_s, self.slow_factor)
+        return self.comm.allreduce_values([sum(0 < w < 1 for w in weights)])[0]
 
     def before_checkpoint(self, step: int) -> None:
         """No push in flight when the weights and parameters are saved (so Σ a_i = 1 over the saved parts)."""
@@ -197,6 +268,7 @@ class GoSGD(Rule):
             "merges": self.merges,
             "received": self.received,
             "sent_to": list(self.sent_to),
+            "push_s": list(self.push_s),
             "spread": self.spread,
             "weight_sum": self.weight_sum,
         }
@@ -207,6 +279,7 @@ class GoSGD(Rule):
         self.weight, self.pushes, self.merges = state["weight"], state["pushes"], state["merges"]
         self.received = state.get("received", self.merges)
         self.sent_to = list(state["sent_to"])
+        self.push_s = list(state.get("push_s", [0.0] * self.comm.size))
         self.spread, self.weight_sum = state["spread"], state["weight_sum"]
 
     def abandon(self) -> None:
@@ -238,6 +311,7 @@ class GoSGD(Rule):
             self.pushes = self.merges = 0
             self.rng.seed(self.rng.random() + self.comm.rank)
         self.sent_to, self.received = [0] * self.comm.size, 0
+        self.push_s = [0.0] * self.comm.size  # (the ranks are the new communicator's)
         self.weight_sum = self.comm.allreduce_values([self.weight])[0]
 
     def recover(self) -> None:
@@ -246,6 +320,7 @@ class GoSGD(Rule):
         What is gone: the weight mass of the lost worker and of the pushes lost in flight. Peers are drawn
         among the survivors."""
         self.sent_to, self.received = [0] * self.comm.size, 0
+        self.push_s = [0.0] * self.comm.size  # (the ranks are the new communicator's)
         total = self.comm.allreduce_values([self.weight])[0]
         self.weight /= total
         self.weight_sum = self.comm.allreduce_values([self.weight])[0]
