@@ -279,7 +279,8 @@ class GoSGD(Rule):
         self.weight, self.pushes, self.merges = state["weight"], state["pushes"], state["merges"]
         self.received = state.get("received", self.merges)
         self.sent_to = list(state["sent_to"])
-        self.push_s = list(state.get("push_s", [0.0] * self.comm.size))
+        push_s = list(state.get("push_s", []))  # (measured by the ranks of the job that saved it)
+        self.push_s = push_s if len(push_s) == self.comm.size else [0.0] * self.comm.size
         self.spread, self.weight_sum = state["spread"], state["weight_sum"]
 
     def abandon(self) -> None:
