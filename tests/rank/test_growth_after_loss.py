@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from runner.rank.agreement import Decision
-from runner.rank.fence import Fence
+from runner.rank.fence import Fence, Partitioned
 from runner.rank.resilience.growth import Growth
 from runner.rank.resilience.recovery import Recovery
 from runner.rank.state import Position
@@ -23,7 +25,8 @@ from tests.helpers.fakecomm import FakeWorld
 def growth(heal_pending: int = 0, under_way: bool = False) -> tuple[Growth, list[tuple]]:
     """A worker's growth whose ``grow`` only records its calls (the loop's retry calls it)."""
     grown: list[tuple] = []
-    recovery = SimpleNamespace(heal_pending=heal_pending, elastic=SimpleNamespace(under_way=under_way))
+    elastic = SimpleNamespace(under_way=under_way, arriving=[])
+    recovery = SimpleNamespace(heal_pending=heal_pending, elastic=elastic)
     crew = SimpleNamespace(rule=SimpleNamespace(ready_to_grow=True))
     g = Growth(recovery, crew, model=None, retry=lambda fn, *args: grown.append(args))  # type: ignore[arg-type]
     return g, grown
@@ -96,3 +99,27 @@ def test_survivors_at_different_places_put_off_the_same_growth(tmp_path: Path):
     assert [polls for polls, _, _ in ends] == [[9], [9]], "the survivors disagree on their next agreement"
     assert [grown for _, grown, _ in ends] == [[], []], "a survivor grew before the forced agreement"
     assert [due for _, _, due in ends] == [3, 3], "the survivors would add different numbers of workers"
+
+
+@pytest.mark.parametrize("arriving, stops", [([4], False), ([], True)])
+def test_a_replacement_not_yet_welcomed_is_not_counted_in_the_quorum(tmp_path: Path, arriving, stops):
+    """Workers 1, 2, 3 and replacement 4 in its settling in; 1 is killed and 4 leaves (the kill battery's bsp
+    heal seed 102): survivors 2 and 3 are 2 of the 3 workers that trained, not "exactly half" of 4 without
+    the lowest. Counting 4 (``arriving`` empty, as before), they stop as a partition."""
+
+    def worker(comm):
+        comm.launch_rank = lambda r=None: [2, 3][comm.rank if r is None else r]
+        hosts = ["a", "b", "c", "c", "?"]  # (1 on a host of its own: lost, it could be cut off)
+        elastic = SimpleNamespace(arriving=list(arriving), under_way=True)
+        recovery = Recovery(
+            comm, comm, 0, tmp_path, 1, None, lambda rank, size: None, hosts,
+            elastic=elastic, heal=True, fence=Fence(tmp_path, enabled=False),
+        )  # fmt: skip
+        try:
+            recovery._go_on_or_stop([1, 2, 3, 4])
+        except Partitioned as err:
+            return str(err)
+        return None
+
+    ends = FakeWorld(2).run(worker)
+    assert all((end is not None) == stops for end in ends), ends

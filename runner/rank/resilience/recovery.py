@@ -231,7 +231,11 @@ class Recovery:
         (:func:`runner.rank.fence.quorum`) and their rank 0 claims the run folder's next membership
         generation first."""
         survivors = [self.workers.launch_rank(r) for r in range(self.workers.size)]
-        why = quorum(before, survivors, self.hosts)
+        # a replacement not yet welcomed never trained: its loss (or its leaving, when a loss cut its spawn
+        # short) says nothing of a partition, and counted it made two survivors of four "exactly half"
+        arriving = set(self.elastic.arriving) if self.elastic is not None else set()
+        members = [r for r in before if r not in arriving]
+        why = quorum(members, [r for r in survivors if r not in arriving], self.hosts)
         if why is not None:
             raise Partitioned(why) from None
         claimed = None
