@@ -178,11 +178,8 @@ class GoSGD(Rule):
     @no_grad
     def push(self) -> None:
         self._reap(self.max_inflight - 1)
-        if self.by_link:
-            peer = choose_peer(self.rng, self.comm.rank, self.push_s, self.slow_factor)
-        else:
-            peer = self.rng.randrange(self.comm.size - 1)
-            peer += peer >= self.comm.rank
+        # (uniform: nothing is measured, so no peer is slow and the draw is uniform's)
+        peer = choose_peer(self.rng, self.comm.rank, self.push_s, self.slow_factor)
         self.weight /= 2
         buffers = (
             self.free.pop()
@@ -280,7 +277,8 @@ class GoSGD(Rule):
         self.received = state.get("received", self.merges)
         self.sent_to = list(state["sent_to"])
         push_s = list(state.get("push_s", []))  # (measured by the ranks of the job that saved it)
-        self.push_s = push_s if len(push_s) == self.comm.size else [0.0] * self.comm.size
+        kept = self.by_link and len(push_s) == self.comm.size  # (uniform measures nothing: all stay 0)
+        self.push_s = push_s if kept else [0.0] * self.comm.size
         self.spread, self.weight_sum = state["spread"], state["weight_sum"]
 
     def abandon(self) -> None:

@@ -120,16 +120,7 @@ class Elastic:
         the first). Returns the new workers' ids (:attr:`refusal` says why fewer than wanted)."""
         world = self.world
         if self.workers is not None:
-            # every worker is done with its calls on the world (a checkpoint's); ULFM's agreement, not a
-            # barrier: one a worker lost in it had entered could let some go on to the spawn, the others
-            # to recover, each waiting for the other
-            self.workers.agree()
-            self.under_way = True
-            # every worker tells each server (after its other messages), not worker 0 alone: one lost after
-            # the agreement would leave the servers serving while the others wait for them in the shrink
-            # (the server grows at the first; the others' stay on the world it replaces)
-            for server in range(world.size - self.servers, world.size):
-                world.send(torch.zeros(1, dtype=torch.float64), server, GROW)
+            self._enter()
         world.shrink()
         first = len(self.hosts)
         room, asked_for = self.room, want
@@ -173,6 +164,20 @@ class Elastic:
                 self.settle(key)
         self.spawning = False
         return [] if why is not None else list(range(first, first + want))
+
+    def _enter(self) -> None:
+        """Workers: agree that every one is in the growth, then tell each server."""
+        world = self.world
+        # every worker is done with its calls on the world (a checkpoint's); ULFM's agreement, not a
+        # barrier: one a worker lost in it had entered could let some go on to the spawn, the others
+        # to recover, each waiting for the other
+        self.workers.agree()
+        self.under_way = True
+        # every worker tells each server (after its other messages), not worker 0 alone: one lost after
+        # the agreement would leave the servers serving while the others wait for them in the shrink
+        # (the server grows at the first; the others' stay on the world it replaces)
+        for server in range(world.size - self.servers, world.size):
+            world.send(torch.zeros(1, dtype=torch.float64), server, GROW)
 
     def promote(self, want: int, near: list[str] | tuple[str, ...], key: int) -> list[int]:
         """Collective over the world's living ranks and the spares: promote ``want`` spares into the job.

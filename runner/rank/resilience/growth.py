@@ -42,7 +42,7 @@ class Growth:
 
     def joins_agreed(self) -> int:
         """The workers ``RUN_DIR/JOIN`` asked for that the workers agreed to add and have not added yet."""
-        return self.carried + max(self.due - self.noted, 0)
+        return self.carried + self.due - self.noted  # (due counts the noted lost workers too)
 
     def put_off(self, joins: int) -> None:
         """After a loss, on every survivor: a growth agreed and not under way waits for the next agreement.
