@@ -2,7 +2,7 @@
 
     python benchmarks/heldout_accuracy.py          # asgd and async_diloco, 4 tasks, seeds 0-2
     python benchmarks/heldout_accuracy.py --rules asgd --tasks signals --seeds 0 1 2 3 4
-    python benchmarks/heldout_accuracy.py --rules asgd -- rule.momentum_correction=false   # extra overrides
+    python benchmarks/heldout_accuracy.py --rules asgd -- rule.momentum_correction=none    # extra overrides
     python benchmarks/heldout_accuracy.py --smoke                           # one short job per side
 
 Each task runs one process (``devices=1 rule=bsp``) and each rule with ``--devices`` workers, on the same

@@ -147,7 +147,7 @@ class AsyncDiLoCo(ASGD):
     """H_i local steps, then push the outer gradient to ASGD's servers (Delayed Nesterov there) and fetch."""
 
     def __init__(self, cfg: AsyncDiLoCoConfig, ctx: RuleContext):
-        plain = ASGDConfig(servers=cfg.servers, comm_dtype=cfg.comm_dtype, momentum_correction=False)
+        plain = ASGDConfig(servers=cfg.servers, comm_dtype=cfg.comm_dtype, momentum_correction="none")
         super().__init__(plain, ctx)
         self.cfg = cfg
         self.delay = cfg.delay or self.num_workers

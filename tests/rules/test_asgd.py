@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.rules.asgd import ASGDConfig, corrected_momentum
+from runner.rules.asgd import ASGDConfig, corrected_momentum, delay_momentum
 from tests.conftest import COMMON, params_of, reference_params
 from tests.conftest import assert_close as assert_params_close
 from tests.helpers.fakecomm import FakeWorld
@@ -107,7 +107,8 @@ def test_asgd_staleness_policies_by_hand(policy, bound, expected, dropped):
     assert final["dropped_pushes"] == dropped and final["server_versions"] == [3 - dropped]
 
 
-def test_momentum_correction_at_staleness_0_is_plain_asgd_bit_for_bit():
+@pytest.mark.parametrize("correction", ["momentum", "delay"])
+def test_momentum_correction_at_staleness_0_is_plain_asgd_bit_for_bit(correction):
     """One worker fetching after each push: every push has staleness 0, so the corrected momentum is the
     configured one and the trajectory is plain ASGD's, bit for bit (worker and servers). (With n_push <
     n_fetch its own pushes would count as staleness, as they do for staleness=scale.)"""
@@ -119,21 +120,23 @@ def test_momentum_correction_at_staleness_0_is_plain_asgd_bit_for_bit():
         return params(model), optimizer.param_groups[0]["momentum"]
 
     cfg = {"servers": 2}
-    (plain_run, plain_served, _), *_ = asgd(3, ASGDConfig(momentum_correction=False, **cfg), train)
-    (fixed_run, fixed_served, final), *_ = asgd(3, ASGDConfig(momentum_correction=True, **cfg), train)
+    (plain_run, plain_served, _), *_ = asgd(3, ASGDConfig(momentum_correction="none", **cfg), train)
+    (fixed_run, fixed_served, final), *_ = asgd(3, ASGDConfig(momentum_correction=correction, **cfg), train)
     assert torch.equal(fixed_run[0], plain_run[0]) and torch.equal(fixed_served, plain_served)
     assert fixed_run[1] == 0.9 and set(final["staleness_histogram"]) == {"0"}
 
 
-def test_momentum_correction_follows_the_servers_mean_staleness():
-    """Pushes of staleness 0, 1, 2 (mean 1, as in the test above); worker 0's next fetch sets its momentum
-    to 0.9 − 1/(1 + 1) = 0.4 (Mitliagkas et al.: implicit momentum 1 − 1/M with M = 2)."""
+@pytest.mark.parametrize("correction, expected", [("momentum", 0.4), ("delay", 8 / 9), ("none", 0.9)])
+def test_momentum_correction_follows_the_servers_mean_staleness(correction, expected):
+    """Pushes of staleness 0, 1, 2 (mean 1, as in the test above); worker 0's next fetch sets its momentum:
+    ``momentum`` to 0.9 − 1/(1 + 1) = 0.4 (Mitliagkas et al.: implicit momentum 1 − 1/M with M = 2);
+    ``delay`` to 8/9, a mean delay of 8 steps, which with the pushes' 1 is 0.9's 9."""
     pushes = [(0, (1.0, 0.0)), (1, (0.0, 1.0)), (0, (10.0, 10.0))]
 
     def main(comm):
         model = vector(0.0, 0.0)
         optimizer = sgd(model, momentum=0.9)
-        rule = build(comm, ASGDConfig(momentum_correction=True, n_fetch=10**6), model, optimizer)
+        rule = build(comm, ASGDConfig(momentum_correction=correction, n_fetch=10**6), model, optimizer)
         if rule.is_server:
             rule.serve()
             return None
@@ -148,8 +151,45 @@ def test_momentum_correction_follows_the_servers_mean_staleness():
         return optimizer.param_groups[0]["momentum"]
 
     first, second, _ = FakeWorld(3).run(main)
-    assert first == pytest.approx(0.4) and second == 0.9
+    assert first == pytest.approx(expected) and second == 0.9
     assert corrected_momentum(0.9, 0) == 0.9 and corrected_momentum(0.9, 9) == 0.0
+    assert delay_momentum(0.9, 0) == 0.9 and delay_momentum(0.9, 10) == 0.0 and delay_momentum(0.0, 3) == 0.0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("mu, staleness", [(0.9, 1.0), (0.9, 3.0), (0.5, 0.25), (0.99, 2.0), (0.9, 50.0)])
+def test_the_delay_correction_takes_the_staleness_out_of_a_gradients_mean_delay(mu, staleness, nesterov):
+    """Heavy-ball momentum μ moves a weight, for one gradient, over the steps after it with a mean delay of
+    μ/(1 − μ) steps; at :func:`delay_momentum`'s μ' the mean delay is τ̄ steps less (0 at least), so a
+    push τ̄ steps stale reaches the weights when it would in one process. Nesterov's look-ahead moves
+    the same a step sooner."""
+
+    def mean_delay(momentum, steps=4000):  # of the moves, weighted by their size
+        w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.01, momentum=momentum, nesterov=nesterov and momentum > 0)
+        moves = []
+        for step in range(steps):
+            w.grad = torch.ones_like(w) if step == 0 else torch.zeros_like(w)
+            before = float(w.detach())
+            opt.step()
+            moves.append(before - float(w.detach()))
+        return sum(k * m for k, m in enumerate(moves)) / sum(moves)
+
+    ahead = mu if nesterov else 0.0  # (Nesterov: μ/(1 − μ) − μ)
+    assert mean_delay(mu) == pytest.approx(mu / (1 - mu) - ahead, abs=1e-6)
+    lowered = delay_momentum(mu, staleness)
+    assert lowered < mu
+    ahead = lowered if nesterov else 0.0
+    assert mean_delay(lowered) == pytest.approx(max(0.0, mu / (1 - mu) - staleness) - ahead, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "given, read", [(True, "momentum"), (False, "none"), ("false", "none"), ("delay", "delay")]
+)
+def test_momentum_correction_takes_its_names_and_earlier_releases_bools(given, read):
+    assert ASGDConfig(momentum_correction=given).momentum_correction == read
+    with pytest.raises(ValueError, match="momentum_correction.*delay, momentum, none"):
+        ASGDConfig(momentum_correction="lag")
 
 
 # -- mpirun jobs ------------------------------------------------------------------------------------------
