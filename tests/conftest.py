@@ -18,6 +18,8 @@ import torch
 
 from tests import hydra_cache
 
+pytest_plugins = ["tests.helpers.sigterm"]  # a SIGTERM tears the fixtures down (the cluster tier's nodes)
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the fast tier's processes (-n 2) share the cores: one torch
     torch.set_num_threads(1)  # thread each (two each on 2 cores spin against each other: 3-7x slower tests)
 hydra_cache.install()  # every compose of a test process loads each config once (a copy each time)
