@@ -68,10 +68,10 @@ class ASGDConfig(RuleConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if str(self.momentum_correction).lower() in ("true", "false"):
-            # (earlier releases took a bool: true was today's "momentum")
-            self.momentum_correction = CORRECTIONS[str(self.momentum_correction).lower() == "true"]
-        one_of("momentum_correction", self.momentum_correction, ("delay", "momentum", "none"))
+        # (earlier releases took a bool: true was today's "momentum")
+        legacy = {"true": "momentum", "false": "none"}.get(str(self.momentum_correction).lower())
+        self.momentum_correction = legacy or self.momentum_correction
+        one_of("momentum_correction", self.momentum_correction, tuple(CORRECTIONS))
         require(self.n_push >= 1, "n_push", self.n_push, "push every N >= 1 steps")
         require(self.n_fetch >= 1, "n_fetch", self.n_fetch, "fetch every N >= 1 steps")
         require(self.servers >= 1, "servers", self.servers, "need at least one parameter-server rank")
@@ -107,10 +107,6 @@ class ASGDConfig(RuleConfig):
         return ASGD(self, ctx)
 
 
-#: What ``momentum_correction`` false and true (earlier releases' bool) now read as.
-CORRECTIONS = {False: "none", True: "momentum"}
-
-
 def delay_momentum(mu: float, staleness: float) -> float:
     """The momentum with which a push ``staleness`` steps stale delays a gradient as ``mu`` does alone.
 
@@ -131,6 +127,10 @@ def corrected_momentum(mu: float, staleness: float) -> float:
     if staleness <= 0:
         return mu
     return max(0.0, mu - staleness / (1.0 + staleness))
+
+
+#: ``momentum_correction``'s choices: the worker's momentum from the configured one and the mean staleness.
+CORRECTIONS = {"delay": delay_momentum, "momentum": corrected_momentum, "none": None}
 
 
 def mean_of(histogram: Counter) -> float:
@@ -176,9 +176,7 @@ class ASGD(Rule):
         self.header = torch.zeros(1, dtype=torch.float64)
         # a push's header: the version fetched (and a subclass's numbers, _push_header); a fetch's answer: the
         # version, and with momentum_correction the mean staleness (_reply_header)
-        self.correct = {"none": None, "momentum": corrected_momentum, "delay": delay_momentum}[
-            cfg.momentum_correction
-        ]
+        self.correct = CORRECTIONS[cfg.momentum_correction]
         self.push_header = torch.zeros(1, dtype=torch.float64)
         self.reply = torch.zeros(1 if self.correct is None else 2, dtype=torch.float64)
         # workers
