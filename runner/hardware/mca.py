@@ -40,6 +40,15 @@ DEFAULT_MCA = {"btl": "^ofi", "osc": "^ucx", "btl_tcp_flags": "57"}
 #: listens on every address: it refuses a loopback-only ``prte_if_include`` ("No network interfaces were
 #: found for out-of-band communications").
 ONE_NODE_BTL = "^ofi,tcp"
+#: The collective components of a fault-tolerant job (``--with-ft ulfm``) that sets no ``coll``: the ones
+#: Open MPI's ``ft-mpi`` parameter set leaves out (hcoll, portals4), and coll/han, which ULFM does not count
+#: among its tested components (basic, tuned, ftagree, libnbc). HAN, chosen for communicators that span
+#: nodes, is not fault tolerant: its all-reduce over a communicator that had lost a node's ranks returned
+#: success to the survivors (a sum without the lost ranks; tests/cluster/test_failures.py), spun on
+#: libnbc's errors, or crashed rank 0 (a segfault in ob1's isend under libnbc's ibcast, "Error in
+#: NBC_Start_round() (-1)"). Such jobs take coll/tuned's flat algorithms instead; ``hardware.hierarchical``
+#: is refused under fault tolerance for the same reason.
+TOLERANT_COLL = "^hcoll,portals4,han"
 
 #: First words of the keys of PRRTE, mpirun's runtime (``prte_info``): no rank reads them.
 PRRTE_PREFIXES = (
@@ -73,6 +82,11 @@ def one_node(mca: Mapping[str, Any], grows: bool) -> dict[str, Any]:
     if mca.get("btl") == DEFAULT_MCA["btl"] and not grows:
         return {**mca, "btl": ONE_NODE_BTL}
     return dict(mca)
+
+
+def tolerant(mca: Mapping[str, Any]) -> dict[str, Any]:
+    """``hardware.mca`` for a job that may lose ranks: ``coll`` without HAN unless the user set ``coll``."""
+    return dict(mca) if "coll" in mca else {**mca, "coll": TOLERANT_COLL}
 
 
 def render(value: Any) -> str:

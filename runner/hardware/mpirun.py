@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.hardware.mca import check_mca, mca_env, one_node, render
+from runner.hardware.mca import check_mca, mca_env, one_node, render, tolerant
 from runner.hardware.topology import Placement, format_cpulist, ranks_per_numa
 from runner.run_folder import CONFIG_SHA_ENV, OVERSUBSCRIBED_ENV, TTY_ENV
 
@@ -200,7 +200,8 @@ def build_argv(
         if as_root:
             argv.append("--allow-run-as-root")
         argv += hw.host_args(flavor)
-        for key, value in (one_node(hw.mca, hw.grows) if hw.one_machine else hw.mca).items():
+        mca = one_node(hw.mca, hw.grows) if hw.one_machine else dict(hw.mca)
+        for key, value in (tolerant(mca) if hw.tolerant else mca).items():
             argv += ["--mca", str(key), render(value)]  # true/false, lists comma-joined (mca.py)
         for key, value in env.items():  # hardware.env by name: its value from mpirun's environment
             argv += ["-x", key if key in hw.env else f"{key}={value}"]

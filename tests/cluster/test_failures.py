@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -179,3 +181,55 @@ def test_a_cut_link_lets_exactly_one_side_go_on_and_the_launcher_end(make_nodes,
     for entry in entries:  # each checkpoint's parts are the 2 survivors', none of the cut side's
         parts = sorted(p.name for p in (run_dir / "checkpoints" / entry["dir"]).glob("rank*"))
         assert len(parts) == 2, (entry["dir"], parts)
+
+
+#: Every rank all-reduces once and says so (a file); the survivors (ranks 0, 1) wait for the test to kill node
+#: 2's ranks, all-reduce again and print what MPI answered, then leave without MPI_Finalize.
+ALLREDUCE_AFTER_A_LOSS = """import os, sys, time
+from pathlib import Path
+import numpy as np
+from mpi4py import MPI
+comm, folder = MPI.COMM_WORLD, Path(sys.argv[1])
+comm.Set_errhandler(MPI.ERRORS_RETURN)
+buf = np.ones(int(sys.argv[2]), dtype=np.float32)
+comm.Allreduce(MPI.IN_PLACE, buf)
+(folder / f"ready.{comm.rank}").touch()
+while not (folder / "killed").exists():
+    time.sleep(0.05)
+try:
+    comm.Allreduce(MPI.IN_PLACE, buf)
+    print(comm.rank, "ok", flush=True)
+except MPI.Exception as e:
+    print(comm.rank, "error", MPI.Get_error_string(e.Get_error_class()), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("floats", [1_000, 1_000_000])
+def test_a_tolerant_jobs_all_reduce_reports_a_node_lost_before_it(cluster, tmp_path, floats):
+    """With the collectives a tolerant job gets (hardware/mca.py: no coll/han), an all-reduce over a
+    communicator that lost node 2's ranks fails at once on both survivors. Under coll/han both survivors'
+    all-reduce returned success, a sum without the lost ranks."""
+    from runner.hardware.mca import DEFAULT_MCA, render, tolerant
+    from tests.cluster.test_nodes import MPIRUN
+
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE_AFTER_A_LOSS)
+    hosts = ",".join(f"{name}:2" for name in cluster.names)
+    argv = [MPIRUN, "--allow-run-as-root", "--with-ft", "ulfm", "--host", hosts, "-n", "4"]
+    for key, value in tolerant({**DEFAULT_MCA, "mpi_yield_when_idle": 1}).items():
+        argv += ["--mca", key, render(value)]
+    proc = cluster.popen(0, [*argv, sys.executable, str(script), str(tmp_path), str(floats)], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("ready.*"))) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(cluster.kill_ranks(1, str(script))) == 2
+    (tmp_path / "killed").touch()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"mpirun still ran 60 s after the loss:\n{proc.communicate()[0][-3000:]}")
+    answers = sorted(line for line in out.splitlines() if re.fullmatch(r"[01] (ok|error .*)", line))
+    assert [a.split()[:2] for a in answers] == [["0", "error"], ["1", "error"]], out[-3000:]

@@ -38,6 +38,24 @@ def test_continue_adds_ulfm_to_the_mpirun_command(tmp_path):
     assert "--with-ft" not in plain
 
 
+def mca_value(argv: list[str], key: str) -> str | None:
+    """The value ``argv`` gives MCA parameter ``key`` (``--mca key value``), None when it gives none."""
+    return next((argv[i + 2] for i, a in enumerate(argv) if a == "--mca" and argv[i + 1] == key), None)
+
+
+@pytest.mark.parametrize("mode", ["continue", "heal"])
+def test_a_tolerant_job_leaves_han_out_of_its_collectives_unless_coll_is_given(tmp_path, mode):
+    """coll/han is not fault tolerant (ULFM tests basic, tuned, ftagree, libnbc): it crashed or hung jobs
+    that lost a rank on another node, so tolerant jobs exclude it, with the components ft-mpi excludes."""
+    common = [f"hardware.fault_tolerance={mode}", "hardware.oversubscribe=true"]
+    argv = checked_config(common).hardware.plan_launch(4, tmp_path).argv
+    assert mca_value(argv, "coll") == "^hcoll,portals4,han"
+    plain = checked_config(["hardware.oversubscribe=true"]).hardware.plan_launch(4, tmp_path).argv
+    assert mca_value(plain, "coll") is None  # jobs without fault tolerance keep Open MPI's choice
+    own = checked_config([*common, "+hardware.mca.coll='^hcoll'"]).hardware.plan_launch(4, tmp_path).argv
+    assert mca_value(own, "coll") == "^hcoll"
+
+
 def test_an_mpi_without_ulfm_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"hardware.fault_tolerance=continue needs Open MPI 5 with ULFM"):
         check_ulfm("/usr/bin/mpirun", "mpich")
