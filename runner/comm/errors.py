@@ -24,9 +24,10 @@ class PeerLost(RuntimeError):
 
 
 class Tolerant(Protocol):
-    """What the mapping reads of a communicator: whether peers may die."""
+    """What the mapping reads of a communicator (whether peers may die) and writes (a call raised)."""
 
     tolerant: bool
+    saw_loss: bool
 
 
 #: Where mpi4py loads a received object: an error there, under fault tolerance, is a torn message.
@@ -57,8 +58,10 @@ class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
         if isinstance(err, MPI.Exception) and (err.Get_error_class() in FAULTS or self.comm.tolerant):
+            self.comm.saw_loss = True
             raise PeerLost(f"{self.what}: {err.Get_error_string()}") from None
         if err is not None and self.comm.tolerant and _unpickling(tb):
+            self.comm.saw_loss = True
             torn = type(err).__name__
             raise PeerLost(f"{self.what}: a received object did not unpickle ({torn})") from None
         return False

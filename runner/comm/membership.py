@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.binding import MPI
-from runner.comm.errors import agreed, failed_ranks, faulted
+from runner.comm.errors import FAULTS, PeerLost, failed_ranks, faulted
 from runner.comm.routes import load as load_routes
 from runner.comm.tags import WATCH
 
@@ -56,6 +56,10 @@ class Membership:
     _node_comm: Any
     _background: Background | None
     spares: Pool | None = None  # hardware.spares: the launch's ranks, members and spares (runner.comm.spares)
+    #: A call on it raised PeerLost since it was last replaced: this rank's next agreement on it says so.
+    saw_loss: bool = False
+    #: Its last agreement (:meth:`meet`) failed: the next call on it must be the shrink (:meth:`shrink`).
+    _doomed: bool = False
 
     def return_errors(self) -> None:
         """Failures of peers raise :class:`PeerLost` instead of aborting the job.
@@ -76,13 +80,33 @@ class Membership:
         """Raise :class:`PeerLost` if ULFM knows a peer of this communicator died, or it was revoked."""
         self._c.Iprobe(source=MPI.ANY_SOURCE, tag=WATCH)
 
-    @faulted
-    def agree(self) -> None:
-        """Collective: ULFM's agreement (``MPI_Comm_agree``), which every survivor leaves alike.
+    def meet(self, ok: bool = True) -> bool:
+        """Collective: ULFM's agreement (``MPI_Comm_agree``) on ``ok``, which every survivor leaves alike.
 
-        All go on, or all raise :class:`PeerLost` (a member was lost before it). It completes on a revoked
+        True when every survivor said ``ok`` and none was lost before it. On False the next call on this
+        communicator, on every survivor, is the shrink (:meth:`shrink`). ULFM's shrink is itself agreements
+        on the communicator, which match a survivor's ``MPI_Comm_agree`` as well as its shrink: one survivor
+        that went to recovery while the others met here would take their agreement for its shrink's, finish
+        a shrink they never began, and wait for them on the new communicator while they wait in their next
+        shrink (the kill battery's stall, a loss during the last validation). So every agreement carries
+        "I must recover" (``ok`` False, or a call on this communicator raised :class:`PeerLost`), and a
+        survivor that recovers meets the others with it before it shrinks. Agreeing completes on a revoked
         communicator too, so a survivor that another's revoke sent to recovery still meets the others."""
-        self._c.Agree(1)
+        if self._doomed:  # (agreed already: the shrink comes next)
+            return False
+        try:
+            ok = bool(self._c.Agree(int(ok and not self.saw_loss)))
+        except MPI.Exception as err:  # a loss: ULFM raises it on every survivor alike
+            if err.Get_error_class() not in FAULTS:
+                raise
+            ok = False
+        self._doomed = not ok
+        return ok
+
+    def agree(self) -> None:
+        """Collective: :meth:`meet`; raise :class:`PeerLost` on every survivor alike unless all are well."""
+        if not self.meet():
+            raise PeerLost("agree: a member was lost, or another survivor is recovering")
 
     def revoke(self) -> None:
         """Revoke this communicator and those split from it.
@@ -122,6 +146,7 @@ class Membership:
             self._background.drain()
         before = [self.launch_rank(r) for r in range(self.size)]
         mine = before[self.rank]
+        self.meet(False)  # every survivor meets before it shrinks (an agreement that failed was the meeting)
         self._replace(self._c.Shrink(), mine)
         after = set(self.ids or ())
         return [launched for launched in before if launched not in after]
@@ -131,6 +156,7 @@ class Membership:
 
         ``ids``: every rank's id, when known (else gathered). Split communicators are dropped (split anew)."""
         self._c = new
+        self.saw_loss = self._doomed = False
         if self.tolerant:
             self._c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
@@ -147,8 +173,7 @@ class Membership:
         shrink is agreed too: a survivor that alone knows of a loss (ULFM's detector tells each in its own
         time) would otherwise wait in the shrink for the others, which go on, and record them lost as they
         leave (the kill battery, once: a kill at the last validation, ranks 0-2 recorded lost by rank 3)."""
-        agreed(self._c, 1)
-        if agreed(self._c, 0 if self.lost_peers() else 1):
+        if self.meet() and self.meet(not self.lost_peers()):
             return []
         return self.shrink()
 

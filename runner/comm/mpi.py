@@ -185,6 +185,7 @@ class Comm(Membership):
             except RuntimeError as err:
                 if isinstance(err, PeerLost) or not self.tolerant:
                     raise
+                self.saw_loss = True
                 raise PeerLost(f"{self.dist.backend}: {str(err).strip().splitlines()[0]}") from None
 
     # -- collectives (each by its route: runner/comm/routes) --------------------------------------------

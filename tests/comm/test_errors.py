@@ -34,6 +34,34 @@ def test_without_fault_tolerance_or_outside_unpickling_the_error_is_kept():
 
 def test_ulfms_failure_classes_are_a_lost_peer_with_or_without_fault_tolerance():
     for tolerant in (True, False):
+        comm = SimpleNamespace(tolerant=tolerant, saw_loss=False)
         with pytest.raises(PeerLost, match="barrier"):
-            with faults(SimpleNamespace(tolerant=tolerant), "barrier"):
+            with faults(comm, "barrier"):
                 raise MPI.Exception(MPI.ERR_PROC_FAILED)
+        assert comm.saw_loss  # (its next agreement says so: Membership.meet)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_survivor_that_recovers_while_the_others_agree_shrinks_with_them(tmp_path):
+    """A real ULFM job of 3 ranks on one node (tests/helpers/shrink_meets_job.py): rank 2 dies, rank 0
+    revokes and shrinks while rank 1 agrees. ULFM's shrink is agreements on the communicator, and matched
+    rank 1's: rank 0 finished a shrink rank 1 never began and waited for it on the new communicator while
+    rank 1 waited in its own shrink (a stall). Every survivor now meets before it shrinks."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, mpirun_argv
+
+    job = str(ROOT / "tests" / "helpers" / "shrink_meets_job.py")
+    argv = mpirun_argv(3, "--with-ft", "ulfm", "--oversubscribe", sys.executable, job, str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the survivors stalled (60 s)")
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0: 2 ranks, lost [2], ids [0, 1]", "rank 1: 2 ranks, lost [2], ids [0, 1]"], (
+        proc.stdout + proc.stderr
+    )
