@@ -4,6 +4,9 @@ fails on all alike, and shrink renumbers the living in order."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -57,6 +60,37 @@ def test_revoke_fails_a_survivor_that_waits_for_a_message_and_agree_fails_alike(
 
     out = LossyWorld(3, deaths={2: 1}).run(main, timeout=10)
     assert out[:2] == [["lost", "agree failed"]] * 2
+
+
+def test_a_survivor_that_shrinks_while_another_agrees_ends_in_the_same_communicator():
+    """ULFM's shrink is agreements of the same sequence as ``MPI_Comm_agree``'s. Rank 2 dies and both
+    survivors acknowledge it; rank 0 revokes and shrinks while rank 1 agrees (the loop's settle). Without a
+    meeting before the shrink, rank 1's agreement met rank 0's shrink and succeeded, rank 1 went on, failed
+    on the revoked communicator and shrank, and each waited for the other (as a real job did:
+    tests/comm/test_errors.py). Now rank 1's agreement fails, and both shrink together."""
+
+    def main(comm):
+        if comm.rank == 2:
+            comm.barrier()  # (it dies there)
+        while not comm.failed_ids():
+            time.sleep(0.001)
+        comm.lost_peers()
+        arrived.wait()  # (both acknowledged before either goes on)
+        if comm.rank == 0:
+            comm.revoke()
+            lost = comm.shrink()
+        else:
+            try:
+                comm.agree()
+                comm.barrier()  # went on: fails on the revoked communicator
+            except PeerLost:
+                comm.revoke()
+                lost = comm.shrink()
+        return lost, comm.size, comm.allreduce(torch.ones(1)).item()
+
+    arrived = threading.Barrier(2)
+    out = LossyWorld(3, deaths={2: 1}).run(main, timeout=10)
+    assert out[:2] == [([2], 2, 2.0)] * 2
 
 
 def test_a_rank_that_never_meets_the_others_is_a_deadlock_named_with_where_each_stands():

@@ -11,10 +11,13 @@ relies on:
 * a send to, or a receive or probe from, a dead rank fails; a receive or probe from any source fails while
   a dead member is not acknowledged (:meth:`LossyComm.lost_peers` acknowledges);
 * :meth:`LossyComm.revoke` makes every pending and later call on the communicator (and those split from it)
-  fail; :meth:`~LossyComm.agree` completes among the living, revoked or not (a member recovering already,
-  in a shrink, counts as there), and fails on all of them alike when a member died;
-  :meth:`~LossyComm.shrink` gives the living a new communicator in place
-  (ranks in order), :meth:`~LossyComm.fault_barrier` an agreement, then a shrink if a member died;
+  fail; ULFM's agreements complete among the living, revoked or not, and fail on all of them alike when a
+  member died that one had not acknowledged. They are one sequence per communicator, which the shrink's own
+  agreements are part of, as in Open MPI: an ``MPI_Comm_agree`` of one member meets whatever agreement
+  another makes next, a shrink's too. :meth:`~LossyComm.meet`, :meth:`~LossyComm.agree` and
+  :meth:`~LossyComm.fault_barrier` are :class:`~runner.comm.membership.Membership`'s own, over
+  ``Agree``; :meth:`~LossyComm.shrink` meets, then gives the living a new communicator in place (ranks in
+  order);
 * the shared counter (a window hosted by one rank) fails once its host died.
 
 Launch ranks are ids as in a real job (``launch_rank``); the job never grows here (``grow`` refuses).
@@ -30,7 +33,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from runner.comm import ANY_SOURCE, CommStats
+from runner.comm.binding import MPI
 from runner.comm.errors import PeerLost
+from runner.comm.membership import Membership
 from tests.helpers.fakecomm import FakeComm, FakeCounter, FakeRequest, FakeWorld, _Group
 
 
@@ -57,8 +62,7 @@ class _LossyGroup(_Group):
         super().__init__(world, len(ids))
         self.ids, self.revoked = ids, False
         self.children: list[_LossyGroup] = []
-        self.meetings: dict[tuple[str, int], Any] = {}  # (kind, number): who arrived, who was dead
-        self.shrinking: set[int] = set()  # members waiting in a shrink
+        self.meetings: dict[Any, Any] = {}  # agreement number: its flags, acknowledgements and dead
 
     def dead(self) -> list[int]:
         """The members (ranks here) that died."""
@@ -116,7 +120,8 @@ class LossyComm(FakeComm):
         super().__init__(group, rank, stats)
         self.tolerant, self.grown = True, False
         self._acked: set[int] = set()  # launch ranks whose death this rank acknowledged
-        self._meetings: dict[str, int] = {}  # agreements and shrinks entered, by kind
+        self._agreements = 0  # ULFM's agreements this rank entered on this communicator
+        self.saw_loss, self._doomed = False, False  # (Membership.meet's)
 
     @property
     def ids(self) -> list[int]:
@@ -129,11 +134,16 @@ class LossyComm(FakeComm):
     def _check(self) -> None:
         super()._check()
         if self._g.revoked:
-            raise PeerLost(f"rank {self.rank}: the communicator was revoked")
+            raise self._lost(f"rank {self.rank}: the communicator was revoked")
 
     def _broken(self, needed: Sequence[int]) -> bool:
         """Whether a wait on ``needed`` (ranks here) cannot complete: revoked, or one of them dead."""
         return self._g.revoked or any(self._g.ids[r] in self._w.dead for r in needed)
+
+    def _lost(self, why: str) -> PeerLost:
+        """The error a call raises on a lost peer; the rank's next agreement says it saw one."""
+        self.saw_loss = True
+        return PeerLost(why)
 
     def _unacked(self) -> bool:
         return any(self._g.ids[r] not in self._acked for r in self._g.dead())
@@ -152,61 +162,76 @@ class LossyComm(FakeComm):
                     what = f"rank {self.rank}: {kind[0]} #{seq}"
                     self._w.wait_for(lambda: rnd.done or self._broken(missing()), what)
                 if not rnd.done and self._broken(missing()):
-                    raise PeerLost(f"rank {self.rank}: {kind[0]} #{seq}: a member died or it was revoked")
+                    raise self._lost(f"rank {self.rank}: {kind[0]} #{seq}: a member died or it was revoked")
             return poll(block)
 
         return lossy
 
-    def _meeting(self, kind: str, abort_on_dead: bool) -> list[int]:
-        """Collective over the living members, which completes without the dead (``kind``: "agree" or
-        "shrink", each numbered on its own): returns the members dead when it completed; with
-        ``abort_on_dead``, every living one raises then. An agreement also completes when the members
-        missing from it wait in a shrink (recovering already: ULFM's agreement on a revoked communicator
-        completes, with the failure, and they all meet in the shrink)."""
-        self._w.tick(self.launch_rank())
+    def _agreement(self, flag: int, shrink: bool = False) -> tuple[int, list[int], bool]:
+        """One of ULFM's agreements on this communicator (``MPI_Comm_agree``'s, or one of a shrink's: they
+        are one sequence, numbered alike on every member, and the n-th of one member meets the n-th of
+        another whatever call made it). It completes when every living member arrived; returns the AND of
+        the flags given, the members dead then, and whether it failed: a dead member that some living one
+        did not know of when it arrived (ULFM's rule, the same answer on every member): had not acknowledged,
+        or (a ``shrink``'s, which agrees on the failed members) had not seen die."""
         g = self._g
         with self._w.cond:
             super()._check()
-            number = self._meetings.get(kind, 0)
-            self._meetings[kind] = number + 1
-            m = g.meetings.setdefault((kind, number), SimpleNamespace(arrived=set(), dead=None))
-            m.arrived.add(self.rank)
-            if kind == "shrink":
-                g.shrinking.add(self.rank)
+            number = self._agreements
+            self._agreements += 1
+            m = g.meetings.setdefault(number, SimpleNamespace(flags={}, acked={}, dead=None))
+            known = {g.ids[r] for r in g.dead()} if shrink else set(self._acked)
+            m.flags[self.rank], m.acked[self.rank] = flag, known
             self._w.cond.notify_all()
 
             def ready() -> bool:
-                living = set(range(g.size)) - set(g.dead())
-                here = m.arrived | (g.shrinking if kind == "agree" else set())
-                if m.dead is None and here >= living:
+                if m.dead is None and set(m.flags) >= set(range(g.size)) - set(g.dead()):
                     m.dead = g.dead()
                 return m.dead is not None
 
-            self._w.wait_for(ready, f"rank {self.rank}: {kind} #{number}")
-        if abort_on_dead and m.dead:
-            raise PeerLost(f"rank {self.rank}: {kind}: ranks {m.dead} died")
-        return m.dead
+            self._w.wait_for(ready, f"rank {self.rank}: agreement #{number}")
+        value = int(all(m.flags.values()))
+        failed = any(g.ids[d] not in acked for d in m.dead for acked in m.acked.values())
+        return value, m.dead, failed
 
-    def agree(self) -> None:
-        self._meeting("agree", abort_on_dead=True)
+    @property
+    def _c(self) -> SimpleNamespace:
+        """What :meth:`Membership.meet` calls: ``Agree(flag)``, which raises ULFM's failure as MPI would."""
+
+        def agree(flag: int) -> int:
+            self._w.tick(self.launch_rank())
+            value, _, failed = self._agreement(flag)
+            if failed:
+                self.saw_loss = True
+                raise MPI.Exception(MPI.ERR_PROC_FAILED)
+            return value
+
+        return SimpleNamespace(Agree=agree, Ack_failed=self.lost_peers)
+
+    meet = Membership.meet
+    agree = Membership.agree
+    fault_barrier = Membership.fault_barrier
 
     def shrink(self) -> list[int]:
-        """In place, over the living (every one must call it): returns the lost launch ranks."""
+        """In place, over the living (every one must call it): returns the lost launch ranks.
+
+        As :meth:`Membership.shrink`: a meeting first, then ULFM's shrink, agreements of the same sequence:
+        on the failed members (again while one failed: comm_ft.c), then on the new communicator's id."""
         g, mine = self._g, self.launch_rank()
-        number = self._meetings.get("shrink", 0)
-        dead = self._meeting("shrink", abort_on_dead=False)
+        self.meet(False)
+        self._w.tick(mine)
+        failed = True
+        while failed:
+            _, dead, failed = self._agreement(1, shrink=True)
+        self._agreement(1)
         with self._w.cond:
-            key = ("shrunk", number)
+            key = ("shrunk", self._agreements)
             if key not in g.meetings:  # the first one out makes the new group for all
                 g.meetings[key] = _LossyGroup(self._w, [i for r, i in enumerate(g.ids) if r not in dead])
             new = g.meetings[key]
         self._g, self.rank, self.size = new, new.ids.index(mine), new.size
-        self._seq, self._meetings = 0, {}
+        self._seq, self._agreements, self.saw_loss, self._doomed = 0, 0, False, False
         return [g.ids[r] for r in dead]
-
-    def fault_barrier(self) -> list[int]:
-        dead = self._meeting("agree", abort_on_dead=False)
-        return self.shrink() if dead else []
 
     def revoke(self) -> None:
         with self._w.cond:
@@ -219,7 +244,7 @@ class LossyComm(FakeComm):
         with self._w.cond:
             self._check()
             if self._unacked():
-                raise PeerLost(f"rank {self.rank}: a peer died")
+                raise self._lost(f"rank {self.rank}: a peer died")
 
     def lost_peers(self) -> list[int]:
         with self._w.cond:
@@ -281,7 +306,7 @@ class LossyComm(FakeComm):
         with self._w.cond:
             self._check()
             if self._broken([dest]):
-                raise PeerLost(f"rank {self.rank}: send to rank {dest}, which died")
+                raise self._lost(f"rank {self.rank}: send to rank {dest}, which died")
         return super().isend(t, dest, tag, wire)
 
     def _wait_match(self, source: int, tag: int) -> int:
@@ -292,7 +317,7 @@ class LossyComm(FakeComm):
                 return True
             lost = self._unacked() if source == ANY_SOURCE else self._broken([source])
             if lost or self._g.revoked:
-                raise PeerLost(f"rank {self.rank}: receive from {source}: a peer died or it was revoked")
+                raise self._lost(f"rank {self.rank}: receive from {source}: a peer died or it was revoked")
             return False
 
         self._w.wait_for(ready, f"rank {self.rank}: recv {source} {tag}")
@@ -314,7 +339,7 @@ class LossyComm(FakeComm):
             if self._find(source, tag) is None:
                 lost = self._unacked() if source == ANY_SOURCE else self._broken([source])
                 if lost:
-                    raise PeerLost(f"rank {self.rank}: probe from {source}: a peer died")
+                    raise self._lost(f"rank {self.rank}: probe from {source}: a peer died")
         return super().iprobe(source, tag)
 
 
