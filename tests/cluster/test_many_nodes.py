@@ -59,7 +59,7 @@ def test_asgd_on_30_workers_and_2_servers_goes_on_without_a_killed_worker(make_n
     run = mpitrain(
         nodes,
         run_dir,
-        *job("asgd", RANKS, nodes.names),
+        *job("asgd", RANKS, nodes.names, epochs=1),
         "hardware.fault_tolerance=continue",
         timeout=300,
     )
