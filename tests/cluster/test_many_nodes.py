@@ -39,7 +39,7 @@ def test_bsp_on_32_ranks_heals_a_worker_killed_on_the_last_node(make_nodes, tmp_
     run = mpitrain(
         nodes,
         run_dir,
-        *job("bsp", RANKS, nodes.names, epochs=3, spare=1),
+        *job("bsp", RANKS, nodes.names, epochs=1, spare=1),
         "hardware.fault_tolerance=heal",
         timeout=300,
     )
