@@ -97,7 +97,7 @@ class Membership:
         try:
             ok = bool(self._c.Agree(int(ok and not self.saw_loss)))
         except MPI.Exception as err:  # a loss: ULFM raises it on every survivor alike
-            if err.Get_error_class() not in FAULTS:
+            if err.Get_error_class() not in FAULTS and not self.tolerant:  # (as errors.faults maps them)
                 raise
             ok = False
         self._doomed = not ok
