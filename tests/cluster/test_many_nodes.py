@@ -1,9 +1,10 @@
 """32 ranks on 16 nodes: the job at the largest size the test bed holds, with a worker lost on the last node.
 
-Two jobs cover what a user at that size checks first: BSP's 32 workers under ``heal`` (the last rank
-killed; its replacement starts in the free slot of the last node and the job ends with 32 workers again),
-and ASGD's 30 workers with 2 servers under ``continue`` (a worker on node 15 killed; 29 workers end it).
-The job is ``tests/cluster/many.py``'s (``benchmarks/many_ranks.py`` measures it at 4 to 64 ranks).
+Two jobs cover what a user at that size checks first: BSP's 32 workers under ``heal`` (the last worker
+killed; a warm spare waiting in the free slot of the last node replaces it and the job ends with 32
+workers again), and ASGD's 30 workers with 2 servers under ``continue`` (a worker on node 15 killed; 29
+workers end it). The job is ``tests/cluster/many.py``'s (``benchmarks/many_ranks.py`` measures it at 4 to
+64 ranks).
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def test_bsp_on_32_ranks_heals_a_worker_killed_on_the_last_node(make_nodes, tmp_
     nodes = make_nodes(NODES)
     run_dir = tmp_path / "run"
     last = nodes.names[-1]
-    after_step(run_dir, 6, kill_rank, nodes, NODES - 1)  # rank 31, the highest on the last node
+    after_step(run_dir, 6, kill_rank, nodes, NODES - 1, RANKS - 1)  # rank 31, the last worker
     run = mpitrain(
         nodes,
         run_dir,
         *job("bsp", RANKS, nodes.names, epochs=1, spare=1),
         "hardware.fault_tolerance=heal",
+        "hardware.spares=1",  # (launch rank 32, in the last node's free slot)
         timeout=300,
     )
     assert run.returncode == 0, run.output
