@@ -57,7 +57,7 @@ class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
         return None
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
-        if isinstance(err, MPI.Exception) and (err.Get_error_class() in FAULTS or self.comm.tolerant):
+        if isinstance(err, MPI.Exception) and is_loss(err, self.comm.tolerant):
             self.comm.saw_loss = True
             raise PeerLost(f"{self.what}: {err.Get_error_string()}") from None
         if err is not None and self.comm.tolerant and _unpickling(tb):
@@ -65,6 +65,13 @@ class faults:  # noqa: N801 (used as a function: ``with faults(comm, what):``)
             torn = type(err).__name__
             raise PeerLost(f"{self.what}: a received object did not unpickle ({torn})") from None
         return False
+
+
+def is_loss(err: Any, tolerant: bool) -> bool:
+    """Whether MPI error ``err`` counts as a lost peer.
+
+    ULFM's failure classes, or any error of a tolerant communicator (why: :class:`faults`)."""
+    return err.Get_error_class() in FAULTS or tolerant
 
 
 def faulted(fn: F) -> F:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.comm.binding import MPI
-from runner.comm.errors import FAULTS, PeerLost, failed_ranks, faulted
+from runner.comm.errors import PeerLost, failed_ranks, faulted, is_loss
 from runner.comm.routes import load as load_routes
 from runner.comm.tags import WATCH
 
@@ -97,7 +97,7 @@ class Membership:
         try:
             ok = bool(self._c.Agree(int(ok and not self.saw_loss)))
         except MPI.Exception as err:  # a loss: ULFM raises it on every survivor alike
-            if err.Get_error_class() not in FAULTS and not self.tolerant:  # (as errors.faults maps them)
+            if not is_loss(err, self.tolerant):
                 raise
             ok = False
         self._doomed = not ok
