@@ -7,7 +7,7 @@ keeps a small table of them, and :func:`per_rule` or :func:`variants` give every
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +21,17 @@ T = TypeVar("T")
 #: holds the momentum itself, so plain SGD applies its sign steps, at a sign step's rate (docs/rules.md).
 #: Every cross-rule table takes a rule's needs from here (:func:`needs`).
 NEEDS: dict[str, tuple[str, ...]] = {"demo": ("optim.momentum=0", "optim.lr=0.001")}
+
+
+#: One variant of each kind of exchange, for the real-job families that test a mechanism rather than a rule
+#: (a loss at a fixed moment, a second node): BSP (the all-reduce in every step), EASGD's async variant (a
+#: server, data dealt), GoSGD (gossip, point to point, its weights), async DiLoCo (a server, outer steps) and
+#: Streaming DiLoCo (fragments in flight). Every rule still runs in CI's real jobs: it trains to its bar
+#: (tests/rules/test_rules_train.py) and on the GPT (tests/jobs/test_lm_rules.py), and survives kills at
+#: drawn moments under both modes (tests/jobs/test_kill_battery.py). Each job is about 4 torch imports,
+#: most of its time: a family over every rule costs CI minutes, so one whose mechanism a rule does not
+#: change runs these (``variants(..., only=SAMPLED)``).
+SAMPLED = ("bsp", "easgd-async", "gosgd", "async_diloco", "streaming_diloco")
 
 
 def needs(rule: str) -> list[str]:
@@ -47,13 +58,24 @@ def per_rule(table: Mapping[str, T], default: T) -> dict[str, T]:
     return {rule: table.get(rule, default) for rule in rules()}
 
 
-def variants(table: Mapping[str, Mapping[str, T]], default: T) -> list:
+def variants(
+    table: Mapping[str, Mapping[str, T]],
+    default: T,
+    only: Collection[str] = (),
+    leave_out: Collection[str] = (),
+) -> list:
     """``pytest.param(rule, value)`` for every rule, with the rule's name as the id. A rule that ``table``
     names is run in each of its variants instead: ``{"easgd": {"sync": a, "async": b}}`` gives the ids
-    ``easgd-sync`` and ``easgd-async`` (the variant ``""`` is the rule's name alone)."""
+    ``easgd-sync`` and ``easgd-async`` (the variant ``""`` is the rule's name alone).
+
+    ``only``: the ids to keep, for a family whose every rule is covered by another test (see
+    :data:`SAMPLED`); ``leave_out``: ids to drop (a new rule still joins). An id that names no variant
+    fails, so a renamed rule is not silently dropped."""
     _known(table)
     cases = []
     for rule in rules():
         for name, value in table.get(rule, {"": default}).items():
             cases.append(pytest.param(rule, value, id=f"{rule}-{name}" if name else rule))
-    return cases
+    unknown = {*only, *leave_out} - {case.id for case in cases}
+    assert not unknown, f"no such variants: {sorted(unknown)} (ids: {[case.id for case in cases]})"
+    return [case for case in cases if (not only or case.id in only) and case.id not in leave_out]

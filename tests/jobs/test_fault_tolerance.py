@@ -18,7 +18,7 @@ import torch
 from runner.hardware.mpirun import check_ulfm, find_mpirun
 from runner.run_folder import CHECKPOINT_INDEX, CHECKPOINTS, checkpoint_part, read_checkpoint_index
 from tests.conftest import checked_config, run_cli
-from tests.helpers.rules import needs, variants
+from tests.helpers.rules import SAMPLED, variants
 
 TOLERANT = [
     "hydra.searchpath=[file://tests/conf]",
@@ -103,23 +103,21 @@ def lost_once(run, rank: int) -> dict:
     return failure
 
 
-#: Per rule (tests/helpers/rules.py discovers them) and variant: (overrides, the launch rank killed); a rule
-#: not named here runs with its defaults and loses launch rank 2.
+#: One variant of each kind of exchange (tests/helpers/rules.py's SAMPLED; every rule goes on at drawn
+#: moments in tests/jobs/test_kill_battery.py): (overrides, the launch rank killed); one not named here runs
+#: with its defaults and loses launch rank 2.
 KILLED = {
-    "easgd": {"sync": ([], 1), "async": (["rule.variant=async", "train.max_steps=1000"], 1)},
+    "easgd": {"async": (["rule.variant=async", "train.max_steps=1000"], 1)},
     "gosgd": {"": (["train.max_steps=1000"], 3)},
     # outer steps every 5 local steps: 4 epochs of 10 (its default, for long jobs) ended at 0.925 once
     "async_diloco": {"": (["rule.inner_steps=5"], 2)},
-    # 64 of 4,096 values a round converge too slowly for 4 cosine epochs (0.84): these test the losses
-    "sparseloco": {"": (["rule.topk=4096"], 2)},
-    "demo": {"": (needs("demo"), 2)},
 }
 
 
-@pytest.mark.parametrize("rule, setting", variants(KILLED, default=([], 2)))
+@pytest.mark.parametrize("rule, setting", variants(KILLED, default=([], 2), only=SAMPLED))
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_every_rule_goes_on_without_a_killed_worker(tmp_path, rule, setting):
+def test_each_kind_of_rule_goes_on_without_a_killed_worker(tmp_path, rule, setting):
     """With a cosine schedule: the survivors' longer epochs make the run longer than planned, and the rate
     must still decay over the whole run (not sit at 0 past the planned end), the progress never past 100%;
     also when ``train.max_steps`` is set but the epochs end first."""
