@@ -12,8 +12,9 @@ from tests.conftest import run_cli
 RULES = {"asgd": ["rule=asgd"], "easgd-async": ["rule=easgd", "rule.variant=async"]}
 
 
-@pytest.mark.parametrize("tolerance", ["continue", "heal"])
-@pytest.mark.parametrize("rule", sorted(RULES))
+#: Each rule once and each tolerance once: the survivors' replaced communicator is the same under both
+#: (heal then grows it), and a job is 15-25 s of CI.
+@pytest.mark.parametrize("rule, tolerance", [("asgd", "continue"), ("easgd-async", "heal")])
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_worker_killed_after_a_validation_taken_alone_is_survived(tmp_path, rule, tolerance):
