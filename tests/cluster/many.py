@@ -43,10 +43,13 @@ def servers_of(rule: str, ranks: int) -> int:
     return (2 if ranks >= 16 else 1) if rule in SERVED else 0
 
 
-def job(rule: str, ranks: int, names: list[str], epochs: int = 2, spare: int = 0) -> list[str]:
+def job(
+    rule: str, ranks: int, names: list[str], epochs: int = 2, spare: int = 0, stall_timeout: int = 300
+) -> list[str]:
     """The overrides of the job at ``ranks`` ranks on the first nodes of ``names``.
 
-    ``spare``: free slots on the last node (where heal's replacement starts)."""
+    ``spare``: free slots on the last node (where heal's replacement starts); ``stall_timeout``: a test's
+    must end a stalled job, with every rank's stack, before the test's own timeout does."""
     count, slots = layout(ranks, len(names))
     servers = servers_of(rule, ranks)
     workers = ranks - servers
@@ -71,7 +74,7 @@ def job(rule: str, ranks: int, names: list[str], epochs: int = 2, spare: int = 0
         f"train.epochs={epochs}",
         "train.log_every=1",
         "train.progress=false",
-        "train.stall_timeout=300",  # (the default) 64 ranks took 110 s to start on 2 cores
+        f"train.stall_timeout={stall_timeout}",  # (300, the default: 64 ranks took 110 s to start on 2 cores)
         "checkpoint.every=10",
     ]
 

@@ -3,8 +3,8 @@
 Two jobs cover what a user at that size checks first: BSP's 32 workers under ``heal`` (the last worker
 killed; a warm spare waiting in the free slot of the last node replaces it and the job ends with 32
 workers again), and ASGD's 30 workers with 2 servers under ``continue`` (a worker on node 15 killed; 29
-workers end it). The job is ``tests/cluster/many.py``'s (``benchmarks/many_ranks.py`` measures it at 4 to
-64 ranks).
+workers end it; left out of CI while it is known to hang, see below). The job is
+``tests/cluster/many.py``'s (``benchmarks/many_ranks.py`` measures it at 4 to 64 ranks).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_bsp_on_32_ranks_heals_a_worker_killed_on_the_last_node(make_nodes, tmp_
     run = mpitrain(
         nodes,
         run_dir,
-        *job("bsp", RANKS, nodes.names, epochs=1, spare=1),
+        *job("bsp", RANKS, nodes.names, epochs=1, spare=1, stall_timeout=150),
         "hardware.fault_tolerance=heal",
         "hardware.spares=1",  # (launch rank 32, in the last node's free slot)
         timeout=300,
@@ -53,6 +53,15 @@ def test_bsp_on_32_ranks_heals_a_worker_killed_on_the_last_node(make_nodes, tmp_
     assert s["workers_at_end"] == RANKS and s["status"] == "ok", s
 
 
+#: Known to hang (issue 51): on 2026-11-30, alone on a 2-core VM, 1 of 2 runs. Rank 1 (worker 0's node) made
+#: no progress from step 2, rank 0's last step was 6, and 200 s after the kill nothing had recovered (the
+#: passing run recovered after 69 s). Open MPI warns that osc/rdma, which holds the dealer's counter
+#: window, is not tested after a failure and may deadlock. Until that is fixed CI leaves it out (200-300 s
+#: there); ``MPITRAIN_KNOWN_HANGS=1`` runs it, and a stall ends the job with every rank's stack.
+@pytest.mark.skipif(
+    os.environ.get("MPITRAIN_KNOWN_HANGS") != "1",
+    reason="known to hang after the kill 1 run in 2 (issue 51); MPITRAIN_KNOWN_HANGS=1 runs it",
+)
 def test_asgd_on_30_workers_and_2_servers_goes_on_without_a_killed_worker(make_nodes, tmp_path):
     """The servers are the last two ranks (node 16); rank 29, a worker on node 15, is killed."""
     nodes = make_nodes(NODES)
@@ -61,7 +70,7 @@ def test_asgd_on_30_workers_and_2_servers_goes_on_without_a_killed_worker(make_n
     run = mpitrain(
         nodes,
         run_dir,
-        *job("asgd", RANKS, nodes.names, epochs=1),
+        *job("asgd", RANKS, nodes.names, epochs=1, stall_timeout=150),
         "hardware.fault_tolerance=continue",
         timeout=300,
     )
