@@ -48,8 +48,8 @@ def job(
 ) -> list[str]:
     """The overrides of the job at ``ranks`` ranks on the first nodes of ``names``.
 
-    ``spare``: free slots on the last node (where heal's replacement starts); ``stall_timeout``: a test's
-    must end a stalled job, with every rank's stack, before the test's own timeout does."""
+    ``spare``: free slots on the last node (where heal's replacement starts); ``stall_timeout``: a test
+    sets it below its own timeout, so that a stalled job ends with its ranks' stacks before the test does."""
     count, slots = layout(ranks, len(names))
     servers = servers_of(rule, ranks)
     workers = ranks - servers
