@@ -25,7 +25,7 @@ import torch
 from runner.comm.background import Background
 from runner.comm.binding import ANY_SOURCE, ANY_TAG, MPI, OPS, versions
 from runner.comm.call import Call, communication
-from runner.comm.counter import SERVING, Counter, FileCounter
+from runner.comm.counter import SERVING, Counter, FileCounter, ServedCounter
 from runner.comm.errors import PeerLost, faulted, faults
 from runner.comm.membership import GROWN_KEY, SERVER_KEY, Membership
 from runner.comm.requests import BackgroundRequest, DistRequest, Request, progress, wait_all
@@ -383,16 +383,19 @@ class Comm(Membership):
         """Collective: take part in a split of this communicator and keep nothing of it."""
         self._c.Split(color, key).Free()
 
-    def counter(self, slots: int = 1, host: int = 0) -> Counter | FileCounter:
+    def counter(self, slots: int = 1, host: int = 0) -> Counter | FileCounter | ServedCounter:
         """Collective: a :class:`Counter` of ``slots`` int64 values, all zero, held in ``host``'s memory.
 
-        A :class:`FileCounter` when peers may die and all share one node (MPI's would hang the survivors of a
-        rank killed inside an update)."""
+        When peers may die, one whose updates no dead rank can hold up (MPI's window would hang the survivors
+        of a rank killed inside an update): a :class:`FileCounter` when all share one node, else a
+        :class:`ServedCounter`."""
         if self.tolerant:
             with faults(self, "counter"):
                 one_node = self.local_size() == self.size
             if one_node:
                 return FileCounter(self, slots, host)
+            if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                return ServedCounter(self, slots, host)
         return Counter(self, slots, host)
 
     def local_size(self) -> int:

@@ -91,3 +91,18 @@ def test_a_counter_across_nodes_serves_the_others_while_its_host_computes(cluste
     done = cluster.run(0, argv, env=env, timeout=90)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "total 30" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("every", [0.3, 0.5])
+def test_ranks_killed_inside_counter_calls_across_nodes_hold_up_no_one(cluster, every):
+    """4 ranks on 2 nodes draw from rank 0's counter in a tight loop; ranks 1 and 2 are killed ``every`` and
+    twice ``every`` seconds in. The survivors must draw on, each value once: the job's tolerant counter across
+    nodes is served by a thread of its host (``ServedCounter``). MPI's window counter hung here in 3 runs of
+    4, every survivor waiting in ``MPI_Fetch_and_op`` for a lock the dead held
+    (tests/helpers/counter_kill_job.py)."""
+    argv = mpirun_argv(cluster, ROOT / "tests" / "helpers" / "counter_kill_job.py", ranks_per_node=2)
+    argv = [argv[0], "--with-ft", "ulfm", *argv[1:-1], str(every), "auto"]
+    env = {**os.environ, **cluster.mpi_env(), "PYTHONPATH": str(ROOT)}
+    done = cluster.run(0, argv, env=env, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "survivors drew" in done.stdout and "ServedCounter" in done.stdout, done.stdout
