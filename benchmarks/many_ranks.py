@@ -300,12 +300,13 @@ def _mpirun(nodes: Nodes, ranks: int, *python_args: str) -> list[str]:
     return argv + ["-n", str(ranks), "--mca", "mpi_yield_when_idle", "1", sys.executable, *python_args]
 
 
-def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0, mode: str = "--rate") -> str:
+def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0, *modes: str) -> str:
     """The calls per second the dealer's counter serves, its host on node 1 computing, from the other
     ranks of ``ranks`` laid out as the job's (``tests/helpers/counter_across.py --rate``); ``--latency``:
-    a call's time and a 1 ms sleep's lateness while every rank computes."""
+    a call's time and a 1 ms sleep's lateness while every rank computes; ``--served``: the counter of a
+    fault-tolerant job (served by its host's thread) instead of MPI's window."""
     script = ROOT / "tests" / "helpers" / "counter_across.py"
-    argv = _mpirun(nodes, ranks, str(script), str(seconds), mode)
+    argv = _mpirun(nodes, ranks, str(script), str(seconds), *(modes or ("--rate",)))
     env = {**os.environ, **nodes.mpi_env(), "PYTHONPATH": str(ROOT)}
     done = nodes.run(0, argv, env=env, timeout=300)
     lines = [x for x in done.stdout.splitlines() if "calls/s" in x or "medians" in x]
@@ -336,14 +337,18 @@ def at_size(nodes: Nodes, sizes: list[int]) -> None:
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
         print(f"  {ranks} ranks on {count} nodes: {mpi_start(nodes, ranks):.2f} s", flush=True)
-    print("\ncounter (dealer, board), host on node 1:")
+    print("\ncounter (dealer, board), host on node 1 (MPI's window; served by the host's thread):")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks)}", flush=True)
+        for served in ((), ("--served",)):
+            line = counter_rate(nodes, ranks, 3.0, "--rate", *served)
+            print(f"  {count} nodes x {per_node}: {line}", flush=True)
     print("\na call on the counter while every rank computes (the machine's share: a 1 ms sleep's lateness):")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks, 8.0, '--latency')}", flush=True)
+        for served in ((), ("--served",)):
+            line = counter_rate(nodes, ranks, 8.0, "--latency", *served)
+            print(f"  {count} nodes x {per_node}: {line}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

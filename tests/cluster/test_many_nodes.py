@@ -3,8 +3,8 @@
 Two jobs cover what a user at that size checks first: BSP's 32 workers under ``heal`` (the last worker
 killed; a warm spare waiting in the free slot of the last node replaces it and the job ends with 32
 workers again), and ASGD's 30 workers with 2 servers under ``continue`` (a worker on node 15 killed; 29
-workers end it; left out of CI while it is known to hang, see below). The job is
-``tests/cluster/many.py``'s (``benchmarks/many_ranks.py`` measures it at 4 to 64 ranks).
+workers end it). The job is ``tests/cluster/many.py``'s (``benchmarks/many_ranks.py`` measures it at 4 to
+64 ranks).
 """
 
 from __future__ import annotations
@@ -53,18 +53,12 @@ def test_bsp_on_32_ranks_heals_a_worker_killed_on_the_last_node(make_nodes, tmp_
     assert s["workers_at_end"] == RANKS and s["status"] == "ok", s
 
 
-#: Known to hang (issue 51): on 2026-11-30 on a 2-core VM, 2 runs of 7 (the 5 others, 185-217 s, went on
-#: 52-69 s after the kill). In the second, the stall watchdog's stacks show ranks 0 and 1 waiting in the
-#: dealer's counter window (runner/comm/counter.py ``put``: ``Accumulate`` then ``Flush``, rank 0's to
-#: itself) after the loss; Open MPI warns that osc/rdma, which holds that window, is not tested after a
-#: failure and may deadlock. Until that is fixed CI leaves it out (200-300 s there);
-#: ``MPITRAIN_KNOWN_HANGS=1`` runs it, and a stall ends the job with the stacks of the ranks on node 1.
-@pytest.mark.skipif(
-    os.environ.get("MPITRAIN_KNOWN_HANGS") != "1",
-    reason="known to hang after the kill, 2 runs in 7 (issue 51); MPITRAIN_KNOWN_HANGS=1 runs it",
-)
 def test_asgd_on_30_workers_and_2_servers_goes_on_without_a_killed_worker(make_nodes, tmp_path):
-    """The servers are the last two ranks (node 16); rank 29, a worker on node 15, is killed."""
+    """The servers are the last two ranks (node 16); rank 29, a worker on node 15, is killed.
+
+    It hung in 2 runs of 7 while the dealer's counter was MPI's window (the survivors waited for a lock the
+    dead worker held: test_ranks_killed_inside_counter_calls_across_nodes_hold_up_no_one), and went on 52-69 s
+    after the kill in the others."""
     nodes = make_nodes(NODES)
     run_dir = tmp_path / "run"
     after_step(run_dir, 6, kill_rank, nodes, NODES - 2, 29)

@@ -12,6 +12,9 @@ rank 0 prints the calls per second its host served (the dealer's and the board's
 chunks of compute each rank but the host times one call, and every rank times a 1 ms sleep. Rank 0 prints
 the medians: how long a call takes, and how late a process that waited 1 ms gets its core back (the
 machine's share of a call: with many ranks a core, a waiting process waits for its turn).
+
+``--served`` (with any of them): the counter a thread of its host serves (``ServedCounter``, a fault-tolerant
+job's across nodes) instead of the job's default (MPI's window).
 """
 
 from __future__ import annotations
@@ -19,14 +22,20 @@ from __future__ import annotations
 import sys
 import time
 
+from runner.comm.counter import ServedCounter
 from runner.comm.mpi import init
 
 CALLS = 30
 
 
+def make(comm):
+    """The counter measured: a :class:`ServedCounter` with ``--served``, else the job's default."""
+    return ServedCounter(comm, 1) if "--served" in sys.argv else comm.counter(1)
+
+
 def rate(comm, seconds: float) -> int:
     """Every rank but the host calls the counter for ``seconds``; the calls per second served, on rank 0."""
-    counter = comm.counter(1)
+    counter = make(comm)
     comm.barrier()
     calls, end = 0, time.perf_counter() + seconds
     if comm.rank == 0:
@@ -38,7 +47,8 @@ def rate(comm, seconds: float) -> int:
     total, counts = counter.read(0)[0], comm.allgather_object(calls)
     counter.close()
     if comm.rank == 0:
-        print(f"{comm.size - 1} ranks: {total / seconds:.0f} calls/s served by the counter's host")
+        kind = type(counter).__name__
+        print(f"{comm.size - 1} ranks: {total / seconds:.0f} calls/s served by the {kind}'s host")
     return 0 if total == sum(counts) else 1
 
 
@@ -58,7 +68,7 @@ def latency(comm, seconds: float, chunk: float = 0.005) -> int:
     chunks; rank 0 prints the medians (ms)."""
     import statistics
 
-    counter = comm.counter(1)
+    counter = make(comm)
     comm.barrier()
     calls, sleeps, end = [], [], time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -77,7 +87,9 @@ def latency(comm, seconds: float, chunk: float = 0.005) -> int:
     counter.close()
     if comm.rank == 0:
         call, late = 1000 * statistics.median(every_call), 1000 * statistics.median(every_sleep)
-        print(f"{comm.size} ranks computing: a call {call:.2f} ms, a 1 ms sleep {late:.2f} ms late (medians)")
+        kind = type(counter).__name__
+        print(f"{comm.size} ranks computing: a {kind} call {call:.2f} ms, ", end="")
+        print(f"a 1 ms sleep {late:.2f} ms late (medians)")
     return 0 if total == len(every_call) else 1
 
 
@@ -88,7 +100,7 @@ def main() -> int:
         return rate(comm, busy)
     if "--latency" in sys.argv:
         return latency(comm, busy)
-    counter = comm.counter(1)
+    counter = make(comm)
     comm.barrier()
     took = 0.0
     if comm.rank == 0:
