@@ -303,8 +303,8 @@ def _mpirun(nodes: Nodes, ranks: int, *python_args: str) -> list[str]:
 def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0, *modes: str) -> str:
     """The calls per second the dealer's counter serves, its host on node 1 computing, from the other
     ranks of ``ranks`` laid out as the job's (``tests/helpers/counter_across.py --rate``); ``--latency``:
-    a call's time and a 1 ms sleep's lateness while every rank computes; ``--served``: the counter of a
-    fault-tolerant job (served by its host's thread) instead of MPI's window."""
+    a call's time and a 1 ms sleep's lateness while every rank computes; ``--window``: MPI's window instead
+    of the job's counter (served by its host's thread)."""
     script = ROOT / "tests" / "helpers" / "counter_across.py"
     argv = _mpirun(nodes, ranks, str(script), str(seconds), *(modes or ("--rate",)))
     env = {**os.environ, **nodes.mpi_env(), "PYTHONPATH": str(ROOT)}
@@ -337,17 +337,17 @@ def at_size(nodes: Nodes, sizes: list[int]) -> None:
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
         print(f"  {ranks} ranks on {count} nodes: {mpi_start(nodes, ranks):.2f} s", flush=True)
-    print("\ncounter (dealer, board), host on node 1 (MPI's window; served by the host's thread):")
+    print("\ncounter (dealer, board), host on node 1 (MPI's window, then the job's, its host's thread):")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        for served in ((), ("--served",)):
-            line = counter_rate(nodes, ranks, 3.0, "--rate", *served)
+        for kind in (("--window",), ()):
+            line = counter_rate(nodes, ranks, 3.0, "--rate", *kind)
             print(f"  {count} nodes x {per_node}: {line}", flush=True)
     print("\na call on the counter while every rank computes (the machine's share: a 1 ms sleep's lateness):")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        for served in ((), ("--served",)):
-            line = counter_rate(nodes, ranks, 8.0, "--latency", *served)
+        for kind in (("--window",), ()):
+            line = counter_rate(nodes, ranks, 8.0, "--latency", *kind)
             print(f"  {count} nodes x {per_node}: {line}", flush=True)
 
 

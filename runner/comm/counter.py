@@ -20,18 +20,18 @@ import numpy as np
 
 from runner.comm.binding import MPI
 from runner.comm.errors import PeerLost, faulted, faults
-from runner.comm.tags import COUNTER_CALL, COUNTER_PROGRESS, COUNTER_RESULT
+from runner.comm.tags import COUNTER_CALL, COUNTER_RESULT
 
 if TYPE_CHECKING:
     from runner.comm.membership import Membership
 
 
-#: How often the host of a counter used across nodes enters MPI for the others' calls (:class:`Counter`).
+#: How often the idle thread of a :class:`ServedCounter`'s host looks for calls.
 PROGRESS_S = 0.001
 
 
 #: The counters whose host thread runs: stopped before MPI is finalized (:func:`runner.comm.mpi.finalize`).
-SERVING: weakref.WeakSet[Counter | ServedCounter] = weakref.WeakSet()
+SERVING: weakref.WeakSet[ServedCounter] = weakref.WeakSet()
 
 
 class Counter:
@@ -39,11 +39,10 @@ class Counter:
 
     ``fetch_add`` is ``MPI_Fetch_and_op`` in a passive-target epoch that stays open for the counter's life:
     over shared memory (Open MPI's ``osc/sm``, one node) the origin updates the host's memory itself, so a
-    host busy computing does not delay it (about 1-3 µs a call here). Across nodes Open MPI's TCP transport
-    serves a call only when the host enters MPI: a host computing a step made every other worker's draw
-    wait for it (ASGD on 32 ranks over 16 nodes: 655 ms a step in the dealer, benchmarks/README.md). So a
-    host with ranks on other nodes runs a thread that enters MPI every :data:`PROGRESS_S`. Collective over
-    ``comm`` to make.
+    host busy computing does not delay it (about 1-3 µs a call here). Across nodes, Open MPI's TCP transport
+    serves a call only when the host enters MPI, and each takes a lock in the host's window over the
+    network: a job there takes a :class:`ServedCounter` (where MPI gives threads) instead, which served 6-13×
+    the calls a second (:meth:`runner.comm.mpi.Comm.counter`). Collective over ``comm`` to make.
     """
 
     def __init__(self, comm: Membership, slots: int, host: int = 0):
@@ -52,32 +51,8 @@ class Counter:
         if comm.rank == host:
             np.frombuffer(self._win.tomemory(), dtype=np.int64)[:] = 0
         self._win.Lock_all(MPI.MODE_NOCHECK)
-        remote = comm.local_size() < comm.size  # (collective) ranks on other nodes
         comm._c.Barrier()
         self._one = np.ones(1, dtype=np.int64)
-        self._stop = threading.Event()
-        self._progress: threading.Thread | None = None
-        if remote and comm.rank == host and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-            self._progress = threading.Thread(target=self._serve, name="counter-progress", daemon=True)
-            self._progress.start()
-            SERVING.add(self)
-
-    def stop_serving(self) -> None:
-        """End the host's progress thread (before its window is freed, or MPI finalized)."""
-        if self._progress is not None:
-            self._stop.set()
-            self._progress.join()
-            self._progress = None
-            SERVING.discard(self)
-
-    def _serve(self) -> None:
-        """The host's thread: enter MPI now and then, so that other nodes' calls progress."""
-        comm = self._comm._c
-        while not self._stop.wait(PROGRESS_S):
-            try:
-                comm.Iprobe(self.host, COUNTER_PROGRESS)  # matches nothing: it only drives MPI's progress
-            except MPI.Exception:
-                return  # a peer was lost or the communicator revoked: the survivors make a new counter
 
     def fetch_add(self, slot: int = 0, value: int = 1) -> int:
         """Add ``value`` to ``slot`` atomically; the value it held before."""
@@ -132,7 +107,6 @@ class Counter:
         After a peer was lost, the window is dropped instead (freeing it would wait for the dead)."""
         if self._win is None:
             return
-        self.stop_serving()
         try:
             self._win.Unlock_all()
             if not self._comm.tolerant:
@@ -259,7 +233,9 @@ class ServedCounter:
     def close(self) -> None:
         """End this rank's use of the counter (not collective: the survivors of a loss drop theirs).
 
-        Its communicator is left unfreed, as a window after a loss is (freeing may wait for the dead)."""
+        The host stops answering: it closes once no rank will call again (after a collective, such as making
+        the counter that replaces it). Its communicator is left unfreed, as a window after a loss is (freeing
+        may wait for the dead)."""
         self.stop_serving()
 
 

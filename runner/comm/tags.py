@@ -33,7 +33,6 @@ SPARE = 97  # the job's rank 0 calls each waiting spare: come, or leave (runner/
 
 # -- the communication layer (runner/comm/)
 WATCH = 32001  # never sent: Comm.check_peers probes for it only to ask ULFM whether a peer died
-COUNTER_PROGRESS = 32002  # never sent: a counter's host probes for it only to enter MPI (counter.py)
 COUNTER_CALL = 32003  # a rank's call on a served counter, to its host's thread (counter.py)
 COUNTER_RESULT = 32004  # the host's thread answers a call on a served counter (counter.py)
 

@@ -78,8 +78,8 @@ def test_asgd_on_30_workers_and_2_servers_goes_on_without_a_killed_worker(make_n
 
 
 def test_a_counter_across_nodes_serves_the_others_while_its_host_computes(cluster, tmp_path):
-    """The dealer's and the board's counter is on worker 0: its other nodes' calls no longer wait for it
-    to enter MPI (ASGD on 32 ranks spent 655 ms a step in the dealer before)."""
+    """The dealer's and the board's counter is on worker 0: its other nodes' calls do not wait for it to
+    enter MPI (a thread of it answers them; ASGD on 32 ranks spent 655 ms a step in the dealer once)."""
     argv = mpirun_argv(cluster, ROOT / "tests" / "helpers" / "counter_across.py", seconds=4)
     env = {**os.environ, **cluster.mpi_env(), "PYTHONPATH": str(ROOT)}
     done = cluster.run(0, argv, env=env, timeout=90)

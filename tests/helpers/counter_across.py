@@ -2,8 +2,8 @@
 
 Rank 0 hosts the counter and then stays out of MPI for S seconds (a step's compute); every other rank
 meanwhile makes 30 calls on it and reports how long they took. Exits 1 if any rank's calls waited for the
-host (took more than half of S): Open MPI's TCP transport serves a one-sided call only when the host
-enters MPI, which its counter's progress thread does (runner/comm/counter.py).
+host (took more than half of S): the job's counter across nodes is served by a thread of its host
+(runner/comm/counter.py); MPI's window over TCP served a call only when its host entered MPI.
 
 ``python counter_across.py S --rate``: the other ranks call it as fast as they can for S seconds instead;
 rank 0 prints the calls per second its host served (the dealer's and the board's capacity).
@@ -13,8 +13,8 @@ chunks of compute each rank but the host times one call, and every rank times a 
 the medians: how long a call takes, and how late a process that waited 1 ms gets its core back (the
 machine's share of a call: with many ranks a core, a waiting process waits for its turn).
 
-``--served`` (with any of them): the counter a thread of its host serves (``ServedCounter``, a fault-tolerant
-job's across nodes) instead of the job's default (MPI's window).
+``--window`` (with any of them): MPI's window (``Counter``) instead of the job's counter across nodes (served
+by a thread of its host, ``ServedCounter``).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from __future__ import annotations
 import sys
 import time
 
-from runner.comm.counter import ServedCounter
+from runner.comm.counter import Counter
 from runner.comm.mpi import init
 
 CALLS = 30
 
 
 def make(comm):
-    """The counter measured: a :class:`ServedCounter` with ``--served``, else the job's default."""
-    return ServedCounter(comm, 1) if "--served" in sys.argv else comm.counter(1)
+    """The counter measured: MPI's window with ``--window``, else the job's."""
+    return Counter(comm, 1) if "--window" in sys.argv else comm.counter(1)
 
 
 def rate(comm, seconds: float) -> int:
@@ -45,6 +45,7 @@ def rate(comm, seconds: float) -> int:
         calls += 1
     comm.barrier()
     total, counts = counter.read(0)[0], comm.allgather_object(calls)
+    comm.barrier()  # (every rank read it: the host stops serving when it closes)
     counter.close()
     if comm.rank == 0:
         kind = type(counter).__name__
@@ -84,6 +85,7 @@ def latency(comm, seconds: float, chunk: float = 0.005) -> int:
     every_call = [c for row in comm.allgather_object(calls) for c in row]
     every_sleep = [c for row in comm.allgather_object(sleeps) for c in row]
     total = counter.read(0)[0]
+    comm.barrier()  # (every rank read it: the host stops serving when it closes)
     counter.close()
     if comm.rank == 0:
         call, late = 1000 * statistics.median(every_call), 1000 * statistics.median(every_sleep)
@@ -113,6 +115,7 @@ def main() -> int:
     comm.barrier()
     took_all = comm.allgather_object(took)
     total = counter.read(0)[0]
+    comm.barrier()  # (every rank read it: the host stops serving when it closes)
     counter.close()
     if comm.rank == 0:
         print(
