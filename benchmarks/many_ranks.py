@@ -167,7 +167,13 @@ def _steps_on_record(run_dir: Path) -> list[int]:
 
 
 def measure(
-    nodes: Nodes, scratch: Path, rule: str, ranks: int, what: str = "job", serve_first: bool = False
+    nodes: Nodes,
+    scratch: Path,
+    rule: str,
+    ranks: int,
+    what: str = "job",
+    serve_first: bool = False,
+    stall_timeout: int = 300,
 ) -> Row:
     """One row: the job (``what`` = job), its resume, or the job with a rank killed under heal (``heal
     (spare)``: replaced by a warm spare, ``hardware.spares=1``, in the last node's free slot)."""
@@ -176,7 +182,7 @@ def measure(
     spare, victim = what == "heal (spare)", None
     what = "heal" if spare else what
     run_dir = scratch / f"{rule}-{ranks}"
-    argv = job(rule, ranks, nodes.names, EPOCHS, spare=1 if what == "heal" else 0)
+    argv = job(rule, ranks, nodes.names, EPOCHS, 1 if what == "heal" else 0, stall_timeout)
     if what == "resume":
         argv = [f"resume={run_dir}", f"train.epochs={EPOCHS + 1}"]
     elif what == "heal":
@@ -337,22 +343,18 @@ def at_size(nodes: Nodes, sizes: list[int]) -> None:
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
         print(f"  {ranks} ranks on {count} nodes: {mpi_start(nodes, ranks):.2f} s", flush=True)
-    print("\ncounter (dealer, board), host on node 1 (MPI's window, then the job's, its host's thread):")
+    print("\ncounter (dealer, board), host on node 1:")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        for kind in (("--window",), ()):
-            line = counter_rate(nodes, ranks, 3.0, "--rate", *kind)
-            print(f"  {count} nodes x {per_node}: {line}", flush=True)
+        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks)}", flush=True)
     print("\na call on the counter while every rank computes (the machine's share: a 1 ms sleep's lateness):")
     for ranks in sorted(sizes):
         count, per_node = layout(ranks)
-        for kind in (("--window",), ()):
-            line = counter_rate(nodes, ranks, 8.0, "--latency", *kind)
-            print(f"  {count} nodes x {per_node}: {line}", flush=True)
+        print(f"  {count} nodes x {per_node}: {counter_rate(nodes, ranks, 8.0, '--latency')}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the sizes and rules asked; print a line per job; 1 if a job did not end ok."""
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     parser.add_argument("--rules", nargs="+", default=["bsp", "asgd"], help="rule names, or 'all'")
@@ -369,14 +371,27 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each job with the ranks that serve others' calls (worker 0, servers) given priority "
         "over the rest, as cores of their own would",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=int,
+        default=300,
+        help="train.stall_timeout of each job (a rank's start counts: 64 ranks on 2 cores can take longer)",
+    )
+    parser.add_argument("--jobs-only", action="store_true", help="leave out the shared parts' measurements")
     parser.add_argument("--smoke", action="store_true", help="BSP at 4 ranks on 2 nodes, resume and heal")
     args = parser.parse_args(argv)
     if args.smoke:
         args.sizes, args.rules = [4], ["bsp"]
-    chosen = rules() if args.rules == ["all"] else args.rules
-    unknown = sorted(set(chosen) - set(rules()))
+    args.chosen = rules() if args.rules == ["all"] else args.rules
+    unknown = sorted(set(args.chosen) - set(rules()))
     if unknown:
         parser.error(f"--rules: no rule {', '.join(unknown)} (rules: {', '.join(rules())}, or all)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sizes and rules asked; print a line per job; 1 if a job did not end ok."""
+    args = parse(argv)
     reason = why_unsupported()
     if reason:
         print(f"many_ranks: {reason}")
@@ -392,17 +407,17 @@ def main(argv: list[str] | None = None) -> int:
             if why := fits(ranks, per_rank):
                 print(f"| all | {ranks} | {layout(ranks)[0]} | - | {why} |", flush=True)
                 continue
-            for rule in chosen:
+            for rule in args.chosen:
                 whats = ["job"]
                 if rule == "bsp":
                     whats += [w for w, off in (("resume", args.no_resume), ("heal", args.no_heal)) if not off]
                     whats += ["heal (spare)"] * (args.spares and not args.no_heal)
                 runs = [(what, False) for what in whats] + [("job", True)] * args.serve_first
                 for what, first in runs:
-                    row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)
+                    row = measure(nodes, Path(scratch), rule, ranks, what, first, args.stall_timeout)
                     if what == "heal" and "MPI_Intercomm_merge" in row.note:  # Open MPI's, rare: once more
                         print(show(row), flush=True)
-                        row = measure(nodes, Path(scratch), rule, ranks, what, serve_first=first)
+                        row = measure(nodes, Path(scratch), rule, ranks, what, first, args.stall_timeout)
                     print(show(row), flush=True)
                     failed += row.status != "ok"
                     if row.rss_mb and row.what == "job":
@@ -410,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.out:
                         with args.out.open("a") as f:
                             f.write(json.dumps(asdict(row)) + "\n")
-        if not args.smoke:
+        if not (args.smoke or args.jobs_only):
             at_size(nodes, args.sizes)
     return 1 if failed else 0
 
