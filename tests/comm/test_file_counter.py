@@ -18,8 +18,12 @@ from runner.comm.counter import FileCounter
 class OneRank:
     """The part of a communicator that making a counter uses, for one process (rank 0 of 1)."""
 
-    rank, size, tolerant = 0, 1, True
-    _c = SimpleNamespace(bcast=lambda obj, root: obj, Barrier=lambda: None)
+    rank, size, tolerant, saw_loss = 0, 1, True, False
+    _c = SimpleNamespace(
+        bcast=lambda obj, root: obj,
+        Barrier=lambda: None,
+        Dup=lambda: SimpleNamespace(Iprobe=lambda *args: False),  # (a served counter's own communicator)
+    )
 
 
 @pytest.fixture
@@ -29,13 +33,18 @@ def counter():
     made.close()
 
 
-def test_each_update_returns_the_value_before_it(counter):
+def answers_as_a_counter(counter) -> None:
+    """Each call of ``counter`` (6 slots, all zero) returns the value before it: any counter's contract."""
     assert counter.fetch_add() == 0 and counter.fetch_add(0, 5) == 1 and counter.read() == [6]
     assert counter.fetch_max(1, 7) == 0 and counter.fetch_max(1, 3) == 7 and counter.read(1) == [7]
     assert counter.compare_and_swap(2, 1, 9) == 0 and counter.read(2) == [0], "no swap when it differs"
     assert counter.compare_and_swap(2, 0, 9) == 0 and counter.read(2) == [9]
     counter.put(3, [4, 5, 6])
     assert counter.read(0, 6) == [6, 7, 9, 4, 5, 6] == counter.snapshot()
+
+
+def test_each_update_returns_the_value_before_it(counter):
+    answers_as_a_counter(counter)
 
 
 def test_the_file_is_gone_once_made(counter):

@@ -7,18 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from runner.comm.counter import ServedCounter
-
-
-class OneRank:
-    """The part of a communicator that making a counter uses, for one process (rank 0 of 1)."""
-
-    rank, size, tolerant, saw_loss = 0, 1, True, False
-    _c = SimpleNamespace(Dup=lambda: SimpleNamespace(Iprobe=lambda *args: False))
+from tests.comm.test_file_counter import OneRank, answers_as_a_counter
 
 
 @pytest.fixture
@@ -29,12 +22,7 @@ def counter():
 
 
 def test_each_call_returns_the_value_before_it(counter):
-    assert counter.fetch_add() == 0 and counter.fetch_add(0, 5) == 1 and counter.read() == [6]
-    assert counter.fetch_max(1, 7) == 0 and counter.fetch_max(1, 3) == 7 and counter.read(1) == [7]
-    assert counter.compare_and_swap(2, 1, 9) == 0 and counter.read(2) == [0], "no swap when it differs"
-    assert counter.compare_and_swap(2, 0, 9) == 0 and counter.read(2) == [9]
-    counter.put(3, [4, 5, 6])
-    assert counter.read(0, 6) == [6, 7, 9, 4, 5, 6] == counter.snapshot()
+    answers_as_a_counter(counter)
 
 
 def test_the_host_thread_ends_when_the_counter_closes(counter):
