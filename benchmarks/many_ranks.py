@@ -306,13 +306,12 @@ def _mpirun(nodes: Nodes, ranks: int, *python_args: str) -> list[str]:
     return argv + ["-n", str(ranks), "--mca", "mpi_yield_when_idle", "1", sys.executable, *python_args]
 
 
-def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0, *modes: str) -> str:
+def counter_rate(nodes: Nodes, ranks: int, seconds: float = 3.0, mode: str = "--rate") -> str:
     """The calls per second the dealer's counter serves, its host on node 1 computing, from the other
     ranks of ``ranks`` laid out as the job's (``tests/helpers/counter_across.py --rate``); ``--latency``:
-    a call's time and a 1 ms sleep's lateness while every rank computes; ``--window``: MPI's window instead
-    of the job's counter (served by its host's thread)."""
+    a call's time and a 1 ms sleep's lateness while every rank computes."""
     script = ROOT / "tests" / "helpers" / "counter_across.py"
-    argv = _mpirun(nodes, ranks, str(script), str(seconds), *(modes or ("--rate",)))
+    argv = _mpirun(nodes, ranks, str(script), str(seconds), mode)
     env = {**os.environ, **nodes.mpi_env(), "PYTHONPATH": str(ROOT)}
     done = nodes.run(0, argv, env=env, timeout=300)
     lines = [x for x in done.stdout.splitlines() if "calls/s" in x or "medians" in x]

@@ -1,8 +1,8 @@
 """The one-sided counter: int64 slots held by one rank, updated by any rank without the host's help.
 
 The slots are in an MPI window (:class:`Counter`, as mpi4py's ``util/sync.py``); for a fault-tolerant job on
-one node, in a locked file of the node's memory (:class:`FileCounter`); for one across nodes, in the host's
-memory, served by a thread of the host (:class:`ServedCounter`)."""
+one node, in a locked file of the node's memory (:class:`FileCounter`); for any job across nodes, in the
+host's memory, served by a thread of the host (:class:`ServedCounter`)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ ADD, MAX, SWAP, PUT, READ = range(5)
 class ServedCounter:
     """:class:`Counter`'s values in the host's memory, each call a message to a thread of the host.
 
-    The counter of a fault-tolerant job across nodes. Open MPI's one-sided atomics there (``osc/rdma``) take
+    The counter of a job across nodes. Open MPI's one-sided atomics there (``osc/rdma``) take
     a lock in the host's window, through the network, for every update. A rank killed while it holds it
     leaves every other rank, the host too, waiting in ``MPI_Fetch_and_op`` or ``MPI_Accumulate`` for ever,
     where no failure is reported: ASGD on 32 ranks over 16 nodes hung so in 2 runs of 7. Here the host's

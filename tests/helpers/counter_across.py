@@ -12,9 +12,6 @@ rank 0 prints the calls per second its host served (the dealer's and the board's
 chunks of compute each rank but the host times one call, and every rank times a 1 ms sleep. Rank 0 prints
 the medians: how long a call takes, and how late a process that waited 1 ms gets its core back (the
 machine's share of a call: with many ranks a core, a waiting process waits for its turn).
-
-``--window`` (with any of them): MPI's window (``Counter``) instead of the job's counter across nodes (served
-by a thread of its host, ``ServedCounter``).
 """
 
 from __future__ import annotations
@@ -22,20 +19,14 @@ from __future__ import annotations
 import sys
 import time
 
-from runner.comm.counter import Counter
 from runner.comm.mpi import init
 
 CALLS = 30
 
 
-def make(comm):
-    """The counter measured: MPI's window with ``--window``, else the job's."""
-    return Counter(comm, 1) if "--window" in sys.argv else comm.counter(1)
-
-
 def rate(comm, seconds: float) -> int:
     """Every rank but the host calls the counter for ``seconds``; the calls per second served, on rank 0."""
-    counter = make(comm)
+    counter = comm.counter(1)
     comm.barrier()
     calls, end = 0, time.perf_counter() + seconds
     if comm.rank == 0:
@@ -69,7 +60,7 @@ def latency(comm, seconds: float, chunk: float = 0.005) -> int:
     chunks; rank 0 prints the medians (ms)."""
     import statistics
 
-    counter = make(comm)
+    counter = comm.counter(1)
     comm.barrier()
     calls, sleeps, end = [], [], time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -102,7 +93,7 @@ def main() -> int:
         return rate(comm, busy)
     if "--latency" in sys.argv:
         return latency(comm, busy)
-    counter = make(comm)
+    counter = comm.counter(1)
     comm.barrier()
     took = 0.0
     if comm.rank == 0:
